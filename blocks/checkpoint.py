@@ -1,0 +1,157 @@
+"""Checkpoint files: safetensors plus a metadata header, verified on load, written atomically.
+
+Rules:
+- A checkpoint is one safetensors file. Its string metadata holds ``format`` (CHECKPOINT_FORMAT),
+  ``config`` (model config JSON), ``block`` (index, or "e2e"), ``step``, ``data_position``,
+  ``extra`` (JSON) and ``sha256`` of the tensor data section.
+- Optimizer state travels in the same file under the ``optim.`` prefix, so a restarted trainer
+  resumes exactly where the checkpoint was taken.
+- Loading never unpickles: safetensors parses a JSON header and raw bytes. A truncated file,
+  a flipped byte or a foreign file raises ``CheckpointError`` and nothing is loaded.
+- Writes go to a temporary file in the same directory, are fsynced, then renamed over the
+  target: a crash at any moment leaves either the old checkpoint or the new one, never half.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+CHECKPOINT_FORMAT = "blocktrain-checkpoint-1"
+OPTIM_PREFIX = "optim."
+# A header larger than this is not one of ours (ours are a few KiB); refuse before reading it.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+
+class CheckpointError(Exception):
+    """A checkpoint file is truncated, corrupted or not a BlockTrain checkpoint."""
+
+
+@dataclass
+class Checkpoint:
+    config: dict
+    block: int | None  # None for the end-to-end reference
+    step: int
+    tensors: dict[str, torch.Tensor]  # model state
+    optim: dict[str, torch.Tensor] = field(default_factory=dict)
+    data_position: int = 0
+    extra: dict = field(default_factory=dict)
+    sha256: str = ""
+
+
+def _data_section(blob: bytes) -> tuple[dict, memoryview]:
+    if len(blob) < 8:
+        raise CheckpointError(f"file of {len(blob)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack_from("<Q", blob, 0)
+    if n > MAX_HEADER_BYTES or 8 + n > len(blob):
+        raise CheckpointError(f"header length {n} does not fit a file of {len(blob)} bytes (truncated?)")
+    try:
+        header = json.loads(bytes(blob[8:8 + n]))
+    except ValueError as e:
+        raise CheckpointError(f"header is not valid JSON: {e}") from None
+    return header, memoryview(blob)[8 + n:]
+
+
+def encode(ck: Checkpoint) -> bytes:
+    """The checkpoint as safetensors bytes (sha256 of the data section in the metadata)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in ck.tensors.items()}
+    for k, v in ck.optim.items():
+        tensors[OPTIM_PREFIX + k] = v.detach().contiguous().cpu()
+    # Pass 1 to learn the data bytes' digest; safetensors orders tensors deterministically,
+    # and the data section does not depend on the metadata.
+    meta = {
+        "format": CHECKPOINT_FORMAT,
+        "config": json.dumps(ck.config, sort_keys=True),
+        "block": "e2e" if ck.block is None else str(ck.block),
+        "step": str(ck.step),
+        "data_position": str(ck.data_position),
+        "extra": json.dumps(ck.extra, sort_keys=True),
+    }
+    _, data = _data_section(st_save(tensors, metadata=meta))
+    meta["sha256"] = hashlib.sha256(data).hexdigest()
+    ck.sha256 = meta["sha256"]
+    return st_save(tensors, metadata=meta)
+
+
+def decode(blob: bytes, source: str = "checkpoint") -> Checkpoint:
+    """Parse and verify checkpoint bytes; raises CheckpointError on any damage."""
+    header, data = _data_section(blob)
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{source}: not a BlockTrain checkpoint (format {meta.get('format')!r})")
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    if max(ends, default=0) != len(data):
+        raise CheckpointError(f"{source}: data section is {len(data)} bytes, header says {max(ends, default=0)} (truncated?)")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != meta.get("sha256"):
+        raise CheckpointError(f"{source}: sha256 mismatch ({digest} != {meta.get('sha256')}): corrupted")
+    try:
+        tensors = st_load(bytes(blob))
+        config = json.loads(meta["config"])
+        block = None if meta["block"] == "e2e" else int(meta["block"])
+        step, pos = int(meta["step"]), int(meta["data_position"])
+        extra = json.loads(meta.get("extra", "{}"))
+    except (SafetensorError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{source}: malformed checkpoint: {e}") from None
+    model = {k: v for k, v in tensors.items() if not k.startswith(OPTIM_PREFIX)}
+    optim = {k[len(OPTIM_PREFIX):]: v for k, v in tensors.items() if k.startswith(OPTIM_PREFIX)}
+    return Checkpoint(config, block, step, model, optim, pos, extra, digest)
+
+
+def save(ck: Checkpoint, path: str | Path) -> str:
+    """Atomically write ``ck`` to ``path``; returns the sha256 of its data section."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = encode(ck)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return ck.sha256
+
+
+def load(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e}") from None
+    return decode(blob, str(path))
+
+
+def optimizer_state(opt: torch.optim.Optimizer, names: dict) -> dict[str, torch.Tensor]:
+    """AdamW state as flat named tensors; ``names`` maps parameter -> name."""
+    out = {}
+    for p, st in opt.state.items():
+        n = names[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{n}.{key}"] = st[key]
+        out[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(1)
+    return out
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, named_params: dict, state: dict[str, torch.Tensor]):
+    for n, p in named_params.items():
+        if f"{n}.exp_avg" not in state:
+            continue
+        opt.state[p] = {
+            "exp_avg": state[f"{n}.exp_avg"].clone(),
+            "exp_avg_sq": state[f"{n}.exp_avg_sq"].clone(),
+            "step": torch.tensor(float(state[f"{n}.step"].item())),
+        }

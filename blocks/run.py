@@ -1,0 +1,105 @@
+"""Whole training runs: BlockTrain under a schedule (lockstep, in one process) and the reference.
+
+Rules:
+- ``train_blocktrain`` simulates K workers tick by tick: at wall step t every block whose plan
+  covers t takes one optimizer step. Lower-block checkpoints are published and picked up every
+  ``refresh_every`` wall steps (and when a block starts or finishes), as workers exchanging
+  checkpoint files would.
+- Curves record valid CE of every head of the current chain; the final figures are test CE.
+- Progress goes to a callback so that CLIs choose how to show it; this module prints nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import Block, ModelConfig, train_flops_per_token
+from .schedule import BlockPlan, make_plans
+from .train import BlockTrainer, EndToEndTrainer, TrainConfig, eval_chain, eval_e2e, snapshot
+
+
+@dataclass
+class RunResult:
+    name: str
+    curve: list = field(default_factory=list)  # [(wall_step, [valid CE per head])]
+    wall_steps: int = 0
+    seconds: float = 0.0
+    train_flops: float = 0.0
+    busy_fraction: float = 1.0  # share of worker-steps spent training (K workers x wall steps)
+    trainable_bytes: list = field(default_factory=list)
+    blocks: list | None = None  # trained Blocks (BlockTrain) or None
+    model: object = None  # trained EndToEnd (reference) or None
+
+
+def train_blocktrain(mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, train: torch.Tensor,
+                     valid: torch.Tensor, progress=None, identity_start: bool = True) -> RunResult:
+    K, S = mcfg.n_blocks, tcfg.steps
+    plans: list[BlockPlan] = make_plans(schedule, K, S, tcfg.decay_frac)
+    trainers = [BlockTrainer(mcfg, tcfg, k, train) for k in range(K)]
+    for tr, p in zip(trainers, plans):
+        tr.lr_plan = (p.decay_start, p.decay_end)
+    published: list[dict | None] = [None] * K
+    pub_step = [0] * K
+    started = [False] * K
+    wall = max(p.end(S) for p in plans)
+    res = RunResult(f"blocktrain-{schedule}")
+    t0 = time.perf_counter()
+
+    def publish(k):
+        published[k] = snapshot(trainers[k].block)
+        pub_step[k] = trainers[k].step
+
+    for k in range(K):
+        publish(k)
+    for t in range(wall):
+        for k, (tr, p) in enumerate(zip(trainers, plans)):
+            if not (p.start <= t < p.end(S)):
+                continue
+            if not started[k]:
+                started[k] = True
+                if k > 0 and identity_start and schedule == "sequential":
+                    tr.init_from_below(trainers[k - 1].block)
+            if k > 0 and (t == p.start or t % tcfg.refresh_every == 0):
+                tr.set_lower([published[j] for j in range(k)], pub_step[:k])
+            tr.train_step()
+            if t % tcfg.refresh_every == tcfg.refresh_every - 1 or tr.step == S:
+                publish(k)
+        if (t + 1) % tcfg.eval_every == 0 or t + 1 == wall:
+            ces = eval_chain([tr.block for tr in trainers], valid, tcfg.seq_len, tcfg.eval_windows)
+            res.curve.append((t + 1, ces))
+        if progress:
+            progress(t + 1, wall, res.curve[-1][1] if res.curve else None)
+    res.seconds = time.perf_counter() - t0
+    res.wall_steps = wall
+    tokens = S * tcfg.batch_size * tcfg.seq_len
+    res.train_flops = float(sum(train_flops_per_token(mcfg, k, tcfg.seq_len) for k in range(K)) * tokens)
+    res.busy_fraction = K * S / (K * wall)
+    res.trainable_bytes = [tr.trainable_bytes() for tr in trainers]
+    res.blocks = [tr.block for tr in trainers]
+    return res
+
+
+def train_e2e(mcfg: ModelConfig, tcfg: TrainConfig, train: torch.Tensor, valid: torch.Tensor,
+              progress=None) -> RunResult:
+    tr = EndToEndTrainer(mcfg, tcfg, train)
+    res = RunResult("end-to-end")
+    t0 = time.perf_counter()
+    for t in range(tcfg.steps):
+        tr.train_step()
+        if (t + 1) % tcfg.eval_every == 0 or t + 1 == tcfg.steps:
+            res.curve.append((t + 1, [eval_e2e(tr.model, valid, tcfg.seq_len, tcfg.eval_windows)]))
+        if progress:
+            progress(t + 1, tcfg.steps, res.curve[-1][1] if res.curve else None)
+    res.seconds = time.perf_counter() - t0
+    res.wall_steps = tcfg.steps
+    res.train_flops = float(train_flops_per_token(mcfg, None, tcfg.seq_len) * tcfg.steps * tcfg.batch_size * tcfg.seq_len)
+    res.trainable_bytes = [tr.trainable_bytes()]
+    res.model = tr.model
+    return res
+
+
+def blocks_from_e2e(model) -> list[Block]:
+    return list(model.blocks)

@@ -1,0 +1,52 @@
+"""Schedules: when each block trains and how its learning rate decays, in wall steps.
+
+Rules:
+- Every schedule gives every block ``steps`` optimizer steps (the same as the end-to-end
+  reference); schedules differ only in *when* those steps happen and in the LR plan.
+- A block's lower blocks are the checkpoints published at the last refresh (every
+  ``refresh_every`` wall steps, and whenever the block starts). ``run_lockstep`` simulates
+  K parallel workers in one process, tick by tick; ``blocktrain.blocks.workers`` runs the same
+  plans as real processes exchanging checkpoint files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("staggered", "parallel", "sequential")
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    start: int  # first wall step at which the block trains
+    decay_start: int  # block-local step where the LR decay begins
+    decay_end: int  # block-local step where it reaches the floor
+
+    def end(self, steps: int) -> int:
+        return self.start + steps
+
+
+def make_plans(name: str, n_blocks: int, steps: int, decay_frac: float) -> list[BlockPlan]:
+    """Per-block plans for schedule ``name``.
+
+    - ``parallel``: all blocks train from step 0, each with the same warmup-stable-decay plan.
+    - ``sequential``: block k trains after block k-1 has finished (K x the wall time; idle workers).
+    - ``staggered``: all blocks train from step 0 (every worker busy); block k's decay window is
+      the k-th of K consecutive windows of ``decay_frac * steps`` ending at the last step, so each
+      block decays while the blocks below it sit at their LR floor.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
+    D = max(1, int(round(decay_frac * steps)))
+    plans = []
+    for k in range(n_blocks):
+        if name == "parallel":
+            plans.append(BlockPlan(0, steps - D, steps))
+        elif name == "sequential":
+            plans.append(BlockPlan(k * steps, steps - D, steps))
+        else:
+            end = steps - (n_blocks - 1 - k) * D
+            if end - D < 0:
+                raise ValueError(f"staggered: {n_blocks} decay windows of {D} steps do not fit in {steps}")
+            plans.append(BlockPlan(0, end - D, end))
+    return plans

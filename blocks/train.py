@@ -1,0 +1,258 @@
+"""Block trainers, the end-to-end trainer, schedules and evaluation.
+
+Rules:
+- A ``BlockTrainer`` owns block k's parameters and an optimizer over those alone. Blocks below
+  it are frozen copies (``requires_grad=False``, no optimizer state) refreshed from their
+  checkpoints; its input is computed under ``torch.no_grad()``: no gradient crosses blocks.
+- Every trainer reads batches as a pure function of its step, so a restart from a checkpoint at
+  step s continues with exactly the batches s, s+1, ...
+- A schedule says, per block, when (in wall steps) it trains and with which learning rates; all
+  schedules give every block the same number of optimizer steps on the same number of bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from torch.nn import functional as F
+
+from . import checkpoint as ckpt
+from .data import ByteBatches, eval_windows
+from .model import MASK_ID, Block, EndToEnd, ModelConfig, lr_at
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600  # optimizer steps per block, and for the end-to-end reference
+    batch_size: int = 16  # sequences per step
+    seq_len: int = 128  # bytes per sequence
+    lr: float = 2e-3  # peak AdamW learning rate
+    weight_decay: float = 0.1
+    warmup: int = 50  # linear warmup steps
+    decay_frac: float = 0.3  # WSD: fraction of a block's steps spent in the final decay
+    lr_floor: float = 0.05  # LR after the decay, as a fraction of peak
+    mask_frac: float = 0.25  # fraction of sequences whose tail is placeholders (one-traversal output)
+    refresh_every: int = 25  # wall steps between refreshes of the lower-block checkpoints
+    seed: int = 0
+    eval_every: int = 100  # steps between curve points (valid CE on eval_windows windows)
+    eval_windows: int = 32
+    grad_clip: float = 1.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown train config keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def mask_tail(x: torch.Tensor, frac: float, step: int, seed: int) -> torch.Tensor:
+    """Replace a random-length tail of a ``frac`` share of rows by MASK_ID (targets unchanged).
+
+    Position t of a placeholder still predicts byte t+1, so prompt + (N-1) placeholders give N
+    continuation bytes in one traversal.
+    """
+    if frac <= 0:
+        return x
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step * 7919 + 17) % (1 << 62))
+    B, T = x.shape
+    rows = torch.rand(B, generator=g) < frac
+    length = torch.randint(1, T, (B,), generator=g)
+    pos = torch.arange(T)[None, :]
+    masked = rows[:, None] & (pos >= (T - length)[:, None])
+    return torch.where(masked, torch.full_like(x, MASK_ID), x)
+
+
+def _adamw(params, cfg: TrainConfig):
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95))
+
+
+class BlockTrainer:
+    """Trains block ``k`` on its local objective over frozen lower blocks."""
+
+    def __init__(self, mcfg: ModelConfig, tcfg: TrainConfig, k: int, data: torch.Tensor,
+                 shard: int = 0, num_shards: int = 1):
+        self.mcfg, self.tcfg, self.k = mcfg, tcfg, k
+        torch.manual_seed(tcfg.seed * 100 + k)
+        self.block = Block(mcfg, k)
+        self.lower: list[Block] = []
+        self.lower_steps: list[int] = []  # step of each lower checkpoint in use
+        self.opt = _adamw(list(self.block.parameters()), tcfg)
+        self.batches = ByteBatches(data, tcfg.batch_size, tcfg.seq_len, seed=tcfg.seed, shard=shard,
+                                   num_shards=num_shards)
+        self.step = 0  # optimizer steps taken
+        self.lr_plan = (0, tcfg.steps)  # (decay_start, decay_end), set by the schedule
+
+    def set_lower(self, states: list[dict], steps: list[int] | None = None):
+        """Install frozen copies of blocks 0..k-1 from their state dicts (parameters only)."""
+        assert len(states) == self.k, f"block {self.k} needs {self.k} lower blocks, got {len(states)}"
+        if not self.lower:
+            self.lower = [Block(self.mcfg, j) for j in range(self.k)]
+            for b in self.lower:
+                b.requires_grad_(False)
+                b.eval()
+        for b, sd in zip(self.lower, states):
+            b.load_state_dict(sd)
+        self.lower_steps = list(steps) if steps is not None else [0] * self.k
+
+    def init_from_below(self, below: Block):
+        """Identity start: copy the head of the block below (its final LayerNorm and output)."""
+        src = below.head
+        self.block.head.ln.load_state_dict(src.ln.state_dict())
+        self.block.head.lm.load_state_dict(src.lm.state_dict())
+
+    @torch.no_grad()
+    def lower_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for b in self.lower:
+            h = b.trunk(h)
+        return h.detach()
+
+    def lr(self) -> float:
+        t = self.tcfg
+        start, end = self.lr_plan
+        return lr_at(self.step, t.steps, t.lr, t.warmup, start, end, t.lr_floor)
+
+    def train_step(self) -> float:
+        x, y = self.batches.batch(self.step)
+        x = mask_tail(x, self.tcfg.mask_frac, self.step, self.tcfg.seed)
+        inp = self.lower_hidden(x) if self.k > 0 else x
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr()
+        self.block.train()
+        _, loss = self.block(inp, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.block.parameters(), self.tcfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return loss.item()
+
+    def checkpoint(self) -> ckpt.Checkpoint:
+        names = {p: n for n, p in self.block.named_parameters()}
+        return ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.step,
+                               {k: v.clone() for k, v in self.block.state_dict().items()},
+                               ckpt.optimizer_state(self.opt, names), data_position=self.step,
+                               extra={"lower_steps": self.lower_steps, "train": self.tcfg.to_dict()})
+
+    def restore(self, c: ckpt.Checkpoint):
+        if c.block != self.k:
+            raise ckpt.CheckpointError(f"checkpoint is for block {c.block}, this trainer trains block {self.k}")
+        if ModelConfig.from_dict(c.config) != self.mcfg:
+            raise ckpt.CheckpointError("checkpoint model config differs from this trainer's")
+        self.block.load_state_dict(c.tensors)
+        ckpt.load_optimizer_state(self.opt, dict(self.block.named_parameters()), c.optim)
+        self.step = c.step
+
+    def trainable_bytes(self) -> dict:
+        """Bytes of parameters, gradients and optimizer state this trainer holds."""
+        p = sum(t.numel() * t.element_size() for t in self.block.parameters())
+        frozen = sum(t.numel() * t.element_size() for b in self.lower for t in b.parameters())
+        return {"params": p, "grads": p, "optim_state": 2 * p, "frozen_params": frozen}
+
+
+class EndToEndTrainer:
+    def __init__(self, mcfg: ModelConfig, tcfg: TrainConfig, data: torch.Tensor):
+        self.mcfg, self.tcfg = mcfg, tcfg
+        torch.manual_seed(tcfg.seed * 100 + 99)
+        self.model = EndToEnd(mcfg)
+        self.opt = _adamw(list(self.model.parameters()), tcfg)
+        self.batches = ByteBatches(data, tcfg.batch_size, tcfg.seq_len, seed=tcfg.seed)
+        self.step = 0
+        self.lr_plan = (int(tcfg.steps * (1 - tcfg.decay_frac)), tcfg.steps)
+
+    def lr(self) -> float:
+        t = self.tcfg
+        return lr_at(self.step, t.steps, t.lr, t.warmup, *self.lr_plan, t.lr_floor)
+
+    def train_step(self) -> float:
+        x, y = self.batches.batch(self.step)
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr()
+        self.model.train()
+        _, loss = self.model(x, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return loss.item()
+
+    def trainable_bytes(self) -> dict:
+        p = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        return {"params": p, "grads": p, "optim_state": 2 * p, "frozen_params": 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def eval_chain(blocks: list[Block], data: torch.Tensor, seq_len: int, max_windows: int | None = None,
+               batch: int = 16) -> list[float]:
+    """CE (nats/byte) of every block's head along the chain 0..len(blocks)-1."""
+    x, y = eval_windows(data, seq_len, max_windows)
+    tot = [0.0] * len(blocks)
+    for i in range(0, x.shape[0], batch):
+        h = x[i:i + batch]
+        for j, b in enumerate(blocks):
+            b.eval()
+            h = b.trunk(h)
+            if b.head is not None:
+                lg = b.logits(h)
+                tot[j] += F.cross_entropy(lg.flatten(0, 1), y[i:i + batch].flatten(), reduction="sum").item()
+    n = y.numel()
+    return [t / n for t in tot]
+
+
+@torch.no_grad()
+def eval_e2e(model: EndToEnd, data: torch.Tensor, seq_len: int, max_windows: int | None = None,
+             batch: int = 16) -> float:
+    model.eval()
+    x, y = eval_windows(data, seq_len, max_windows)
+    tot = 0.0
+    for i in range(0, x.shape[0], batch):
+        lg, _ = model(x[i:i + batch])
+        tot += F.cross_entropy(lg.flatten(0, 1), y[i:i + batch].flatten(), reduction="sum").item()
+    return tot / y.numel()
+
+
+@torch.no_grad()
+def eval_continuation(forward, data: torch.Tensor, prompt_len: int, n_bytes: int, max_windows: int = 64,
+                      one_traversal: bool = True) -> dict:
+    """CE and byte accuracy of N continuation bytes after a P-byte prompt.
+
+    ``one_traversal``: prompt + N-1 placeholders, one forward (BlockTrain serving).
+    Otherwise: teacher-forced next-byte CE/accuracy on the same N positions (what byte-by-byte
+    decoding scores on each byte given the true prefix).
+    """
+    T = prompt_len + n_bytes
+    x, _ = eval_windows(data, T, max_windows)
+    x_full = x
+    prompt, truth = x_full[:, :prompt_len], x_full[:, prompt_len:]
+    if one_traversal:
+        ids = torch.cat([prompt, torch.full((x.shape[0], n_bytes - 1), MASK_ID, dtype=torch.long)], 1)
+        logits = forward(ids)[:, prompt_len - 1:]
+    else:
+        logits = forward(x_full[:, :-1])[:, prompt_len - 1:]
+    ce = F.cross_entropy(logits.flatten(0, 1), truth.flatten()).item()
+    acc = (logits.argmax(-1) == truth).float().mean().item()
+    return {"ce": ce, "byte_accuracy": acc, "windows": int(x.shape[0]), "prompt_len": prompt_len, "n_bytes": n_bytes}
+
+
+def snapshot(block: Block) -> dict:
+    return {k: v.detach().clone() for k, v in block.state_dict().items()}
+
+
+def clone_block(block: Block) -> Block:
+    return copy.deepcopy(block)

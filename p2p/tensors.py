@@ -1,0 +1,85 @@
+"""Torch adapter for tensor payloads: torch.Tensor <-> protocol WireTensor, with codecs.
+
+Rules:
+- ``raw`` moves the tensor's own bytes (zero-copy on send: the segments are views of the
+  tensor's memory, so the tensor must stay alive and unchanged until the bytes are written).
+- ``fp16`` / ``bf16`` round to nearest; ``int8`` stores round(x / scale) in [-127, 127] with
+  scale = max|x| / 127 per segment (absolute error <= scale / 2 per element).
+- Decoding never unpickles: bytes become a tensor through ``torch.frombuffer``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blocktrain.protocol.tensors import SEGMENT_ELEMS, Codec, WireTensor, pack_tensor
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def to_wire(name: str, t: torch.Tensor, codec: Codec | str = Codec.RAW, compress: str = "auto",
+            segment_elems: int = SEGMENT_ELEMS) -> WireTensor:
+    codec = Codec(codec)
+    if t.dtype not in DTYPE_NAMES:
+        raise TypeError(f"tensor {name!r}: unsupported dtype {t.dtype}")
+    t = t.detach().cpu().contiguous()
+    dtype, scales = DTYPE_NAMES[t.dtype], ()
+    if codec is Codec.FP16:
+        enc = t.to(torch.float16)
+    elif codec is Codec.BF16:
+        enc = t.to(torch.bfloat16)
+    elif codec is Codec.INT8:
+        flat = t.reshape(-1).float()
+        qs, sc = [], []
+        for i in range(0, flat.numel(), segment_elems):
+            seg = flat[i:i + segment_elems]
+            s = float(seg.abs().max()) / 127.0 if seg.numel() else 0.0
+            if not torch.isfinite(torch.tensor(s)):
+                raise ValueError(f"tensor {name!r}: non-finite values cannot be int8-encoded")
+            s = s or 1.0
+            qs.append(torch.round(seg / s).clamp_(-127, 127).to(torch.int8))
+            sc.append(s)
+        enc = torch.cat(qs) if qs else torch.empty(0, dtype=torch.int8)
+        scales = tuple(sc)
+    else:
+        enc = t
+    return pack_tensor(name, dtype, tuple(t.shape), _bytes_view(enc), codec, scales, compress, segment_elems)
+
+
+def from_wire(w: WireTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild the tensor (into ``out`` when given: same shape and dtype)."""
+    dtype = TORCH_DTYPES[w.dtype]
+    if out is not None and (tuple(out.shape) != w.shape or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"tensor {w.name!r}: out is {tuple(out.shape)} {out.dtype}, wire is {w.shape} {w.dtype}")
+    if w.numel == 0:
+        return out if out is not None else torch.empty(w.shape, dtype=dtype)
+    if w.codec is Codec.RAW:
+        if out is not None:
+            w.decoded(out=_bytes_view(out))
+            return out
+        buf = bytearray(w.decoded())  # own the memory: the frame buffer is not ours to keep
+        return torch.frombuffer(buf, dtype=dtype).view(w.shape)
+    buf = bytearray(w.decoded())
+    if w.codec is Codec.INT8:
+        q = torch.frombuffer(buf, dtype=torch.int8).float()
+        scale = torch.tensor(w.scales, dtype=torch.float32).repeat_interleave(w.segment_elems)[: q.numel()]
+        val = q * scale
+    else:
+        val = torch.frombuffer(buf, dtype=torch.float16 if w.codec is Codec.FP16 else torch.bfloat16)
+    val = val.view(w.shape).to(dtype)
+    if out is not None:
+        out.copy_(val)
+        return out
+    return val

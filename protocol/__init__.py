@@ -1,0 +1,25 @@
+"""blocktrain.protocol: the sans-IO BlockTrain wire protocol (see PROTOCOL.md).
+
+Bytes in, events out. No sockets, no asyncio, no torch.
+"""
+
+from .connection import (NEED_DATA, TRANSITIONS, ByteCounter, Connection, ConnectionClosed, HandshakeComplete,
+                         Role, State)
+from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from .events import (MESSAGES, Announce, BlockUpdate, Error, Goodbye, Handshake, Message, PeerInfo, PeerList,
+                     PipelineForward, PipelineResult, Ping, Pong, StreamChunk, StreamEnd, StreamOpen,
+                     decode_payload, encode_payload)
+from .frames import HEADER_BYTES, MAX_FRAME_BYTES, PROTOCOL_VERSION, Flags, FrameBuffer, MessageType
+from .handshake import HandshakeError, NoiseHandshake, peer_id_of
+from .streams import CHUNK_SIZE_BYTES, StreamReceiver, stream_messages
+from .tensors import SEGMENT_ELEMS, Codec, WireTensor, pack_tensor
+
+__all__ = [
+    "NEED_DATA", "TRANSITIONS", "ByteCounter", "Connection", "ConnectionClosed", "HandshakeComplete", "Role",
+    "State", "ErrorCode", "LocalProtocolError", "ProtocolError", "RemoteProtocolError", "MESSAGES", "Announce",
+    "BlockUpdate", "Error", "Goodbye", "Handshake", "Message", "PeerInfo", "PeerList", "PipelineForward",
+    "PipelineResult", "Ping", "Pong", "StreamChunk", "StreamEnd", "StreamOpen", "decode_payload",
+    "encode_payload", "HEADER_BYTES", "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Flags", "FrameBuffer",
+    "MessageType", "HandshakeError", "NoiseHandshake", "peer_id_of", "CHUNK_SIZE_BYTES", "StreamReceiver",
+    "stream_messages", "SEGMENT_ELEMS", "Codec", "WireTensor", "pack_tensor",
+]

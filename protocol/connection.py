@@ -1,0 +1,344 @@
+"""The sans-IO connection: bytes in, events out; events in, bytes out.
+
+Rules:
+- Rule 1: everything that changes the connection's state goes through ``_transition`` and the
+  one table ``TRANSITIONS``; an (state, event) pair missing from it is a protocol error.
+- Rule 2: no application message is delivered, or may be sent, before ESTABLISHED. The
+  initiator reaches ESTABLISHED only after the responder's sealed confirmation, so a peer
+  without the swarm key never gets as far as a delivered message on either side.
+- Rule 3: after the handshake every frame is sealed with AES-256-GCM (the 18-byte header is the
+  associated data, nonces count frames per direction), unless both sides asked for
+  ``seal=False`` (trusted networks); the confirmation frame is sealed either way.
+- Rule 4: a remote error moves the connection to ERROR for good; ``next_event`` raises it once
+  and ``error_frame()`` gives the bytes that tell the peer why.
+- Rule 5: every frame sent or received is counted per direction and message type: frames,
+  payload bytes (before lz4) and wire bytes (header, lz4 and seal included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import msgpack
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, as_remote
+from .events import Error, Goodbye, Handshake, Message, StreamChunk, decode_payload, encode_payload
+from .frames import HEADER_BYTES, MAX_FRAME_BYTES, Flags, FrameBuffer, FrameHeader, MessageType, encode_header
+from .handshake import PROTOCOL_NAME, TAGLEN, CipherState, HandshakeError, NoiseHandshake, peer_id_of
+
+PROLOGUE = b"BlockTrain/1 " + PROTOCOL_NAME
+
+
+class Role(Enum):
+    INITIATOR = "initiator"
+    RESPONDER = "responder"
+
+
+class State(Enum):
+    START = "START"
+    AWAIT_REPLY = "AWAIT_REPLY"  # initiator sent message 1
+    AWAIT_FINISH = "AWAIT_FINISH"  # responder sent message 2
+    AWAIT_CONFIRM = "AWAIT_CONFIRM"  # initiator sent message 3
+    ESTABLISHED = "ESTABLISHED"
+    CLOSED = "CLOSED"  # Goodbye or Error sent or received
+    ERROR = "ERROR"  # a protocol error happened; nothing more is parsed
+
+
+class Ev(Enum):
+    SEND_HELLO = "send handshake message 1"
+    RECV_HELLO = "receive handshake message 1"
+    RECV_REPLY = "receive handshake message 2"
+    RECV_FINISH = "receive handshake message 3"
+    RECV_CONFIRM = "receive confirmation"
+    SEND_MESSAGE = "send message"
+    RECV_MESSAGE = "receive message"
+    SEND_CLOSE = "send Goodbye/Error"
+    RECV_CLOSE = "receive Goodbye/Error"
+
+
+I, R = Role.INITIATOR, Role.RESPONDER
+TRANSITIONS: dict[tuple[Role, State], dict[Ev, State]] = {
+    (I, State.START): {Ev.SEND_HELLO: State.AWAIT_REPLY, Ev.SEND_CLOSE: State.CLOSED},
+    (I, State.AWAIT_REPLY): {Ev.RECV_REPLY: State.AWAIT_CONFIRM, Ev.RECV_CLOSE: State.CLOSED,
+                             Ev.SEND_CLOSE: State.CLOSED},
+    (I, State.AWAIT_CONFIRM): {Ev.RECV_CONFIRM: State.ESTABLISHED, Ev.RECV_CLOSE: State.CLOSED,
+                               Ev.SEND_CLOSE: State.CLOSED},
+    (R, State.START): {Ev.RECV_HELLO: State.AWAIT_FINISH, Ev.RECV_CLOSE: State.CLOSED, Ev.SEND_CLOSE: State.CLOSED},
+    (R, State.AWAIT_FINISH): {Ev.RECV_FINISH: State.ESTABLISHED, Ev.RECV_CLOSE: State.CLOSED,
+                              Ev.SEND_CLOSE: State.CLOSED},
+}
+for _role in Role:
+    TRANSITIONS[(_role, State.ESTABLISHED)] = {
+        Ev.SEND_MESSAGE: State.ESTABLISHED, Ev.RECV_MESSAGE: State.ESTABLISHED,
+        Ev.SEND_CLOSE: State.CLOSED, Ev.RECV_CLOSE: State.CLOSED}
+    TRANSITIONS[(_role, State.CLOSED)] = {}
+    TRANSITIONS[(_role, State.ERROR)] = {}
+
+
+class _NeedData:
+    def __repr__(self):
+        return "NEED_DATA"
+
+
+NEED_DATA = _NeedData()
+
+
+@dataclass(frozen=True)
+class HandshakeComplete:
+    """The peer is authenticated: its id, static key and the info it sent."""
+    peer_id: str
+    remote_static: bytes
+    info: dict
+    sealed: bool
+
+
+@dataclass(frozen=True)
+class ConnectionClosed:
+    """The peer said Goodbye or sent an Error; no more events follow."""
+    code: int
+    reason: str
+
+
+def _counter():
+    return {"frames": 0, "payload_bytes": 0, "wire_bytes": 0}
+
+
+@dataclass
+class ByteCounter:
+    """Per-direction, per-message-type frame and byte counts."""
+
+    sent: dict = field(default_factory=dict)
+    received: dict = field(default_factory=dict)
+
+    def add(self, direction: str, mtype: MessageType, payload: int, wire: int):
+        d = self.sent if direction == "sent" else self.received
+        c = d.setdefault(mtype.name.lower(), _counter())
+        c["frames"] += 1
+        c["payload_bytes"] += payload
+        c["wire_bytes"] += wire
+
+    def snapshot(self) -> dict:
+        out = {}
+        for name, d in (("sent", self.sent), ("received", self.received)):
+            tot = _counter()
+            for c in d.values():
+                for k in tot:
+                    tot[k] += c[k]
+            out[name] = {"by_type": {k: dict(v) for k, v in sorted(d.items())}, "total": tot}
+        return out
+
+
+def _logical_len(msg: Message, framed: int) -> int:
+    """Payload bytes before lz4 (what the message means), from its framed length."""
+    if isinstance(msg, StreamChunk):
+        return 12 + len(msg.data)
+    tensors = getattr(msg, "tensors", ())
+    return framed + sum(t.raw_bytes - t.stored_bytes for t in tensors)
+
+
+class Connection:
+    """One end of a BlockTrain connection.
+
+    ``static``: this peer's X25519 key; ``psk``: the 32-byte swarm key; ``allowlist``: peer ids
+    accepted (None = any holder of the swarm key); ``info``: a small map sent to the peer inside
+    the handshake (listen address, role); ``seal``: AEAD on every frame after the handshake.
+    """
+
+    def __init__(self, role: Role, static: X25519PrivateKey, psk: bytes, *, allowlist=None,
+                 info: dict | None = None, seal: bool = True, max_frame_bytes: int = MAX_FRAME_BYTES,
+                 compress: bool = True, ephemeral=None):
+        self.role = role
+        self.state = State.START
+        self.seal = seal
+        self.compress = compress
+        self.allowlist = None if allowlist is None else set(allowlist)
+        self.info = dict(info or {})
+        self._noise = NoiseHandshake(role is Role.INITIATOR, static, psk, PROLOGUE, ephemeral)
+        self._send_cs: CipherState | None = None
+        self._recv_cs: CipherState | None = None
+        self._frames = FrameBuffer(max_frame_bytes + TAGLEN)
+        self._out = bytearray()  # handshake bytes produced while receiving
+        self.error: ProtocolError | None = None
+        self.peer: HandshakeComplete | None = None
+        self.counter = ByteCounter()
+        self.sealed_session = False
+
+    # --- state ---------------------------------------------------------------------------
+    def _transition(self, ev: Ev):
+        row = TRANSITIONS[(self.role, self.state)]
+        if ev not in row:
+            raise LocalProtocolError(f"{ev.value} is not allowed in state {self.state.value} ({self.role.value})",
+                                     ErrorCode.UNEXPECTED_MESSAGE)
+        self.state = row[ev]
+
+    # --- sending -------------------------------------------------------------------------
+    def initiate(self) -> bytes:
+        """The initiator's first bytes (handshake message 1)."""
+        if self.role is not Role.INITIATOR:
+            raise LocalProtocolError("only the initiator starts the handshake")
+        self._transition(Ev.SEND_HELLO)
+        return self._frame_plain(Handshake(self._noise.write_message(b"")))
+
+    def send(self, msg: Message) -> bytes:
+        """Bytes for one application message (joined; see ``send_buffers`` for zero-copy)."""
+        return b"".join(self.send_buffers(msg))
+
+    def send_buffers(self, msg: Message) -> list:
+        if isinstance(msg, Handshake):
+            raise LocalProtocolError("handshake messages are the connection's own", ErrorCode.UNEXPECTED_MESSAGE)
+        if isinstance(msg, (Goodbye, Error)):
+            self._transition(Ev.SEND_CLOSE)
+        else:
+            self._transition(Ev.SEND_MESSAGE)
+        return self._frame(msg)
+
+    def error_frame(self, exc: ProtocolError) -> bytes:
+        """Bytes of the Error frame that tells the peer why we close: sealed once the peer is
+        authenticated, plaintext before (a handshake refusal carries no secrets)."""
+        msg = Error(int(exc.code), str(exc)[:4000])
+        if self.peer is not None and self._send_cs is not None and self.sealed_session:
+            return b"".join(self._frame(msg))
+        return self._frame_plain(msg)
+
+    def _frame_plain(self, msg: Message) -> bytes:
+        flags, bufs = encode_payload(msg, self.compress)
+        length = sum(len(b) for b in bufs)
+        head = encode_header(msg.TYPE, flags, msg.stream_id, length)
+        self.counter.add("sent", msg.TYPE, length, HEADER_BYTES + length)
+        return head + b"".join(bytes(b) for b in bufs)
+
+    def _frame(self, msg: Message, force_seal: bool = False) -> list:
+        flags, bufs = encode_payload(msg, self.compress)
+        length = sum(len(b) for b in bufs)
+        logical = _logical_len(msg, length)
+        if self.sealed_session or force_seal:
+            head = encode_header(msg.TYPE, flags | Flags.SEALED, msg.stream_id, length + TAGLEN)
+            ct = self._send_cs.encrypt(head, b"".join(bufs))
+            self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + len(ct))
+            return [head, ct]
+        head = encode_header(msg.TYPE, flags, msg.stream_id, length)
+        self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length)
+        return [head, *bufs]
+
+    def data_to_send(self) -> bytes:
+        """Handshake bytes produced by ``next_event`` that must go to the peer now."""
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    # --- receiving -----------------------------------------------------------------------
+    def receive_data(self, data) -> None:
+        if self.state is State.ERROR:
+            return
+        self._frames.feed(data)
+
+    def next_event(self):
+        """The next event, or NEED_DATA; raises RemoteProtocolError once on peer errors."""
+        if self.state in (State.ERROR, State.CLOSED):
+            return NEED_DATA
+        try:
+            got = self._frames.next_frame()
+            if got is None:
+                return NEED_DATA
+            return self._handle(*got)
+        except ProtocolError as e:
+            err = e if isinstance(e, RemoteProtocolError) else as_remote(e)
+            closed_by_peer = self.state is State.CLOSED
+            self.state = State.ERROR
+            self.error = err
+            if not closed_by_peer:  # tell the peer why; the caller sends data_to_send()
+                self._out += self.error_frame(err)
+            raise err from None
+
+    def _handle(self, h: FrameHeader, payload: memoryview):
+        wire = HEADER_BYTES + h.length
+        sealed_frame = bool(h.flags & Flags.SEALED)
+        if h.type is MessageType.ERROR and not sealed_frame and self.state is not State.ESTABLISHED:
+            msg = decode_payload(h.type, int(h.flags), h.stream_id, payload)
+            self.counter.add("received", h.type, h.length, wire)
+            self._transition(Ev.RECV_CLOSE)
+            code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.HANDSHAKE_FAILED
+            raise RemoteProtocolError(f"peer refused the handshake: {msg.reason} ({code.name})", code)
+        if self.state in (State.START, State.AWAIT_REPLY, State.AWAIT_FINISH):
+            return self._handle_handshake(h, payload)
+        expect_sealed = self.sealed_session or self.state is State.AWAIT_CONFIRM
+        if sealed_frame != expect_sealed:
+            raise LocalProtocolError(f"{'sealed' if sealed_frame else 'unsealed'} frame in a "
+                                     f"{'sealed' if expect_sealed else 'unsealed'} session", ErrorCode.BAD_FLAGS)
+        if sealed_frame:
+            payload = memoryview(self._recv_cs.decrypt(h.pack(), payload))
+        flags = int(h.flags & ~Flags.SEALED)
+        if self.state is State.AWAIT_CONFIRM:
+            if h.type is not MessageType.HANDSHAKE or len(payload):
+                raise LocalProtocolError("expected the handshake confirmation", ErrorCode.UNEXPECTED_MESSAGE)
+            self.counter.add("received", h.type, 0, wire)
+            self._transition(Ev.RECV_CONFIRM)
+            return self.peer
+        if h.type is MessageType.HANDSHAKE:
+            raise LocalProtocolError("handshake message after the handshake", ErrorCode.UNEXPECTED_MESSAGE)
+        msg = decode_payload(h.type, flags, h.stream_id, payload)
+        self.counter.add("received", h.type, _logical_len(msg, len(payload)), wire)
+        if isinstance(msg, (Goodbye, Error)):
+            self._transition(Ev.RECV_CLOSE)
+            return ConnectionClosed(msg.code if isinstance(msg, Error) else 0, msg.reason)
+        self._transition(Ev.RECV_MESSAGE)
+        return msg
+
+    def _handle_handshake(self, h: FrameHeader, payload: memoryview):
+        if h.type is not MessageType.HANDSHAKE or h.flags != Flags.NONE:
+            raise LocalProtocolError(f"expected a handshake frame, got {h.type.name}", ErrorCode.UNEXPECTED_MESSAGE)
+        self.counter.add("received", h.type, h.length, HEADER_BYTES + h.length)
+        noise = self._noise
+        if self.state is State.START:  # responder reads 1, writes 2
+            noise.read_message(bytes(payload))
+            self._transition(Ev.RECV_HELLO)
+            self._out += self._frame_plain(Handshake(noise.write_message(self._hello_payload())))
+            return NEED_DATA
+        if self.state is State.AWAIT_REPLY:  # initiator reads 2, writes 3
+            info = self._read_hello(noise.read_message(bytes(payload)))
+            self._check_peer(noise.remote_static)
+            self._out += self._frame_plain(Handshake(noise.write_message(self._hello_payload())))
+            self._finish(info)
+            self._transition(Ev.RECV_REPLY)
+            return NEED_DATA
+        # responder reads 3, sends the sealed confirmation
+        info = self._read_hello(noise.read_message(bytes(payload)))
+        self._check_peer(noise.remote_static)
+        self._finish(info)
+        self._out += b"".join(self._frame(Handshake(b""), force_seal=True))
+        self._transition(Ev.RECV_FINISH)
+        return self.peer
+
+    def _hello_payload(self) -> bytes:
+        return msgpack.packb({"v": 1, "seal": self.seal, "info": self.info}, use_bin_type=True)
+
+    def _read_hello(self, payload: bytes) -> dict:
+        try:
+            m = msgpack.unpackb(payload, raw=False, max_str_len=65535, max_array_len=1024, max_map_len=1024)
+        except Exception as e:
+            raise HandshakeError(f"malformed handshake payload: {e}", ErrorCode.MALFORMED_METADATA) from None
+        if not isinstance(m, dict) or set(m) != {"v", "seal", "info"} or not isinstance(m["info"], dict):
+            raise HandshakeError("malformed handshake payload", ErrorCode.MALFORMED_METADATA)
+        if m["v"] != 1:
+            raise HandshakeError(f"peer speaks protocol version {m['v']}", ErrorCode.UNSUPPORTED_VERSION)
+        if m["seal"] is not self.seal:
+            raise HandshakeError(f"sealing mismatch: peer seal={m['seal']}, we seal={self.seal}",
+                                 ErrorCode.HANDSHAKE_FAILED)
+        return m["info"]
+
+    def _check_peer(self, remote_static: bytes):
+        pid = peer_id_of(remote_static)
+        if self.allowlist is not None and pid not in self.allowlist:
+            raise HandshakeError(f"peer {pid[:16]}... is not on the allowlist", ErrorCode.PEER_NOT_ALLOWED)
+
+    def _finish(self, info: dict):
+        self._send_cs, self._recv_cs = self._noise.result
+        self.sealed_session = self.seal
+        rs = self._noise.remote_static
+        self.peer = HandshakeComplete(peer_id_of(rs), rs, info, self.seal)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._frames.buffered

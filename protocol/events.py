@@ -1,0 +1,420 @@
+"""Messages (events): frozen dataclasses, validated in the constructor, and their payloads.
+
+Rules:
+- Rule 1: every message type has exactly one class here, registered in ``MESSAGES`` by its
+  ``MessageType``; its payload encoding is ``encode_payload`` / ``decode_payload``, nowhere else.
+- Rule 2: a msgpack payload is ``u32 meta_len | meta (msgpack map, string keys) | body``; the
+  body is the tensors' stored segments, in the order the map lists them. Keys are exactly the
+  class's wire fields: a missing or unknown key, a wrong type, or trailing bytes is
+  MALFORMED_METADATA.
+- Rule 3: HANDSHAKE carries raw Noise message bytes; STREAM_CHUNK carries ``u64 offset |
+  u32 raw_len | data`` (lz4 block data of raw_len bytes when the frame's COMPRESSED flag is set).
+- Rule 4: constructors raise LocalProtocolError; decoding converts to RemoteProtocolError.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field, fields
+
+import lz4.block
+import msgpack
+
+from .errors import ErrorCode, LocalProtocolError
+from .frames import Flags, MessageType
+from .tensors import WireTensor, describe, from_description
+
+_U32 = struct.Struct(">I")
+_CHUNK = struct.Struct(">QI")
+# Bounds on metadata, so that a peer cannot make msgpack build huge objects.
+MAX_META_BYTES = 1024 * 1024
+MAX_LIST_LEN = 4096  # peers in a list, tensors in a message, hops in a route
+MAX_STR_BYTES = 4096
+
+
+def _bad(msg: str) -> LocalProtocolError:
+    return LocalProtocolError(msg, ErrorCode.MALFORMED_METADATA)
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise _bad(msg)
+
+
+def _is_str(v, limit=MAX_STR_BYTES):
+    return isinstance(v, str) and len(v) <= limit
+
+
+def _is_uint(v, bits=64):
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**bits
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE = None  # MessageType, set by subclasses
+    stream_id: int = field(default=0, kw_only=True)  # header stream id; 0 = control stream
+
+    def __post_init__(self):
+        _check(_is_uint(self.stream_id, 32), f"stream_id {self.stream_id!r} is not a u32")
+
+
+# --- session -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Handshake(Message):
+    TYPE = MessageType.HANDSHAKE
+    data: bytes = b""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(isinstance(self.data, (bytes, bytearray, memoryview)) and len(self.data) <= 65535,
+               "handshake data must be <= 65535 bytes")
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    TYPE = MessageType.ERROR
+    code: int = int(ErrorCode.PROTOCOL_ERROR)
+    reason: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(_is_uint(self.code, 16), f"error code {self.code!r} is not a u16")
+        _check(_is_str(self.reason), "error reason must be a string of <= 4096 chars")
+
+
+@dataclass(frozen=True)
+class Goodbye(Message):
+    TYPE = MessageType.GOODBYE
+    reason: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(_is_str(self.reason), "goodbye reason must be a string of <= 4096 chars")
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    TYPE = MessageType.PING
+    nonce: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(_is_uint(self.nonce), "ping nonce must be a u64")
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    TYPE = MessageType.PONG
+    nonce: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(_is_uint(self.nonce), "pong nonce must be a u64")
+
+
+# --- membership ----------------------------------------------------------------------------
+
+ROLES = ("train", "serve", "client", "bootstrap")
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    peer_id: str  # hex sha256 of the peer's static public key
+    addr: str  # "host:port" it listens on ("" for a client)
+    blocks: tuple = ()
+    role: str = "train"
+    last_seen_ms: int = 0  # sender's age estimate of this record, milliseconds
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        _check(_is_str(self.peer_id, 64) and len(self.peer_id) == 64, "peer_id must be 64 hex chars")
+        _check(all(c in "0123456789abcdef" for c in self.peer_id), "peer_id must be lowercase hex")
+        _check(_is_str(self.addr, 262), "addr must be a string 'host:port'")
+        _check(len(self.blocks) <= 64 and all(_is_uint(b, 16) for b in self.blocks), "blocks must be u16s")
+        _check(self.role in ROLES, f"role must be one of {ROLES}")
+        _check(_is_uint(self.last_seen_ms, 32), "last_seen_ms must be a u32")
+
+    def to_wire(self) -> list:
+        return [self.peer_id, self.addr, list(self.blocks), self.role, self.last_seen_ms]
+
+    @classmethod
+    def from_wire(cls, v) -> "PeerInfo":
+        _check(isinstance(v, list) and len(v) == 5 and isinstance(v[2], list), "peer record must be a 5-list")
+        return cls(v[0], v[1], tuple(v[2]), v[3], v[4])
+
+
+@dataclass(frozen=True)
+class Announce(Message):
+    TYPE = MessageType.ANNOUNCE
+    peer: PeerInfo = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(isinstance(self.peer, PeerInfo), "announce needs a PeerInfo")
+
+
+@dataclass(frozen=True)
+class PeerList(Message):
+    TYPE = MessageType.PEER_LIST
+    peers: tuple = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "peers", tuple(self.peers))
+        _check(len(self.peers) <= MAX_LIST_LEN and all(isinstance(p, PeerInfo) for p in self.peers),
+               f"peer list must hold <= {MAX_LIST_LEN} PeerInfo")
+
+
+# --- tensors -------------------------------------------------------------------------------
+
+def _check_tensors(tensors):
+    _check(len(tensors) <= MAX_LIST_LEN and all(isinstance(t, WireTensor) for t in tensors),
+           f"tensors must be <= {MAX_LIST_LEN} WireTensors")
+    names = [t.name for t in tensors]
+    _check(len(set(names)) == len(names), "tensor names must be unique")
+
+
+def _check_meta(meta):
+    _check(isinstance(meta, dict) and all(isinstance(k, str) for k in meta), "meta must be a str-keyed map")
+
+
+@dataclass(frozen=True)
+class BlockUpdate(Message):
+    TYPE = MessageType.BLOCK_UPDATE
+    block: int = 0
+    round: int = 0
+    codec: str = "raw"  # the update codec (error feedback, if any, is the sender's business)
+    tensors: tuple = ()
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        _check(_is_uint(self.block, 16), "block must be a u16")
+        _check(_is_uint(self.round), "round must be a u64")
+        _check(self.codec in ("raw", "fp16", "bf16", "int8"), f"unknown update codec {self.codec!r}")
+        _check_tensors(self.tensors)
+        _check_meta(self.meta)
+
+
+@dataclass(frozen=True)
+class StreamOpen(Message):
+    TYPE = MessageType.STREAM_OPEN
+    kind: str = "checkpoint"  # what the bytes are: checkpoint, lower-checkpoint, update, ...
+    name: str = ""
+    total_size: int = 0
+    sha256: bytes = b"\0" * 32
+    offset: int = 0  # first byte the sender will send (resume point)
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self.stream_id != 0, "streams use a stream id other than 0")
+        _check(_is_str(self.kind, 64) and _is_str(self.name, 1024), "kind/name too long")
+        _check(_is_uint(self.total_size) and _is_uint(self.offset), "sizes must be u64s")
+        _check(self.offset <= self.total_size, f"offset {self.offset} > total_size {self.total_size}")
+        _check(isinstance(self.sha256, (bytes, bytearray)) and len(self.sha256) == 32, "sha256 must be 32 bytes")
+        _check_meta(self.meta)
+
+
+@dataclass(frozen=True)
+class StreamChunk(Message):
+    TYPE = MessageType.STREAM_CHUNK
+    offset: int = 0
+    data: bytes = b""  # the raw (uncompressed) bytes
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self.stream_id != 0, "streams use a stream id other than 0")
+        _check(_is_uint(self.offset), "offset must be a u64")
+
+
+@dataclass(frozen=True)
+class StreamEnd(Message):
+    TYPE = MessageType.STREAM_END
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self.stream_id != 0, "streams use a stream id other than 0")
+
+
+@dataclass(frozen=True)
+class PipelineForward(Message):
+    TYPE = MessageType.PIPELINE_FORWARD
+    request_id: int = 0
+    route: tuple = ()  # "host:port" of each hop, in order
+    hop: int = 0  # index in route of the receiver
+    tensors: tuple = ()
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "route", tuple(self.route))
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        _check(_is_uint(self.request_id), "request_id must be a u64")
+        _check(len(self.route) <= 64 and all(_is_str(r, 262) for r in self.route), "route must be <= 64 addrs")
+        _check(_is_uint(self.hop, 16) and (not self.route or self.hop < len(self.route)), "hop outside route")
+        _check_tensors(self.tensors)
+        _check_meta(self.meta)
+
+
+@dataclass(frozen=True)
+class PipelineResult(Message):
+    TYPE = MessageType.PIPELINE_RESULT
+    request_id: int = 0
+    tensors: tuple = ()
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        _check(_is_uint(self.request_id), "request_id must be a u64")
+        _check_tensors(self.tensors)
+        _check_meta(self.meta)
+
+
+MESSAGES: dict[MessageType, type[Message]] = {
+    cls.TYPE: cls for cls in (Handshake, Error, Goodbye, Ping, Pong, Announce, PeerList, BlockUpdate,
+                              StreamOpen, StreamChunk, StreamEnd, PipelineForward, PipelineResult)
+}
+
+
+# --- payload codec -------------------------------------------------------------------------
+
+def _wire_fields(cls) -> list[str]:
+    return [f.name for f in fields(cls) if f.name != "stream_id"]
+
+
+def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
+    """``(flags, buffers)``: the payload as a list of buffers (tensor bytes by reference)."""
+    if isinstance(msg, Handshake):
+        return 0, [bytes(msg.data)]
+    if isinstance(msg, StreamChunk):
+        raw = memoryview(msg.data).cast("B")
+        if compress and len(raw) >= 64:
+            c = lz4.block.compress(raw, store_size=False)
+            if len(c) < len(raw):
+                return int(Flags.COMPRESSED), [_CHUNK.pack(msg.offset, len(raw)), c]
+        return 0, [_CHUNK.pack(msg.offset, len(raw)), raw]
+    meta, body = {}, []
+    for name in _wire_fields(type(msg)):
+        v = getattr(msg, name)
+        if name == "tensors":
+            meta["tensors"] = [describe(t) for t in v]
+            for t in v:
+                body.extend(t.segments)
+        elif name == "peer":
+            meta[name] = v.to_wire()
+        elif name == "peers":
+            meta[name] = [p.to_wire() for p in v]
+        elif name in ("route", "blocks"):
+            meta[name] = list(v)
+        else:
+            meta[name] = v
+    packed = msgpack.packb(meta, use_bin_type=True)
+    if len(packed) > MAX_META_BYTES:
+        raise LocalProtocolError(f"metadata of {len(packed)} bytes > {MAX_META_BYTES}", ErrorCode.MALFORMED_METADATA)
+    flags = Flags.COMPRESSED if any(any(t.lz4) for t in getattr(msg, "tensors", ())) else 0
+    return int(flags), [_U32.pack(len(packed)), packed, *body]
+
+
+def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memoryview) -> Message:
+    """Rebuild a message from its payload; raises LocalProtocolError (callers convert)."""
+    cls = MESSAGES[mtype]
+    if flags & Flags.COMPRESSED and cls not in (StreamChunk, BlockUpdate, PipelineForward, PipelineResult):
+        raise LocalProtocolError(f"COMPRESSED flag on a {cls.__name__}", ErrorCode.BAD_FLAGS)
+    if cls is Handshake:
+        return Handshake(bytes(payload), stream_id=stream_id)
+    if cls is StreamChunk:
+        _check(len(payload) >= _CHUNK.size, "stream chunk shorter than its 12-byte prefix")
+        offset, raw_len = _CHUNK.unpack_from(payload, 0)
+        data = payload[_CHUNK.size:]
+        if flags & Flags.COMPRESSED:
+            _check(raw_len <= 16 * 1024 * 1024 and 0 < len(data) < raw_len, "bad compressed chunk lengths")
+            try:
+                data = lz4.block.decompress(data, uncompressed_size=raw_len)
+            except lz4.block.LZ4BlockError as e:
+                raise _bad(f"bad lz4 chunk: {e}") from None
+            _check(len(data) == raw_len, "lz4 chunk decompressed to the wrong length")
+        else:
+            _check(len(data) == raw_len, f"chunk holds {len(data)} bytes, prefix says {raw_len}")
+        return StreamChunk(offset=offset, data=bytes(data), stream_id=stream_id)
+    _check(len(payload) >= 4, "payload shorter than its metadata length")
+    (mlen,) = _U32.unpack_from(payload, 0)
+    _check(mlen <= MAX_META_BYTES and 4 + mlen <= len(payload), f"metadata length {mlen} does not fit the payload")
+    try:
+        meta = msgpack.unpackb(payload[4:4 + mlen], raw=False, strict_map_key=True,
+                               max_str_len=MAX_META_BYTES, max_bin_len=MAX_META_BYTES,
+                               max_array_len=MAX_LIST_LEN, max_map_len=MAX_LIST_LEN)
+    except Exception as e:  # msgpack raises many types on garbage; all mean "malformed"
+        raise _bad(f"metadata is not valid msgpack: {type(e).__name__}: {e}") from None
+    _check(isinstance(meta, dict), "metadata must be a msgpack map")
+    want = set(_wire_fields(cls))
+    _check(set(meta) == want, f"{cls.__name__} metadata keys {sorted(map(str, meta))} != {sorted(want)}")
+    body = payload[4 + mlen:]
+    kwargs, pos = {}, 0
+    for name in want:
+        v = meta[name]
+        if name == "tensors":
+            _check(isinstance(v, list), "tensors must be a list")
+            ts = []
+            for d in v:
+                t, pos = from_description(d, body, pos)
+                ts.append(t)
+            v = tuple(ts)
+        elif name == "peer":
+            v = PeerInfo.from_wire(v)
+        elif name == "peers":
+            _check(isinstance(v, list), "peers must be a list")
+            v = tuple(PeerInfo.from_wire(p) for p in v)
+        elif name == "route":
+            _check(isinstance(v, list), "route must be a list")
+            v = tuple(v)
+        kwargs[name] = v
+    _check(pos == len(body), f"{len(body) - pos} trailing payload bytes after the tensors")
+    want_flag = any(any(t.lz4) for t in kwargs.get("tensors", ()))
+    if bool(flags & Flags.COMPRESSED) != want_flag:
+        raise LocalProtocolError("COMPRESSED flag disagrees with the tensors' lz4 flags", ErrorCode.BAD_FLAGS)
+    for name, typ in (("code", int), ("nonce", int), ("block", int), ("round", int), ("request_id", int),
+                      ("total_size", int), ("offset", int), ("hop", int)):
+        if name in kwargs:
+            _check(isinstance(kwargs[name], typ) and not isinstance(kwargs[name], bool), f"{name} must be an int")
+    return cls(**kwargs, stream_id=stream_id)
+
+
+# --- plain framing (unsealed): the form used before the handshake and in test vectors ------
+
+def frame_message(msg: Message, compress: bool = True) -> bytes:
+    """One message as an unsealed frame: header + payload."""
+    from .frames import encode_header
+
+    flags, bufs = encode_payload(msg, compress)
+    payload = b"".join(bytes(b) for b in bufs)
+    return encode_header(msg.TYPE, flags, msg.stream_id, len(payload)) + payload
+
+
+class MessageReader:
+    """Unsealed frames in, messages out; any violation is a RemoteProtocolError."""
+
+    def __init__(self, max_frame_bytes: int | None = None):
+        from .frames import MAX_FRAME_BYTES, FrameBuffer
+
+        self._frames = FrameBuffer(max_frame_bytes or MAX_FRAME_BYTES)
+
+    def feed(self, data) -> None:
+        self._frames.feed(data)
+
+    def next_message(self) -> Message | None:
+        from .errors import as_remote
+
+        try:
+            got = self._frames.next_frame()
+            if got is None:
+                return None
+            h, payload = got
+            if h.flags & Flags.SEALED:
+                raise LocalProtocolError("sealed frame outside a session", ErrorCode.BAD_FLAGS)
+            return decode_payload(h.type, int(h.flags), h.stream_id, payload)
+        except LocalProtocolError as e:
+            raise as_remote(e) from None
