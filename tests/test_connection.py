@@ -1,0 +1,212 @@
+"""The sans-IO connection: handshake outcomes, sealing, tampering, replay, accounting."""
+
+import os
+
+import pytest
+
+from blocktrain.protocol import (NEED_DATA, BlockUpdate, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
+                                 LocalProtocolError, Ping, RemoteProtocolError, State, pack_tensor, peer_id_of)
+from blocktrain.protocol.frames import HEADER_BYTES
+from blocktrain.protocol.handshake import _pub
+
+from conftest import ConnectionPair
+
+
+def test_handshake_succeeds_and_identifies_both_peers(pair):
+    ev_a, ev_b = pair.handshake()
+    assert pair.a.state is State.ESTABLISHED and pair.b.state is State.ESTABLISHED
+    (ca,), (cb,) = ev_a, ev_b
+    assert isinstance(ca, HandshakeComplete) and isinstance(cb, HandshakeComplete)
+    assert ca.peer_id == peer_id_of(_pub(pair.key_b)) and cb.peer_id == peer_id_of(_pub(pair.key_a))
+    assert ca.info == {"who": "b"} and cb.info == {"who": "a"}
+    assert ca.sealed and cb.sealed
+
+
+def test_messages_flow_both_ways_after_handshake(pair):
+    pair.handshake()
+    assert pair.deliver(pair.a, pair.b, pair.a.send(Ping(nonce=1))) == [Ping(nonce=1)]
+    assert pair.deliver(pair.b, pair.a, pair.b.send(Ping(nonce=2))) == [Ping(nonce=2)]
+
+
+def test_no_application_message_before_established(pair):
+    with pytest.raises(LocalProtocolError):
+        pair.a.send(Ping(nonce=1))
+    pair.b.receive_data(pair.a.initiate())
+    pair.drain(pair.b)
+    with pytest.raises(LocalProtocolError):
+        pair.b.send(Ping(nonce=1))
+
+
+def test_wrong_psk_fails_with_clear_error_and_delivers_nothing():
+    p = ConnectionPair(psk_a=os.urandom(32), psk_b=os.urandom(32))
+    p.b.receive_data(p.a.initiate())
+    p.drain(p.b)
+    p.deliver(p.b, p.a)  # initiator reads 2, writes 3 (it cannot know yet)
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.deliver(p.a, p.b)
+    assert ei.value.code is ErrorCode.AUTHENTICATION_FAILED
+    assert p.b.state is State.ERROR and p.b.peer is None
+    # the responder's refusal reaches the initiator as a clear error, never as ESTABLISHED
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.deliver(p.b, p.a)
+    assert ei.value.code is ErrorCode.AUTHENTICATION_FAILED
+    assert "refused" in str(ei.value)
+    assert p.a.state is not State.ESTABLISHED
+
+
+def test_allowlist_rejects_unknown_identity_on_both_sides():
+    p = ConnectionPair(allow_b=["00" * 32])
+    p.b.receive_data(p.a.initiate())
+    p.drain(p.b)
+    p.deliver(p.b, p.a)
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.deliver(p.a, p.b)
+    assert ei.value.code is ErrorCode.PEER_NOT_ALLOWED
+    p = ConnectionPair(allow_a=["00" * 32])
+    p.b.receive_data(p.a.initiate())
+    p.drain(p.b)
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.deliver(p.b, p.a)
+    assert ei.value.code is ErrorCode.PEER_NOT_ALLOWED
+
+
+def test_allowlist_accepts_listed_identity():
+    p = ConnectionPair()
+    p.b.allowlist = {peer_id_of(_pub(p.key_a))}
+    p.a.allowlist = {peer_id_of(_pub(p.key_b))}
+    p.handshake()
+    assert p.a.state is State.ESTABLISHED and p.b.state is State.ESTABLISHED
+
+
+@pytest.mark.parametrize("message", [0, 1, 2])
+def test_tampered_handshake_fails(message):
+    p = ConnectionPair()
+    wire = [p.a.initiate()]
+    flip = lambda b: b[:-1] + bytes([b[-1] ^ 1])  # noqa: E731  last byte: inside the payload/tag
+    if message == 0:
+        # with the psk modifier, message 1's ephemeral key is mixed into a key that seals its
+        # (empty) payload: a changed key fails that tag at the responder
+        p.b.receive_data(wire[0][:HEADER_BYTES] + bytes([wire[0][HEADER_BYTES] ^ 1]) + wire[0][HEADER_BYTES + 1:])
+        with pytest.raises(RemoteProtocolError) as ei:
+            p.drain(p.b)
+        assert ei.value.code is ErrorCode.AUTHENTICATION_FAILED
+        return
+    p.b.receive_data(wire[0])
+    p.drain(p.b)
+    m2 = p.b.data_to_send()
+    if message == 1:
+        with pytest.raises(RemoteProtocolError) as ei:
+            p.deliver(p.b, p.a, flip(m2))
+        assert ei.value.code is ErrorCode.AUTHENTICATION_FAILED
+        return
+    p.deliver(p.b, p.a, m2)
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.deliver(p.a, p.b, flip(p.a.data_to_send()))
+    assert ei.value.code is ErrorCode.AUTHENTICATION_FAILED
+
+
+def test_truncated_handshake_fails():
+    p = ConnectionPair()
+    m1 = p.a.initiate()
+    p.b.receive_data(m1[:-5])
+    assert p.b.next_event() is NEED_DATA  # incomplete frame: waits, no event
+    # a frame that is complete but whose Noise message is cut short
+    from blocktrain.protocol.events import frame_message
+    from blocktrain.protocol import Handshake
+    q = ConnectionPair()
+    q.b.receive_data(frame_message(Handshake(data=m1[HEADER_BYTES:HEADER_BYTES + 20])))
+    with pytest.raises(RemoteProtocolError) as ei:
+        q.drain(q.b)
+    assert ei.value.code is ErrorCode.HANDSHAKE_FAILED
+
+
+def test_tampered_sealed_frame_breaks_connection(pair):
+    pair.handshake()
+    data = bytearray(pair.a.send(Ping(nonce=5)))
+    data[-3] ^= 0x40
+    with pytest.raises(RemoteProtocolError) as ei:
+        pair.deliver(pair.a, pair.b, bytes(data))
+    assert ei.value.code is ErrorCode.DECRYPT_FAILED
+    assert pair.b.state is State.ERROR
+    # once in ERROR, even a valid frame is not delivered
+    pair.b.receive_data(pair.a.send(Ping(nonce=6)))
+    assert pair.b.next_event() is NEED_DATA
+
+
+def test_tampered_header_breaks_connection(pair):
+    pair.handshake()
+    data = bytearray(pair.a.send(Ping(nonce=5)))
+    data[6:10] = (9).to_bytes(4, "big")  # another stream id, crc fixed up: only the AEAD can tell
+    import zlib
+    data[14:18] = zlib.crc32(bytes(data[:14])).to_bytes(4, "big")
+    with pytest.raises(RemoteProtocolError) as ei:
+        pair.deliver(pair.a, pair.b, bytes(data))
+    assert ei.value.code is ErrorCode.DECRYPT_FAILED
+
+
+def test_replayed_frame_breaks_connection(pair):
+    pair.handshake()
+    frame = pair.a.send(Ping(nonce=5))
+    assert pair.deliver(pair.a, pair.b, frame) == [Ping(nonce=5)]
+    with pytest.raises(RemoteProtocolError) as ei:
+        pair.deliver(pair.a, pair.b, frame)
+    assert ei.value.code is ErrorCode.DECRYPT_FAILED
+
+
+def test_reordered_frames_break_connection(pair):
+    pair.handshake()
+    f1, f2 = pair.a.send(Ping(nonce=1)), pair.a.send(Ping(nonce=2))
+    with pytest.raises(RemoteProtocolError):
+        pair.deliver(pair.a, pair.b, f2 + f1)
+
+
+def test_unsealed_session_when_both_agree():
+    p = ConnectionPair(seal=(False, False))
+    ev_a, ev_b = p.handshake()
+    assert not ev_a[0].sealed
+    frame = p.a.send(Ping(nonce=3))
+    assert frame[4] & 2 == 0  # SEALED flag clear
+    assert p.deliver(p.a, p.b, frame) == [Ping(nonce=3)]
+
+
+def test_sealing_mismatch_fails_handshake():
+    p = ConnectionPair(seal=(True, False))
+    p.b.receive_data(p.a.initiate())
+    p.drain(p.b)
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.deliver(p.b, p.a)
+    assert ei.value.code is ErrorCode.HANDSHAKE_FAILED
+
+
+def test_goodbye_closes(pair):
+    pair.handshake()
+    evs = pair.deliver(pair.a, pair.b, pair.a.send(Goodbye(reason="bye")))
+    assert evs == [ConnectionClosed(0, "bye")]
+    assert pair.a.state is State.CLOSED and pair.b.state is State.CLOSED
+
+
+def test_garbage_after_handshake_sends_sealed_error(pair):
+    pair.handshake()
+    with pytest.raises(RemoteProtocolError) as ei:
+        pair.deliver(pair.a, pair.b, b"GET / HTTP/1.1\r\n\r\n")
+    assert ei.value.code is ErrorCode.BAD_MAGIC
+    evs = pair.deliver(pair.b, pair.a)  # a learns why b closes, authenticated
+    assert len(evs) == 1 and isinstance(evs[0], ConnectionClosed)
+    assert evs[0].code == ErrorCode.BAD_MAGIC and "magic" in evs[0].reason
+
+
+def test_byte_accounting_counts_every_frame(pair):
+    pair.handshake()
+    t = pack_tensor("w", "float32", (1024,), bytes(4096), compress="always")
+    frame = pair.a.send(BlockUpdate(block=1, round=1, tensors=[t]))
+    pair.deliver(pair.a, pair.b, frame)
+    sent = pair.a.counter.snapshot()["sent"]
+    recv = pair.b.counter.snapshot()["received"]
+    assert sent["by_type"]["block_update"]["frames"] == 1
+    assert sent["by_type"]["block_update"]["wire_bytes"] == len(frame)
+    assert recv["by_type"]["block_update"] == sent["by_type"]["block_update"]
+    # payload bytes count the tensor before lz4; the wire carried far fewer
+    assert sent["by_type"]["block_update"]["payload_bytes"] > 4096 > len(frame)
+    assert sent["total"]["frames"] == sent["by_type"]["handshake"]["frames"] + 1
+    assert pair.a.counter.snapshot()["received"]["total"]["wire_bytes"] == \
+        pair.b.counter.snapshot()["sent"]["total"]["wire_bytes"]
