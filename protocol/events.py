@@ -14,7 +14,9 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import struct
+import threading
 from dataclasses import dataclass, field, fields
 
 import lz4.block
@@ -22,7 +24,7 @@ import msgpack
 
 from .errors import ErrorCode, LocalProtocolError
 from .frames import Flags, MessageType
-from .tensors import WireTensor, describe, from_description
+from .tensors import WireTensor, _maybe_lz4, describe, from_description
 
 _U32 = struct.Struct(">I")
 _CHUNK = struct.Struct(">QI")
@@ -46,7 +48,7 @@ def _is_str(v, limit=MAX_STR_BYTES):
 
 
 def _is_uint(v, bits=64):
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**bits
+    return type(v) is int and 0 <= v < (1 << bits)  # type() is: bool is not an int here
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ class Message:
     stream_id: int = field(default=0, kw_only=True)  # header stream id; 0 = control stream
 
     def __post_init__(self):
-        _check(_is_uint(self.stream_id, 32), f"stream_id {self.stream_id!r} is not a u32")
+        if not (type(self.stream_id) is int and 0 <= self.stream_id <= 0xFFFF_FFFF):
+            raise _bad(f"stream_id {self.stream_id!r} is not a u32")
 
 
 # --- session -------------------------------------------------------------------------------
@@ -100,7 +103,8 @@ class Ping(Message):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(_is_uint(self.nonce), "ping nonce must be a u64")
+        if not (type(self.nonce) is int and 0 <= self.nonce <= 0xFFFF_FFFF_FFFF_FFFF):
+            raise _bad("ping nonce must be a u64")
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class Pong(Message):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(_is_uint(self.nonce), "pong nonce must be a u64")
+        if not (type(self.nonce) is int and 0 <= self.nonce <= 0xFFFF_FFFF_FFFF_FFFF):
+            raise _bad("pong nonce must be a u64")
 
 
 # --- membership ----------------------------------------------------------------------------
@@ -274,6 +279,8 @@ class PipelineResult(Message):
         _check_meta(self.meta)
 
 
+_CONVERTED = frozenset({"tensors", "peer", "peers", "route"})  # wire forms that differ from the field
+
 MESSAGES: dict[MessageType, type[Message]] = {
     cls.TYPE: cls for cls in (Handshake, Error, Goodbye, Ping, Pong, Announce, PeerList, BlockUpdate,
                               StreamOpen, StreamChunk, StreamEnd, PipelineForward, PipelineResult)
@@ -282,8 +289,30 @@ MESSAGES: dict[MessageType, type[Message]] = {
 
 # --- payload codec -------------------------------------------------------------------------
 
-def _wire_fields(cls) -> list[str]:
-    return [f.name for f in fields(cls) if f.name != "stream_id"]
+@functools.cache
+def _wire_fields(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.name != "stream_id")
+
+
+@functools.cache
+def _wire_keys(cls) -> frozenset:
+    return frozenset(_wire_fields(cls))
+
+
+_COMPRESSED = int(Flags.COMPRESSED)
+_local = threading.local()  # one msgpack Packer per thread (a Packer is not thread-safe)
+
+
+def _packb(obj) -> bytes:
+    p = getattr(_local, "packer", None)
+    if p is None:
+        p = _local.packer = msgpack.Packer(use_bin_type=True)
+    return p.pack(obj)
+
+
+_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True, max_str_len=MAX_META_BYTES,
+                             max_bin_len=MAX_META_BYTES, max_array_len=MAX_LIST_LEN, max_map_len=MAX_LIST_LEN)
+_TENSOR_MESSAGES = frozenset({MessageType.BLOCK_UPDATE, MessageType.PIPELINE_FORWARD, MessageType.PIPELINE_RESULT})
 
 
 def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
@@ -292,13 +321,17 @@ def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
         return 0, [bytes(msg.data)]
     if isinstance(msg, StreamChunk):
         raw = memoryview(msg.data).cast("B")
-        if compress and len(raw) >= 64:
-            c = lz4.block.compress(raw, store_size=False)
-            if len(c) < len(raw):
-                return int(Flags.COMPRESSED), [_CHUNK.pack(msg.offset, len(raw)), c]
-        return 0, [_CHUNK.pack(msg.offset, len(raw)), raw]
+        data, z = _maybe_lz4(raw, "auto" if compress else "never")
+        return (_COMPRESSED if z else 0), [_CHUNK.pack(msg.offset, len(raw)), data]
+    cls = type(msg)
+    if not _CONVERTED & _wire_keys(cls):  # plain fields only: the common small message
+        packed = _packb({name: getattr(msg, name) for name in _wire_fields(cls)})
+        if len(packed) > MAX_META_BYTES:
+            raise LocalProtocolError(f"metadata of {len(packed)} bytes > {MAX_META_BYTES}",
+                                     ErrorCode.MALFORMED_METADATA)
+        return 0, [_U32.pack(len(packed)) + packed]
     meta, body = {}, []
-    for name in _wire_fields(type(msg)):
+    for name in _wire_fields(cls):
         v = getattr(msg, name)
         if name == "tensors":
             meta["tensors"] = [describe(t) for t in v]
@@ -315,14 +348,14 @@ def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
     packed = msgpack.packb(meta, use_bin_type=True)
     if len(packed) > MAX_META_BYTES:
         raise LocalProtocolError(f"metadata of {len(packed)} bytes > {MAX_META_BYTES}", ErrorCode.MALFORMED_METADATA)
-    flags = Flags.COMPRESSED if any(any(t.lz4) for t in getattr(msg, "tensors", ())) else 0
-    return int(flags), [_U32.pack(len(packed)), packed, *body]
+    flags = _COMPRESSED if any(any(t.lz4) for t in getattr(msg, "tensors", ())) else 0
+    return flags, [_U32.pack(len(packed)), packed, *body]
 
 
 def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memoryview) -> Message:
     """Rebuild a message from its payload; raises LocalProtocolError (callers convert)."""
     cls = MESSAGES[mtype]
-    if flags & Flags.COMPRESSED and cls not in (StreamChunk, BlockUpdate, PipelineForward, PipelineResult):
+    if flags & _COMPRESSED and cls is not StreamChunk and mtype not in _TENSOR_MESSAGES:
         raise LocalProtocolError(f"COMPRESSED flag on a {cls.__name__}", ErrorCode.BAD_FLAGS)
     if cls is Handshake:
         return Handshake(bytes(payload), stream_id=stream_id)
@@ -330,7 +363,7 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
         _check(len(payload) >= _CHUNK.size, "stream chunk shorter than its 12-byte prefix")
         offset, raw_len = _CHUNK.unpack_from(payload, 0)
         data = payload[_CHUNK.size:]
-        if flags & Flags.COMPRESSED:
+        if flags & _COMPRESSED:
             _check(raw_len <= 16 * 1024 * 1024 and 0 < len(data) < raw_len, "bad compressed chunk lengths")
             try:
                 data = lz4.block.decompress(data, uncompressed_size=raw_len)
@@ -339,22 +372,20 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
             _check(len(data) == raw_len, "lz4 chunk decompressed to the wrong length")
         else:
             _check(len(data) == raw_len, f"chunk holds {len(data)} bytes, prefix says {raw_len}")
-        return StreamChunk(offset=offset, data=bytes(data), stream_id=stream_id)
+        return StreamChunk(offset=offset, data=data, stream_id=stream_id)  # a view: zero-copy
     _check(len(payload) >= 4, "payload shorter than its metadata length")
     (mlen,) = _U32.unpack_from(payload, 0)
     _check(mlen <= MAX_META_BYTES and 4 + mlen <= len(payload), f"metadata length {mlen} does not fit the payload")
     try:
-        meta = msgpack.unpackb(payload[4:4 + mlen], raw=False, strict_map_key=True,
-                               max_str_len=MAX_META_BYTES, max_bin_len=MAX_META_BYTES,
-                               max_array_len=MAX_LIST_LEN, max_map_len=MAX_LIST_LEN)
+        meta = _unpackb(payload[4:4 + mlen])
     except Exception as e:  # msgpack raises many types on garbage; all mean "malformed"
         raise _bad(f"metadata is not valid msgpack: {type(e).__name__}: {e}") from None
     _check(isinstance(meta, dict), "metadata must be a msgpack map")
-    want = set(_wire_fields(cls))
-    _check(set(meta) == want, f"{cls.__name__} metadata keys {sorted(map(str, meta))} != {sorted(want)}")
+    want = _wire_keys(cls)
+    _check(meta.keys() == want, f"{cls.__name__} metadata keys {sorted(map(str, meta))} != {sorted(want)}")
     body = payload[4 + mlen:]
-    kwargs, pos = {}, 0
-    for name in want:
+    kwargs, pos = meta, 0
+    for name in _CONVERTED.intersection(want) if want & _CONVERTED else ():
         v = meta[name]
         if name == "tensors":
             _check(isinstance(v, list), "tensors must be a list")
@@ -373,24 +404,26 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
             v = tuple(v)
         kwargs[name] = v
     _check(pos == len(body), f"{len(body) - pos} trailing payload bytes after the tensors")
-    want_flag = any(any(t.lz4) for t in kwargs.get("tensors", ()))
-    if bool(flags & Flags.COMPRESSED) != want_flag:
-        raise LocalProtocolError("COMPRESSED flag disagrees with the tensors' lz4 flags", ErrorCode.BAD_FLAGS)
-    for name, typ in (("code", int), ("nonce", int), ("block", int), ("round", int), ("request_id", int),
-                      ("total_size", int), ("offset", int), ("hop", int)):
-        if name in kwargs:
-            _check(isinstance(kwargs[name], typ) and not isinstance(kwargs[name], bool), f"{name} must be an int")
-    return cls(**kwargs, stream_id=stream_id)
+    if mtype in _TENSOR_MESSAGES:
+        want_flag = any(any(t.lz4) for t in kwargs["tensors"])
+        if bool(flags & _COMPRESSED) != want_flag:
+            raise LocalProtocolError("COMPRESSED flag disagrees with the tensors' lz4 flags", ErrorCode.BAD_FLAGS)
+    try:
+        return cls(**kwargs, stream_id=stream_id)  # the constructor validates every field
+    except TypeError as e:  # pragma: no cover - keys were checked above
+        raise _bad(str(e)) from None
 
 
 # --- plain framing (unsealed): the form used before the handshake and in test vectors ------
 
 def frame_message(msg: Message, compress: bool = True) -> bytes:
     """One message as an unsealed frame: header + payload."""
-    from .frames import encode_header
+    from .frames import MAX_FRAME_BYTES, encode_header
 
     flags, bufs = encode_payload(msg, compress)
-    payload = b"".join(bytes(b) for b in bufs)
+    payload = b"".join(bufs)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise LocalProtocolError(f"payload of {len(payload)} bytes > MAX_FRAME_BYTES", ErrorCode.FRAME_TOO_LARGE)
     return encode_header(msg.TYPE, flags, msg.stream_id, len(payload)) + payload
 
 
@@ -413,8 +446,8 @@ class MessageReader:
             if got is None:
                 return None
             h, payload = got
-            if h.flags & Flags.SEALED:
+            if h.flags & int(Flags.SEALED):
                 raise LocalProtocolError("sealed frame outside a session", ErrorCode.BAD_FLAGS)
-            return decode_payload(h.type, int(h.flags), h.stream_id, payload)
+            return decode_payload(h.type, h.flags, h.stream_id, payload)
         except LocalProtocolError as e:
             raise as_remote(e) from None

@@ -20,6 +20,7 @@ import struct
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.serialization import Encoding, PrivateFormat, PublicFormat, NoEncryption
 
@@ -71,20 +72,47 @@ class CipherState:
 
     def encrypt(self, ad: bytes, plaintext) -> bytes:
         if self._aead is None:
-            return bytes(plaintext)
+            return plaintext
         if self.n >= MAX_NONCE:
             raise LocalProtocolError("nonce space exhausted; reconnect", ErrorCode.DECRYPT_FAILED)
-        ct = self._aead.encrypt(_nonce(self.n), bytes(plaintext), ad)
+        ct = self._aead.encrypt(_nonce(self.n), plaintext, ad)
         self.n += 1
         return ct
 
-    def decrypt(self, ad: bytes, ciphertext) -> bytes:
-        if self._aead is None:
-            return bytes(ciphertext)
+    def seal_into(self, ad: bytes, parts: list, out: memoryview) -> memoryview:
+        """Seal the concatenation of ``parts`` into ``out`` (plaintext length + TAGLEN bytes)."""
+        if self.n >= MAX_NONCE:
+            raise LocalProtocolError("nonce space exhausted; reconnect", ErrorCode.DECRYPT_FAILED)
+        enc = Cipher(algorithms.AES(self.key), modes.GCM(_nonce(self.n))).encryptor()
+        enc.authenticate_additional_data(ad)
+        pos = 0
+        for p in parts:
+            # update_into wants len(p) + 15 bytes of room; the tag's 16 bytes at the end give it
+            pos += enc.update_into(p, out[pos:pos + len(p) + 15])
+        enc.finalize()
+        out[pos:pos + TAGLEN] = enc.tag
+        self.n += 1
+        return out[:pos + TAGLEN]
+
+    def decrypt_into(self, ad: bytes, ciphertext, out: memoryview) -> memoryview:
+        """Open ``ciphertext`` into ``out`` (len(ciphertext) - TAGLEN bytes); returns the view."""
         if self.n >= MAX_NONCE:
             raise LocalProtocolError("nonce space exhausted; reconnect", ErrorCode.DECRYPT_FAILED)
         try:
-            pt = self._aead.decrypt(_nonce(self.n), bytes(ciphertext), ad)
+            self._aead.decrypt_into(_nonce(self.n), ciphertext, ad, out)
+        except InvalidTag:
+            raise LocalProtocolError("AEAD tag mismatch: frame tampered, reordered or replayed",
+                                     ErrorCode.DECRYPT_FAILED) from None
+        self.n += 1
+        return out
+
+    def decrypt(self, ad: bytes, ciphertext) -> bytes:
+        if self._aead is None:
+            return ciphertext
+        if self.n >= MAX_NONCE:
+            raise LocalProtocolError("nonce space exhausted; reconnect", ErrorCode.DECRYPT_FAILED)
+        try:
+            pt = self._aead.decrypt(_nonce(self.n), ciphertext, ad)
         except InvalidTag:
             raise LocalProtocolError("AEAD tag mismatch: frame tampered, reordered or replayed",
                                      ErrorCode.DECRYPT_FAILED) from None

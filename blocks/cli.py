@@ -1,0 +1,255 @@
+"""``bt-train``: the main job. Train a BlockTrain model and the end-to-end reference, same budget.
+
+Defaults live in one place (``JobConfig``); ``--config FILE`` (JSON) and ``--set key=value``
+override them, typed by the dataclass fields; unknown keys are errors. Writes ``results.json``,
+``curves.png`` and the block checkpoints into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .data import DataError, as_tensor, read_split
+from .model import Assembled, ModelConfig
+from .run import train_blocktrain, train_e2e
+from .schedule import SCHEDULES
+from .train import TrainConfig, eval_chain, eval_continuation, eval_e2e
+
+
+def _default_model() -> ModelConfig:
+    # Small enough that both models train in a few minutes on 2 cores.
+    return ModelConfig(d_model=128, n_head=4, n_layer=6, n_blocks=3)
+
+
+def _default_train() -> TrainConfig:
+    return TrainConfig(steps=300, eval_every=50, warmup=30)
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=_default_model)
+    train: TrainConfig = field(default_factory=_default_train)
+    schedule: str = "staggered"  # see blocktrain.blocks.schedule
+    reference: bool = True  # also train the end-to-end reference under the same budget
+    test_windows: int = 300  # test windows of train.seq_len bytes for the final CE; 0 = the whole split
+    threads: int = 2  # torch threads
+    data: str | None = None  # directory of standard WikiText files; None = embedded WikiText-2
+    out: str | None = None  # output directory; None = runs/train-<time>
+
+
+def _coerce(value: str, typ):
+    typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ) if isinstance(typ, str) else typ
+    if typ is bool or typ == "bool":
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {value!r}")
+    if typ in (int, float, str):
+        return typ(value)
+    if "None" in str(typ) or "|" in str(typ):  # str | None
+        return None if value.lower() in ("none", "") else value
+    return typ(value)
+
+
+def apply_overrides(job: JobConfig, overrides: dict) -> JobConfig:
+    """``{"model.d_model": 192, "steps": 100, ...}`` -> a new JobConfig; unknown keys raise."""
+    model, train, top = job.model.to_dict(), job.train.to_dict(), dataclasses.asdict(job)
+    types = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    mtypes = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    ttypes = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    for key, value in overrides.items():
+        section, _, name = key.rpartition(".")
+        if section == "model" or (not section and name in mtypes and name not in types):
+            target, typ = model, mtypes.get(name)
+        elif section == "train" or (not section and name in ttypes and name not in types):
+            target, typ = train, ttypes.get(name)
+        elif not section and name in types and name not in ("model", "train"):
+            target, typ = top, types[name]
+        else:
+            typ = None
+        if typ is None:
+            raise ValueError(f"unknown config key {key!r}")
+        target[name] = _coerce(value, typ) if isinstance(value, str) else value
+    top.pop("model"), top.pop("train")
+    return JobConfig(model=ModelConfig.from_dict(model), train=TrainConfig.from_dict(train), **top)
+
+
+def parse_args(argv=None) -> JobConfig:
+    ap = argparse.ArgumentParser(
+        prog="bt-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Examples:\n  bt-train\n  bt-train --steps 1000 --set model.d_model=192 --set model.n_head=6\n"
+               "  bt-train --config job.json --schedule sequential --out runs/seq")
+    ap.add_argument("--config", type=Path, help="JSON file of overrides (same keys as --set)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one setting, e.g. model.d_model=192, train.lr=1e-3, steps=500")
+    ap.add_argument("--steps", type=int, help="optimizer steps per block and for the reference")
+    ap.add_argument("--schedule", choices=SCHEDULES, help="when each block trains (default staggered)")
+    ap.add_argument("--data", help="directory with wiki.{train,valid,test}.tokens (default: embedded WikiText-2)")
+    ap.add_argument("--out", help="output directory (default runs/train-<time>)")
+    ap.add_argument("--no-reference", action="store_true", help="skip the end-to-end reference")
+    ap.add_argument("--threads", type=int, help="torch threads (default 2)")
+    a = ap.parse_args(argv)
+    overrides = {}
+    if a.config:
+        try:
+            overrides.update(json.loads(a.config.read_text()))
+        except (OSError, ValueError) as e:
+            ap.error(f"--config {a.config}: {e}")
+    for item in a.set:
+        if "=" not in item:
+            ap.error(f"--set wants KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        overrides[k.strip()] = v.strip()
+    for key in ("steps", "schedule", "data", "out", "threads"):
+        if getattr(a, key) is not None:
+            overrides[key] = getattr(a, key)
+    if a.no_reference:
+        overrides["reference"] = False
+    try:
+        return apply_overrides(JobConfig(), overrides)
+    except (ValueError, TypeError, AssertionError) as e:
+        ap.error(str(e))
+
+
+def _bar(desc: str, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True,
+                disable=None)  # None: off when stderr is not a terminal
+
+
+def run_job(job: JobConfig, log=print) -> dict:
+    torch.set_num_threads(job.threads)
+    out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    train = as_tensor(read_split("train", job.data))
+    valid = as_tensor(read_split("valid", job.data))
+    test = as_tensor(read_split("test", job.data))
+    try:
+        test_raw = as_tensor(read_split("test", job.data, "raw"))
+    except DataError:
+        test_raw = None
+    tw = job.test_windows or None
+    mc, tc = job.model, job.train
+    log(f"data: train {train.numel():,} bytes, valid {valid.numel():,}, test {test.numel():,} "
+        f"({'embedded WikiText-2' if job.data is None else job.data})")
+    log(f"model: d {mc.d_model}, {mc.n_layer} layers in {mc.n_blocks} blocks, head_layers {mc.head_layers}; "
+        f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} bytes; schedule {job.schedule}")
+
+    def progress_for(bar):
+        def cb(t, total, ces):
+            bar.update(1)
+            if ces:
+                bar.set_postfix_str("valid CE " + " ".join(f"{c:.3f}" for c in ces))
+        return cb
+
+    with _bar(f"blocktrain ({job.schedule})", None) as bar:
+        bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(bar))
+    for k, b in enumerate(bt.blocks):
+        ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
+                                  extra={"schedule": job.schedule}), out / "checkpoints" / f"block{k}.safetensors")
+    heads = eval_chain(bt.blocks, test, tc.seq_len, tw)
+    heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
+    asm = Assembled(bt.blocks)
+    result = {
+        "job": {"model": mc.to_dict(), "train": tc.to_dict(), "schedule": job.schedule,
+                "test_windows": job.test_windows, "data": job.data or "embedded WikiText-2"},
+        "blocktrain": {
+            "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
+            "curve": bt.curve, "train_seconds": bt.seconds, "train_flops": bt.train_flops,
+            "busy_fraction": bt.busy_fraction, "trainable_bytes_per_block": bt.trainable_bytes,
+            "continuation_one_traversal": eval_continuation(asm, test, 64, 32, 64, one_traversal=True),
+        },
+    }
+    if job.reference:
+        with _bar("end-to-end reference", tc.steps) as bar:
+            e2e = train_e2e(mc, tc, train, valid, progress_for(bar))
+        ce = eval_e2e(e2e.model, test, tc.seq_len, tw)
+        fwd = lambda ids: e2e.model(ids)[0]  # noqa: E731
+        result["reference"] = {
+            "test_ce": ce, "test_raw_ce": eval_e2e(e2e.model, test_raw, tc.seq_len, tw) if test_raw is not None else None,
+            "curve": e2e.curve, "train_seconds": e2e.seconds, "train_flops": e2e.train_flops,
+            "trainable_bytes": e2e.trainable_bytes[0],
+            "continuation_teacher_forced": eval_continuation(fwd, test, 64, 32, 64, one_traversal=False),
+        }
+        result["gap_ce"] = heads[-1] - ce
+        prompt = test[:64].long()[None]
+        result["samples"] = {
+            "prompt": bytes(prompt[0].tolist()).decode("utf-8", "replace"),
+            "blocktrain_one_traversal": bytes(asm.generate_one_traversal(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
+            "reference_autoregressive": bytes(e2e.model.generate(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
+        }
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["wall_seconds"] = time.perf_counter() - t0
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    plot_curves(result, out / "curves.png")
+    log(summary(result))
+    log(f"wrote {out / 'results.json'}, {out / 'curves.png'}, {out / 'checkpoints'}")
+    return result
+
+
+def plot_curves(result: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curve = result["blocktrain"]["curve"]
+    for k in range(len(curve[0][1])):
+        ax.plot([c[0] for c in curve], [c[1][k] for c in curve], label=f"BlockTrain head of block {k + 1}")
+    if "reference" in result:
+        ref = result["reference"]["curve"]
+        ax.plot([c[0] for c in ref], [c[1][0] for c in ref], "k--", label="end-to-end reference")
+    ax.set_xlabel("wall step (every block and the reference: one optimizer step per wall step)")
+    ax.set_ylabel("valid CE (nats/byte)")
+    ax.set_title(f"BlockTrain ({result['job']['schedule']}) vs end-to-end, WikiText-2 bytes")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(r: dict) -> str:
+    b = r["blocktrain"]
+    lines = ["", "test CE, nats/byte (WikiText-2 wiki.test.tokens):"]
+    for k, ce in enumerate(b["test_ce_heads"]):
+        lines.append(f"  BlockTrain head of block {k + 1:<2}      {ce:.4f}")
+    if "reference" in r:
+        lines.append(f"  end-to-end reference           {r['reference']['test_ce']:.4f}")
+        lines.append(f"  gap (assembled - reference)    {r['gap_ce']:+.4f}")
+        c1 = b["continuation_one_traversal"]
+        c2 = r["reference"]["continuation_teacher_forced"]
+        lines.append(f"  32-byte continuation: one traversal CE {c1['ce']:.3f} acc {c1['byte_accuracy']:.1%}; "
+                     f"byte-by-byte (teacher-forced) CE {c2['ce']:.3f} acc {c2['byte_accuracy']:.1%}")
+    lines.append(f"  wall time {r['wall_seconds']:.0f} s, peak RSS {r['peak_rss_mib']:.0f} MiB")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    job = parse_args(argv)
+    try:
+        run_job(job)
+    except DataError as e:
+        print(f"bt-train: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("bt-train: interrupted; checkpoints written so far are kept", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
