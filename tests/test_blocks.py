@@ -1,0 +1,238 @@
+"""The block model and its training: shapes, isolation of blocks, checkpoints, generation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.data import ByteBatches, DataError, as_tensor, read_split
+from blocktrain.blocks.model import MASK_ID, Assembled, Block, EndToEnd, ModelConfig
+from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain, mask_tail, snapshot
+from blocktrain.blocks.worker import LowerWatcher, block_path
+
+TINY = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64, head_layers=1)
+TCFG = TrainConfig(steps=30, batch_size=4, seq_len=32, lr=3e-3, warmup=3, eval_every=10, eval_windows=4)
+
+
+@pytest.fixture(scope="module")
+def valid():
+    return as_tensor(read_split("valid"))
+
+
+def test_embedded_data_is_wikitext2(valid):
+    assert valid.numel() == 1_121_681
+    assert bytes(valid[:40].tolist()).startswith(b" \n = Homarus gammarus = \n")
+
+
+def test_user_directory_and_missing_file(tmp_path):
+    (tmp_path / "wiki.valid.tokens").write_bytes(b"hello world " * 100)
+    assert read_split("valid", tmp_path) == b"hello world " * 100
+    with pytest.raises(DataError, match="wiki.test.tokens"):
+        read_split("test", tmp_path)
+
+
+def test_batches_deterministic_and_sharded(valid):
+    a = ByteBatches(valid, 4, 16, seed=1, shard=0, num_shards=2)
+    b = ByteBatches(valid, 4, 16, seed=1, shard=1, num_shards=2)
+    x1, y1 = a.batch(7)
+    x2, _ = a.batch(7)
+    assert torch.equal(x1, x2) and torch.equal(x1[:, 1:], y1[:, :-1])
+    lo, hi = b.bounds()
+    assert a.bounds()[1] == lo and hi <= valid.numel()
+
+
+def test_shapes():
+    x = torch.randint(0, 256, (2, 16))
+    b0, b1 = Block(TINY, 0), Block(TINY, 1)
+    h, loss = b0(x, x)
+    assert h.shape == (2, 16, 32) and loss.dim() == 0
+    h1, _ = b1(h)
+    assert h1.shape == h.shape
+    assert Assembled([b0, b1, Block(TINY, 2)])(x).shape == (2, 16, 256)
+    assert EndToEnd(TINY)(x)[0].shape == (2, 16, 256)
+
+
+def test_identity_start_blocks_pass_input_through():
+    b = Block(TINY, 1)
+    h = torch.randn(2, 8, 32)
+    assert torch.allclose(b.trunk(h), h)
+
+
+def test_assembled_has_same_parameters_as_end_to_end():
+    blocks = [Block(TINY, k) for k in range(3)]
+    assembled = sum(b.param_count(include_head=(b.index == 2)) for b in blocks)
+    assert assembled == EndToEnd(TINY).param_count()
+
+
+def test_no_gradient_crosses_blocks(valid):
+    t = BlockTrainer(TINY, TCFG, 2, valid)
+    lower = [Block(TINY, 0), Block(TINY, 1)]
+    t.set_lower([snapshot(b) for b in lower])
+    before = [snapshot(b) for b in t.lower]
+    t.train_step()
+    for b, sd in zip(t.lower, before):
+        for n, p in b.named_parameters():
+            assert not p.requires_grad and p.grad is None, n
+            assert torch.equal(p, sd[n]), f"lower parameter {n} changed"
+    x, _ = t.batches.batch(0)
+    assert not t.lower_hidden(x).requires_grad
+    # the optimizer holds this block's parameters and nothing else
+    owned = {id(p) for p in t.block.parameters()}
+    in_opt = {id(p) for g in t.opt.param_groups for p in g["params"]}
+    assert in_opt == owned
+    assert all(id(p) in owned for p in t.opt.state)
+
+
+def test_tiny_training_lowers_ce(valid):
+    t = BlockTrainer(TINY, TrainConfig(**{**TCFG.to_dict(), "steps": 40, "mask_frac": 0.0}), 0, valid)
+    before = eval_chain([t.block], valid, 32, 8)[0]
+    for _ in range(40):
+        t.train_step()
+    after = eval_chain([t.block], valid, 32, 8)[0]
+    assert after < before - 0.5, (before, after)
+
+
+def test_one_traversal_generation_returns_n_bytes():
+    asm = Assembled([Block(TINY, k) for k in range(3)])
+    prompt = torch.randint(0, 256, (2, 10))
+    out = asm.generate_one_traversal(prompt, 17)
+    assert out.shape == (2, 17) and out.max() < 256
+    n_trunk = []
+    orig = Block.trunk
+    Block.trunk = lambda self, x, caches=None: (n_trunk.append(self.index), orig(self, x, caches))[1]
+    try:
+        asm.generate_one_traversal(prompt, 17)
+    finally:
+        Block.trunk = orig
+    assert n_trunk == [0, 1, 2]  # one pass through each block, whatever N
+    with pytest.raises(ValueError):
+        asm.generate_one_traversal(prompt, 60)  # past max_seq_len
+
+
+def test_mask_tail_keeps_targets_and_marks_suffix():
+    x = torch.randint(0, 256, (64, 20))
+    m = mask_tail(x, 1.0, 3, 0)
+    for row, orig in zip(m, x):
+        k = int((row == MASK_ID).sum())
+        assert k >= 1 and (row[-k:] == MASK_ID).all() and torch.equal(row[:-k], orig[:-k])
+
+
+def test_kv_cached_generation_equals_recompute():
+    torch.manual_seed(0)
+    m = EndToEnd(TINY)
+    prompt = torch.randint(0, 256, (1, 8))
+    fast = m.generate(prompt, 12)
+    ids = prompt
+    for _ in range(12):
+        nxt = m(ids)[0][:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], 1)
+    assert torch.equal(fast, ids[:, 8:])
+
+
+def test_checkpoint_round_trip_and_optimizer(tmp_path, valid):
+    t = BlockTrainer(TINY, TCFG, 0, valid)
+    for _ in range(3):
+        t.train_step()
+    p = tmp_path / "b0.safetensors"
+    ckpt.save(t.checkpoint(), p)
+    u = BlockTrainer(TINY, TCFG, 0, valid)
+    u.restore(ckpt.load(p))
+    assert u.step == 3
+    for (n, a), b in zip(t.block.state_dict().items(), u.block.state_dict().values()):
+        assert torch.equal(a, b), n
+    # identical next steps: the same batch, the same optimizer state
+    assert t.train_step() == pytest.approx(u.train_step(), abs=1e-6)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "header", "empty", "foreign"])
+def test_damaged_checkpoint_detected(tmp_path, damage):
+    p = tmp_path / "b.safetensors"
+    ckpt.save(ckpt.Checkpoint(TINY.to_dict(), 0, 5, Block(TINY, 0).state_dict()), p)
+    blob = bytearray(p.read_bytes())
+    if damage == "truncate":
+        blob = blob[:-100]
+    elif damage == "flip":
+        blob[-10] ^= 1
+    elif damage == "header":
+        blob[12] ^= 0x20
+    elif damage == "empty":
+        blob = b""
+    else:
+        from safetensors.torch import save
+        blob = save({"w": torch.zeros(2)})
+    p.write_bytes(bytes(blob))
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load(p)
+
+
+class _Boom:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):  # unpickling this would create the marker file
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_checkpoint_loading_never_unpickles(tmp_path):
+    marker = tmp_path / "unpickled"
+    p = tmp_path / "evil.safetensors"
+    torch.save({"w": _Boom(str(marker))}, p)  # a pickle-based file where a checkpoint should be
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load(p)
+    assert not marker.exists()
+
+
+def test_stale_lower_checkpoint_is_refreshed(tmp_path, valid):
+    t = BlockTrainer(TINY, TCFG, 1, valid)
+    w = LowerWatcher(t, tmp_path)
+    assert not w.refresh()  # nothing yet
+    b0 = Block(TINY, 0)
+    ckpt.save(ckpt.Checkpoint(TINY.to_dict(), 0, 5, b0.state_dict()), block_path(tmp_path, 0))
+    assert w.refresh() and t.lower_steps == [5]
+    assert not w.refresh()  # unchanged file: no reload
+    with torch.no_grad():
+        b0.layers[0].fc.weight.add_(1.0)
+    ckpt.save(ckpt.Checkpoint(TINY.to_dict(), 0, 10, b0.state_dict()), block_path(tmp_path, 0))
+    assert w.refresh() and t.lower_steps == [10]
+    assert torch.equal(t.lower[0].layers[0].fc.weight, b0.layers[0].fc.weight)
+    # a corrupted newer file is reported and the trainer keeps its last good input
+    block_path(tmp_path, 0).write_bytes(b"garbage")
+    assert not w.refresh() and t.lower_steps == [10] and w.errors
+
+
+def _worker_cmd(tmp_path, steps):
+    return [sys.executable, "-m", "blocktrain.blocks.worker", "--block", "0", "--dir", str(tmp_path),
+            "--model", json.dumps(TINY.to_dict()), "--ckpt-every", "5",
+            "--train", json.dumps({**TCFG.to_dict(), "steps": steps}), "-v"]
+
+
+def test_killed_worker_resumes_from_its_checkpoint(tmp_path):
+    steps = 400
+    proc = subprocess.Popen(_worker_cmd(tmp_path, steps), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not block_path(tmp_path, 0).exists():
+            assert time.monotonic() < deadline, "worker wrote no checkpoint"
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGKILL)  # crash at an arbitrary moment
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    saved = ckpt.load(block_path(tmp_path, 0)).step
+    assert 0 < saved < steps
+    out = subprocess.run(_worker_cmd(tmp_path, steps), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"resumed from {block_path(tmp_path, 0)} at step {saved}" in out.stderr
+    final = ckpt.load(block_path(tmp_path, 0))
+    assert final.step == steps and final.extra["final"]
