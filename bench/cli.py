@@ -66,5 +66,60 @@ def codec(json_path, repeats, chunk_mib, small_frames):
     ])
 
 
+@main.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the summary as JSON here.")
+@click.option("--steps", default=1000, show_default=True, type=click.IntRange(10, 10**6),
+              help="Optimizer steps per block and for the end-to-end reference (the headline budget).")
+@click.option("--d-model", default=192, show_default=True, type=click.IntRange(16, 4096))
+@click.option("--n-head", default=6, show_default=True, type=click.IntRange(1, 64))
+@click.option("--variants", default=None, help="Comma-separated subset of the variants (default: all).")
+@click.option("--jobs", default=2, show_default=True, type=click.IntRange(1, 64),
+              help="Variants trained at once, one process and one torch thread each.")
+@click.option("--results-dir", default="runs/bench-train", show_default=True, type=click.Path(file_okay=False),
+              help="Per-variant JSON and logs; finished variants with the same settings are reused.")
+@click.option("--test-windows", default=0, show_default=True, type=click.IntRange(0, 10**6),
+              help="Test windows of 128 bytes for CE; 0 = the whole test split.")
+@click.option("--quick", is_flag=True, help="A minutes-long check: 60 steps, d_model 64, 50 test windows.")
+def train(json_path, steps, d_model, n_head, variants, jobs, results_dir, test_windows, quick):
+    """BlockTrain's assembled model against the end-to-end reference, same data and budget.
+
+    Headline: every block gets --steps optimizer steps on as many bytes as the end-to-end
+    reference (each worker trains one block), total training FLOPs reported beside it; a second
+    figure trains the reference for equal total FLOPs. Also: each head's CE along the chain,
+    schedule variants, peak RSS and gradient+optimizer bytes of one block trainer vs the
+    reference trainer, and N-byte continuations in one traversal vs byte-by-byte decoding.
+    At the default budget this takes tens of minutes per variant: run it in the background.
+    """
+    from pathlib import Path
+
+    from .train import default_variants, measure_memory, plot, run_variants, summarize, table
+
+    if quick:
+        steps, d_model, n_head, test_windows = 60, 64, 2, test_windows or 50
+    base_model = {"d_model": d_model, "n_head": n_head}
+    base_train = {"steps": steps, "decay_frac": 0.2, "warmup": max(5, min(50, steps // 10)),
+                  "eval_every": max(10, steps // 20)}
+    vs = default_variants(base_model)
+    if variants:
+        want = [v.strip() for v in variants.split(",")]
+        unknown = set(want) - {v.name for v in vs}
+        if unknown:
+            raise click.BadParameter(f"unknown variants {sorted(unknown)}; known: {[v.name for v in vs]}")
+        vs = [v for v in vs if v.name in want]
+    out = Path(results_dir)
+    results = run_variants(vs, steps, base_train, out, jobs, test_windows or None,
+                           log=lambda s: click.echo(s, err=True))
+    click.echo("measuring memory of each trainer alone...", err=True)
+    memory = measure_memory({**base_model, "head_layers": 1}, {**base_train, "steps": 5})
+    summary = summarize(results, memory, steps, vs)
+    plot(results, out / "curves.png")
+    summary["plot"] = str(out / "curves.png")
+    click.echo(table(summary))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(summary, indent=1))
+        click.echo(f"wrote {json_path}")
+
+
 if __name__ == "__main__":
     main()

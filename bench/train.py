@@ -1,0 +1,233 @@
+"""``bt-bench train``: the honest comparison of BlockTrain against the end-to-end reference.
+
+Every variant trains in its own process (one torch thread each, ``--jobs`` at a time) and writes
+its own JSON into the results directory; a finished variant whose JSON is there, with the same
+settings, is not trained again, so an interrupted benchmark resumes where it stopped.
+Budgets are counted in optimizer steps, never wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from blocktrain.blocks.model import ModelConfig, train_flops_per_token
+from blocktrain.blocks.train import TrainConfig
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    schedule: str | None  # None: end-to-end reference
+    model: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)
+    steps_scale: float = 1.0  # end-to-end at equal FLOPs trains longer
+    what: str = ""
+
+
+def default_variants(base_model: dict) -> list[Variant]:
+    h1 = {**base_model, "head_layers": 1}
+    h0 = {**base_model, "head_layers": 0}
+    ratio = blocktrain_flops_ratio(ModelConfig.from_dict(h1))
+    return [
+        Variant("e2e", None, h1, what="end-to-end reference, backprop through all layers"),
+        Variant("staggered", "staggered", h1,
+                what="all blocks train at once (every worker busy); LR decays staggered, deeper local heads"),
+        Variant("sequential", "sequential", h1,
+                what="block k trains after block k-1 finished (K x wall time, idle workers), identity start"),
+        Variant("parallel", "parallel", h1, what="all blocks at once, same LR plan, lower blocks refreshed"),
+        Variant("staggered-shallow-heads", "staggered", h0, what="staggered, local heads LayerNorm+linear only"),
+        Variant("e2e-equal-flops", None, h1, steps_scale=ratio,
+                what=f"end-to-end reference trained {ratio:.2f}x the steps: equal total training FLOPs"),
+    ]
+
+
+def blocktrain_flops_ratio(mc: ModelConfig, seq_len: int = 128) -> float:
+    bt = sum(train_flops_per_token(mc, k, seq_len) for k in range(mc.n_blocks))
+    return bt / train_flops_per_token(mc, None, seq_len)
+
+
+def _settings(v: Variant, steps: int, base_train: dict) -> tuple[dict, dict]:
+    train = {**base_train, **v.train, "steps": max(1, round(steps * v.steps_scale))}
+    return v.model, train
+
+
+def _cached(path: Path, model: dict, train: dict) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        r = json.loads(path.read_text())
+    except ValueError:
+        return None
+    want_m = ModelConfig.from_dict(model).to_dict()
+    want_t = TrainConfig.from_dict(train).to_dict()
+    return r if (r.get("model") == want_m and r.get("train") == want_t) else None
+
+
+def run_variants(variants: list[Variant], steps: int, base_train: dict, out_dir: Path, jobs: int = 2,
+                 test_windows: int | None = None, log=print) -> dict[str, dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results, queue, running = {}, [], []
+    for v in variants:
+        model, train = _settings(v, steps, base_train)
+        path = out_dir / f"{v.name}.json"
+        hit = _cached(path, model, train)
+        if hit is not None:
+            log(f"{v.name}: reusing {path}")
+            results[v.name] = hit
+        else:
+            queue.append((v, model, train, path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                v, model, train, path = queue.pop(0)
+                cmd = [sys.executable, "-m", "blocktrain.bench.train_variant", "--name", v.name,
+                       "--model", json.dumps(model), "--train", json.dumps(train), "--out", str(path),
+                       "--threads", "1"]
+                if v.schedule:
+                    cmd += ["--schedule", v.schedule]
+                if test_windows:
+                    cmd += ["--test-windows", str(test_windows)]
+                logf = open(out_dir / f"{v.name}.log", "w")
+                running.append((v, path, subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env), logf))
+                log(f"{v.name}: started ({train['steps']} steps), log {out_dir / (v.name + '.log')}")
+            time.sleep(1.0)
+            for item in list(running):
+                v, path, proc, logf = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                logf.close()
+                if proc.returncode != 0:
+                    raise RuntimeError(f"variant {v.name} failed (exit {proc.returncode}); see {out_dir / (v.name + '.log')}")
+                results[v.name] = json.loads(path.read_text())
+                log(f"{v.name}: done, test CE {results[v.name]['test_ce']:.4f}")
+    finally:
+        for _, _, proc, logf in running:  # interrupted: stop what we started, by pid
+            proc.terminate()
+            proc.wait(timeout=30)
+            logf.close()
+    return results
+
+
+MEMORY_SCRIPT = r"""
+import json, resource, sys, torch
+torch.set_num_threads(1)
+from blocktrain.blocks.data import as_tensor, read_split
+from blocktrain.blocks.model import Block, ModelConfig
+from blocktrain.blocks.train import BlockTrainer, EndToEndTrainer, TrainConfig, snapshot
+mc = ModelConfig.from_dict(json.loads(sys.argv[2])); tc = TrainConfig.from_dict(json.loads(sys.argv[3]))
+data = as_tensor(read_split("valid"))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if sys.argv[1] == "e2e":
+    t = EndToEndTrainer(mc, tc, data)
+else:
+    k = int(sys.argv[1]); t = BlockTrainer(mc, tc, k, data)
+    if k: t.set_lower([snapshot(Block(mc, j)) for j in range(k)])
+for _ in range(5): t.train_step()
+print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "rss_before_model_mib": base / 1024, **t.trainable_bytes()}))
+"""
+
+
+def measure_memory(model: dict, train: dict) -> dict:
+    """Peak RSS and parameter/gradient/optimizer bytes of each block trainer and the reference,
+    each alone in a fresh process."""
+    mc = ModelConfig.from_dict(model)
+    out = {}
+    for who in ["e2e"] + [str(k) for k in range(mc.n_blocks)]:
+        p = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, who, json.dumps(model), json.dumps(train)],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if p.returncode != 0:
+            raise RuntimeError(f"memory probe {who} failed: {p.stderr[-2000:]}")
+        out["end-to-end" if who == "e2e" else f"block {int(who) + 1}"] = json.loads(p.stdout)
+    e2e = out["end-to-end"]
+    for k, v in out.items():
+        state = v["grads"] + v["optim_state"]
+        v["grad_and_optim_state_bytes"] = state
+        v["vs_end_to_end"] = state / (e2e["grads"] + e2e["optim_state"])
+    return out
+
+
+def summarize(results: dict[str, dict], memory: dict | None, steps: int, variants: list[Variant]) -> dict:
+    ref = results.get("e2e")
+    rows = []
+    for v in variants:
+        r = results.get(v.name)
+        if r is None:
+            continue
+        row = {"variant": v.name, "what": v.what, "schedule": r["schedule"], "steps": r["train"]["steps"],
+               "test_ce_heads": r["test_ce_heads"], "test_ce": r["test_ce"],
+               "test_raw_ce": (r["test_raw_ce_heads"] or [None])[-1],
+               "busy_fraction": r["busy_fraction"], "wall_steps": r["wall_steps"],
+               "train_flops": r["train_flops"], "continuation": r["continuation"]}
+        if ref:
+            row["gap_to_e2e"] = r["test_ce"] - ref["test_ce"]
+            row["flops_vs_e2e"] = r["train_flops"] / ref["train_flops"]
+        rows.append(row)
+    headline = None
+    if ref and "staggered" in results:
+        s = results["staggered"]
+        headline = {
+            "assembled_test_ce": s["test_ce"], "end_to_end_test_ce": ref["test_ce"],
+            "gap": s["test_ce"] - ref["test_ce"], "target_gap": 0.04, "aim_gap": 0.02,
+            "met": s["test_ce"] - ref["test_ce"] <= 0.04, "every_worker_busy": s["busy_fraction"] == 1.0,
+        }
+        # block 1 trained alone on the full plan (its head in the sequential or parallel run)
+        alone = results.get("sequential") or results.get("parallel")
+        if alone:
+            headline["block_alone_test_ce"] = alone["test_ce_heads"][0]
+            headline["e2e_beats_block_alone_by"] = alone["test_ce_heads"][0] - ref["test_ce"]
+        if "e2e-equal-flops" in results:
+            headline["end_to_end_equal_flops_test_ce"] = results["e2e-equal-flops"]["test_ce"]
+            headline["gap_equal_flops"] = s["test_ce"] - results["e2e-equal-flops"]["test_ce"]
+    return {"benchmark": "train", "steps": steps, "rows": rows, "headline": headline, "memory": memory,
+            "data": "WikiText-2 bytes: train wiki.train.tokens, curves on wiki.valid.tokens, "
+                    "test CE on wiki.test.tokens (test_raw_ce: wiki.test.raw), nats/byte"}
+
+
+def table(summary: dict) -> str:
+    lines = [f"{'variant':<24} {'steps':>6} {'busy':>5} {'FLOPs':>6} {'test CE heads':<26} {'CE':>7} {'gap':>7}"]
+    for r in summary["rows"]:
+        heads = " ".join(f"{c:.3f}" for c in r["test_ce_heads"])
+        gap = f"{r['gap_to_e2e']:+.3f}" if "gap_to_e2e" in r else ""
+        flops = f"{r['flops_vs_e2e']:.2f}x" if "flops_vs_e2e" in r else ""
+        lines.append(f"{r['variant']:<24} {r['steps']:>6} {r['busy_fraction']:>5.2f} {flops:>6} {heads:<26} "
+                     f"{r['test_ce']:>7.4f} {gap:>7}")
+    h = summary.get("headline")
+    if h:
+        lines.append(f"headline: assembled {h['assembled_test_ce']:.4f} vs end-to-end {h['end_to_end_test_ce']:.4f}: "
+                     f"gap {h['gap']:+.4f} (target <= 0.04: {'met' if h['met'] else 'MISSED'})"
+                     + (f"; end-to-end beats block 1 alone by {h['e2e_beats_block_alone_by']:.3f}"
+                        if "e2e_beats_block_alone_by" in h else ""))
+    if summary.get("memory"):
+        for k, v in summary["memory"].items():
+            lines.append(f"memory {k:<11} peak RSS {v['peak_rss_mib']:7.1f} MiB; grads+optimizer "
+                         f"{v['grad_and_optim_state_bytes'] / 2**20:6.2f} MiB ({v['vs_end_to_end']:.2f} of end-to-end)")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        c = r["curve"]
+        ax.plot([p[0] for p in c], [p[1][-1] for p in c], label=f"{name} (test {r['test_ce']:.3f})")
+    ax.set_xlabel("wall step")
+    ax.set_ylabel("valid CE of the output head (nats/byte)")
+    ax.set_title("BlockTrain variants vs end-to-end, WikiText-2 bytes")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
