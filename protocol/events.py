@@ -82,7 +82,8 @@ class Error(Message):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(_is_uint(self.code, 16), f"error code {self.code!r} is not a u16")
+        if not (_is_uint(self.code, 16)):
+            raise _bad(f"error code {self.code!r} is not a u16")
         _check(_is_str(self.reason), "error reason must be a string of <= 4096 chars")
 
 
@@ -137,7 +138,8 @@ class PeerInfo:
         _check(all(c in "0123456789abcdef" for c in self.peer_id), "peer_id must be lowercase hex")
         _check(_is_str(self.addr, 262), "addr must be a string 'host:port'")
         _check(len(self.blocks) <= 64 and all(_is_uint(b, 16) for b in self.blocks), "blocks must be u16s")
-        _check(self.role in ROLES, f"role must be one of {ROLES}")
+        if not (self.role in ROLES):
+            raise _bad(f"role must be one of {ROLES}")
         _check(_is_uint(self.last_seen_ms, 32), "last_seen_ms must be a u32")
 
     def to_wire(self) -> list:
@@ -198,7 +200,8 @@ class BlockUpdate(Message):
         object.__setattr__(self, "tensors", tuple(self.tensors))
         _check(_is_uint(self.block, 16), "block must be a u16")
         _check(_is_uint(self.round), "round must be a u64")
-        _check(self.codec in ("raw", "fp16", "bf16", "int8"), f"unknown update codec {self.codec!r}")
+        if not (self.codec in ("raw", "fp16", "bf16", "int8")):
+            raise _bad(f"unknown update codec {self.codec!r}")
         _check_tensors(self.tensors)
         _check_meta(self.meta)
 
@@ -218,7 +221,8 @@ class StreamOpen(Message):
         _check(self.stream_id != 0, "streams use a stream id other than 0")
         _check(_is_str(self.kind, 64) and _is_str(self.name, 1024), "kind/name too long")
         _check(_is_uint(self.total_size) and _is_uint(self.offset), "sizes must be u64s")
-        _check(self.offset <= self.total_size, f"offset {self.offset} > total_size {self.total_size}")
+        if not (self.offset <= self.total_size):
+            raise _bad(f"offset {self.offset} > total_size {self.total_size}")
         _check(isinstance(self.sha256, (bytes, bytearray)) and len(self.sha256) == 32, "sha256 must be 32 bytes")
         _check_meta(self.meta)
 
@@ -299,6 +303,11 @@ def _wire_keys(cls) -> frozenset:
     return frozenset(_wire_fields(cls))
 
 
+@functools.cache
+def _converted_fields(cls) -> tuple[str, ...]:
+    return tuple(n for n in _wire_fields(cls) if n in _CONVERTED)
+
+
 _COMPRESSED = int(Flags.COMPRESSED)
 _local = threading.local()  # one msgpack Packer per thread (a Packer is not thread-safe)
 
@@ -310,8 +319,9 @@ def _packb(obj) -> bytes:
     return p.pack(obj)
 
 
-_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True, max_str_len=MAX_META_BYTES,
-                             max_bin_len=MAX_META_BYTES, max_array_len=MAX_LIST_LEN, max_map_len=MAX_LIST_LEN)
+# msgpack bounds every string, array and map by the input's length (<= MAX_META_BYTES here);
+# list lengths that matter are checked again by the constructors (MAX_LIST_LEN).
+_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True)
 _TENSOR_MESSAGES = frozenset({MessageType.BLOCK_UPDATE, MessageType.PIPELINE_FORWARD, MessageType.PIPELINE_RESULT})
 
 
@@ -324,7 +334,7 @@ def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
         data, z = _maybe_lz4(raw, "auto" if compress else "never")
         return (_COMPRESSED if z else 0), [_CHUNK.pack(msg.offset, len(raw)), data]
     cls = type(msg)
-    if not _CONVERTED & _wire_keys(cls):  # plain fields only: the common small message
+    if not _converted_fields(cls):  # plain fields only: the common small message
         packed = _packb({name: getattr(msg, name) for name in _wire_fields(cls)})
         if len(packed) > MAX_META_BYTES:
             raise LocalProtocolError(f"metadata of {len(packed)} bytes > {MAX_META_BYTES}",
@@ -371,21 +381,24 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
                 raise _bad(f"bad lz4 chunk: {e}") from None
             _check(len(data) == raw_len, "lz4 chunk decompressed to the wrong length")
         else:
-            _check(len(data) == raw_len, f"chunk holds {len(data)} bytes, prefix says {raw_len}")
+            if not (len(data) == raw_len):
+                raise _bad(f"chunk holds {len(data)} bytes, prefix says {raw_len}")
         return StreamChunk(offset=offset, data=data, stream_id=stream_id)  # a view: zero-copy
     _check(len(payload) >= 4, "payload shorter than its metadata length")
     (mlen,) = _U32.unpack_from(payload, 0)
-    _check(mlen <= MAX_META_BYTES and 4 + mlen <= len(payload), f"metadata length {mlen} does not fit the payload")
+    if not (mlen <= MAX_META_BYTES and 4 + mlen <= len(payload)):
+        raise _bad(f"metadata length {mlen} does not fit the payload")
     try:
         meta = _unpackb(payload[4:4 + mlen])
     except Exception as e:  # msgpack raises many types on garbage; all mean "malformed"
         raise _bad(f"metadata is not valid msgpack: {type(e).__name__}: {e}") from None
     _check(isinstance(meta, dict), "metadata must be a msgpack map")
     want = _wire_keys(cls)
-    _check(meta.keys() == want, f"{cls.__name__} metadata keys {sorted(map(str, meta))} != {sorted(want)}")
+    if not (meta.keys() == want):
+        raise _bad(f"{cls.__name__} metadata keys {sorted(map(str, meta))} != {sorted(want)}")
     body = payload[4 + mlen:]
     kwargs, pos = meta, 0
-    for name in _CONVERTED.intersection(want) if want & _CONVERTED else ():
+    for name in _converted_fields(cls):
         v = meta[name]
         if name == "tensors":
             _check(isinstance(v, list), "tensors must be a list")
@@ -403,7 +416,8 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
             _check(isinstance(v, list), "route must be a list")
             v = tuple(v)
         kwargs[name] = v
-    _check(pos == len(body), f"{len(body) - pos} trailing payload bytes after the tensors")
+    if not (pos == len(body)):
+        raise _bad(f"{len(body) - pos} trailing payload bytes after the tensors")
     if mtype in _TENSOR_MESSAGES:
         want_flag = any(any(t.lz4) for t in kwargs["tensors"])
         if bool(flags & _COMPRESSED) != want_flag:

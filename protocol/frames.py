@@ -67,8 +67,11 @@ class FrameHeader(NamedTuple):
     stream_id: int
     length: int
     version: int = PROTOCOL_VERSION
+    raw: bytes | None = None  # the 18 bytes it was parsed from, when parsed
 
     def pack(self) -> bytes:
+        if self.raw is not None:
+            return self.raw
         head = _HEAD14.pack(MAGIC, self.version, self.type, self.flags, 0, self.stream_id, self.length)
         return head + _CRC.pack(zlib.crc32(head))
 
@@ -101,7 +104,7 @@ def parse_header(buf, max_frame_bytes: int = MAX_FRAME_BYTES) -> FrameHeader:
                                  ErrorCode.BAD_FLAGS)
     if length > max_frame_bytes:
         raise LocalProtocolError(f"frame length {length} exceeds limit {max_frame_bytes}", ErrorCode.FRAME_TOO_LARGE)
-    return FrameHeader(mtype, flags, stream_id, length, version)
+    return FrameHeader(mtype, flags, stream_id, length, version, bytes(buf[:HEADER_BYTES]))
 
 
 # Payloads at least this large, when they must be assembled from several pieces, go into a
@@ -201,6 +204,18 @@ class FrameBuffer:
 
     def next_frame(self) -> tuple[FrameHeader, memoryview] | None:
         """The next complete (header, payload) or None; raises LocalProtocolError on a bad header."""
+        if self._header is None and self._chunks and len(self._chunks[0]) >= HEADER_BYTES:
+            first = self._chunks[0]  # fast path: the whole frame lies in the first piece
+            h = parse_header(first, self.max_frame_bytes)
+            end = HEADER_BYTES + h.length
+            if len(first) >= end:
+                if len(first) == end:
+                    self._chunks.popleft()
+                else:
+                    self._chunks[0] = first[end:]
+                self._size -= end
+                return h, first[HEADER_BYTES:end]
+            self._header = h
         if self._header is None:
             if self._size < HEADER_BYTES:
                 return None

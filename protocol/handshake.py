@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import struct
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -53,7 +52,7 @@ def hkdf(ck: bytes, ikm: bytes, n: int) -> tuple[bytes, ...]:
 
 
 def _nonce(n: int) -> bytes:
-    return b"\0\0\0\0" + struct.pack(">Q", n)
+    return n.to_bytes(12, "big")  # 32 zero bits, then the 64-bit counter, big-endian (Noise 5.1)
 
 
 class CipherState:
