@@ -173,6 +173,17 @@ class PeerList(Message):
                f"peer list must hold <= {MAX_LIST_LEN} PeerInfo")
 
 
+@dataclass(frozen=True)
+class Status(Message):
+    """A status request (empty map) or reply (the peer's view: members, liveness, bytes moved)."""
+    TYPE = MessageType.STATUS
+    status: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_meta(self.status)
+
+
 # --- tensors -------------------------------------------------------------------------------
 
 def _check_tensors(tensors):
@@ -286,7 +297,7 @@ class PipelineResult(Message):
 _CONVERTED = frozenset({"tensors", "peer", "peers", "route"})  # wire forms that differ from the field
 
 MESSAGES: dict[MessageType, type[Message]] = {
-    cls.TYPE: cls for cls in (Handshake, Error, Goodbye, Ping, Pong, Announce, PeerList, BlockUpdate,
+    cls.TYPE: cls for cls in (Handshake, Error, Goodbye, Ping, Pong, Announce, PeerList, Status, BlockUpdate,
                               StreamOpen, StreamChunk, StreamEnd, PipelineForward, PipelineResult)
 }
 

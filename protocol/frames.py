@@ -39,6 +39,7 @@ class MessageType(IntEnum):
     PONG = 0x05
     ANNOUNCE = 0x10
     PEER_LIST = 0x11
+    STATUS = 0x12
     BLOCK_UPDATE = 0x20
     STREAM_OPEN = 0x30
     STREAM_CHUNK = 0x31

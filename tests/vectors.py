@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 
 from blocktrain.protocol import (Announce, BlockUpdate, Error, Goodbye, Handshake, PeerInfo, PeerList,
-                                 PipelineForward, PipelineResult, Ping, Pong, StreamChunk, StreamEnd, StreamOpen,
+                                 PipelineForward, PipelineResult, Ping, Pong, Status, StreamChunk, StreamEnd, StreamOpen,
                                  pack_tensor)
 
 PROTOCOL_MD = Path(__file__).resolve().parent.parent / "PROTOCOL.md"
@@ -26,6 +26,7 @@ VALID = {
     "handshake": Handshake(data=bytes(range(8))),
     "announce": Announce(peer=P1),
     "peer_list": PeerList(peers=(P1, P2)),
+    "status": Status(status={"peers": 2}),
     "block_update_raw": BlockUpdate(block=2, round=5, codec="raw", tensors=(
         pack_tensor("w", "float32", (2,), struct.pack("<2f", 1.0, -2.0)),)),
     "block_update_int8": BlockUpdate(block=0, round=1, codec="int8", tensors=(

@@ -1,0 +1,273 @@
+"""The asyncio driver of one protocol Connection: a thin layer of I/O, flow control and timeouts.
+
+Rules:
+- One ``asyncio.Protocol`` per TCP connection feeds bytes to the sans-IO ``Connection`` and
+  queues its events for one reader (``recv``). Above ``HIGH_WATER_EVENTS`` queued events reading
+  pauses; below ``LOW_WATER_EVENTS`` it resumes.
+- One writer task per connection takes frames from two queues, control (stream 0) first, then
+  bulk (chunked streams), so a transfer never delays a heartbeat by more than one frame. Each
+  frame is sealed as it is taken and written whole; a writer that cannot finish a frame (its
+  task is cancelled, the link dies) marks the connection broken and closes it: a half-written
+  sealed stream cannot be resynchronized.
+- Writers wait for drain when the transport buffer is above its high-water mark;
+  ``connection_lost`` wakes every waiter with ``ConnectionError``.
+- Every phase has a named timeout (``Timeouts``); a timeout never swallows an outer cancel.
+- A ``LinkShaper`` (optional) delays each frame as a WAN link would (see link.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, Goodbye, HandshakeComplete,
+                                 Message, ProtocolError, Role)
+
+from .link import LinkShaper, LinkSpec
+
+log = logging.getLogger("blocktrain.p2p")
+
+# Events (messages) a connection may hold unread before it stops reading from the socket.
+HIGH_WATER_EVENTS = 256
+LOW_WATER_EVENTS = 64
+# Transport write buffer limits (bytes): above high, writers wait for drain.
+WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
+WRITE_LOW_WATER_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 10.0  # TCP connect
+    handshake_s: float = 10.0  # from TCP connect to ESTABLISHED
+    heartbeat_s: float = 1.0  # Ping interval on an idle connection
+    dead_after_s: float = 6.0  # no frame from a peer for this long: declared dead
+    chunk_s: float = 30.0  # one chunk of a stream
+    close_s: float = 2.0  # Goodbye flush before the socket closes
+
+
+class PeerConnection(asyncio.Protocol):
+    def __init__(self, conn: Connection, timeouts: Timeouts = Timeouts(), link: LinkSpec | None = None,
+                 name: str = ""):
+        self.conn = conn
+        self.timeouts = timeouts
+        self.name = name
+        self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+        self.established: asyncio.Future = self.loop.create_future()
+        self.closed: asyncio.Future = self.loop.create_future()
+        self._events: collections.deque = collections.deque()
+        self._event_waiter: asyncio.Future | None = None
+        self._paused_reading = False
+        self._control: collections.deque = collections.deque()
+        self._bulk: collections.deque = collections.deque()
+        self._write_wakeup = asyncio.Event()
+        self._drain_waiter: asyncio.Future | None = None
+        self._writing_paused = False
+        self._writer: asyncio.Task | None = None
+        self.shaper = LinkShaper(link) if link is not None and link.shaped else None
+        self.last_heard = time.monotonic()
+        self.close_reason: str | None = None
+        self.peer_addr = None
+
+    # --- asyncio.Protocol -------------------------------------------------------------------
+    def connection_made(self, transport):
+        self.transport = transport
+        self.peer_addr = transport.get_extra_info("peername")
+        transport.set_write_buffer_limits(WRITE_HIGH_WATER_BYTES, WRITE_LOW_WATER_BYTES)
+        self._writer = self.loop.create_task(self._write_loop(), name=f"writer {self.name}")
+        if self.conn.role is Role.INITIATOR:
+            transport.write(self.conn.initiate())
+
+    def data_received(self, data):
+        self.last_heard = time.monotonic()
+        self.conn.receive_data(data)
+        try:
+            while True:
+                ev = self.conn.next_event()
+                if ev is NEED_DATA:
+                    break
+                if isinstance(ev, HandshakeComplete):
+                    if not self.established.done():
+                        self.established.set_result(ev)
+                    continue
+                self._push(ev)
+                if isinstance(ev, ConnectionClosed):
+                    self._shutdown(f"peer closed: {ev.reason or 'goodbye'} (code {ev.code})")
+                    return
+        except ProtocolError as e:
+            out = self.conn.data_to_send()
+            if out and not self.transport.is_closing():
+                self.transport.write(out)
+            log.info("%s: closing: %s", self.name or self.peer_addr, e)
+            self._shutdown(f"protocol error: {e}", e)
+            return
+        out = self.conn.data_to_send()  # handshake replies
+        if out:
+            self.transport.write(out)
+
+    def connection_lost(self, exc):
+        self._shutdown(f"connection lost: {exc or 'EOF'}", ConnectionError(f"connection lost: {exc or 'EOF'}"))
+
+    def pause_writing(self):
+        self._writing_paused = True
+
+    def resume_writing(self):
+        self._writing_paused = False
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    # --- events --------------------------------------------------------------------------------
+    def _push(self, ev):
+        self._events.append(ev)
+        if len(self._events) >= HIGH_WATER_EVENTS and not self._paused_reading and self.transport:
+            self._paused_reading = True
+            self.transport.pause_reading()
+        if self._event_waiter is not None and not self._event_waiter.done():
+            self._event_waiter.set_result(None)
+
+    async def recv(self):
+        """The next message; ``ConnectionClosed`` once the peer closes; raises after a failure."""
+        while not self._events:
+            if self.closed.done():
+                exc = self.closed.result()
+                if isinstance(exc, BaseException):
+                    raise exc
+                return ConnectionClosed(0, self.close_reason or "closed")
+            self._event_waiter = self.loop.create_future()
+            waiters = {self._event_waiter, self.closed}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        ev = self._events.popleft()
+        if self._paused_reading and len(self._events) <= LOW_WATER_EVENTS and self.transport:
+            self._paused_reading = False
+            self.transport.resume_reading()
+        return ev
+
+    # --- sending -------------------------------------------------------------------------------
+    def send_nowait(self, msg: Message, bulk: bool = False):
+        if self.closed.done():
+            raise ConnectionError(f"connection to {self.name or self.peer_addr} is closed: {self.close_reason}")
+        (self._bulk if bulk else self._control).append(msg)
+        self._write_wakeup.set()
+
+    async def send(self, msg: Message, bulk: bool = False):
+        """Queue ``msg`` and wait until the transport can take more (backpressure)."""
+        self.send_nowait(msg, bulk)
+        await self.drain()
+
+    async def drain(self):
+        while (self._writing_paused or len(self._bulk) > 2) and not self.closed.done():
+            self._drain_waiter = self.loop.create_future()
+            await asyncio.wait({self._drain_waiter, self.closed}, return_when=asyncio.FIRST_COMPLETED)
+        if self.closed.done():
+            raise ConnectionError(f"connection to {self.name or self.peer_addr} closed: {self.close_reason}")
+
+    async def _write_loop(self):
+        try:
+            if self.conn.role is Role.INITIATOR or not self.established.done():
+                await asyncio.wait({self.established, self.closed}, return_when=asyncio.FIRST_COMPLETED)
+            while not self.closed.done():
+                if not self._control and not self._bulk:
+                    self._write_wakeup.clear()
+                    await self._write_wakeup.wait()
+                    continue
+                msg = self._control.popleft() if self._control else self._bulk.popleft()
+                frames = self.conn.send_buffers(msg)  # sealed now: from here the frame must go out whole
+                if self.shaper is not None:
+                    size = sum(len(b) for b in frames)
+                    arrive = self.shaper.schedule(time.monotonic(), size)
+                    delay = arrive - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                if self.transport.is_closing():
+                    break
+                self.transport.writelines(frames)
+                if len(self._bulk) <= 2 and self._drain_waiter is not None and not self._drain_waiter.done() \
+                        and not self._writing_paused:
+                    self._drain_waiter.set_result(None)
+                if isinstance(msg, Goodbye):
+                    break
+        except asyncio.CancelledError:
+            if not self.closed.done():  # cancelled with frames possibly half-sent: broken
+                self._shutdown("writer cancelled mid-stream", ConnectionError("writer cancelled"))
+            raise
+        except ProtocolError as e:
+            self._shutdown(f"cannot send: {e}", e)
+
+    # --- closing -------------------------------------------------------------------------------
+    def _shutdown(self, reason: str, exc: BaseException | None = None):
+        if self.closed.done():
+            return
+        self.close_reason = reason
+        self.closed.set_result(exc)
+        if not self.established.done():
+            self.established.set_exception(exc or ConnectionError(reason))
+            self.established.exception()  # mark retrieved: the caller may have given up waiting
+        if self._event_waiter is not None and not self._event_waiter.done():
+            self._event_waiter.set_result(None)
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+        self._write_wakeup.set()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    async def close(self, reason: str = "goodbye"):
+        """Say Goodbye (after queued control frames), give it ``close_s`` to leave, then close."""
+        if self.closed.done():
+            return
+        if self.established.done() and not self.established.exception():
+            try:
+                self.send_nowait(Goodbye(reason=reason))
+                if self._writer is not None:
+                    await asyncio.wait_for(asyncio.shield(self._writer), self.timeouts.close_s)
+            except (ConnectionError, ProtocolError, asyncio.TimeoutError):
+                pass
+        self._shutdown(f"closed by us: {reason}")
+        await self.wait_closed()
+
+    async def wait_closed(self):
+        if self._writer is not None and not self._writer.done():
+            self._writer.cancel()
+            try:
+                await self._writer
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def abort(self, reason: str):
+        self._shutdown(reason, ConnectionError(reason))
+        if self.transport is not None:
+            self.transport.abort()
+
+
+async def open_connection(host: str, port: int, conn: Connection, timeouts: Timeouts = Timeouts(),
+                          link: LinkSpec | None = None, name: str = "") -> PeerConnection:
+    """Connect, run the handshake, return an ESTABLISHED PeerConnection (or raise)."""
+    loop = asyncio.get_running_loop()
+    try:
+        _, pc = await asyncio.wait_for(
+            loop.create_connection(lambda: PeerConnection(conn, timeouts, link, name), host, port), timeouts.connect_s)
+    except asyncio.TimeoutError:
+        raise ConnectionError(f"connect to {host}:{port} timed out after {timeouts.connect_s}s") from None
+    try:
+        await asyncio.wait_for(asyncio.shield(pc.established), timeouts.handshake_s)
+    except asyncio.TimeoutError:
+        pc.abort("handshake timed out")
+        await pc.wait_closed()
+        raise ConnectionError(f"handshake with {host}:{port} timed out after {timeouts.handshake_s}s") from None
+    except BaseException:
+        await pc.wait_closed()
+        raise
+    return pc
+
+
+def install_uvloop() -> bool:
+    """Use uvloop where it is installed; say so once where it is not."""
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed: using the default asyncio loop (slower)")
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
