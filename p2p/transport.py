@@ -256,6 +256,9 @@ async def open_connection(host: str, port: int, conn: Connection, timeouts: Time
         pc.abort("handshake timed out")
         await pc.wait_closed()
         raise ConnectionError(f"handshake with {host}:{port} timed out after {timeouts.handshake_s}s") from None
+    except ProtocolError as e:
+        await pc.wait_closed()
+        raise ConnectionError(f"handshake with {host}:{port} failed: {e}") from e
     except BaseException:
         await pc.wait_closed()
         raise
