@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,8 @@ LOW_WATER_EVENTS = 64
 # Transport write buffer limits (bytes): above high, writers wait for drain.
 WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
 WRITE_LOW_WATER_BYTES = 1024 * 1024
+# Frames smaller than this are joined into one buffer before writing: one syscall, one segment.
+SMALL_FRAME_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class PeerConnection(asyncio.Protocol):
         self._drain_waiter: asyncio.Future | None = None
         self._writing_paused = False
         self._writer: asyncio.Task | None = None
+        self._writer_idle = False  # True while the writer waits with empty queues
         self.shaper = LinkShaper(link) if link is not None and link.shaped else None
         self.last_heard = time.monotonic()
         self.close_reason: str | None = None
@@ -77,6 +81,12 @@ class PeerConnection(asyncio.Protocol):
         self.transport = transport
         self.peer_addr = transport.get_extra_info("peername")
         transport.set_write_buffer_limits(WRITE_HIGH_WATER_BYTES, WRITE_LOW_WATER_BYTES)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames go out now
+            except OSError:
+                pass
         self._writer = self.loop.create_task(self._write_loop(), name=f"writer {self.name}")
         if self.conn.role is Role.INITIATOR:
             transport.write(self.conn.initiate())
@@ -136,9 +146,8 @@ class PeerConnection(asyncio.Protocol):
                 if isinstance(exc, BaseException):
                     raise exc
                 return ConnectionClosed(0, self.close_reason or "closed")
-            self._event_waiter = self.loop.create_future()
-            waiters = {self._event_waiter, self.closed}
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            self._event_waiter = self.loop.create_future()  # _push and _shutdown resolve it
+            await self._event_waiter
         ev = self._events.popleft()
         if self._paused_reading and len(self._events) <= LOW_WATER_EVENTS and self.transport:
             self._paused_reading = False
@@ -149,6 +158,15 @@ class PeerConnection(asyncio.Protocol):
     def send_nowait(self, msg: Message, bulk: bool = False):
         if self.closed.done():
             raise ConnectionError(f"connection to {self.name or self.peer_addr} is closed: {self.close_reason}")
+        if (not bulk and self.shaper is None and not self._control and not self._bulk and self._writer_idle
+                and not self._writing_paused and self.established.done() and not self.transport.is_closing()):
+            # fast path: nothing queued, so nothing to order against: seal and write now
+            try:
+                self._write(self.conn.send_buffers(msg))
+            except ProtocolError as e:
+                self._shutdown(f"cannot send: {e}", e)
+                raise ConnectionError(str(e)) from e
+            return
         (self._bulk if bulk else self._control).append(msg)
         self._write_wakeup.set()
 
@@ -159,8 +177,8 @@ class PeerConnection(asyncio.Protocol):
 
     async def drain(self):
         while (self._writing_paused or len(self._bulk) > 2) and not self.closed.done():
-            self._drain_waiter = self.loop.create_future()
-            await asyncio.wait({self._drain_waiter, self.closed}, return_when=asyncio.FIRST_COMPLETED)
+            self._drain_waiter = self.loop.create_future()  # resume_writing and _shutdown resolve it
+            await self._drain_waiter
         if self.closed.done():
             raise ConnectionError(f"connection to {self.name or self.peer_addr} closed: {self.close_reason}")
 
@@ -171,7 +189,11 @@ class PeerConnection(asyncio.Protocol):
             while not self.closed.done():
                 if not self._control and not self._bulk:
                     self._write_wakeup.clear()
-                    await self._write_wakeup.wait()
+                    self._writer_idle = True
+                    try:
+                        await self._write_wakeup.wait()
+                    finally:
+                        self._writer_idle = False
                     continue
                 msg = self._control.popleft() if self._control else self._bulk.popleft()
                 frames = self.conn.send_buffers(msg)  # sealed now: from here the frame must go out whole
@@ -183,7 +205,7 @@ class PeerConnection(asyncio.Protocol):
                         await asyncio.sleep(delay)
                 if self.transport.is_closing():
                     break
-                self.transport.writelines(frames)
+                self._write(frames)
                 if len(self._bulk) <= 2 and self._drain_waiter is not None and not self._drain_waiter.done() \
                         and not self._writing_paused:
                     self._drain_waiter.set_result(None)
@@ -195,6 +217,12 @@ class PeerConnection(asyncio.Protocol):
             raise
         except ProtocolError as e:
             self._shutdown(f"cannot send: {e}", e)
+
+    def _write(self, frames: list):
+        if len(frames) > 1 and sum(map(len, frames)) < SMALL_FRAME_BYTES:
+            self.transport.write(b"".join(frames))  # one syscall for a small frame
+        else:
+            self.transport.writelines(frames)
 
     # --- closing -------------------------------------------------------------------------------
     def _shutdown(self, reason: str, exc: BaseException | None = None):

@@ -115,28 +115,39 @@ REUSE_MIN_BYTES = 64 * 1024
 
 
 class ReusableBuffer:
-    """A bytearray handed out again only when nobody still holds a view of it.
+    """A few bytearrays handed out again only when nobody still holds a view of them.
 
-    ``get(n)`` returns a writable view of n bytes. If a view from an earlier ``get`` is still
-    alive (a message someone kept), the old buffer is left to them and a new one is made, so
-    reuse never overwrites data in use.
+    ``get(n)`` returns a writable view of n bytes from the first buffer of the pool that no
+    earlier view still holds (a message someone kept, a transport still sending it); when all
+    are held, a new buffer joins the pool or, when the pool is full, the oldest is left to its
+    holders and replaced. Reuse never overwrites data in use.
     """
 
+    POOL = 3  # a frame being consumed, one being assembled, one spare
+
     def __init__(self):
-        self._buf = bytearray()
+        self._pool: list[bytearray] = []
+
+    @staticmethod
+    def _free(buf: bytearray) -> bool:
+        try:
+            buf.append(0)  # resizing fails while any view of the buffer is alive
+            del buf[-1]
+            return True
+        except BufferError:
+            return False
 
     def get(self, n: int) -> memoryview:
-        try:
-            self._buf.append(0)  # resizing fails while any view of the buffer is alive
-            del self._buf[-1]
-        except BufferError:
-            self._buf = bytearray()
-        if len(self._buf) < n:
-            try:
-                self._buf.extend(bytes(n - len(self._buf)))
-            except BufferError:  # pragma: no cover - checked just above
-                self._buf = bytearray(n)
-        return memoryview(self._buf)[:n]
+        for i, buf in enumerate(self._pool):
+            if self._free(buf):
+                if len(buf) < n:
+                    buf.extend(bytes(n - len(buf)))
+                return memoryview(buf)[:n]
+        buf = bytearray(n)
+        if len(self._pool) >= self.POOL:
+            self._pool.pop(0)
+        self._pool.append(buf)
+        return memoryview(buf)[:n]
 
 
 class FrameBuffer:
