@@ -135,7 +135,7 @@ def train(json_path, steps, d_model, n_head, variants, jobs, results_dir, test_w
         steps, d_model, n_head, test_windows = 60, 64, 2, test_windows or 50
     base_model = {"d_model": d_model, "n_head": n_head}
     base_train = {"steps": steps, "decay_frac": 0.2, "warmup": max(5, min(50, steps // 10)),
-                  "eval_every": max(10, steps // 20)}
+                  "eval_every": max(10, steps // 10)}
     vs = default_variants(base_model)
     if variants:
         want = [v.strip() for v in variants.split(",")]

@@ -36,12 +36,18 @@ def default_variants(base_model: dict) -> list[Variant]:
     ratio = blocktrain_flops_ratio(ModelConfig.from_dict(h1))
     return [
         Variant("e2e", None, h1, what="end-to-end reference, backprop through all layers"),
-        Variant("staggered", "staggered", h1,
-                what="all blocks train at once (every worker busy); LR decays staggered, deeper local heads"),
+        Variant("relay", "relay", h1,
+                what="all K workers train block 1 together (same-block gradient averaging, each on 1/K of every "
+                     "batch), then block 2 on block 1's final checkpoint, ...: every worker busy; identity start, "
+                     "deeper local heads"),
         Variant("sequential", "sequential", h1,
-                what="block k trains after block k-1 finished (K x wall time, idle workers), identity start"),
+                what="block k trains after block k-1 finished, one worker each (K x wall time, idle workers)"),
+        Variant("staggered", "staggered", h1,
+                what="all blocks train at once (every worker busy, no averaging); LR decays staggered"),
         Variant("parallel", "parallel", h1, what="all blocks at once, same LR plan, lower blocks refreshed"),
-        Variant("staggered-shallow-heads", "staggered", h0, what="staggered, local heads LayerNorm+linear only"),
+        Variant("sequential-shallow-heads", "sequential", h0, what="sequential, local heads LayerNorm+linear only"),
+        Variant("sequential-no-mask", "sequential", h1, {"mask_frac": 0.0},
+                what="sequential without the masked-future-slot loss (next-byte loss only)"),
         Variant("e2e-equal-flops", None, h1, steps_scale=ratio,
                 what=f"end-to-end reference trained {ratio:.2f}x the steps: equal total training FLOPs"),
     ]
@@ -163,6 +169,7 @@ def summarize(results: dict[str, dict], memory: dict | None, steps: int, variant
         if r is None:
             continue
         row = {"variant": v.name, "what": v.what, "schedule": r["schedule"], "steps": r["train"]["steps"],
+               "workers_per_block": r.get("workers_per_block", 1),
                "test_ce_heads": r["test_ce_heads"], "test_ce": r["test_ce"],
                "test_raw_ce": (r["test_raw_ce_heads"] or [None])[-1],
                "busy_fraction": r["busy_fraction"], "wall_steps": r["wall_steps"],
@@ -172,9 +179,11 @@ def summarize(results: dict[str, dict], memory: dict | None, steps: int, variant
             row["flops_vs_e2e"] = r["train_flops"] / ref["train_flops"]
         rows.append(row)
     headline = None
-    if ref and "staggered" in results:
-        s = results["staggered"]
+    main_name = "relay" if "relay" in results else "staggered"
+    if ref and main_name in results:
+        s = results[main_name]
         headline = {
+            "schedule": main_name,
             "assembled_test_ce": s["test_ce"], "end_to_end_test_ce": ref["test_ce"],
             "gap": s["test_ce"] - ref["test_ce"], "target_gap": 0.04, "aim_gap": 0.02,
             "met": s["test_ce"] - ref["test_ce"] <= 0.04, "every_worker_busy": s["busy_fraction"] == 1.0,

@@ -49,6 +49,7 @@ def run_variant(name: str, mcfg: ModelConfig, tcfg: TrainConfig, schedule: str |
         "variant": name, "schedule": schedule or "end-to-end", "model": mcfg.to_dict(), "train": tcfg.to_dict(),
         "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
         "curve": res.curve, "wall_steps": res.wall_steps, "busy_fraction": res.busy_fraction,
+        "workers_per_block": getattr(res, "workers_per_block", 1),
         "train_flops": res.train_flops, "train_seconds": res.seconds, "total_seconds": time.perf_counter() - t0,
         "trainable_bytes": res.trainable_bytes, "continuation": cont,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

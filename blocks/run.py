@@ -29,6 +29,7 @@ class RunResult:
     seconds: float = 0.0
     train_flops: float = 0.0
     busy_fraction: float = 1.0  # share of worker-steps spent training (K workers x wall steps)
+    workers_per_block: int = 1  # workers training each block at once (relay: K, same-block averaging)
     trainable_bytes: list = field(default_factory=list)
     blocks: list | None = None  # trained Blocks (BlockTrain) or None
     model: object = None  # trained EndToEnd (reference) or None
@@ -60,11 +61,11 @@ def train_blocktrain(mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, train:
                 continue
             if not started[k]:
                 started[k] = True
-                if k > 0 and identity_start and schedule == "sequential":
+                if k > 0 and identity_start and schedule in ("sequential", "relay"):
                     tr.init_from_below(trainers[k - 1].block)
             if k > 0 and (t == p.start or t % tcfg.refresh_every == 0):
                 tr.set_lower([published[j] for j in range(k)], pub_step[:k])
-            tr.train_step()
+            tr.train_step(replicas=K if schedule == "relay" else 1)
             if t % tcfg.refresh_every == tcfg.refresh_every - 1 or tr.step == S:
                 publish(k)
         if (t + 1) % tcfg.eval_every == 0 or t + 1 == wall:
@@ -77,6 +78,10 @@ def train_blocktrain(mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, train:
     tokens = S * tcfg.batch_size * tcfg.seq_len
     res.train_flops = float(sum(train_flops_per_token(mcfg, k, tcfg.seq_len) for k in range(K)) * tokens)
     res.busy_fraction = K * S / (K * wall)
+    if schedule == "relay":  # K workers share each step: a block takes S/K wall steps, all busy
+        res.wall_steps, res.busy_fraction = S, 1.0
+        res.workers_per_block = K
+        res.curve = [(t / K, ces) for t, ces in res.curve]
     res.trainable_bytes = [tr.trainable_bytes() for tr in trainers]
     res.blocks = [tr.block for tr in trainers]
     return res

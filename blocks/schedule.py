@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("staggered", "parallel", "sequential")
+SCHEDULES = ("relay", "staggered", "parallel", "sequential")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ def make_plans(name: str, n_blocks: int, steps: int, decay_frac: float) -> list[
 
     - ``parallel``: all blocks train from step 0, each with the same warmup-stable-decay plan.
     - ``sequential``: block k trains after block k-1 has finished (K x the wall time; idle workers).
+    - ``relay``: sequential, but all K workers train the current block together, each on its own
+      1/K of every batch, gradients averaged every step (same-block averaging): the same
+      optimization as ``sequential``, with every worker busy and 1/K of its wall time per block.
     - ``staggered``: all blocks train from step 0 (every worker busy); block k's decay window is
       the k-th of K consecutive windows of ``decay_frac * steps`` ending at the last step, so each
       block decays while the blocks below it sit at their LR floor.
@@ -42,7 +45,7 @@ def make_plans(name: str, n_blocks: int, steps: int, decay_frac: float) -> list[
     for k in range(n_blocks):
         if name == "parallel":
             plans.append(BlockPlan(0, steps - D, steps))
-        elif name == "sequential":
+        elif name in ("sequential", "relay"):
             plans.append(BlockPlan(k * steps, steps - D, steps))
         else:
             end = steps - (n_blocks - 1 - k) * D

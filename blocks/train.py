@@ -123,20 +123,28 @@ class BlockTrainer:
         start, end = self.lr_plan
         return lr_at(self.step, t.steps, t.lr, t.warmup, start, end, t.lr_floor)
 
-    def train_step(self) -> float:
+    def train_step(self, replicas: int = 1) -> float:
+        """One optimizer step. ``replicas`` > 1: that many workers each take their own rows of the
+        batch and their gradients are averaged before the step (synchronous same-block averaging,
+        computed here in one process: the optimization is the same as one worker on the batch)."""
         x, y = self.batches.batch(self.step)
         x = mask_tail(x, self.tcfg.mask_frac, self.step, self.tcfg.seed)
-        inp = self.lower_hidden(x) if self.k > 0 else x
         for g in self.opt.param_groups:
             g["lr"] = self.lr()
         self.block.train()
-        _, loss = self.block(inp, y)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        assert 1 <= replicas <= x.shape[0], f"{replicas} workers for a batch of {x.shape[0]} rows"
+        total = 0.0
+        for xs, ys in zip(x.tensor_split(replicas), y.tensor_split(replicas)):  # worker r's rows
+            inp = self.lower_hidden(xs) if self.k > 0 else xs
+            _, loss = self.block(inp, ys)
+            share = xs.shape[0] / x.shape[0]  # the rows' share of the batch: a weighted average of gradients
+            (loss * share).backward()
+            total += loss.item() * share
         torch.nn.utils.clip_grad_norm_(self.block.parameters(), self.tcfg.grad_clip)
         self.opt.step()
         self.step += 1
-        return loss.item()
+        return total
 
     def checkpoint(self) -> ckpt.Checkpoint:
         names = {p: n for n, p in self.block.named_parameters()}

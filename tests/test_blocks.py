@@ -90,6 +90,20 @@ def test_no_gradient_crosses_blocks(valid):
     assert all(id(p) in owned for p in t.opt.state)
 
 
+def test_relay_workers_average_to_the_single_worker_step(valid):
+    """K workers on one block, each on its rows of the batch, gradients averaged: the same step."""
+    tc = TrainConfig(**{**TCFG.to_dict(), "batch_size": 7})  # uneven shards: 3, 2, 2 rows
+    one, three = BlockTrainer(TINY, tc, 1, valid), BlockTrainer(TINY, tc, 1, valid)
+    lower = [snapshot(Block(TINY, 0))]
+    one.set_lower(lower)
+    three.set_lower(lower)
+    for _ in range(3):
+        a, b = one.train_step(replicas=1), three.train_step(replicas=3)
+        assert a == pytest.approx(b, abs=1e-5)
+    for (n, p), q in zip(one.block.named_parameters(), three.block.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), n
+
+
 def test_tiny_training_lowers_ce(valid):
     t = BlockTrainer(TINY, TrainConfig(**{**TCFG.to_dict(), "steps": 40, "mask_frac": 0.0}), 0, valid)
     before = eval_chain([t.block], valid, 32, 8)[0]
