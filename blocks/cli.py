@@ -39,7 +39,8 @@ def _default_train() -> TrainConfig:
 class JobConfig:
     model: ModelConfig = field(default_factory=_default_model)
     train: TrainConfig = field(default_factory=_default_train)
-    schedule: str = "staggered"  # see blocktrain.blocks.schedule
+    schedule: str = "relay"  # see blocktrain.blocks.schedule
+    processes: bool = False  # one OS process per block, exchanging checkpoint files (not for relay)
     reference: bool = True  # also train the end-to-end reference under the same budget
     test_windows: int = 300  # test windows of train.seq_len bytes for the final CE; 0 = the whole split
     threads: int = 2  # torch threads
@@ -98,6 +99,9 @@ def parse_args(argv=None) -> JobConfig:
     ap.add_argument("--data", help="directory with wiki.{train,valid,test}.tokens (default: embedded WikiText-2)")
     ap.add_argument("--out", help="output directory (default runs/train-<time>)")
     ap.add_argument("--no-reference", action="store_true", help="skip the end-to-end reference")
+    ap.add_argument("--processes", action="store_true",
+                    help="train each block in its own process, exchanging checkpoint files (staggered, parallel or "
+                         "sequential; relay needs same-block averaging between workers, which bt-peer provides)")
     ap.add_argument("--threads", type=int, help="torch threads (default 2)")
     a = ap.parse_args(argv)
     overrides = {}
@@ -116,6 +120,8 @@ def parse_args(argv=None) -> JobConfig:
             overrides[key] = getattr(a, key)
     if a.no_reference:
         overrides["reference"] = False
+    if a.processes:
+        overrides["processes"] = True
     try:
         return apply_overrides(JobConfig(), overrides)
     except (ValueError, TypeError, AssertionError) as e:
@@ -155,11 +161,15 @@ def run_job(job: JobConfig, log=print) -> dict:
                 bar.set_postfix_str("valid CE " + " ".join(f"{c:.3f}" for c in ces))
         return cb
 
-    with _bar(f"blocktrain ({job.schedule})", None) as bar:
-        bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(bar))
-    for k, b in enumerate(bt.blocks):
-        ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
-                                  extra={"schedule": job.schedule}), out / "checkpoints" / f"block{k}.safetensors")
+    if job.processes:
+        bt = train_in_processes(job, out / "checkpoints", log)
+    else:
+        with _bar(f"blocktrain ({job.schedule})", None) as bar:
+            bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(bar))
+        for k, b in enumerate(bt.blocks):
+            ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
+                                      extra={"schedule": job.schedule, "final": True}),
+                      out / "checkpoints" / f"block{k}.safetensors")
     heads = eval_chain(bt.blocks, test, tc.seq_len, tw)
     heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
     asm = Assembled(bt.blocks)
@@ -200,6 +210,64 @@ def run_job(job: JobConfig, log=print) -> dict:
     return result
 
 
+def train_in_processes(job: JobConfig, directory: Path, log):
+    """K worker processes (blocktrain.blocks.worker), one per block; progress from their files."""
+    import subprocess
+
+    from .model import Block
+    from .run import RunResult
+    from .worker import block_path
+
+    if job.schedule == "relay":
+        raise ValueError("--processes runs staggered, parallel or sequential; relay averages gradients between "
+                         "workers, which needs the network (bt-peer)")
+    mc, tc = job.model, job.train
+    directory.mkdir(parents=True, exist_ok=True)
+    procs = []
+    t0 = time.perf_counter()
+    try:
+        for k in range(mc.n_blocks):
+            cmd = [sys.executable, "-m", "blocktrain.blocks.worker", "--block", str(k), "--dir", str(directory),
+                   "--schedule", job.schedule, "--model", json.dumps(mc.to_dict()),
+                   "--train", json.dumps(tc.to_dict()), "--ckpt-every", str(tc.refresh_every), "--threads", "1"]
+            procs.append(subprocess.Popen(cmd))
+        with _bar(f"blocktrain ({job.schedule}, {mc.n_blocks} processes)", mc.n_blocks * tc.steps) as bar:
+            done = 0
+            while any(p.poll() is None for p in procs):
+                time.sleep(1.0)
+                steps = 0
+                for k in range(mc.n_blocks):
+                    try:
+                        steps += ckpt.load(block_path(directory, k)).step
+                    except ckpt.CheckpointError:
+                        pass  # not written yet, or being replaced
+                bar.update(steps - done)
+                done = steps
+        bad = [k for k, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"block workers {bad} failed; their checkpoints in {directory} are kept")
+    finally:
+        for p in procs:  # interrupted: stop our workers, by pid; their checkpoints stay for a restart
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+    blocks = []
+    for k in range(mc.n_blocks):
+        c = ckpt.load(block_path(directory, k))
+        b = Block(mc, k)
+        b.load_state_dict(c.tensors)
+        blocks.append(b)
+    res = RunResult(f"blocktrain-{job.schedule}-processes", blocks=blocks, seconds=time.perf_counter() - t0)
+    res.wall_steps = tc.steps * (mc.n_blocks if job.schedule == "sequential" else 1)
+    res.busy_fraction = 1 / mc.n_blocks if job.schedule == "sequential" else 1.0
+    from .model import train_flops_per_token
+    res.train_flops = float(sum(train_flops_per_token(mc, k, tc.seq_len) for k in range(mc.n_blocks))
+                            * tc.steps * tc.batch_size * tc.seq_len)
+    res.trainable_bytes = []
+    log(f"block workers finished in {res.seconds:.0f} s")
+    return res
+
+
 def plot_curves(result: dict, path: Path):
     import matplotlib
 
@@ -208,7 +276,7 @@ def plot_curves(result: dict, path: Path):
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     curve = result["blocktrain"]["curve"]
-    for k in range(len(curve[0][1])):
+    for k in range(len(curve[0][1]) if curve else 0):
         ax.plot([c[0] for c in curve], [c[1][k] for c in curve], label=f"BlockTrain head of block {k + 1}")
     if "reference" in result:
         ref = result["reference"]["curve"]
@@ -217,7 +285,8 @@ def plot_curves(result: dict, path: Path):
     ax.set_ylabel("valid CE (nats/byte)")
     ax.set_title(f"BlockTrain ({result['job']['schedule']}) vs end-to-end, WikiText-2 bytes")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -243,7 +312,7 @@ def main(argv=None):
     job = parse_args(argv)
     try:
         run_job(job)
-    except DataError as e:
+    except (DataError, ValueError, RuntimeError, ckpt.CheckpointError) as e:
         print(f"bt-train: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
