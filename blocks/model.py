@@ -53,11 +53,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
+
+
+def config_from_dict(cls, d: dict):
+    """Build config dataclass ``cls`` from a dict; unknown keys are errors, never ignored."""
+    unknown = set(d) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
+    return cls(**d)
 
 
 class Attention(nn.Module):

@@ -13,14 +13,14 @@ Rules:
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 from torch.nn import functional as F
 
 from . import checkpoint as ckpt
 from .data import ByteBatches, eval_windows
-from .model import MASK_ID, Block, EndToEnd, ModelConfig, lr_at
+from .model import MASK_ID, Block, EndToEnd, ModelConfig, config_from_dict, lr_at
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown train config keys: {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
     def to_dict(self) -> dict:
         return asdict(self)
