@@ -13,11 +13,11 @@ import torch
 from blocktrain.blocks.data import as_tensor, read_split
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.run import train_blocktrain, train_e2e
-from blocktrain.blocks.train import TrainConfig, eval_chain, eval_continuation, eval_e2e
+from blocktrain.blocks.train import TrainConfig, eval_chain, eval_continuation, eval_e2e, eval_generation
 
 
 def run_variant(name: str, mcfg: ModelConfig, tcfg: TrainConfig, schedule: str | None, data_dir=None,
-                test_windows: int | None = None, progress=None) -> dict:
+                test_windows: int | None = None, progress=None, save_dir: str | None = None) -> dict:
     train = as_tensor(read_split("train", data_dir))
     valid = as_tensor(read_split("valid", data_dir))
     test = as_tensor(read_split("test", data_dir))
@@ -45,6 +45,14 @@ def run_variant(name: str, mcfg: ModelConfig, tcfg: TrainConfig, schedule: str |
             "one_traversal": eval_continuation(fwd, test, 64, n, 64, one_traversal=True),
             "teacher_forced": eval_continuation(fwd, test, 64, n, 64, one_traversal=False),
         }
+        if schedule is None:  # the autoregressive baseline: KV-cached greedy decoding, byte by byte
+            cont[str(n)]["autoregressive_greedy"] = eval_generation(m.generate, test, 64, n, 64)
+    if save_dir:  # the trained weights, for later analysis and serving
+        from blocktrain.blocks import checkpoint as ckpt
+        blocks = list(m.blocks) if schedule is None else res.blocks
+        for k, b in enumerate(blocks):
+            ckpt.save(ckpt.Checkpoint(mcfg.to_dict(), None if schedule is None else k, tcfg.steps, b.state_dict(),
+                                      extra={"variant": name, "final": True}), f"{save_dir}/block{k}.safetensors")
     return {
         "variant": name, "schedule": schedule or "end-to-end", "model": mcfg.to_dict(), "train": tcfg.to_dict(),
         "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
@@ -74,7 +82,8 @@ def main(argv=None):
         if t % 50 == 0 or t == total:
             print(f"{a.name} {t}/{total} {ces}", file=sys.stderr, flush=True)
 
-    out = run_variant(a.name, mcfg, tcfg, a.schedule, None, a.test_windows, progress)
+    out = run_variant(a.name, mcfg, tcfg, a.schedule, None, a.test_windows, progress,
+                      save_dir=a.out[:-5] + ".ckpt" if a.out.endswith(".json") else a.out + ".ckpt")
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps({k: out[k] for k in ("variant", "test_ce_heads", "train_seconds")}))

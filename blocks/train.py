@@ -254,6 +254,15 @@ def eval_continuation(forward, data: torch.Tensor, prompt_len: int, n_bytes: int
     return {"ce": ce, "byte_accuracy": acc, "windows": int(x.shape[0]), "prompt_len": prompt_len, "n_bytes": n_bytes}
 
 
+@torch.no_grad()
+def eval_generation(generate, data: torch.Tensor, prompt_len: int, n_bytes: int, max_windows: int = 64) -> dict:
+    """Byte accuracy of free-running greedy decoding (``generate(prompt, n)``) against the truth."""
+    x, _ = eval_windows(data, prompt_len + n_bytes, max_windows)
+    out = generate(x[:, :prompt_len], n_bytes)
+    return {"byte_accuracy": (out == x[:, prompt_len:]).float().mean().item(), "windows": int(x.shape[0]),
+            "prompt_len": prompt_len, "n_bytes": n_bytes}
+
+
 def snapshot(block: Block) -> dict:
     return {k: v.detach().clone() for k, v in block.state_dict().items()}
 
