@@ -51,7 +51,11 @@ class Timeouts:
     close_s: float = 2.0  # Goodbye flush before the socket closes
 
 
-class PeerConnection(asyncio.Protocol):
+# Bytes read at once when no large payload is in progress.
+READ_BUFFER_BYTES = 256 * 1024
+
+
+class PeerConnection(asyncio.BufferedProtocol):
     def __init__(self, conn: Connection, timeouts: Timeouts = Timeouts(), link: LinkSpec | None = None,
                  name: str = ""):
         self.conn = conn
@@ -75,6 +79,8 @@ class PeerConnection(asyncio.Protocol):
         self.last_heard = time.monotonic()
         self.close_reason: str | None = None
         self.peer_addr = None
+        self._read_view = memoryview(bytearray(READ_BUFFER_BYTES))
+        self._reading_direct = False
 
     # --- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport):
@@ -91,9 +97,28 @@ class PeerConnection(asyncio.Protocol):
         if self.conn.role is Role.INITIATOR:
             transport.write(self.conn.initiate())
 
+    def get_buffer(self, sizehint):
+        view = self.conn.receive_buffer()  # the rest of a large payload: read straight into it
+        if view is not None and len(view):
+            self._reading_direct = True
+            return view
+        self._reading_direct = False
+        return self._read_view
+
+    def buffer_updated(self, nbytes):
+        if self._reading_direct:
+            self.last_heard = time.monotonic()
+            self.conn.received_into(nbytes)
+            self._process()
+        else:
+            self.data_received(bytes(self._read_view[:nbytes]))
+
     def data_received(self, data):
         self.last_heard = time.monotonic()
         self.conn.receive_data(data)
+        self._process()
+
+    def _process(self):
         try:
             while True:
                 ev = self.conn.next_event()

@@ -269,6 +269,16 @@ class Connection:
             return
         self._frames.feed(data)
 
+    def receive_buffer(self) -> memoryview | None:
+        """A writable view to receive the rest of a large incoming payload into, or None."""
+        if self.state in (State.ERROR, State.CLOSED):
+            return None
+        return self._frames.receive_buffer()
+
+    def received_into(self, n: int) -> None:
+        """``n`` bytes were written at the start of the view ``receive_buffer`` returned."""
+        self._frames.received_into(n)
+
     def next_event(self):
         """The next event, or NEED_DATA; raises RemoteProtocolError once on peer errors."""
         if self.state in (State.ERROR, State.CLOSED):

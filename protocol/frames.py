@@ -155,8 +155,12 @@ class FrameBuffer:
 
     Fed ``bytes`` (and read-only views) are kept by reference (no copy); a payload that lies
     inside one fed piece is returned as a view of it, one spread over several pieces is copied
-    once, into a reused buffer when it is large. Mutable inputs (bytearray, writable memoryview) are copied on feed, since the caller
-    may reuse them.
+    once, into a reused buffer when it is large. Mutable inputs (bytearray, writable memoryview)
+    are copied on feed, since the caller may reuse them.
+
+    Large payloads can also be received in place: ``receive_buffer()`` hands out the rest of the
+    current payload's buffer and ``received_into(n)`` says how much was written there, so a
+    socket reads straight into it (no copy after the kernel's).
     """
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES):
@@ -165,6 +169,32 @@ class FrameBuffer:
         self._header: FrameHeader | None = None
         self.max_frame_bytes = max_frame_bytes
         self._assembly = ReusableBuffer()
+        self._direct: memoryview | None = None  # the payload being received in place
+        self._direct_pos = 0
+
+    def receive_buffer(self) -> memoryview | None:
+        """Where to write the rest of the current large payload, or None (use ``feed``)."""
+        if self._direct is not None:
+            return self._direct[self._direct_pos:]
+        h = self._header
+        if h is None or h.length < REUSE_MIN_BYTES or self._size >= HEADER_BYTES + h.length:
+            return None
+        target = self._assembly.get(h.length)
+        self._take(HEADER_BYTES)
+        n = self._size  # every buffered byte belongs to this payload: the frame is incomplete
+        pos = 0
+        while self._chunks:
+            c = self._chunks.popleft()
+            target[pos:pos + len(c)] = c
+            pos += len(c)
+        self._size = 0
+        self._direct, self._direct_pos = target, n
+        return target[n:]
+
+    def received_into(self, n: int) -> None:
+        if self._direct is None or not 0 <= n <= len(self._direct) - self._direct_pos:
+            raise LocalProtocolError("received_into without a matching receive_buffer")
+        self._direct_pos += n
 
     def feed(self, data) -> None:
         if not len(data):
@@ -176,7 +206,7 @@ class FrameBuffer:
 
     @property
     def buffered(self) -> int:
-        return self._size
+        return self._size + self._direct_pos
 
     def _take(self, n: int) -> memoryview:
         """Remove and return the next n bytes (a view when they lie in one piece)."""
@@ -216,6 +246,12 @@ class FrameBuffer:
 
     def next_frame(self) -> tuple[FrameHeader, memoryview] | None:
         """The next complete (header, payload) or None; raises LocalProtocolError on a bad header."""
+        if self._direct is not None:
+            if self._direct_pos < len(self._direct):
+                return None
+            h, payload = self._header, self._direct
+            self._header, self._direct, self._direct_pos = None, None, 0
+            return h, payload
         if self._header is None and self._chunks and len(self._chunks[0]) >= HEADER_BYTES:
             first = self._chunks[0]  # fast path: the whole frame lies in the first piece
             h = parse_header(first, self.max_frame_bytes)

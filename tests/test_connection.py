@@ -210,3 +210,32 @@ def test_byte_accounting_counts_every_frame(pair):
     assert sent["total"]["frames"] == sent["by_type"]["handshake"]["frames"] + 1
     assert pair.a.counter.snapshot()["received"]["total"]["wire_bytes"] == \
         pair.b.counter.snapshot()["sent"]["total"]["wire_bytes"]
+
+
+@pytest.mark.parametrize("seal", [True, False])
+def test_large_payload_received_in_place_equals_fed(seal):
+    import random
+
+    from blocktrain.protocol import StreamChunk
+    p = ConnectionPair(seal=(seal, seal))
+    p.handshake()
+    data = os.urandom(300_000)
+    wire = p.a.send(StreamChunk(offset=7, data=data, stream_id=2)) + p.a.send(Ping(nonce=1))
+    rng = random.Random(0)
+    pos, got, direct = 0, [], 0
+    p.b.receive_data(wire[:1000])  # the header and a little payload arrive the ordinary way
+    pos = 1000
+    got += p.drain(p.b)
+    while pos < len(wire):
+        view = p.b.receive_buffer()
+        if view is None:  # no large payload in progress: feed
+            n = min(len(wire) - pos, rng.randint(1, 5000))
+            p.b.receive_data(wire[pos:pos + n])
+        else:  # a socket would read straight into the payload's buffer
+            n = min(len(view), len(wire) - pos, rng.randint(1, 70_000))
+            view[:n] = wire[pos:pos + n]
+            p.b.received_into(n)
+            direct += 1
+        pos += n
+        got += p.drain(p.b)
+    assert direct > 0 and got == [StreamChunk(offset=7, data=data, stream_id=2), Ping(nonce=1)]
