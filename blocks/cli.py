@@ -128,11 +128,38 @@ def parse_args(argv=None) -> JobConfig:
         ap.error(str(e))
 
 
-def _bar(desc: str, total: int):
+class _LineProgress:
+    """Progress for logs (stderr not a terminal): a plain line every ``every_s`` seconds."""
+
+    def __init__(self, desc: str, total: int | None, every_s: float = 30.0):
+        self.desc, self.total, self.every_s = desc, total, every_s
+        self.n, self.postfix, self.t0, self.last = 0, "", time.monotonic(), time.monotonic()
+
+    def update(self, k: int = 1):
+        self.n += k
+        if time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            of = f"/{self.total}" if self.total else ""
+            print(f"{self.desc}: step {self.n}{of}, {time.monotonic() - self.t0:.0f} s {self.postfix}",
+                  file=sys.stderr, flush=True)
+
+    def set_postfix_str(self, s: str):
+        self.postfix = s
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        print(f"{self.desc}: done, {self.n} steps in {time.monotonic() - self.t0:.0f} s {self.postfix}",
+              file=sys.stderr, flush=True)
+
+
+def _bar(desc: str, total: int | None):
+    if not sys.stderr.isatty():
+        return _LineProgress(desc, total)
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True,
-                disable=None)  # None: off when stderr is not a terminal
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
 def run_job(job: JobConfig, log=print) -> dict:
@@ -180,6 +207,7 @@ def run_job(job: JobConfig, log=print) -> dict:
             "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
             "curve": bt.curve, "train_seconds": bt.seconds, "train_flops": bt.train_flops,
             "busy_fraction": bt.busy_fraction, "trainable_bytes_per_block": bt.trainable_bytes,
+            "workers_per_block": bt.workers_per_block, "starts": bt.starts,
             "continuation_one_traversal": eval_continuation(asm, test, 64, 32, 64, one_traversal=True),
         },
     }
@@ -276,12 +304,15 @@ def plot_curves(result: dict, path: Path):
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     curve = result["blocktrain"]["curve"]
+    starts = result["blocktrain"].get("starts") or []
     for k in range(len(curve[0][1]) if curve else 0):
-        ax.plot([c[0] for c in curve], [c[1][k] for c in curve], label=f"BlockTrain head of block {k + 1}")
+        s = starts[k] if k < len(starts) else 0
+        pts = [c for c in curve if c[0] > s]  # a block's head means nothing before it trains
+        ax.plot([c[0] for c in pts], [c[1][k] for c in pts], label=f"BlockTrain head of block {k + 1}")
     if "reference" in result:
         ref = result["reference"]["curve"]
         ax.plot([c[0] for c in ref], [c[1][0] for c in ref], "k--", label="end-to-end reference")
-    ax.set_xlabel("wall step (every block and the reference: one optimizer step per wall step)")
+    ax.set_xlabel("wall time, in optimizer steps of one worker (relay: the K workers share each block's steps)")
     ax.set_ylabel("valid CE (nats/byte)")
     ax.set_title(f"BlockTrain ({result['job']['schedule']}) vs end-to-end, WikiText-2 bytes")
     ax.grid(alpha=0.3)

@@ -30,6 +30,7 @@ class RunResult:
     train_flops: float = 0.0
     busy_fraction: float = 1.0  # share of worker-steps spent training (K workers x wall steps)
     workers_per_block: int = 1  # workers training each block at once (relay: K, same-block averaging)
+    starts: list = field(default_factory=list)  # wall step at which each block starts training
     trainable_bytes: list = field(default_factory=list)
     blocks: list | None = None  # trained Blocks (BlockTrain) or None
     model: object = None  # trained EndToEnd (reference) or None
@@ -83,6 +84,7 @@ def train_blocktrain(mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, train:
         res.workers_per_block = K
         res.curve = [(t / K, ces) for t, ces in res.curve]
     res.trainable_bytes = [tr.trainable_bytes() for tr in trainers]
+    res.starts = [p.start / (K if schedule == "relay" else 1) for p in plans]
     res.blocks = [tr.block for tr in trainers]
     return res
 
