@@ -300,7 +300,26 @@ class Connection:
     def _handle(self, h: FrameHeader, payload: memoryview):
         wire = HEADER_BYTES + h.length
         sealed_frame = bool(h.flags & _SEALED)
-        if h.type is MessageType.ERROR and not sealed_frame and self.state is not State.ESTABLISHED:
+        if self._state is State.ESTABLISHED and h.type is not MessageType.HANDSHAKE:  # the common case
+            if sealed_frame is not self.sealed_session:
+                raise LocalProtocolError(f"{'sealed' if sealed_frame else 'unsealed'} frame in a "
+                                         f"{'sealed' if self.sealed_session else 'unsealed'} session",
+                                         ErrorCode.BAD_FLAGS)
+            if sealed_frame:
+                n = h.length - TAGLEN
+                if n >= SEAL_PARTS_MIN_BYTES:
+                    payload = self._recv_cs.decrypt_into(h.raw, payload, self._open_buf.get(n))
+                else:
+                    payload = memoryview(self._recv_cs.decrypt(h.raw, payload))
+            t = h.type
+            msg = decode_payload(t, h.flags & ~_SEALED, h.stream_id, payload)
+            self.counter.add("received", t, _logical_len(msg, len(payload)), wire)
+            if t in _CLOSE_TYPES:
+                self._transition(Ev.RECV_CLOSE)
+                return ConnectionClosed(msg.code if isinstance(msg, Error) else 0, msg.reason)
+            self._transition(Ev.RECV_MESSAGE)
+            return msg
+        if h.type is MessageType.ERROR and not sealed_frame and self._state is not State.ESTABLISHED:
             msg = decode_payload(h.type, h.flags, h.stream_id, payload)
             self.counter.add("received", h.type, h.length, wire)
             self._transition(Ev.RECV_CLOSE)
