@@ -50,7 +50,7 @@ def _announce(port_file: str, port: int):
 
 async def _child_peer(port_file: str, psk: bytes, seal: bool, total: int):
     from blocktrain.p2p.transport import PeerConnection, Timeouts
-    from blocktrain.protocol import Connection, ConnectionClosed, Ping, Pong, Role, StreamChunk
+    from blocktrain.protocol import Connection, ConnectionClosed, Pong, Role, StreamChunk
 
     loop = asyncio.get_running_loop()
     done = loop.create_future()
@@ -66,8 +66,6 @@ async def _child_peer(port_file: str, psk: bytes, seal: bool, total: int):
                     got += len(m.data)
                     if got >= total:
                         pc.send_nowait(Pong(nonce=got))
-                elif isinstance(m, Ping):
-                    pc.send_nowait(Pong(nonce=m.nonce))
                 elif isinstance(m, ConnectionClosed):
                     break
                 del m  # release the frame buffer for reuse

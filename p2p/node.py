@@ -26,8 +26,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from blocktrain.protocol import (Announce, Connection, ConnectionClosed, PeerInfo, PeerList, Ping, Pong, Role,
-                                 Status)
+from blocktrain.protocol import Announce, Connection, ConnectionClosed, PeerInfo, PeerList, Ping, Role, Status
 
 from .identity import peer_id
 from .link import LinkSpec
@@ -276,9 +275,7 @@ class Peer:
                 m.last_heard = time.monotonic()
             if isinstance(msg, ConnectionClosed):
                 return
-            if isinstance(msg, Ping):
-                pc.send_nowait(Pong(nonce=msg.nonce))
-            elif isinstance(msg, Status):
+            if isinstance(msg, Status):
                 if not msg.status:
                     pc.send_nowait(Status(status=self.status()))
             elif client:

@@ -13,6 +13,8 @@ Rules:
   ``connection_lost`` wakes every waiter with ``ConnectionError``.
 - Every phase has a named timeout (``Timeouts``); a timeout never swallows an outer cancel.
 - A ``LinkShaper`` (optional) delays each frame as a WAN link would (see link.py).
+- Pings are answered by the driver as they are parsed (``auto_pong``): liveness does not wait
+  for the application's reader.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, Goodbye, HandshakeComplete,
-                                 Message, ProtocolError, Role)
+                                 Message, Ping, Pong, ProtocolError, Role)
 
 from .link import LinkShaper, LinkSpec
 
@@ -79,6 +81,7 @@ class PeerConnection(asyncio.BufferedProtocol):
         self.last_heard = time.monotonic()
         self.close_reason: str | None = None
         self.peer_addr = None
+        self.auto_pong = True  # a Ping is answered by the driver at once and never queued
         self._read_view = memoryview(bytearray(READ_BUFFER_BYTES))
         self._reading_direct = False
 
@@ -127,6 +130,9 @@ class PeerConnection(asyncio.BufferedProtocol):
                 if isinstance(ev, HandshakeComplete):
                     if not self.established.done():
                         self.established.set_result(ev)
+                    continue
+                if self.auto_pong and type(ev) is Ping:  # answer heartbeats here, not via the reader
+                    self.send_nowait(Pong(nonce=ev.nonce))
                     continue
                 self._push(ev)
                 if isinstance(ev, ConnectionClosed):

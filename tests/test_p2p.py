@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from blocktrain.p2p.link import LinkShaper, LinkSpec
 from blocktrain.p2p.node import Peer, query_status
 from blocktrain.p2p.transport import PeerConnection, Timeouts, open_connection
-from blocktrain.protocol import Connection, Ping, Role, StreamChunk
+from blocktrain.protocol import Connection, Ping, Pong, Role, Status, StreamChunk
 
 FAST = Timeouts(connect_s=5, handshake_s=2, heartbeat_s=0.2, dead_after_s=1.5, close_s=1)
 
@@ -57,8 +57,11 @@ async def _pair(psk, link=None):
 async def test_messages_cross_a_real_socket(psk):
     server, a, b = await _pair(psk)
     try:
-        a.send_nowait(Ping(nonce=1))
-        assert await asyncio.wait_for(b.recv(), 5) == Ping(nonce=1)
+        a.send_nowait(Status(status={"hello": 1}))
+        assert await asyncio.wait_for(b.recv(), 5) == Status(status={"hello": 1})
+        a.send_nowait(Ping(nonce=7))  # answered by b's driver, never queued for b's reader
+        assert await asyncio.wait_for(a.recv(), 5) == Pong(nonce=7)
+        assert not b._events
     finally:
         await a.close()
         await b.close()
