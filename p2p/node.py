@@ -100,6 +100,8 @@ class Peer:
         self._connecting: set[str] = set()
         self._pending = 0
         self._client_conns: set[PeerConnection] = set()
+        self.clients: dict[str, PeerConnection] = {}  # connected clients by peer id (pipeline replies)
+        self.handlers: dict[type, object] = {}  # message type -> async fn(msg, pc, peer_id), see on()
         self.addr = ""
         self._stopping = False
 
@@ -208,10 +210,13 @@ class Peer:
         role = hello.get("role", "train") if isinstance(hello, dict) else "train"
         if role == "client":
             self._client_conns.add(pc)
+            self.clients[pid] = pc
             try:
                 await self._reader(pc, pid, client=True)
             finally:
                 self._client_conns.discard(pc)
+                if self.clients.get(pid) is pc:
+                    del self.clients[pid]
             return
         try:
             info = PeerInfo(pid, str(hello.get("addr", "")), tuple(hello.get("blocks", ())), role, 0)
@@ -275,7 +280,10 @@ class Peer:
                 m.last_heard = time.monotonic()
             if isinstance(msg, ConnectionClosed):
                 return
-            if isinstance(msg, Status):
+            handler = self.handlers.get(type(msg))
+            if handler is not None:
+                self._spawn(handler(msg, pc, pid), f"handle {type(msg).__name__}")
+            elif isinstance(msg, Status):
                 if not msg.status:
                     pc.send_nowait(Status(status=self.status()))
             elif client:
@@ -285,6 +293,24 @@ class Peer:
             elif isinstance(msg, PeerList):
                 for p in msg.peers:
                     self._learn(p)
+
+    def on(self, msg_type: type, handler):
+        """Run ``await handler(msg, pc, peer_id)`` (as its own task) for every message of that type."""
+        self.handlers[msg_type] = handler
+
+    async def connection_to(self, addr: str) -> PeerConnection:
+        """The live connection to the member listening on ``addr``, connecting if there is none."""
+        for attempt in range(2):
+            for m in self.members.values():
+                if m.info.addr == addr and m.conn is not None and not m.conn.closed.done():
+                    return m.conn
+            if attempt == 0:
+                task = await self._connect(addr)
+                deadline = time.monotonic() + self.timeouts.handshake_s
+                while task is not None and time.monotonic() < deadline and not any(
+                        m.info.addr == addr and m.conn is not None for m in self.members.values()):
+                    await asyncio.sleep(0.01)
+        raise ConnectionError(f"no connection to {addr}")
 
     def _learn(self, p: PeerInfo, direct: bool = False):
         if p.peer_id == self.id or p.role == "client" or not p.addr:
