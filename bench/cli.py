@@ -104,6 +104,106 @@ def transport(json_path, mib, repeats, pings):
 
 
 @main.command()
+@click.option("--mode", type=click.Choice(["both", "blocktrain", "autoregressive"]), default="both", show_default=True)
+@click.option("--hops", default=3, show_default=True, type=click.IntRange(1, 16), help="Serving peers, one block each.")
+@click.option("--rtt-ms", default=50.0, show_default=True, type=click.FloatRange(0), help="Round trip of every link.")
+@click.option("--rate-mbit", default=100.0, show_default=True, type=click.FloatRange(0), help="Link rate; 0 = unlimited.")
+@click.option("--bytes", "n_bytes", default=256, show_default=True, type=click.IntRange(2, 4096),
+              help="Output sequence length N (after a 64-byte prompt).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 21))
+@click.option("--d-model", default=192, show_default=True, type=click.IntRange(16, 8192),
+              help="Layer width; large values serve that logical shape with random weights.")
+@click.option("--layers-per-block", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--sweep", is_flag=True, help="N in 16..1024 x RTT in 0..200 ms; writes a table and a PNG.")
+@click.option("--measure-ar", default=None, type=click.IntRange(2, 4096),
+              help="Time the autoregressive mode on this many bytes and scale to N (labelled 'extrapolated'). "
+                   "Default: all N bytes (the sweep uses 32).")
+@click.option("--out", default="runs/bench-wan", show_default=True, type=click.Path(file_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
+def wan(mode, hops, rtt_ms, rate_mbit, n_bytes, repeats, d_model, layers_per_block, sweep, measure_ar, out, json_path):
+    """One output sequence across a chain of peers on WAN-like links, both serving modes.
+
+    blocktrain: one traversal of the block stack emits all N bytes. autoregressive: the matched
+    end-to-end model split by the same layers over the same peers and links, KV cache per peer,
+    one traversal per byte. Per run: time per sequence, traversals, bytes moved, and the
+    physical bound (one-way delays of the links crossed + serialization at the link rate +
+    measured compute). Links: the in-process link shaper (this kernel has no netem). Weights are
+    random: timing does not depend on them. Targets: each mode within 1.25x of its bound; at the
+    default run a speedup of at least 0.5 x N.
+    """
+    from pathlib import Path
+
+    from .wan import compare, run_one
+
+    n_head = max(1, d_model // 32)
+    kw = {"d_model": d_model, "n_head": n_head, "layers_per_block": layers_per_block}
+    if sweep:
+        import uvloop
+        rows = []
+        for rtt in (0.0, 50.0, 200.0):
+            for n in (16, 64, 256, 1024):
+                r = compare(n, rtt, rate_mbit, hops, repeats=1, measure_ar=measure_ar or 32, **kw)
+                rows.append(r)
+                b, a = r["blocktrain"], r["autoregressive"]
+                why = "" if r["speedup_met"] else (" (rate-bound: the blocktrain payload's serialization dominates)"
+                                                   if rate_mbit and b["bytes_moved"] * 8 / (rate_mbit * 1e6) > 0.5 * b["seconds"]
+                                                   else " (compute- or latency-bound at this N and RTT)")
+                click.echo(f"N {n:5d} RTT {rtt:5.0f} ms: blocktrain {b['seconds']:.3f} s ({b['vs_bound']:.2f}x bound), "
+                           f"autoregressive {a['seconds']:.2f} s{' (extrapolated)' if a['extrapolated'] else ''}, "
+                           f"speedup {r['speedup']:.1f} vs 0.5N {0.5 * n:.0f}{'' if r['speedup_met'] else ' BELOW' + why}",
+                           err=True)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        _plot_sweep(rows, Path(out) / "sweep.png")
+        result = {"benchmark": "wan-sweep", "rate_mbit": rate_mbit, "hops": hops, "rows": rows,
+                  "plot": str(Path(out) / "sweep.png")}
+        del uvloop
+    elif mode == "both":
+        result = {"benchmark": "wan", **compare(n_bytes, rtt_ms, rate_mbit, hops, repeats, measure_ar, **kw)}
+        b, a = result["blocktrain"], result["autoregressive"]
+        click.echo(f"blocktrain:     {b['seconds']:.3f} s, {b['traversals']:.0f} traversal, {b['bytes_moved']:,.0f} B, "
+                   f"bound {b['bound_s']:.3f} s ({b['vs_bound']:.2f}x)")
+        click.echo(f"autoregressive: {a['seconds']:.3f} s, {a['traversals']:.0f} traversals, {a['bytes_moved']:,.0f} B, "
+                   f"bound {a['bound_s']:.3f} s ({a['vs_bound']:.2f}x){' (extrapolated)' if a['extrapolated'] else ''}")
+        click.echo(f"speedup {result['speedup']:.1f}x (target >= 0.5 x N = {0.5 * n_bytes:.0f}: "
+                   f"{'met' if result['speedup_met'] else 'MISSED'}); links: {b['links']}")
+    else:
+        import uvloop
+        result = {"benchmark": "wan", mode: uvloop.run(run_one(mode, n_bytes, rtt_ms, rate_mbit, hops, repeats=repeats,
+                                                                measure_ar=measure_ar, **kw))}
+        r = result[mode]
+        click.echo(f"{mode}: {r['seconds']:.3f} s, {r['traversals']:.0f} traversals, {r['bytes_moved']:,.0f} B, "
+                   f"bound {r['bound_s']:.3f} s ({r['vs_bound']:.2f}x)")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=1))
+        click.echo(f"wrote {json_path}")
+
+
+def _plot_sweep(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for rtt in sorted({r["blocktrain"]["rtt_ms"] for r in rows}):
+        sel = [r for r in rows if r["blocktrain"]["rtt_ms"] == rtt]
+        ax.plot([r["blocktrain"]["n_bytes"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"RTT {rtt:.0f} ms")
+    ns = sorted({r["blocktrain"]["n_bytes"] for r in rows})
+    ax.plot(ns, [0.5 * n for n in ns], "k--", label="0.5 x N (target)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("output bytes N")
+    ax.set_ylabel("speedup: autoregressive time / blocktrain time")
+    ax.set_title("One traversal vs one traversal per byte (in-process link shaper)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@main.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the summary as JSON here.")
 @click.option("--steps", default=1000, show_default=True, type=click.IntRange(10, 10**6),
               help="Optimizer steps per block and for the end-to-end reference (the headline budget).")

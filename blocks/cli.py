@@ -214,6 +214,9 @@ def run_job(job: JobConfig, log=print) -> dict:
     if job.reference:
         with _bar("end-to-end reference", tc.steps) as bar:
             e2e = train_e2e(mc, tc, train, valid, progress_for(bar))
+        for k, b in enumerate(e2e.model.blocks):  # the reference, split by the same layers, for serving
+            ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), extra={"model": "end-to-end"}),
+                      out / "reference" / f"block{k}.safetensors")
         ce = eval_e2e(e2e.model, test, tc.seq_len, tw)
         fwd = lambda ids: e2e.model(ids)[0]  # noqa: E731
         result["reference"] = {

@@ -158,6 +158,125 @@ def join(bootstrap, quiet, **o):
         raise click.ClickException(str(e))
 
 
+def _load_served(checkpoints: str | None, reference: str | None, blocks) -> "ServedBlocks":
+    from blocktrain.blocks import checkpoint as ckpt
+    from blocktrain.blocks.model import Block, ModelConfig
+
+    from .pipeline import ServedBlocks
+
+    served = ServedBlocks()
+    for directory, target, with_head in ((checkpoints, served.blocktrain, True), (reference, served.autoregressive, None)):
+        if not directory:
+            continue
+        for k in blocks:
+            path = Path(directory) / f"block{k}.safetensors"
+            try:
+                c = ckpt.load(path)
+            except ckpt.CheckpointError as e:
+                raise click.ClickException(str(e))
+            cfg = ModelConfig.from_dict(c.config)
+            b = Block(cfg, k, with_head=with_head if with_head is not None else k == cfg.n_blocks - 1)
+            b.load_state_dict(c.tensors)
+            b.eval()
+            target[k] = b
+    if not served.blocktrain and not served.autoregressive:
+        raise click.ClickException("serve needs --checkpoints DIR (BlockTrain blocks) and/or --reference DIR")
+    return served
+
+
+@main.command()
+@click.argument("bootstrap", required=False)
+@_peer_options
+@click.option("--checkpoints", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Directory of BlockTrain block checkpoints (bt-train's OUT/checkpoints).")
+@click.option("--reference", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Directory of the end-to-end model's blocks (bt-train's OUT/reference), for autoregressive serving.")
+@click.option("--quiet", is_flag=True, help="No periodic status line.")
+def serve(bootstrap, checkpoints, reference, quiet, **o):
+    """Serve --block K of a trained model: start a swarm, or join one through BOOTSTRAP."""
+    from .pipeline import PipelineServer
+
+    install_uvloop()
+    if not o["blocks"]:
+        raise click.ClickException("serve needs --block K")
+    served = _load_served(checkpoints, reference, o["blocks"])
+    o["role"] = "serve"
+    peer = _build_peer(o)
+    PipelineServer(peer, served)
+    try:
+        asyncio.run(_run(peer, _addr(bootstrap) if bootstrap else None, quiet, _key_hint(o)))
+    except ConnectionError as e:
+        raise click.ClickException(str(e))
+
+
+def _chain(st: dict, bad: set) -> list[str]:
+    """One live serving peer per block 0..K-1 from a status reply, avoiding ``bad``."""
+    holders: dict[int, list[str]] = {}
+    for m in [{"addr": st["addr"], "blocks": st["blocks"], "state": "alive", "role": st["role"]}] + st["members"]:
+        if m["state"] == "alive" and m["role"] == "serve" and m["addr"] not in bad:
+            for b in m["blocks"]:
+                holders.setdefault(b, []).append(m["addr"])
+    if not holders:
+        raise click.ClickException("no live serving peers known")
+    missing = [b + 1 for b in range(max(holders) + 1) if b not in holders]
+    if missing:
+        raise click.ClickException(f"no live peer serves block(s) {missing}" + (f" (excluded: {sorted(bad)})" if bad else ""))
+    return [holders[b][0] for b in range(max(holders) + 1)]
+
+
+async def _generate(host, port, ident, key, prompt: bytes, n: int, mode: str, timeout: float,
+                    attempts: int = 3) -> tuple[bytes, dict]:
+    """Pick a chain from the swarm view, run the request; when a hop fails, retry through another
+    peer holding that block (a hop that names the failed block is excluded; after a timeout the
+    swarm view, which drops silent peers, is asked again)."""
+    from .pipeline import PipelineClient, PipelineError
+
+    tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
+    bad: set[str] = set()
+    last = None
+    for attempt in range(attempts):
+        route = _chain(await query_status(host, port, ident, key, tmo), bad)
+        client = PipelineClient(ident, key, route, list(range(len(route))), timeout_s=timeout)
+        try:
+            await client.connect()
+            gen = client.generate_blocktrain if mode == "blocktrain" else client.generate_autoregressive
+            out, stats = await gen(prompt, n)
+            stats["route"] = route
+            return out, stats
+        except (PipelineError, ConnectionError) as e:
+            last = e
+            click.echo(f"attempt {attempt + 1} through {route} failed: {e}", err=True)
+            named = [route[b] for b in range(len(route)) if f"block {b + 1} " in str(e) or f"block {b + 1}:" in str(e)]
+            if named:
+                bad.add(named[0])
+            else:  # no answer: let the swarm notice the silent peer before asking again
+                await asyncio.sleep(tmo.dead_after_s)
+        finally:
+            await client.close()
+    raise click.ClickException(f"gave up after {attempts} attempts: {last}")
+
+
+@main.command()
+@click.argument("address")
+@click.option("--prompt", required=True, help="Prompt text (UTF-8).")
+@click.option("--bytes", "n_bytes", default=64, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--mode", type=click.Choice(["blocktrain", "autoregressive"]), default="blocktrain", show_default=True)
+@click.option("--swarm-key", type=click.Path(dir_okay=False), default=None)
+@click.option("--identity", type=click.Path(dir_okay=False), default=str(DEFAULT_IDENTITY), show_default=True)
+@click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True)
+def generate(address, prompt, n_bytes, mode, swarm_key, identity, timeout):
+    """Continue --prompt by N bytes through a chain of serving peers found via ADDRESS."""
+    install_uvloop()
+    host, port = _addr(address)
+    try:
+        key, ident = load_swarm_key(swarm_key), load_or_create_identity(identity)
+    except KeyError_ as e:
+        raise click.ClickException(str(e))
+    out, st = asyncio.run(_generate(host, port, ident, key, prompt.encode(), n_bytes, mode, timeout))
+    click.echo(out.decode("utf-8", "replace"))
+    click.echo(f"[{mode}: {st['traversals']} traversal(s), {st['seconds']:.3f} s, route {st['route']}]", err=True)
+
+
 @main.command()
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="Where to write the new swarm key.")
 def keygen(out):

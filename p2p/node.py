@@ -157,7 +157,7 @@ class Peer:
     def _accept(self) -> PeerConnection:
         conn = Connection(Role.RESPONDER, self.identity, self.swarm_key, allowlist=self.allowlist,
                           info=self._hello(), seal=self.seal)
-        pc = PeerConnection(conn, self.timeouts, None, name="inbound")
+        pc = PeerConnection(conn, self.timeouts, self.links.get("default"), name="inbound")
         if self._pending >= MAX_PENDING_HANDSHAKES or self._stopping:
             asyncio.get_running_loop().call_soon(pc.abort, "too many pending handshakes")
             return pc

@@ -94,6 +94,8 @@ class PipelineServer:
             x = from_wire(msg.tensors[0])
             if x.dtype in (torch.bfloat16, torch.float16):
                 x = x.float()
+            elif x.dtype in (torch.int16, torch.int32, torch.uint8):
+                x = x.long()
             t0 = time.perf_counter()
             out, last = await asyncio.to_thread(self._compute, mode, k, x, meta, client)
             meta["compute_s"] = meta.get("compute_s", 0.0) + time.perf_counter() - t0
@@ -211,7 +213,7 @@ class PipelineClient:
 
     async def generate_blocktrain(self, prompt: bytes, n: int) -> tuple[bytes, dict]:
         """N bytes from one traversal of the chain."""
-        ids = torch.tensor([list(prompt) + [MASK_ID] * (n - 1)], dtype=torch.int64)
+        ids = torch.tensor([list(prompt) + [MASK_ID] * (n - 1)], dtype=torch.int16)  # 257 ids: 2 bytes each
         t0 = time.perf_counter()
         res = await self._request(ids, {"mode": "blocktrain", "prompt_len": len(prompt), "n": n}, "raw")
         out = bytes(from_wire(res.tensors[0])[0].tolist())
@@ -221,7 +223,7 @@ class PipelineClient:
         """N bytes, one traversal each, KV caches on the peers (the prompt is sent once)."""
         session = next(self._ids)
         t0 = time.perf_counter()
-        x = torch.tensor([list(prompt)], dtype=torch.int64)
+        x = torch.tensor([list(prompt)], dtype=torch.int16)
         pos, out, compute = 0, [], 0.0
         for i in range(n):
             res = await self._request(x, {"mode": "autoregressive", "session": session, "pos": pos, "n": 1,
@@ -230,5 +232,5 @@ class PipelineClient:
             b = int(from_wire(res.tensors[0]).reshape(-1)[0])
             out.append(b)
             pos += x.shape[1]
-            x = torch.tensor([[b]], dtype=torch.int64)
+            x = torch.tensor([[b]], dtype=torch.int16)
         return bytes(out), {"seconds": time.perf_counter() - t0, "traversals": n, "compute_s": compute}

@@ -110,3 +110,42 @@ async def test_wrong_block_is_a_clear_error(models):
         await client.close()
         for p in peers:
             await p.stop()
+
+
+async def test_client_retries_through_another_holder_of_the_block(models):
+    from blocktrain.p2p.cli import _generate
+    from blocktrain.protocol import PipelineForward
+    bt, e2e = models
+    psk = os.urandom(32)
+    peers, _ = await start_chain(psk, bt, e2e)
+    spare = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=(1,), role="serve",
+                       timeouts=FAST).start()
+    await spare.join("127.0.0.1", peers[0].port)
+    PipelineServer(spare, ServedBlocks({1: bt[1]}, {1: e2e.blocks[1]}))
+    try:
+        for _ in range(100):
+            if len(peers[0].members) == 3 and all(len(p.members) == 3 for p in peers):
+                break
+            await asyncio.sleep(0.05)
+        # the holder of block 2 that the client picks first (smallest peer id) dies mid-request
+        victim = min((peers[1], spare), key=lambda p: p.id)
+        died = []
+
+        async def die(msg, pc, pid):
+            died.append(msg.request_id)
+            victim._server.close()
+            for m in list(victim.members.values()) + [None]:
+                if m is not None and m.conn:
+                    m.conn.abort("crash")
+            for t in list(victim._tasks):
+                t.cancel()
+
+        victim.handlers[PipelineForward] = die
+        prompt = b"retry me please"
+        out, stats = await _generate("127.0.0.1", peers[0].port, X25519PrivateKey.generate(), psk, prompt, 6,
+                                     "blocktrain", 3)
+        want = bytes(Assembled(bt).generate_one_traversal(torch.tensor([list(prompt)]), 6)[0].tolist())
+        assert died and out == want and victim.addr not in stats["route"]
+    finally:
+        for p in peers + [spare]:
+            await p.stop()
