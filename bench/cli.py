@@ -118,9 +118,13 @@ def transport(json_path, mib, repeats, pings):
 @click.option("--measure-ar", default=None, type=click.IntRange(2, 4096),
               help="Time the autoregressive mode on this many bytes and scale to N (labelled 'extrapolated'). "
                    "Default: all N bytes (the sweep uses 32).")
+@click.option("--kernel", is_flag=True,
+              help="Peers as processes in network namespaces: veth, tc HTB rate, delay by tc netem or, where the "
+                   "kernel lacks it, a userspace relay (needs root).")
 @click.option("--out", default="runs/bench-wan", show_default=True, type=click.Path(file_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
-def wan(mode, hops, rtt_ms, rate_mbit, n_bytes, repeats, d_model, layers_per_block, sweep, measure_ar, out, json_path):
+def wan(mode, hops, rtt_ms, rate_mbit, n_bytes, repeats, d_model, layers_per_block, sweep, measure_ar, kernel, out,
+        json_path):
     """One output sequence across a chain of peers on WAN-like links, both serving modes.
 
     blocktrain: one traversal of the block stack emits all N bytes. autoregressive: the matched
@@ -137,7 +141,21 @@ def wan(mode, hops, rtt_ms, rate_mbit, n_bytes, repeats, d_model, layers_per_blo
 
     n_head = max(1, d_model // 32)
     kw = {"d_model": d_model, "n_head": n_head, "layers_per_block": layers_per_block}
-    if sweep:
+    if kernel:
+        from .netns import available
+        from .wan_kernel import run_kernel
+        why = available()
+        if why:
+            raise click.ClickException(f"--kernel: {why}")
+        result = run_kernel(n_bytes, rtt_ms, rate_mbit, hops, d_model, layers_per_block, repeats, measure_ar,
+                            log=lambda s: click.echo(s, err=True))
+        for m in ("blocktrain", "autoregressive"):
+            r = result[m]
+            click.echo(f"{m + ':':<16}{r['seconds']:.3f} s, {r['traversals']:.0f} traversal(s), bound {r['bound_s']:.3f} s "
+                       f"({r['vs_bound']:.2f}x){' (extrapolated)' if r['extrapolated'] else ''}")
+        click.echo(f"speedup {result['speedup']:.1f}x (target >= {0.5 * n_bytes:.0f}: "
+                   f"{'met' if result['speedup_met'] else 'MISSED'}); links: {result['links']}")
+    elif sweep:
         import uvloop
         rows = []
         for rtt in (0.0, 50.0, 200.0):
