@@ -49,7 +49,6 @@ class Timeouts:
     handshake_s: float = 10.0  # from TCP connect to ESTABLISHED
     heartbeat_s: float = 1.0  # Ping interval on an idle connection
     dead_after_s: float = 6.0  # no frame from a peer for this long: declared dead
-    chunk_s: float = 30.0  # one chunk of a stream
     close_s: float = 2.0  # Goodbye flush before the socket closes
 
 
