@@ -102,6 +102,7 @@ class Peer:
         self._client_conns: set[PeerConnection] = set()
         self.clients: dict[str, PeerConnection] = {}  # connected clients by peer id (pipeline replies)
         self.handlers: dict[type, object] = {}  # message type -> async fn(msg, pc, peer_id), see on()
+        self.inline_handlers: dict[type, object] = {}  # message type -> fn(msg, pc, peer_id), in order
         self.addr = ""
         self._stopping = False
 
@@ -280,8 +281,11 @@ class Peer:
                 m.last_heard = time.monotonic()
             if isinstance(msg, ConnectionClosed):
                 return
+            inline = self.inline_handlers.get(type(msg))
             handler = self.handlers.get(type(msg))
-            if handler is not None:
+            if inline is not None:  # in order, in the reader (stream chunks)
+                inline(msg, pc, pid)
+            elif handler is not None:
                 self._spawn(handler(msg, pc, pid), f"handle {type(msg).__name__}")
             elif isinstance(msg, Status):
                 if not msg.status:
@@ -294,9 +298,10 @@ class Peer:
                 for p in msg.peers:
                     self._learn(p)
 
-    def on(self, msg_type: type, handler):
-        """Run ``await handler(msg, pc, peer_id)`` (as its own task) for every message of that type."""
-        self.handlers[msg_type] = handler
+    def on(self, msg_type: type, handler, inline: bool = False):
+        """Run ``await handler(msg, pc, peer_id)`` (as its own task) for every message of that type;
+        ``inline``: call ``handler(msg, pc, peer_id)`` in the reader itself, in arrival order."""
+        (self.inline_handlers if inline else self.handlers)[msg_type] = handler
 
     async def connection_to(self, addr: str) -> PeerConnection:
         """The live connection to the member listening on ``addr``, connecting if there is none."""

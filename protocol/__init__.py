@@ -7,7 +7,7 @@ from .connection import (NEED_DATA, TRANSITIONS, ByteCounter, Connection, Connec
                          Role, State)
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .events import (MESSAGES, Announce, BlockUpdate, Error, Goodbye, Handshake, Message, PeerInfo, PeerList,
-                     PipelineForward, PipelineResult, Ping, Pong, Status, StreamChunk, StreamEnd, StreamOpen,
+                     PipelineForward, PipelineResult, Ping, Pong, Status, StreamChunk, StreamEnd, StreamOpen, StreamRequest,
                      decode_payload, encode_payload)
 from .frames import HEADER_BYTES, MAX_FRAME_BYTES, PROTOCOL_VERSION, Flags, FrameBuffer, MessageType
 from .handshake import HandshakeError, NoiseHandshake, peer_id_of
@@ -18,7 +18,7 @@ __all__ = [
     "NEED_DATA", "TRANSITIONS", "ByteCounter", "Connection", "ConnectionClosed", "HandshakeComplete", "Role",
     "State", "ErrorCode", "LocalProtocolError", "ProtocolError", "RemoteProtocolError", "MESSAGES", "Announce",
     "BlockUpdate", "Error", "Goodbye", "Handshake", "Message", "PeerInfo", "PeerList", "PipelineForward",
-    "PipelineResult", "Ping", "Pong", "Status", "StreamChunk", "StreamEnd", "StreamOpen", "decode_payload",
+    "PipelineResult", "Ping", "Pong", "Status", "StreamChunk", "StreamEnd", "StreamOpen", "StreamRequest", "decode_payload",
     "encode_payload", "HEADER_BYTES", "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Flags", "FrameBuffer",
     "MessageType", "HandshakeError", "NoiseHandshake", "peer_id_of", "CHUNK_SIZE_BYTES", "StreamReceiver",
     "stream_messages", "SEGMENT_ELEMS", "Codec", "WireTensor", "pack_tensor",

@@ -260,6 +260,22 @@ class StreamEnd(Message):
 
 
 @dataclass(frozen=True)
+class StreamRequest(Message):
+    """Ask a peer to send payload (kind, name) from ``offset`` on this stream id."""
+    TYPE = MessageType.STREAM_REQUEST
+    kind: str = "checkpoint"
+    name: str = ""
+    offset: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.stream_id == 0:
+            raise _bad("streams use a stream id other than 0")
+        if not (_is_str(self.kind, 64) and _is_str(self.name, 1024) and _is_uint(self.offset)):
+            raise _bad("stream request: kind/name too long or offset not a u64")
+
+
+@dataclass(frozen=True)
 class PipelineForward(Message):
     TYPE = MessageType.PIPELINE_FORWARD
     request_id: int = 0
@@ -298,7 +314,7 @@ _CONVERTED = frozenset({"tensors", "peer", "peers", "route"})  # wire forms that
 
 MESSAGES: dict[MessageType, type[Message]] = {
     cls.TYPE: cls for cls in (Handshake, Error, Goodbye, Ping, Pong, Announce, PeerList, Status, BlockUpdate,
-                              StreamOpen, StreamChunk, StreamEnd, PipelineForward, PipelineResult)
+                              StreamOpen, StreamChunk, StreamEnd, StreamRequest, PipelineForward, PipelineResult)
 }
 
 

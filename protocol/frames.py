@@ -44,6 +44,7 @@ class MessageType(IntEnum):
     STREAM_OPEN = 0x30
     STREAM_CHUNK = 0x31
     STREAM_END = 0x32
+    STREAM_REQUEST = 0x33
     PIPELINE_FORWARD = 0x40
     PIPELINE_RESULT = 0x41
 

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from blocktrain.protocol import (NEED_DATA, TRANSITIONS, Announce, BlockUpdate, Error, Goodbye, Handshake,
                                  PeerInfo, PeerList, PipelineForward, PipelineResult, Ping, Pong, ProtocolError,
-                                 RemoteProtocolError, State, StreamChunk, StreamEnd, StreamOpen, pack_tensor)
+                                 RemoteProtocolError, State, StreamChunk, StreamEnd, StreamOpen, StreamRequest,
+                                 pack_tensor)
 from blocktrain.protocol.events import MessageReader, frame_message
 from blocktrain.protocol.frames import MAX_FRAME_BYTES
 
@@ -116,6 +117,7 @@ messages = st.one_of(
               sha256=st.binary(min_size=32, max_size=32), offset=st.integers(0, 10), meta=meta, stream_id=sid),
     st.builds(StreamChunk, offset=u64, data=st.binary(max_size=300) | st.just(b"x" * 300), stream_id=sid),
     st.builds(StreamEnd, stream_id=sid),
+    st.builds(StreamRequest, kind=st.just("checkpoint"), name=text, offset=u64, stream_id=sid),
     st.builds(PipelineForward, request_id=u64, route=st.just(("a:1", "b:2")), hop=st.integers(0, 1),
               tensors=tensors(), meta=meta),
     st.builds(PipelineResult, request_id=u64, tensors=tensors(), meta=meta),

@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 
 from blocktrain.protocol import (Announce, BlockUpdate, Error, Goodbye, Handshake, PeerInfo, PeerList,
-                                 PipelineForward, PipelineResult, Ping, Pong, Status, StreamChunk, StreamEnd, StreamOpen,
+                                 PipelineForward, PipelineResult, Ping, Pong, Status, StreamChunk, StreamEnd, StreamOpen, StreamRequest,
                                  pack_tensor)
 
 PROTOCOL_MD = Path(__file__).resolve().parent.parent / "PROTOCOL.md"
@@ -38,6 +38,7 @@ VALID = {
     "stream_chunk": StreamChunk(offset=0, data=b"hello", stream_id=3),
     "stream_chunk_lz4": StreamChunk(offset=4096, data=b"a" * 100, stream_id=3),
     "stream_end": StreamEnd(stream_id=3),
+    "stream_request": StreamRequest(kind="checkpoint", name="block1", offset=1024, stream_id=3),
     "pipeline_forward": PipelineForward(request_id=9, route=("127.0.0.1:4001", "127.0.0.1:4002"), hop=1, tensors=(
         pack_tensor("h", "float32", (1, 2), struct.pack("<2H", 0x3F80, 0xC000), "bf16"),), meta={"n": 4}),
     "pipeline_result": PipelineResult(request_id=9, tensors=(

@@ -1,0 +1,110 @@
+"""Checkpoint streaming between peers: fetch, resume with another holder, refusals."""
+
+import asyncio
+import os
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from blocktrain.p2p.checkpoints import CheckpointFetcher, CheckpointServer, FetchError
+from blocktrain.p2p.node import Peer
+from blocktrain.p2p.transport import Timeouts
+from blocktrain.protocol import StreamChunk, StreamRequest, stream_messages
+
+FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.3, dead_after_s=3, close_s=1)
+
+
+async def swarm(tmp_path, n=3):
+    psk = os.urandom(32)
+    peers = []
+    for i in range(n):
+        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+        if peers:
+            await p.join("127.0.0.1", peers[0].port)
+        peers.append(p)
+    for _ in range(100):
+        if all(len(p.members) == n - 1 for p in peers):
+            break
+        await asyncio.sleep(0.05)
+    return peers
+
+
+def put(directory, kind, name, data):
+    (directory / kind).mkdir(parents=True, exist_ok=True)
+    (directory / kind / f"{name}.safetensors").write_bytes(data)
+
+
+async def test_fetch_resumes_with_another_holder_after_a_death(tmp_path):
+    data = os.urandom(9 * 1024 * 1024 + 123)  # three 4 MiB chunks
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    put(a_dir, "checkpoint", "block1", data)
+    put(b_dir, "checkpoint", "block1", data)
+    a, b, c = await swarm(tmp_path)
+    try:
+        CheckpointServer(a, a_dir)
+        sb = CheckpointServer(b, b_dir)
+        asked = []
+
+        async def dies_after_one_chunk(req, pc, pid):  # a sends the open and one chunk, then dies
+            msgs = stream_messages(req.stream_id, req.kind, req.name, data, offset=req.offset)
+            await pc.send(next(msgs), bulk=True)
+            await pc.send(next(msgs), bulk=True)
+            await asyncio.sleep(0.2)
+            for m in a.members.values():
+                if m.conn:
+                    m.conn.abort("crash")
+
+        async def records(req, pc, pid):
+            asked.append(req.offset)
+            await sb.handle(req, pc, pid)
+
+        a.handlers[StreamRequest] = dies_after_one_chunk
+        b.handlers[StreamRequest] = records
+        fetcher = CheckpointFetcher(c, chunk_timeout_s=2)
+        got = await asyncio.wait_for(fetcher.fetch([a.addr, b.addr], "checkpoint", "block1"), 60)
+        assert got == data
+        assert asked == [4 * 1024 * 1024]  # b continued where a stopped
+        assert fetcher.received_by_kind["checkpoint"] == len(data)
+    finally:
+        for p in (a, b, c):
+            await p.stop()
+
+
+async def test_missing_and_unsafe_names_are_refused(tmp_path):
+    put(tmp_path / "a", "checkpoint", "block1", b"x" * 100)
+    (tmp_path / "secret.safetensors").write_bytes(b"secret")
+    a, c = await swarm(tmp_path, 2)
+    try:
+        CheckpointServer(a, tmp_path / "a")
+        fetcher = CheckpointFetcher(c, chunk_timeout_s=2)
+        assert await fetcher.fetch([a.addr], "checkpoint", "block1") == b"x" * 100
+        with pytest.raises(FetchError, match="not found"):
+            await fetcher.fetch([a.addr], "checkpoint", "block9")
+        with pytest.raises(FetchError, match="bad name"):
+            await fetcher.fetch([a.addr], "..", "secret")
+        # the connection survives refusals
+        assert await fetcher.fetch([a.addr], "checkpoint", "block1") == b"x" * 100
+    finally:
+        for p in (a, c):
+            await p.stop()
+
+
+async def test_corrupt_stream_is_discarded_and_fetched_elsewhere(tmp_path):
+    data = os.urandom(300_000)
+    put(tmp_path / "b", "checkpoint", "block1", data)
+    a, b, c = await swarm(tmp_path)
+    try:
+        CheckpointServer(b, tmp_path / "b")
+
+        async def lies(req, pc, pid):  # announces the right sha256, sends other bytes
+            for m in stream_messages(req.stream_id, req.kind, req.name, data, offset=req.offset):
+                if isinstance(m, StreamChunk):
+                    m = StreamChunk(offset=m.offset, data=bytes(len(m.data)), stream_id=m.stream_id)
+                await pc.send(m, bulk=True)
+
+        a.handlers[StreamRequest] = lies
+        fetcher = CheckpointFetcher(c, chunk_timeout_s=2)
+        assert await fetcher.fetch([a.addr, b.addr], "checkpoint", "block1") == data
+    finally:
+        for p in (a, b, c):
+            await p.stop()
