@@ -1,0 +1,114 @@
+"""Same-block averaging among peers: exact mean, coverage failures, poisoned updates."""
+
+import asyncio
+import os
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from blocktrain.p2p.averaging import Averager, OuterOptimizer, RoundFailed
+from blocktrain.p2p.node import Peer
+from blocktrain.p2p.transport import Timeouts
+
+FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.3, dead_after_s=5, close_s=1)
+
+
+async def group(n, **kw):
+    psk = os.urandom(32)
+    peers = []
+    for _ in range(n):
+        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=(1,), timeouts=FAST).start()
+        if peers:
+            await p.join("127.0.0.1", peers[0].port)
+        peers.append(p)
+    for _ in range(100):
+        if all(len(p.members) == n - 1 for p in peers):
+            break
+        await asyncio.sleep(0.05)
+    avgs = [Averager(p, 1, **kw) for p in peers]
+    members = {p.id: p.addr for p in peers}
+    return peers, avgs, members
+
+
+async def test_fp32_average_equals_the_true_mean():
+    peers, avgs, members = await group(3, timeout_s=10)
+    try:
+        torch.manual_seed(0)
+        xs = [torch.randn(100_003) for _ in peers]  # not divisible by 3: uneven parts
+        outs = await asyncio.gather(*(a.average(1, x, members) for a, x in zip(avgs, xs)))
+        mean = torch.stack(xs).mean(0)
+        for out, rep in outs:
+            assert torch.allclose(out, mean, atol=1e-6)
+            assert rep.coverage == 1.0 and all(len(p["contributors"]) == 3 for p in rep.parts)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_lossy_codec_within_its_bound():
+    peers, avgs, members = await group(2, codec="int8", timeout_s=10)
+    try:
+        xs = [torch.randn(5000) for _ in peers]
+        outs = await asyncio.gather(*(a.average(1, x, members) for a, x in zip(avgs, xs)))
+        mean = torch.stack(xs).mean(0)
+        step = max(float(x.abs().max()) for x in xs) / 127
+        for out, _ in outs:
+            assert (out - mean).abs().max() <= 2 * step  # int8 on the way in and on the way out
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_silent_member_fails_the_round_loudly():
+    peers, avgs, members = await group(3, timeout_s=1.0, min_coverage=0.99)
+    try:
+        xs = [torch.randn(999) for _ in peers]
+        results = await asyncio.gather(avgs[0].average(1, xs[0], members), avgs[1].average(1, xs[1], members),
+                                       return_exceptions=True)  # the third never shows up
+        for r in results:
+            assert isinstance(r, RoundFailed) and "nothing applied" in str(r)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+@pytest.mark.parametrize("poison", ["nan", "norm", "shape"])
+async def test_poisoned_update_is_rejected_and_its_sender_excluded(poison):
+    peers, avgs, members = await group(3, timeout_s=1.5, max_norm=1e3)
+    try:
+        xs = [torch.randn(600) for _ in peers]
+        if poison == "shape":  # a hand-made update: parts of the wrong shape, straight onto the wire
+            from blocktrain.p2p.tensors import to_wire
+            from blocktrain.protocol import BlockUpdate
+
+            async def poisoner():
+                ids = sorted(members)
+                for j, pid in enumerate(ids):
+                    if pid != peers[2].id:
+                        pc = await peers[2].connection_to(members[pid])
+                        pc.send_nowait(BlockUpdate(block=1, round=1, tensors=(to_wire("part", torch.randn(7)),),
+                                                   meta={"phase": "reduce", "part": j}))
+            third = poisoner()
+        else:
+            bad = {"nan": torch.full((600,), float("nan")), "norm": torch.full((600,), 1e6)}[poison]
+            third = avgs[2].average(1, bad, members)
+        r1 = await asyncio.gather(avgs[0].average(1, xs[0], members), avgs[1].average(1, xs[1], members),
+                                  third, return_exceptions=True)
+        assert isinstance(r1[0], RoundFailed) and isinstance(r1[1], RoundFailed)
+        for a in avgs[:2]:
+            assert peers[2].id in a.banned and a.events[0]["event"] == "rejected update"
+        # the next round goes on without the poisoner, at full coverage
+        r2 = await asyncio.gather(avgs[0].average(2, xs[0], members), avgs[1].average(2, xs[1], members))
+        for out, rep in r2:
+            assert rep.coverage == 1.0 and len(rep.members) == 2
+            assert torch.allclose(out, (xs[0] + xs[1]) / 2, atol=1e-6)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+def test_outer_nesterov_step():
+    opt = OuterOptimizer(lr=1.0, momentum=0.0)
+    start = torch.ones(3)
+    assert torch.equal(opt.step(start, torch.full((3,), 0.25)), torch.full((3,), 0.75))
