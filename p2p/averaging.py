@@ -2,9 +2,9 @@
 
 Rules:
 - A group is the sorted peer ids of the peers on one block; the flat float32 vector of a round
-  is cut into one part per member, member i owning part i. Phase 1 (reduce): every member sends
-  part j to member j. Phase 2 (gather): member j averages what it received and sends the
-  average of part j to everyone. Every message is a BlockUpdate(block, round, codec, [part])
+  is cut into P >= group size pieces of at most PIECE_FLOATS, piece j owned by member j mod R.
+  Phase 1 (reduce): every member sends piece j to its owner. Phase 2 (gather): the owner
+  averages what it received and sends the average of piece j to everyone. Every message is a BlockUpdate(block, round, codec, [part])
   with meta {"phase", "part", "contributors"}.
 - Every incoming part is validated before use: name, shape, dtype, finite values, norm bound.
   A sender whose part fails is excluded from this and every later round, and the event is kept
@@ -31,6 +31,10 @@ from blocktrain.protocol import BlockUpdate, Codec, ProtocolError
 from .tensors import from_wire, to_wire
 
 log = logging.getLogger("blocktrain.p2p")
+
+
+# Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
+PIECE_FLOATS = 1 << 20
 
 
 class RoundFailed(Exception):
@@ -96,55 +100,77 @@ class Averager:
         t0 = time.perf_counter()
         members = {pid: a for pid, a in members.items() if pid not in self.banned}
         ids = sorted(members)
-        me = ids.index(self.peer.id)
-        n, R = vector.numel(), len(ids)
-        bounds = [(n * i) // R for i in range(R + 1)]
+        me, R, n = ids.index(self.peer.id), len(ids), vector.numel()
+        P = max(R, -(-n // PIECE_FLOATS))  # pieces: each fits a frame; piece j belongs to member j % R
+        bounds = [(n * i) // P for i in range(P + 1)]
         x = vector.detach().float().reshape(-1).clone()
         if self.codec.lossy and self._residual is not None and self._residual.numel() == n:
             x += self._residual  # error feedback
         sent_codes = torch.empty_like(x) if self.codec.lossy else None
         bytes_sent = 0
-        # phase 1: send part j to its owner
-        for j, pid in enumerate(ids):
-            part = x[bounds[j]:bounds[j + 1]]
-            w = to_wire("part", part, self.codec, "never")
+        conns = {}
+        for pid in ids:
+            if pid != self.peer.id:
+                try:
+                    conns[pid] = await self.peer.connection_to(members[pid])
+                except ConnectionError as e:
+                    log.info("round %d: cannot reach %s: %s", rnd, pid[:12], e)
+        q = self._queue(rnd)
+        # phase 1 (reduce): piece j to its owner
+        for j in range(P):
+            w = to_wire("part", x[bounds[j]:bounds[j + 1]], self.codec, "never")
             if sent_codes is not None:
                 sent_codes[bounds[j]:bounds[j + 1]] = from_wire(w)
-            if pid == self.peer.id:
-                self._queue(rnd).put_nowait((pid, BlockUpdate(block=self.block, round=rnd, codec=self.codec.value,
-                                                               tensors=(w,), meta={"phase": "reduce", "part": j})))
-                continue
-            try:
-                pc = await self.peer.connection_to(members[pid])
-                pc.send_nowait(BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
-                                           meta={"phase": "reduce", "part": j}), bulk=True)
-                bytes_sent += w.stored_bytes
-            except (ConnectionError, ProtocolError) as e:
-                log.info("round %d: cannot reach %s: %s", rnd, pid[:12], e)
+            msg = BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
+                              meta={"phase": "reduce", "part": j})
+            owner = ids[j % R]
+            if owner == self.peer.id:
+                q.put_nowait((owner, msg))
+            elif owner in conns:
+                try:
+                    await conns[owner].send(msg, bulk=True)
+                    bytes_sent += w.stored_bytes
+                except (ConnectionError, ProtocolError) as e:
+                    log.info("round %d: sending to %s failed: %s", rnd, owner[:12], e)
         if sent_codes is not None:
             self._residual = x - sent_codes
-        # receive the parts for my slice, and the averaged slices of the others
-        my_len = bounds[me + 1] - bounds[me]
-        acc, contributors = torch.zeros(my_len), []
+        mine = [j for j in range(P) if j % R == me]
+        acc = {j: torch.zeros(bounds[j + 1] - bounds[j]) for j in mine}
+        contrib: dict[int, list] = {j: [] for j in mine}
         gathered: dict[int, tuple[torch.Tensor, list]] = {}
-        deadline = time.monotonic() + self.timeout_s
-        q = self._queue(rnd)
-        expected = set(ids)
-        gather_sent = False
         rejected = []
+        deadline = time.monotonic() + self.timeout_s
+        gather_sent = False
+
+        async def send_gather():
+            nonlocal bytes_sent
+            for j in mine:
+                avg = acc[j] / max(1, len(contrib[j]))
+                gathered[j] = (avg, list(contrib[j]))
+                w = to_wire("part", avg, self.codec, "never")
+                for pid, pc in conns.items():
+                    if pid in self.banned:
+                        continue
+                    try:
+                        await pc.send(BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
+                                                  meta={"phase": "gather", "part": j, "contributors": contrib[j]}),
+                                      bulk=True)
+                        bytes_sent += w.stored_bytes
+                    except (ConnectionError, ProtocolError):
+                        pass
+
         while True:
-            if not gather_sent and set(contributors) | set(self.banned) >= expected:
-                gather_sent, bytes_sent = True, bytes_sent + await self._send_gather(rnd, me, ids, members, acc,
-                                                                                      contributors)
-                gathered[me] = (acc / max(1, len(contributors)), list(contributors))
-            if gather_sent and len(gathered) == R:
+            expected = set(ids) - set(self.banned)
+            if not gather_sent and all(set(contrib[j]) >= expected for j in mine):
+                gather_sent = True
+                await send_gather()
+            if gather_sent and len(gathered) == P:
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                if not gather_sent:  # send what we have: the coverage will say what is missing
-                    gather_sent, bytes_sent = True, bytes_sent + await self._send_gather(rnd, me, ids, members, acc,
-                                                                                          contributors)
-                    gathered[me] = (acc / max(1, len(contributors)), list(contributors))
+                if not gather_sent:  # send what we have: the coverage says what is missing
+                    gather_sent = True
+                    await send_gather()
                 break
             try:
                 pid, msg = await asyncio.wait_for(q.get(), left)
@@ -153,59 +179,39 @@ class Averager:
             if pid in self.banned:
                 continue
             phase, j = msg.meta.get("phase"), msg.meta.get("part")
-            if not isinstance(j, int) or not 0 <= j < R:
-                self._reject(pid, f"bad part index {j!r}", rnd)
+            if not isinstance(j, int) or not 0 <= j < P or phase not in ("reduce", "gather"):
+                self._reject(pid, f"bad phase/part {phase!r}/{j!r}", rnd)
                 rejected.append({"peer": pid, "reason": self.banned[pid]})
                 continue
-            want = bounds[j + 1] - bounds[j]
             try:
-                t = self._validate(msg, want)
+                t = self._validate(msg, bounds[j + 1] - bounds[j])
             except ValueError as e:
                 self._reject(pid, str(e), rnd)
                 rejected.append({"peer": pid, "reason": str(e)})
                 continue
-            if phase == "reduce" and j == me and pid not in contributors:
-                acc += t
-                contributors.append(pid)
-            elif phase == "gather" and pid == ids[j] and j not in gathered:
+            if phase == "reduce" and j % R == me and pid not in contrib[j]:
+                acc[j] += t
+                contrib[j].append(pid)
+            elif phase == "gather" and pid == ids[j % R] and j not in gathered:
                 c = msg.meta.get("contributors")
                 gathered[j] = (t, c if isinstance(c, list) else [])
         self._inbox.pop(rnd, None)
         self._done.append(rnd)
-        out = vector.detach().float().reshape(-1).clone()  # parts that never came back keep our values
+        out = vector.detach().float().reshape(-1).clone()  # pieces that never came back keep our values
         parts, covered = [], 0
-        for j in range(R):
-            if j in gathered:
-                out[bounds[j]:bounds[j + 1]] = gathered[j][0]
-                ok = len(gathered[j][1]) == R
-            else:
-                ok = False
-            parts.append({"owner": ids[j], "contributors": gathered[j][1] if j in gathered else [], "ok": ok})
+        for j in range(P):
+            got = gathered.get(j)
+            ok = got is not None and set(got[1]) >= set(ids)
+            if got is not None:
+                out[bounds[j]:bounds[j + 1]] = got[0]
             if ok:
                 covered += bounds[j + 1] - bounds[j]
+            parts.append({"owner": ids[j % R], "contributors": got[1] if got else [], "ok": ok})
         rep = RoundReport(rnd, ids, covered / n if n else 1.0, parts, rejected, time.perf_counter() - t0, bytes_sent)
         if rep.coverage < self.min_coverage:
             raise RoundFailed(f"block {self.block} round {rnd}: coverage {rep.coverage:.1%} < {self.min_coverage:.0%} "
-                              f"(parts without every member: {[p['owner'][:12] for p in parts if not p['ok']]}); "
-                              "nothing applied")
+                              f"({sum(not p['ok'] for p in parts)} of {P} pieces lack a member); nothing applied")
         return out, rep
-
-    async def _send_gather(self, rnd, me, ids, members, acc, contributors) -> int:
-        avg = acc / max(1, len(contributors))
-        w = to_wire("part", avg, self.codec, "never")
-        sent = 0
-        for pid in ids:
-            if pid == self.peer.id or pid in self.banned:
-                continue
-            try:
-                pc = await self.peer.connection_to(members[pid])
-                pc.send_nowait(BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
-                                           meta={"phase": "gather", "part": me, "contributors": contributors}),
-                               bulk=True)
-                sent += w.stored_bytes
-            except (ConnectionError, ProtocolError):
-                pass
-        return sent
 
 
 def flatten(params) -> torch.Tensor:

@@ -46,6 +46,21 @@ async def test_fp32_average_equals_the_true_mean():
             await p.stop()
 
 
+async def test_large_vector_travels_in_pieces(monkeypatch):
+    import blocktrain.p2p.averaging as av
+    monkeypatch.setattr(av, "PIECE_FLOATS", 1000)  # many pieces per member, as for a large block
+    peers, avgs, members = await group(2, timeout_s=10)
+    try:
+        xs = [torch.randn(10_001) for _ in peers]
+        outs = await asyncio.gather(*(a.average(1, x, members) for a, x in zip(avgs, xs)))
+        for out, rep in outs:
+            assert torch.allclose(out, (xs[0] + xs[1]) / 2, atol=1e-6)
+            assert len(rep.parts) == 11 and rep.coverage == 1.0
+    finally:
+        for p in peers:
+            await p.stop()
+
+
 async def test_lossy_codec_within_its_bound():
     peers, avgs, members = await group(2, codec="int8", timeout_s=10)
     try:
