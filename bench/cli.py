@@ -222,6 +222,40 @@ def _plot_sweep(rows, path):
 
 
 @main.command()
+@click.option("--peers", default="2,4", show_default=True, help="Comma-separated group sizes to measure.")
+@click.option("--floats", default=50_000_000, show_default=True, type=click.IntRange(1000, 10**10))
+@click.option("--rounds", default=4, show_default=True, type=click.IntRange(2, 100))
+@click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8"]), default="raw", show_default=True)
+@click.option("--against", default="gloo", show_default=True, type=click.Choice(["gloo", "none"]),
+              help="Baseline measured in the same run (hivemind: not written yet).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
+def average(peers, floats, rounds, codec, against, json_path):
+    """Same-block averaging: F float32 among N peer processes on loopback, beside gloo all_reduce.
+
+    Each peer process joins the group, connects to every member, then runs --rounds averaging
+    rounds (reduce-scatter + all-gather over the sealed protocol); the figure is the median of
+    the rounds after the first, each taken as its slowest peer's time. gloo: the same processes
+    count and floats through torch.distributed all_reduce. Target: within 2x of gloo.
+    """
+    from .average import run
+
+    results = []
+    for n in [int(x) for x in peers.split(",")]:
+        r = run(n, floats, rounds, (against,), codec)
+        results.append(r)
+        line = f"{n} peers, {floats:,} floats ({codec}): {r['blocktrain_s']:.3f} s, coverage {r['coverage']:.0%}"
+        if "gloo_s" in r:
+            line += f"; gloo {r['gloo_s']:.3f} s: {r['vs_gloo']:.1f}x gloo (target <= 2x: " \
+                    f"{'met' if r['within_2x_of_gloo'] else 'MISSED'})"
+        click.echo(line)
+    if json_path:
+        from pathlib import Path
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps({"benchmark": "average", "runs": results}, indent=1))
+        click.echo(f"wrote {json_path}")
+
+
+@main.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the summary as JSON here.")
 @click.option("--steps", default=1000, show_default=True, type=click.IntRange(10, 10**6),
               help="Optimizer steps per block and for the end-to-end reference (the headline budget).")

@@ -1,0 +1,142 @@
+"""``bt-bench average``: time to average F float32 among N peer processes on loopback.
+
+Beside it, in the same run: torch.distributed's gloo all_reduce over the same number of processes
+and floats. (A hivemind DecentralizedAverager runner is not written yet.) Each figure is the
+median over rounds after a first warm-up round; a round's time is its slowest peer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+async def _peer_child(i: int, n: int, ports: list[int], floats: int, rounds: int, key_hex: str, out: str,
+                      codec: str):
+    import torch
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from blocktrain.p2p.averaging import Averager
+    from blocktrain.p2p.node import Peer
+    from blocktrain.p2p.transport import Timeouts
+
+    torch.set_num_threads(1)
+    p = await Peer(X25519PrivateKey.generate(), bytes.fromhex(key_hex), "127.0.0.1", ports[i], blocks=(0,),
+                   timeouts=Timeouts(heartbeat_s=5, dead_after_s=600)).start()
+    if i:
+        for _ in range(100):
+            try:
+                await p.join("127.0.0.1", ports[0])
+                break
+            except ConnectionError:
+                await asyncio.sleep(0.1)
+    while len(p.members) < n - 1:
+        await asyncio.sleep(0.05)
+    members = {p.id: p.addr, **{pid: m.info.addr for pid, m in p.members.items()}}
+    for pid, addr in members.items():  # connect everyone before timing
+        if pid != p.id:
+            await p.connection_to(addr)
+    av = Averager(p, 0, codec=codec, timeout_s=600)
+    x = torch.randn(floats, generator=torch.Generator().manual_seed(i))
+    times, cov = [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        _, rep = await av.average(r, x, members)
+        times.append(time.perf_counter() - t0)
+        cov.append(rep.coverage)
+    Path(out).write_text(json.dumps({"times": times, "coverage": cov}))
+    await asyncio.sleep(1.0)  # let the others finish their last gathers before we go
+    await p.stop()
+
+
+def _gloo_child(i: int, n: int, port: int, floats: int, rounds: int, out: str):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=i, world_size=n)
+    x = torch.randn(floats, generator=torch.Generator().manual_seed(i))
+    times = []
+    for _ in range(rounds):
+        y = x.clone()
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(y)
+        y /= n
+        times.append(time.perf_counter() - t0)
+    Path(out).write_text(json.dumps({"times": times}))
+    dist.destroy_process_group()
+
+
+def _spawn_all(args_for, n: int, timeout_s: float) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"r{i}.json") for i in range(n)]
+        procs = [subprocess.Popen([sys.executable, "-m", "blocktrain.bench.average", *map(str, args_for(i, outs[i]))])
+                 for i in range(n)]
+        try:
+            for p in procs:
+                p.wait(timeout=timeout_s)
+        finally:
+            for p in procs:  # ours, by pid
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"benchmark processes {bad} failed")
+        return [json.loads(Path(o).read_text()) for o in outs]
+
+
+def run(peers: int, floats: int, rounds: int = 4, against=("gloo",), codec: str = "raw", timeout_s: float = 900) -> dict:
+    res = {"benchmark": "average", "peers": peers, "floats": floats, "rounds": rounds, "codec": codec}
+    key = os.urandom(32).hex()
+    ports = _free_ports(peers)
+    ours = _spawn_all(lambda i, out: ["peer", i, peers, ",".join(map(str, ports)), floats, rounds, key, out, codec],
+                      peers, timeout_s)
+    # a round ends at different moments on different peers: the round's time is the slowest peer's
+    per_round = [max(o["times"][r] for o in ours) for r in range(rounds)]
+    res["blocktrain_s"] = statistics.median(per_round[1:] if rounds > 1 else per_round)
+    res["blocktrain_rounds_s"] = per_round
+    res["coverage"] = min(c for o in ours for c in o["coverage"])
+    if "gloo" in against:
+        port = _free_ports(1)[0]
+        g = _spawn_all(lambda i, out: ["gloo", i, peers, port, floats, rounds, out], peers, timeout_s)
+        gr = [max(o["times"][r] for o in g) for r in range(rounds)]
+        res["gloo_s"] = statistics.median(gr[1:] if rounds > 1 else gr)
+        res["vs_gloo"] = res["blocktrain_s"] / res["gloo_s"]
+        res["within_2x_of_gloo"] = res["vs_gloo"] <= 2.0
+    return res
+
+
+def main(argv):
+    if argv[0] == "peer":
+        i, n, ports, floats, rounds, key, out, codec = argv[1:]
+        asyncio.run(_peer_child(int(i), int(n), [int(p) for p in ports.split(",")], int(floats), int(rounds), key,
+                                out, codec))
+    elif argv[0] == "gloo":
+        i, n, port, floats, rounds, out = argv[1:]
+        _gloo_child(int(i), int(n), int(port), int(floats), int(rounds), out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
