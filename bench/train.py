@@ -53,6 +53,10 @@ def default_variants(base_model: dict) -> list[Variant]:
     ]
 
 
+# The end-to-end reference must beat block 1 alone by at least this (nats/byte) for a budget to count.
+CLEAR_MARGIN = 0.05
+
+
 def blocktrain_flops_ratio(mc: ModelConfig, seq_len: int = 128) -> float:
     bt = sum(train_flops_per_token(mc, k, seq_len) for k in range(mc.n_blocks))
     return bt / train_flops_per_token(mc, None, seq_len)
@@ -193,6 +197,10 @@ def summarize(results: dict[str, dict], memory: dict | None, steps: int, variant
         if alone:
             headline["block_alone_test_ce"] = alone["test_ce_heads"][0]
             headline["e2e_beats_block_alone_by"] = alone["test_ce_heads"][0] - ref["test_ce"]
+            # "clearly": a third of the prototype's 0.156 (DESIGN.md); below it, the budget measures
+            # how fast small models converge, not the method
+            headline["budget_long_enough"] = headline["e2e_beats_block_alone_by"] >= CLEAR_MARGIN
+            headline["met"] = headline["met"] and headline["budget_long_enough"]
         if "e2e-equal-flops" in results:
             headline["end_to_end_equal_flops_test_ce"] = results["e2e-equal-flops"]["test_ce"]
             headline["gap_equal_flops"] = s["test_ce"] - results["e2e-equal-flops"]["test_ce"]
@@ -211,10 +219,16 @@ def table(summary: dict) -> str:
                      f"{r['test_ce']:>7.4f} {gap:>7}")
     h = summary.get("headline")
     if h:
-        lines.append(f"headline: assembled {h['assembled_test_ce']:.4f} vs end-to-end {h['end_to_end_test_ce']:.4f}: "
-                     f"gap {h['gap']:+.4f} (target <= 0.04: {'met' if h['met'] else 'MISSED'})"
-                     + (f"; end-to-end beats block 1 alone by {h['e2e_beats_block_alone_by']:.3f}"
-                        if "e2e_beats_block_alone_by" in h else ""))
+        lines.append(f"headline ({h['schedule']}): assembled {h['assembled_test_ce']:.4f} vs end-to-end "
+                     f"{h['end_to_end_test_ce']:.4f}: gap {h['gap']:+.4f} (target <= 0.04: "
+                     f"{'met' if h['met'] else 'NOT MET'})")
+        if "e2e_beats_block_alone_by" in h:
+            lines.append(f"  end-to-end beats block 1 alone by {h['e2e_beats_block_alone_by']:.3f} "
+                         + ("(budget long enough)" if h["budget_long_enough"] else
+                            f"(< {CLEAR_MARGIN}: budget too short to judge the method)"))
+        if "gap_equal_flops" in h:
+            lines.append(f"  at equal training FLOPs: end-to-end {h['end_to_end_equal_flops_test_ce']:.4f}, "
+                         f"gap {h['gap_equal_flops']:+.4f}")
     if summary.get("memory"):
         for k, v in summary["memory"].items():
             lines.append(f"memory {k:<11} peak RSS {v['peak_rss_mib']:7.1f} MiB; grads+optimizer "
