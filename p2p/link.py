@@ -6,8 +6,9 @@ Rules:
   never reorder, as on one TCP connection.
 - ``loss`` is the chance that a frame is lost once: TCP then retransmits it after an RTO of
   ``max(200 ms, 2 x one-way delay x 2)``, holding every later frame behind it (head-of-line).
-- The shaper only computes times; the connection's writer sleeps until each frame's time and
-  writes it. Sleeping can only make a frame later than its bound, never earlier.
+- The shaper only computes times; the connection hands each frame to the link as soon as the
+  link's send buffer has room and writes it at its arrival time, so frames pipeline as on a real
+  link. Sleeping can only make a frame later than its bound, never earlier.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class LinkShaper:
         arrive = max(arrive, self._last_arrival)  # one TCP stream: no reordering
         self._last_arrival = arrive
         return arrive
+
+    def busy_until(self) -> float:
+        """When the link finishes serializing what it has been given."""
+        return self._free_at
 
     def lower_bound(self, nbytes: int) -> float:
         """The least time a frame of ``nbytes`` can take on an idle link."""

@@ -39,6 +39,8 @@ LOW_WATER_EVENTS = 64
 # Transport write buffer limits (bytes): above high, writers wait for drain.
 WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
 WRITE_LOW_WATER_BYTES = 1024 * 1024
+# A shaped link accepts frames until this much serialization time is queued (its send buffer).
+SHAPER_BUFFER_S = 0.05
 # Frames smaller than this are joined into one buffer before writing: one syscall, one segment.
 SMALL_FRAME_BYTES = 64 * 1024
 
@@ -77,6 +79,9 @@ class PeerConnection(asyncio.BufferedProtocol):
         self._writer: asyncio.Task | None = None
         self._writer_idle = False  # True while the writer waits with empty queues
         self.shaper = LinkShaper(link) if link is not None and link.shaped else None
+        self._in_flight: collections.deque = collections.deque()  # (arrival time, frames) on a shaped link
+        self._in_flight_event = asyncio.Event()
+        self._deliverer: asyncio.Task | None = None
         self.last_heard = time.monotonic()
         self.close_reason: str | None = None
         self.peer_addr = None
@@ -131,7 +136,10 @@ class PeerConnection(asyncio.BufferedProtocol):
                         self.established.set_result(ev)
                     continue
                 if self.auto_pong and type(ev) is Ping:  # answer heartbeats here, not via the reader
-                    self.send_nowait(Pong(nonce=ev.nonce))
+                    try:
+                        self.send_nowait(Pong(nonce=ev.nonce))
+                    except ConnectionError:
+                        return
                     continue
                 self._push(ev)
                 if isinstance(ev, ConnectionClosed):
@@ -226,13 +234,22 @@ class PeerConnection(asyncio.BufferedProtocol):
                         self._writer_idle = False
                     continue
                 msg = self._control.popleft() if self._control else self._bulk.popleft()
-                frames = self.conn.send_buffers(msg)  # sealed now: from here the frame must go out whole
                 if self.shaper is not None:
-                    size = sum(len(b) for b in frames)
-                    arrive = self.shaper.schedule(time.monotonic(), size)
-                    delay = arrive - time.monotonic()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
+                    # the link's send buffer: at most SHAPER_BUFFER_S of serialization queued ahead
+                    while self.shaper.busy_until() - time.monotonic() > SHAPER_BUFFER_S and not self.closed.done():
+                        await asyncio.sleep(self.shaper.busy_until() - time.monotonic() - SHAPER_BUFFER_S / 2)
+                    frames = self.conn.send_buffers(msg)  # sealed now: from here the frame must go out whole
+                    arrive = self.shaper.schedule(time.monotonic(), sum(len(b) for b in frames))
+                    self._in_flight.append((arrive, frames))  # frames in flight on the link: they pipeline
+                    if self._deliverer is None:
+                        self._deliverer = self.loop.create_task(self._deliver_loop(), name=f"link {self.name}")
+                    self._in_flight_event.set()
+                    if isinstance(msg, Goodbye):
+                        while self._in_flight and not self.closed.done():
+                            await asyncio.sleep(max(0.001, self._in_flight[-1][0] - time.monotonic()))
+                        break
+                    continue
+                frames = self.conn.send_buffers(msg)  # sealed now: from here the frame must go out whole
                 if self.transport.is_closing():
                     break
                 self._write(frames)
@@ -247,6 +264,27 @@ class PeerConnection(asyncio.BufferedProtocol):
             raise
         except ProtocolError as e:
             self._shutdown(f"cannot send: {e}", e)
+
+    async def _deliver_loop(self):
+        """Write each shaped frame at its arrival time, in order (the link's far end)."""
+        try:
+            while not self.closed.done():
+                if not self._in_flight:
+                    self._in_flight_event.clear()
+                    await self._in_flight_event.wait()
+                    continue
+                arrive, frames = self._in_flight[0]
+                wait = arrive - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if self.transport.is_closing():
+                    break
+                self._write(frames)
+                self._in_flight.popleft()
+        except asyncio.CancelledError:
+            if self._in_flight and not self.closed.done():
+                self._shutdown("link cancelled with frames in flight", ConnectionError("link cancelled"))
+            raise
 
     def _write(self, frames: list):
         if len(frames) > 1 and sum(map(len, frames)) < SMALL_FRAME_BYTES:
@@ -286,12 +324,13 @@ class PeerConnection(asyncio.BufferedProtocol):
         await self.wait_closed()
 
     async def wait_closed(self):
-        if self._writer is not None and not self._writer.done():
-            self._writer.cancel()
-            try:
-                await self._writer
-            except (asyncio.CancelledError, Exception):
-                pass
+        for task in (self._writer, self._deliverer):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
 
     def abort(self, reason: str):
         self._shutdown(reason, ConnectionError(reason))

@@ -296,3 +296,22 @@ def test_identity_file_is_private(tmp_path):
     p.chmod(0o644)
     with pytest.raises(KeyError_, match="readable by others"):
         load_or_create_identity(p)
+
+
+async def test_shaped_link_pipelines_frames(psk):
+    """Frames in flight overlap, as on a real link: ten frames take one delay, not ten."""
+    spec = LinkSpec(delay_ms=150, rate_mbit=1000)
+    server, a, b = await _pair(psk, spec)
+    try:
+        t0 = time.monotonic()
+        for i in range(10):
+            a.send_nowait(StreamChunk(offset=i, data=b"x" * 1000, stream_id=1), bulk=True)
+        for i in range(10):
+            m = await asyncio.wait_for(b.recv(), 10)
+            assert m.offset == i  # in order
+        took = time.monotonic() - t0
+        assert 0.15 <= took < 0.15 * 5, took
+    finally:
+        await a.close()
+        await b.close()
+        server.close()
