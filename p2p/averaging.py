@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class Averager:
         t0 = time.perf_counter()
         members = {pid: a for pid, a in members.items() if pid not in self.banned}
         ids = sorted(members)
+        gid = hashlib.sha256("".join(ids).encode()).hexdigest()[:16]  # members disagreeing on it don't mix
         me, R, n = ids.index(self.peer.id), len(ids), vector.numel()
         P = max(R, -(-n // PIECE_FLOATS))  # pieces: each fits a frame; piece j belongs to member j % R
         bounds = [(n * i) // P for i in range(P + 1)]
@@ -122,7 +124,7 @@ class Averager:
             if sent_codes is not None:
                 sent_codes[bounds[j]:bounds[j + 1]] = from_wire(w)
             msg = BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
-                              meta={"phase": "reduce", "part": j})
+                              meta={"phase": "reduce", "part": j, "group": gid})
             owner = ids[j % R]
             if owner == self.peer.id:
                 q.put_nowait((owner, msg))
@@ -153,7 +155,8 @@ class Averager:
                         continue
                     try:
                         await pc.send(BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
-                                                  meta={"phase": "gather", "part": j, "contributors": contrib[j]}),
+                                                  meta={"phase": "gather", "part": j, "contributors": contrib[j],
+                                                        "group": gid}),
                                       bulk=True)
                         bytes_sent += w.stored_bytes
                     except (ConnectionError, ProtocolError):
@@ -177,6 +180,11 @@ class Averager:
             except asyncio.TimeoutError:
                 continue
             if pid in self.banned:
+                continue
+            if msg.meta.get("group") != gid:  # another view of the group: not an attack, not usable
+                if not any(e.get("peer") == pid and e["event"] == "group mismatch" for e in self.events):
+                    self.events.append({"event": "group mismatch", "peer": pid, "round": rnd, "time": time.time()})
+                    log.info("round %d: %s sees another group; its parts are not mixed in", rnd, pid[:12])
                 continue
             phase, j = msg.meta.get("phase"), msg.meta.get("part")
             if not isinstance(j, int) or not 0 <= j < P or phase not in ("reduce", "gather"):

@@ -14,11 +14,11 @@ from blocktrain.p2p.transport import Timeouts
 FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.3, dead_after_s=5, close_s=1)
 
 
-async def group(n, **kw):
+async def group(n, block=1, **kw):
     psk = os.urandom(32)
     peers = []
     for _ in range(n):
-        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=(1,), timeouts=FAST).start()
+        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=(block,), timeouts=FAST).start()
         if peers:
             await p.join("127.0.0.1", peers[0].port)
         peers.append(p)
@@ -26,7 +26,7 @@ async def group(n, **kw):
         if all(len(p.members) == n - 1 for p in peers):
             break
         await asyncio.sleep(0.05)
-    avgs = [Averager(p, 1, **kw) for p in peers]
+    avgs = [Averager(p, block, **kw) for p in peers]
     members = {p.id: p.addr for p in peers}
     return peers, avgs, members
 
@@ -75,6 +75,21 @@ async def test_lossy_codec_within_its_bound():
             await p.stop()
 
 
+async def test_members_with_different_views_do_not_ban_each_other():
+    peers, avgs, members = await group(3, timeout_s=1.0, min_coverage=0.99)
+    try:
+        xs = [torch.randn(300) for _ in peers]
+        partial = {pid: a for pid, a in members.items() if pid != peers[2].id}  # peer 1 missed peer 2
+        r = await asyncio.gather(avgs[0].average(1, xs[0], members), avgs[1].average(1, xs[1], partial),
+                                 avgs[2].average(1, xs[2], members), return_exceptions=True)
+        assert all(isinstance(x, RoundFailed) for x in r)  # loud, not silent
+        assert not any(a.banned for a in avgs)
+        assert any(e["event"] == "group mismatch" for a in avgs for e in a.events)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
 async def test_silent_member_fails_the_round_loudly():
     peers, avgs, members = await group(3, timeout_s=1.0, min_coverage=0.99)
     try:
@@ -102,8 +117,10 @@ async def test_poisoned_update_is_rejected_and_its_sender_excluded(poison):
                 for j, pid in enumerate(ids):
                     if pid != peers[2].id:
                         pc = await peers[2].connection_to(members[pid])
+                        import hashlib
+                        gid = hashlib.sha256("".join(ids).encode()).hexdigest()[:16]
                         pc.send_nowait(BlockUpdate(block=1, round=1, tensors=(to_wire("part", torch.randn(7)),),
-                                                   meta={"phase": "reduce", "part": j}))
+                                                   meta={"phase": "reduce", "part": j, "group": gid}))
             third = poisoner()
         else:
             bad = {"nan": torch.full((600,), float("nan")), "norm": torch.full((600,), 1e6)}[poison]
@@ -127,3 +144,28 @@ def test_outer_nesterov_step():
     opt = OuterOptimizer(lr=1.0, momentum=0.0)
     start = torch.ones(3)
     assert torch.equal(opt.step(start, torch.full((3,), 0.25)), torch.full((3,), 0.75))
+
+
+async def test_two_peers_train_one_block_and_agree_after_every_round():
+    from blocktrain.blocks.data import as_tensor, read_split
+    from blocktrain.blocks.model import ModelConfig
+    from blocktrain.blocks.train import BlockTrainer, TrainConfig
+    from blocktrain.p2p.averaging import flatten
+    from blocktrain.p2p.swarm import SwarmBlockTrainer
+
+    peers, avgs, members = await group(2, block=0, timeout_s=20)
+    data = as_tensor(read_split("valid"))
+    mc = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64)
+    tc = TrainConfig(steps=12, batch_size=4, seq_len=32, warmup=2)
+    try:
+        trainers = [BlockTrainer(mc, tc, 0, data, shard=i, num_shards=2) for i in range(2)]
+        swarm = [SwarmBlockTrainer(p, t, a, every=4) for p, t, a in zip(peers, trainers, avgs)]
+        reports = await asyncio.gather(*(s.run(12) for s in swarm))
+        for r in reports:
+            assert [x["round"] for x in r.rounds] == [1, 2, 3] and all(x["coverage"] == 1.0 for x in r.rounds)
+            assert not r.failed
+        a, b = (flatten(list(t.block.parameters())) for t in trainers)
+        assert torch.allclose(a, b, atol=1e-6)  # the same parameters after the last round
+    finally:
+        for p in peers:
+            await p.stop()
