@@ -46,3 +46,23 @@ class ConnectionPair:
 @pytest.fixture
 def pair():
     return ConnectionPair()
+
+
+async def mesh(n: int, timeouts, blocks=(), psk: bytes | None = None) -> list:
+    """n started peers on loopback, all joined through the first, full membership awaited (bounded)."""
+    import asyncio
+
+    from blocktrain.p2p.node import Peer
+
+    psk = psk or os.urandom(32)
+    peers = []
+    for _ in range(n):
+        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=blocks, timeouts=timeouts).start()
+        if peers:
+            await p.join("127.0.0.1", peers[0].port)
+        peers.append(p)
+    for _ in range(200):
+        if all(len(p.members) == n - 1 for p in peers):
+            break
+        await asyncio.sleep(0.05)
+    return peers

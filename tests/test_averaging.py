@@ -1,31 +1,20 @@
 """Same-block averaging among peers: exact mean, coverage failures, poisoned updates."""
 
 import asyncio
-import os
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.p2p.averaging import Averager, OuterOptimizer, RoundFailed
-from blocktrain.p2p.node import Peer
 from blocktrain.p2p.transport import Timeouts
+
+from conftest import mesh
 
 FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.3, dead_after_s=5, close_s=1)
 
 
 async def group(n, block=1, **kw):
-    psk = os.urandom(32)
-    peers = []
-    for _ in range(n):
-        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=(block,), timeouts=FAST).start()
-        if peers:
-            await p.join("127.0.0.1", peers[0].port)
-        peers.append(p)
-    for _ in range(100):
-        if all(len(p.members) == n - 1 for p in peers):
-            break
-        await asyncio.sleep(0.05)
+    peers = await mesh(n, FAST, blocks=(block,))
     avgs = [Averager(p, block, **kw) for p in peers]
     members = {p.id: p.addr for p in peers}
     return peers, avgs, members

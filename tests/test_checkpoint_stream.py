@@ -4,29 +4,18 @@ import asyncio
 import os
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.p2p.checkpoints import CheckpointFetcher, CheckpointServer, FetchError
-from blocktrain.p2p.node import Peer
 from blocktrain.p2p.transport import Timeouts
+
+from conftest import mesh
 from blocktrain.protocol import StreamChunk, StreamRequest, stream_messages
 
 FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.3, dead_after_s=3, close_s=1)
 
 
 async def swarm(tmp_path, n=3):
-    psk = os.urandom(32)
-    peers = []
-    for i in range(n):
-        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
-        if peers:
-            await p.join("127.0.0.1", peers[0].port)
-        peers.append(p)
-    for _ in range(100):
-        if all(len(p.members) == n - 1 for p in peers):
-            break
-        await asyncio.sleep(0.05)
-    return peers
+    return await mesh(n, FAST)
 
 
 def put(directory, kind, name, data):
