@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 RELAY_PORT = 9000
 SUBNET = "198.18.0"

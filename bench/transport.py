@@ -8,7 +8,6 @@ ping-pong and the peers' Ping/Pong. The receiver is a separate process in every 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import statistics

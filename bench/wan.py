@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import time
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey

@@ -7,9 +7,7 @@ from tc netem where the kernel has it, else from the userspace relay of ``netns.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys

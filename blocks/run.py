@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import Block, ModelConfig, train_flops_per_token
+from .model import ModelConfig, train_flops_per_token
 from .schedule import BlockPlan, make_plans
 from .train import BlockTrainer, EndToEndTrainer, TrainConfig, eval_chain, eval_e2e, snapshot
 
@@ -106,7 +106,3 @@ def train_e2e(mcfg: ModelConfig, tcfg: TrainConfig, train: torch.Tensor, valid: 
     res.trainable_bytes = [tr.trainable_bytes()]
     res.model = tr.model
     return res
-
-
-def blocks_from_e2e(model) -> list[Block]:
-    return list(model.blocks)

@@ -12,7 +12,6 @@ Rules:
 
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass
 
 import torch
@@ -265,7 +264,3 @@ def eval_generation(generate, data: torch.Tensor, prompt_len: int, n_bytes: int,
 
 def snapshot(block: Block) -> dict:
     return {k: v.detach().clone() for k, v in block.state_dict().items()}
-
-
-def clone_block(block: Block) -> Block:
-    return copy.deepcopy(block)

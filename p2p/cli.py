@@ -158,7 +158,7 @@ def join(bootstrap, quiet, **o):
         raise click.ClickException(str(e))
 
 
-def _load_served(checkpoints: str | None, reference: str | None, blocks) -> "ServedBlocks":
+def _load_served(checkpoints: str | None, reference: str | None, blocks):
     from blocktrain.blocks import checkpoint as ckpt
     from blocktrain.blocks.model import Block, ModelConfig
 

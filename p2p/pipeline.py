@@ -44,7 +44,7 @@ class ServedBlocks:
 
 
 class PipelineServer:
-    def __init__(self, peer, served: ServedBlocks, threads: int | None = None):
+    def __init__(self, peer, served: ServedBlocks):
         self.peer, self.served = peer, served
         self.sessions: dict[tuple, dict] = {}
         peer.on(PipelineForward, self.handle)

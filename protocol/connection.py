@@ -24,7 +24,7 @@ import msgpack
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, as_remote
-from .events import Error, Goodbye, Handshake, Message, StreamChunk, decode_payload, encode_payload
+from .events import Error, Handshake, Message, StreamChunk, decode_payload, encode_payload
 from .frames import (HEADER_BYTES, MAX_FRAME_BYTES, Flags, FrameBuffer, FrameHeader, MessageType, ReusableBuffer,
                      encode_header)
 from .handshake import PROTOCOL_NAME, TAGLEN, CipherState, HandshakeError, NoiseHandshake, peer_id_of
@@ -297,21 +297,26 @@ class Connection:
                 self._out += self.error_frame(err)
             raise err from None
 
+    def _open(self, h: FrameHeader, payload: memoryview, expect_sealed: bool) -> memoryview:
+        """Check the SEALED flag against the session and open a sealed payload."""
+        sealed = bool(h.flags & _SEALED)
+        if sealed is not expect_sealed:
+            raise LocalProtocolError(f"{'sealed' if sealed else 'unsealed'} frame in a "
+                                     f"{'sealed' if expect_sealed else 'unsealed'} session", ErrorCode.BAD_FLAGS)
+        if not sealed:
+            return payload
+        n = h.length - TAGLEN
+        if n >= SEAL_PARTS_MIN_BYTES:
+            return self._recv_cs.decrypt_into(h.pack(), payload, self._open_buf.get(n))
+        return memoryview(self._recv_cs.decrypt(h.pack(), payload))
+
     def _handle(self, h: FrameHeader, payload: memoryview):
         wire = HEADER_BYTES + h.length
-        sealed_frame = bool(h.flags & _SEALED)
-        if self._state is State.ESTABLISHED and h.type is not MessageType.HANDSHAKE:  # the common case
-            if sealed_frame is not self.sealed_session:
-                raise LocalProtocolError(f"{'sealed' if sealed_frame else 'unsealed'} frame in a "
-                                         f"{'sealed' if self.sealed_session else 'unsealed'} session",
-                                         ErrorCode.BAD_FLAGS)
-            if sealed_frame:
-                n = h.length - TAGLEN
-                if n >= SEAL_PARTS_MIN_BYTES:
-                    payload = self._recv_cs.decrypt_into(h.raw, payload, self._open_buf.get(n))
-                else:
-                    payload = memoryview(self._recv_cs.decrypt(h.raw, payload))
+        if self._state is State.ESTABLISHED:  # the common case
+            payload = self._open(h, payload, self.sealed_session)
             t = h.type
+            if t is MessageType.HANDSHAKE:
+                raise LocalProtocolError("handshake message after the handshake", ErrorCode.UNEXPECTED_MESSAGE)
             msg = decode_payload(t, h.flags & ~_SEALED, h.stream_id, payload)
             self.counter.add("received", t, _logical_len(msg, len(payload)), wire)
             if t in _CLOSE_TYPES:
@@ -319,39 +324,21 @@ class Connection:
                 return ConnectionClosed(msg.code if isinstance(msg, Error) else 0, msg.reason)
             self._transition(Ev.RECV_MESSAGE)
             return msg
-        if h.type is MessageType.ERROR and not sealed_frame and self._state is not State.ESTABLISHED:
+        if h.type is MessageType.ERROR and not h.flags & _SEALED:  # a refusal during the handshake
             msg = decode_payload(h.type, h.flags, h.stream_id, payload)
             self.counter.add("received", h.type, h.length, wire)
             self._transition(Ev.RECV_CLOSE)
             code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.HANDSHAKE_FAILED
             raise RemoteProtocolError(f"peer refused the handshake: {msg.reason} ({code.name})", code)
-        if self.state in (State.START, State.AWAIT_REPLY, State.AWAIT_FINISH):
+        if self._state in (State.START, State.AWAIT_REPLY, State.AWAIT_FINISH):
             return self._handle_handshake(h, payload)
-        expect_sealed = self.sealed_session or self.state is State.AWAIT_CONFIRM
-        if sealed_frame != expect_sealed:
-            raise LocalProtocolError(f"{'sealed' if sealed_frame else 'unsealed'} frame in a "
-                                     f"{'sealed' if expect_sealed else 'unsealed'} session", ErrorCode.BAD_FLAGS)
-        if sealed_frame:
-            if h.length - TAGLEN >= SEAL_PARTS_MIN_BYTES:
-                payload = self._recv_cs.decrypt_into(h.pack(), payload, self._open_buf.get(h.length - TAGLEN))
-            else:
-                payload = memoryview(self._recv_cs.decrypt(h.pack(), payload))
-        flags = h.flags & ~_SEALED
-        if self.state is State.AWAIT_CONFIRM:
-            if h.type is not MessageType.HANDSHAKE or len(payload):
-                raise LocalProtocolError("expected the handshake confirmation", ErrorCode.UNEXPECTED_MESSAGE)
-            self.counter.add("received", h.type, 0, wire)
-            self._transition(Ev.RECV_CONFIRM)
-            return self.peer
-        if h.type is MessageType.HANDSHAKE:
-            raise LocalProtocolError("handshake message after the handshake", ErrorCode.UNEXPECTED_MESSAGE)
-        msg = decode_payload(h.type, flags, h.stream_id, payload)
-        self.counter.add("received", h.type, _logical_len(msg, len(payload)), wire)
-        if h.type in _CLOSE_TYPES:
-            self._transition(Ev.RECV_CLOSE)
-            return ConnectionClosed(msg.code if isinstance(msg, Error) else 0, msg.reason)
-        self._transition(Ev.RECV_MESSAGE)
-        return msg
+        # AWAIT_CONFIRM: the responder's sealed, empty confirmation
+        payload = self._open(h, payload, True)
+        if h.type is not MessageType.HANDSHAKE or len(payload):
+            raise LocalProtocolError("expected the handshake confirmation", ErrorCode.UNEXPECTED_MESSAGE)
+        self.counter.add("received", h.type, 0, wire)
+        self._transition(Ev.RECV_CONFIRM)
+        return self.peer
 
     def _handle_handshake(self, h: FrameHeader, payload: memoryview):
         if h.type is not MessageType.HANDSHAKE or h.flags != 0:

@@ -1,6 +1,7 @@
 """Serving over a chain of peers: outputs equal the in-process models; faults fail clearly."""
 
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -38,14 +39,25 @@ async def start_chain(psk, bt, e2e, extra_block=None):
     return peers, servers
 
 
-async def test_pipeline_equals_in_process_models(models):
-    bt, e2e = models
+@contextlib.asynccontextmanager
+async def served_chain(bt, e2e, route=None, blocks=(0, 1, 2), **client_kw):
+    """Three serving peers and a connected client; everything stopped on the way out."""
     psk = os.urandom(32)
     peers, servers = await start_chain(psk, bt, e2e)
-    client = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], [0, 1, 2], FAST,
-                            codec="raw", timeout_s=20)
+    addrs = [p.addr for p in peers] if route is None else [peers[i].addr for i in route]
+    client = PipelineClient(X25519PrivateKey.generate(), psk, addrs, list(blocks), FAST, **client_kw)
     try:
         await client.connect()
+        yield peers, servers, client
+    finally:
+        await client.close()
+        for p in peers:
+            await p.stop()
+
+
+async def test_pipeline_equals_in_process_models(models):
+    bt, e2e = models
+    async with served_chain(bt, e2e, codec="raw", timeout_s=20) as (peers, servers, client):
         prompt = bytes(range(65, 65 + 20))
         got, stats = await client.generate_blocktrain(prompt, 12)
         want = Assembled(bt).generate_one_traversal(torch.tensor([list(prompt)]), 12)[0]
@@ -54,62 +66,31 @@ async def test_pipeline_equals_in_process_models(models):
         want = e2e.generate(torch.tensor([list(prompt)]), 10)[0]
         assert got == bytes(want.tolist()) and stats["traversals"] == 10
         assert all(not s.sessions for s in servers)  # KV caches freed at the session's end
-    finally:
-        await client.close()
-        for p in peers:
-            await p.stop()
 
 
 async def test_bf16_hidden_states_stay_close(models):
     bt, e2e = models
-    psk = os.urandom(32)
-    peers, _ = await start_chain(psk, bt, e2e)
-    client = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], [0, 1, 2], FAST,
-                            codec="bf16", timeout_s=20)
-    try:
-        await client.connect()
+    async with served_chain(bt, e2e, codec="bf16", timeout_s=20) as (_, _, client):
         prompt = bytes(range(70, 100))
         got, _ = await client.generate_blocktrain(prompt, 8)
         want = bytes(Assembled(bt).generate_one_traversal(torch.tensor([list(prompt)]), 8)[0].tolist())
         assert sum(a == b for a, b in zip(got, want)) >= 6  # bf16 may flip a near-tie
-    finally:
-        await client.close()
-        for p in peers:
-            await p.stop()
 
 
 async def test_dead_hop_fails_within_timeout_naming_the_block(models):
     bt, e2e = models
-    psk = os.urandom(32)
-    peers, _ = await start_chain(psk, bt, e2e)
-    client = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], [0, 1, 2], FAST,
-                            timeout_s=5)
-    try:
-        await client.connect()
+    async with served_chain(bt, e2e, timeout_s=5) as (peers, _, client):
         await peers[1].stop("crash")  # the middle hop is gone
         with pytest.raises(PipelineError, match="block 2|no answer") as ei:
             await asyncio.wait_for(client.generate_blocktrain(b"hello world", 4), 15)
         assert "block" in str(ei.value)
-    finally:
-        await client.close()
-        for p in peers:
-            await p.stop()
 
 
 async def test_wrong_block_is_a_clear_error(models):
     bt, e2e = models
-    psk = os.urandom(32)
-    peers, _ = await start_chain(psk, bt, e2e)
-    client = PipelineClient(X25519PrivateKey.generate(), psk, [peers[0].addr, peers[2].addr], [0, 1], FAST,
-                            timeout_s=5)
-    try:
-        await client.connect()
+    async with served_chain(bt, e2e, route=(0, 2), blocks=(0, 1), timeout_s=5) as (_, _, client):
         with pytest.raises(PipelineError, match="does not serve block 2"):
             await client.generate_blocktrain(b"hello", 3)
-    finally:
-        await client.close()
-        for p in peers:
-            await p.stop()
 
 
 async def test_client_retries_through_another_holder_of_the_block(models):
