@@ -9,6 +9,10 @@ Rules:
 - Every incoming part is validated before use: name, shape, dtype, finite values, norm bound.
   A sender whose part fails is excluded from this and every later round, and the event is kept
   for the report. Nothing is silently dropped: a missing part leaves a hole in the coverage.
+- A member that leaves mid-round (its connection closes, or the swarm declares it dead) is
+  dropped from the round: the pieces it owned move to the live members (the same rule at every
+  member: live member j mod R'), everyone re-sends its part there, and the round finishes with
+  the others. The report lists it under ``departed``; coverage counts the live members.
 - Each round reports its coverage: for every part, which peers contributed; the fraction of
   the vector averaged over everyone who should have. Below ``min_coverage`` the round raises
   ``RoundFailed`` and nothing is applied.
@@ -34,6 +38,9 @@ from .tensors import from_wire, to_wire
 log = logging.getLogger("blocktrain.p2p")
 
 
+# BlockUpdate phases that manage the group rather than carry a round's parts (see swarm.py).
+CONTROL_PHASES = ("join", "welcome", "late")
+
 # Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
 PIECE_FLOATS = 1 << 20
 
@@ -51,6 +58,7 @@ class RoundReport:
     rejected: list = field(default_factory=list)  # {"peer", "reason"}
     seconds: float = 0.0
     bytes_sent: int = 0
+    departed: list = field(default_factory=list)  # members that left mid-round (the others finished)
 
 
 class Averager:
@@ -64,9 +72,14 @@ class Averager:
         self._inbox: dict[tuple, asyncio.Queue] = {}
         self._residual: torch.Tensor | None = None
         self._done: collections.deque = collections.deque(maxlen=64)  # recently closed rounds
+        self.on_control = None  # fn(msg, pc, pid) for the group's join/welcome/late messages
         peer.on(BlockUpdate, self._route, inline=True)
 
     def _route(self, msg: BlockUpdate, pc, pid):
+        if msg.block == self.block and msg.meta.get("phase") in CONTROL_PHASES:
+            if self.on_control is not None:
+                self.on_control(msg, pc, pid)
+            return
         if msg.block != self.block or msg.round in self._done:
             return  # another block's, or a straggler for a round already closed
         self._queue(msg.round).put_nowait((pid, msg))
@@ -96,19 +109,27 @@ class Averager:
             log.warning("block %d round %d: rejected update from %s: %s; excluded from later rounds",
                         self.block, rnd, pid[:12], why)
 
+    def _departed(self, pid: str, conns: dict) -> bool:
+        """A member that left mid-round: its connection closed or the swarm declared it gone."""
+        pc = conns.get(pid)
+        m = self.peer.members.get(pid)
+        return pc is None or pc.closed.done() or m is None or m.state != "alive"
+
     async def average(self, rnd: int, vector: torch.Tensor, members: dict[str, str]) -> tuple[torch.Tensor, RoundReport]:
         """Average ``vector`` (1-D float32) with ``members`` (peer id -> address, self included)."""
         t0 = time.perf_counter()
         members = {pid: a for pid, a in members.items() if pid not in self.banned}
         ids = sorted(members)
         gid = hashlib.sha256("".join(ids).encode()).hexdigest()[:16]  # members disagreeing on it don't mix
-        me, R, n = ids.index(self.peer.id), len(ids), vector.numel()
+        R, n = len(ids), vector.numel()
         P = max(R, -(-n // PIECE_FLOATS))  # pieces: each fits a frame; piece j belongs to member j % R
         bounds = [(n * i) // P for i in range(P + 1)]
         x = vector.detach().float().reshape(-1).clone()
         if self.codec.lossy and self._residual is not None and self._residual.numel() == n:
             x += self._residual  # error feedback
-        sent_codes = torch.empty_like(x) if self.codec.lossy else None
+        wires = [to_wire("part", x[bounds[j]:bounds[j + 1]], self.codec, "never") for j in range(P)]
+        if self.codec.lossy:
+            self._residual = x - torch.cat([from_wire(w) for w in wires])
         bytes_sent = 0
         conns = {}
         for pid in ids:
@@ -118,70 +139,80 @@ class Averager:
                 except ConnectionError as e:
                     log.info("round %d: cannot reach %s: %s", rnd, pid[:12], e)
         q = self._queue(rnd)
-        # phase 1 (reduce): piece j to its owner
-        for j in range(P):
-            w = to_wire("part", x[bounds[j]:bounds[j + 1]], self.codec, "never")
-            if sent_codes is not None:
-                sent_codes[bounds[j]:bounds[j + 1]] = from_wire(w)
-            msg = BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
-                              meta={"phase": "reduce", "part": j, "group": gid})
-            owner = ids[j % R]
-            if owner == self.peer.id:
-                q.put_nowait((owner, msg))
-            elif owner in conns:
-                try:
-                    await conns[owner].send(msg, bulk=True)
-                    bytes_sent += w.stored_bytes
-                except (ConnectionError, ProtocolError) as e:
-                    log.info("round %d: sending to %s failed: %s", rnd, owner[:12], e)
-        if sent_codes is not None:
-            self._residual = x - sent_codes
-        mine = [j for j in range(P) if j % R == me]
-        acc = {j: torch.zeros(bounds[j + 1] - bounds[j]) for j in mine}
-        contrib: dict[int, list] = {j: [] for j in mine}
+        departed: set[str] = set()
+        received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(P)}  # reduce parts that reached us
+        sent_to: dict[int, str] = {}  # piece -> the owner our part went to
+        gather_sent: dict[int, list] = {}  # piece -> contributors of the average we sent
         gathered: dict[int, tuple[torch.Tensor, list]] = {}
         rejected = []
         deadline = time.monotonic() + self.timeout_s
-        gather_sent = False
 
-        async def send_gather():
+        def live() -> list[str]:
+            return [p for p in ids if p not in departed and p not in self.banned]
+
+        def owner(j: int) -> str:
+            o = ids[j % R]
+            if o in departed or o in self.banned:  # the piece moves to a live member, the same for all
+                alive = live()
+                o = alive[j % len(alive)]
+            return o
+
+        async def send(pid, msg, w) -> None:
             nonlocal bytes_sent
-            for j in mine:
-                avg = acc[j] / max(1, len(contrib[j]))
-                gathered[j] = (avg, list(contrib[j]))
+            try:
+                await conns[pid].send(msg, bulk=True)
+                bytes_sent += w.stored_bytes
+            except (ConnectionError, ProtocolError, KeyError) as e:
+                log.info("round %d: sending to %s failed: %s", rnd, pid[:12], e)
+
+        async def progress(final: bool):
+            expected = set(live())
+            for j in range(P):  # our part of every piece goes to its current owner
+                o = owner(j)
+                if sent_to.get(j) == o:
+                    continue
+                sent_to[j] = o
+                if o == self.peer.id:
+                    received[j][o] = from_wire(wires[j]) if self.codec.lossy else x[bounds[j]:bounds[j + 1]]
+                else:
+                    await send(o, BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(wires[j],),
+                                              meta={"phase": "reduce", "part": j, "group": gid}), wires[j])
+            for j in range(P):  # pieces we own: average once every live member's part is in
+                if owner(j) != self.peer.id or j in gather_sent:
+                    continue
+                got = {p: t for p, t in received[j].items() if p in expected}
+                if not final and not set(got) >= expected:
+                    continue
+                avg = torch.stack(list(got.values())).mean(0)
+                contributors = sorted(got)
+                gather_sent[j] = contributors
+                gathered[j] = (avg, contributors)
                 w = to_wire("part", avg, self.codec, "never")
-                for pid, pc in conns.items():
-                    if pid in self.banned:
-                        continue
-                    try:
-                        await pc.send(BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
-                                                  meta={"phase": "gather", "part": j, "contributors": contrib[j],
-                                                        "group": gid}),
-                                      bulk=True)
-                        bytes_sent += w.stored_bytes
-                    except (ConnectionError, ProtocolError):
-                        pass
+                msg = BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
+                                  meta={"phase": "gather", "part": j, "contributors": contributors, "group": gid})
+                for pid in expected - {self.peer.id}:
+                    await send(pid, msg, w)
 
         while True:
-            expected = set(ids) - set(self.banned)
-            if not gather_sent and all(set(contrib[j]) >= expected for j in mine):
-                gather_sent = True
-                await send_gather()
-            if gather_sent and len(gathered) == P:
+            await progress(final=False)
+            if len(gathered) == P:
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                if not gather_sent:  # send what we have: the coverage says what is missing
-                    gather_sent = True
-                    await send_gather()
+                await progress(final=True)  # send what we have: the coverage says what is missing
                 break
             try:
-                pid, msg = await asyncio.wait_for(q.get(), left)
+                pid, msg = await asyncio.wait_for(q.get(), min(left, 0.2))
             except asyncio.TimeoutError:
+                for pid in set(live()) - {self.peer.id}:
+                    if self._departed(pid, conns):
+                        departed.add(pid)
+                        log.info("block %d round %d: %s left mid-round; finishing with the others",
+                                 self.block, rnd, pid[:12])
                 continue
             if pid in self.banned:
                 continue
-            if msg.meta.get("group") != gid:  # another view of the group: not an attack, not usable
+            if msg.meta.get("group") != gid or pid not in members:  # another view of the group: not an attack, not usable
                 if not any(e.get("peer") == pid and e["event"] == "group mismatch" for e in self.events):
                     self.events.append({"event": "group mismatch", "peer": pid, "round": rnd, "time": time.time()})
                     log.info("round %d: %s sees another group; its parts are not mixed in", rnd, pid[:12])
@@ -197,25 +228,26 @@ class Averager:
                 self._reject(pid, str(e), rnd)
                 rejected.append({"peer": pid, "reason": str(e)})
                 continue
-            if phase == "reduce" and j % R == me and pid not in contrib[j]:
-                acc[j] += t
-                contrib[j].append(pid)
-            elif phase == "gather" and pid == ids[j % R] and j not in gathered:
+            if phase == "reduce":
+                received[j].setdefault(pid, t)  # kept even before we know we own it (a departure moves pieces)
+            elif j not in gathered and pid == owner(j):
                 c = msg.meta.get("contributors")
                 gathered[j] = (t, c if isinstance(c, list) else [])
         self._inbox.pop(rnd, None)
         self._done.append(rnd)
+        expected = set(live())
         out = vector.detach().float().reshape(-1).clone()  # pieces that never came back keep our values
         parts, covered = [], 0
         for j in range(P):
             got = gathered.get(j)
-            ok = got is not None and set(got[1]) >= set(ids)
+            ok = got is not None and set(got[1]) >= expected
             if got is not None:
                 out[bounds[j]:bounds[j + 1]] = got[0]
             if ok:
                 covered += bounds[j + 1] - bounds[j]
-            parts.append({"owner": ids[j % R], "contributors": got[1] if got else [], "ok": ok})
-        rep = RoundReport(rnd, ids, covered / n if n else 1.0, parts, rejected, time.perf_counter() - t0, bytes_sent)
+            parts.append({"owner": owner(j), "contributors": got[1] if got else [], "ok": ok})
+        rep = RoundReport(rnd, ids, covered / n if n else 1.0, parts, rejected, time.perf_counter() - t0, bytes_sent,
+                          departed=sorted(departed))
         if rep.coverage < self.min_coverage:
             raise RoundFailed(f"block {self.block} round {rnd}: coverage {rep.coverage:.1%} < {self.min_coverage:.0%} "
                               f"({sum(not p['ok'] for p in parts)} of {P} pieces lack a member); nothing applied")

@@ -46,32 +46,43 @@ class Member:
     state: str = "alive"  # alive | suspect (no connection, not yet timed out)
 
 
+_BREAKDOWNS = ("by_type", "by_kind")
+
+
+def _empty_traffic() -> dict:
+    return {d: {b: {} for b in _BREAKDOWNS} for d in ("sent", "received")}
+
+
+def _add_counts(into: dict, counts: dict):
+    for name, c in counts.items():
+        acc = into.setdefault(name, {"frames": 0, "payload_bytes": 0, "wire_bytes": 0})
+        for k in acc:
+            acc[k] += c[k]
+
+
 @dataclass
 class PeerTraffic:
-    """Bytes exchanged with one remote peer, over all its connections."""
-    closed: dict = field(default_factory=lambda: {"sent": {}, "received": {}})
+    """Bytes exchanged with one remote peer over its closed connections."""
+    closed: dict = field(default_factory=_empty_traffic)
 
     def add(self, snapshot: dict):
         for d in ("sent", "received"):
-            for t, c in snapshot[d]["by_type"].items():
-                acc = self.closed[d].setdefault(t, {"frames": 0, "payload_bytes": 0, "wire_bytes": 0})
-                for k in acc:
-                    acc[k] += c[k]
+            for b in _BREAKDOWNS:
+                _add_counts(self.closed[d][b], snapshot[d].get(b, {}))
 
 
 def _merge(a: dict, b: dict) -> dict:
+    """Closed-connection counts plus a live connection's snapshot, with totals."""
     out = {}
     for d in ("sent", "received"):
-        by = {t: dict(c) for t, c in a[d].items()}
-        for t, c in b[d].items():
-            acc = by.setdefault(t, {"frames": 0, "payload_bytes": 0, "wire_bytes": 0})
-            for k in acc:
-                acc[k] += c[k]
-        tot = {"frames": 0, "payload_bytes": 0, "wire_bytes": 0}
-        for c in by.values():
-            for k in tot:
-                tot[k] += c[k]
-        out[d] = {"by_type": by, "total": tot}
+        out[d] = {}
+        for br in _BREAKDOWNS:
+            by: dict = {}
+            _add_counts(by, a[d][br])
+            _add_counts(by, b[d].get(br, {}))
+            out[d][br] = dict(sorted(by.items()))
+        out[d]["total"] = {k: sum(c[k] for c in out[d]["by_type"].values())
+                           for k in ("frames", "payload_bytes", "wire_bytes")}
     return out
 
 
@@ -215,6 +226,7 @@ class Peer:
             try:
                 await self._reader(pc, pid, client=True)
             finally:
+                self._account(pid, pc)
                 self._client_conns.discard(pc)
                 if self.clients.get(pid) is pc:
                     del self.clients[pid]
@@ -366,20 +378,22 @@ class Peer:
     # --- reports -------------------------------------------------------------------------------
     def traffic_report(self) -> dict:
         peers = {}
-        for pid in set(self.traffic) | set(self.members):
+        for pid in set(self.traffic) | set(self.members) | set(self.clients):
             closed = self.traffic.get(pid, PeerTraffic()).closed
             m = self.members.get(pid)
-            live = m.conn.conn.counter.snapshot() if m is not None and m.conn is not None else None
-            live_by = {d: live[d]["by_type"] for d in ("sent", "received")} if live else {"sent": {}, "received": {}}
-            t = _merge(closed, live_by)
+            pc = m.conn if m is not None else self.clients.get(pid)
+            t = _merge(closed, pc.conn.counter.snapshot() if pc is not None else _empty_traffic())
             t["addr"] = m.info.addr if m else next((e["addr"] for e in reversed(self.events) if e["peer"] == pid), "")
+            t["client"] = m is None and pid in self.clients or t["addr"] == ""
             peers[pid] = t
         totals = {d: {"frames": 0, "payload_bytes": 0, "wire_bytes": 0} for d in ("sent", "received")}
+        by_kind = {d: {} for d in ("sent", "received")}
         for t in peers.values():
             for d in totals:
                 for k in totals[d]:
                     totals[d][k] += t[d]["total"][k]
-        return {"peers": peers, "totals": totals}
+                _add_counts(by_kind[d], t[d]["by_kind"])
+        return {"peers": peers, "totals": totals, "by_kind": by_kind}
 
     def status(self) -> dict:
         now = time.monotonic()

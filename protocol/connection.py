@@ -24,7 +24,7 @@ import msgpack
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, as_remote
-from .events import Error, Handshake, Message, StreamChunk, decode_payload, encode_payload
+from .events import Error, Handshake, Message, StreamChunk, StreamOpen, StreamRequest, decode_payload, encode_payload
 from .frames import (HEADER_BYTES, MAX_FRAME_BYTES, Flags, FrameBuffer, FrameHeader, MessageType, ReusableBuffer,
                      encode_header)
 from .handshake import PROTOCOL_NAME, TAGLEN, CipherState, HandshakeError, NoiseHandshake, peer_id_of
@@ -32,6 +32,11 @@ from .handshake import PROTOCOL_NAME, TAGLEN, CipherState, HandshakeError, Noise
 PROLOGUE = b"BlockTrain/1 " + PROTOCOL_NAME
 _SEALED = int(Flags.SEALED)
 _CLOSE_TYPES = frozenset({MessageType.GOODBYE, MessageType.ERROR})
+_STREAM_TYPES = frozenset({MessageType.STREAM_OPEN, MessageType.STREAM_CHUNK, MessageType.STREAM_END,
+                           MessageType.STREAM_REQUEST})
+_PIPELINE_TYPES = frozenset({MessageType.PIPELINE_FORWARD, MessageType.PIPELINE_RESULT})
+# Stream kinds counted under their own name (PROTOCOL.md section 7).
+STREAM_KINDS = frozenset({"checkpoint", "lower-checkpoint", "update"})
 _SIZED_TYPES = frozenset({MessageType.STREAM_CHUNK, MessageType.BLOCK_UPDATE, MessageType.PIPELINE_FORWARD,
                           MessageType.PIPELINE_RESULT})
 _TYPE_NAMES = {t: t.name.lower() for t in MessageType}
@@ -117,29 +122,58 @@ def _counter():
 
 @dataclass
 class ByteCounter:
-    """Per-direction, per-message-type frame and byte counts."""
+    """Per-direction frame and byte counts, by message type and by kind of traffic.
+
+    Kinds: ``update`` (BLOCK_UPDATE), ``pipeline`` (PIPELINE_*), a stream's own kind for
+    STREAM_* frames (``checkpoint``, ``lower-checkpoint``, ``update``; any other is
+    ``stream-other``, so a peer cannot grow the table), ``control`` for everything else.
+    """
 
     sent: dict = field(default_factory=dict)
     received: dict = field(default_factory=dict)
+    sent_kinds: dict = field(default_factory=dict)
+    received_kinds: dict = field(default_factory=dict)
+    _streams: dict = field(default_factory=dict)  # stream id -> kind, from STREAM_REQUEST/OPEN
 
-    def add(self, direction: str, mtype: MessageType, payload: int, wire: int):
-        d = self.sent if direction == "sent" else self.received
-        name = _TYPE_NAMES[mtype]
-        c = d.get(name)
-        if c is None:
-            c = d[name] = _counter()
-        c["frames"] += 1
-        c["payload_bytes"] += payload
-        c["wire_bytes"] += wire
+    def kind_of(self, msg: Message) -> str:
+        t = msg.TYPE
+        if t is MessageType.BLOCK_UPDATE:
+            return "update"
+        if t in _PIPELINE_TYPES:
+            return "pipeline"
+        if t not in _STREAM_TYPES:
+            return "control"
+        if isinstance(msg, (StreamOpen, StreamRequest)):
+            kind = msg.kind if msg.kind in STREAM_KINDS else "stream-other"
+            if len(self._streams) >= 4096:  # streams that never ended: forget the oldest
+                self._streams.pop(next(iter(self._streams)))
+            self._streams[msg.stream_id] = kind
+            return kind
+        kind = self._streams.get(msg.stream_id, "stream-other")
+        if t is MessageType.STREAM_END:
+            self._streams.pop(msg.stream_id, None)
+        return kind
+
+    def add(self, direction: str, mtype: MessageType, payload: int, wire: int, kind: str = "control"):
+        sent = direction == "sent"
+        for d, name in ((self.sent if sent else self.received, _TYPE_NAMES[mtype]),
+                        (self.sent_kinds if sent else self.received_kinds, kind)):
+            c = d.get(name)
+            if c is None:
+                c = d[name] = _counter()
+            c["frames"] += 1
+            c["payload_bytes"] += payload
+            c["wire_bytes"] += wire
 
     def snapshot(self) -> dict:
         out = {}
-        for name, d in (("sent", self.sent), ("received", self.received)):
+        for name, d, kinds in (("sent", self.sent, self.sent_kinds), ("received", self.received, self.received_kinds)):
             tot = _counter()
             for c in d.values():
                 for k in tot:
                     tot[k] += c[k]
-            out[name] = {"by_type": {k: dict(v) for k, v in sorted(d.items())}, "total": tot}
+            out[name] = {"by_type": {k: dict(v) for k, v in sorted(d.items())},
+                         "by_kind": {k: dict(v) for k, v in sorted(kinds.items())}, "total": tot}
         return out
 
 
@@ -238,7 +272,7 @@ class Connection:
         flags, bufs = encode_payload(msg, self.compress)
         length = _checked_length(bufs)
         head = encode_header(msg.TYPE, flags, msg.stream_id, length)
-        self.counter.add("sent", msg.TYPE, length, HEADER_BYTES + length)
+        self.counter.add("sent", msg.TYPE, length, HEADER_BYTES + length, self.counter.kind_of(msg))
         return head + b"".join(bytes(b) for b in bufs)
 
     def _frame(self, msg: Message, force_seal: bool = False) -> list:
@@ -251,10 +285,10 @@ class Connection:
                 sealed = [self._send_cs.seal_into(head, bufs, self._seal_buf.get(length + TAGLEN))]
             else:
                 sealed = [self._send_cs.encrypt(head, b"".join(bufs))]
-            self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length + TAGLEN)
+            self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length + TAGLEN, self.counter.kind_of(msg))
             return [head, *sealed]
         head = encode_header(msg.TYPE, flags, msg.stream_id, length)
-        self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length)
+        self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length, self.counter.kind_of(msg))
         return [head, *bufs]
 
     def data_to_send(self) -> bytes:
@@ -318,7 +352,7 @@ class Connection:
             if t is MessageType.HANDSHAKE:
                 raise LocalProtocolError("handshake message after the handshake", ErrorCode.UNEXPECTED_MESSAGE)
             msg = decode_payload(t, h.flags & ~_SEALED, h.stream_id, payload)
-            self.counter.add("received", t, _logical_len(msg, len(payload)), wire)
+            self.counter.add("received", t, _logical_len(msg, len(payload)), wire, self.counter.kind_of(msg))
             if t in _CLOSE_TYPES:
                 self._transition(Ev.RECV_CLOSE)
                 return ConnectionClosed(msg.code if isinstance(msg, Error) else 0, msg.reason)

@@ -97,3 +97,22 @@ async def test_corrupt_stream_is_discarded_and_fetched_elsewhere(tmp_path):
     finally:
         for p in (a, b, c):
             await p.stop()
+
+
+async def test_stream_bytes_are_counted_under_their_kind(tmp_path):
+    peers = await mesh(2, FAST)
+    try:
+        blob = os.urandom(300_000)
+        (tmp_path / "lower-checkpoint").mkdir()
+        (tmp_path / "lower-checkpoint" / "block0.safetensors").write_bytes(blob)
+        CheckpointServer(peers[0], tmp_path)
+        fetcher = CheckpointFetcher(peers[1])
+        assert await fetcher.fetch([peers[0].addr], "lower-checkpoint", "block0") == blob
+        got = peers[1].traffic_report()["by_kind"]["received"]
+        sent = peers[0].traffic_report()["by_kind"]["sent"]
+        assert got["lower-checkpoint"]["payload_bytes"] >= len(blob)
+        assert sent["lower-checkpoint"]["wire_bytes"] >= got["lower-checkpoint"]["payload_bytes"]
+        assert "checkpoint" not in got and "update" not in got
+    finally:
+        for p in peers:
+            await p.stop()
