@@ -9,6 +9,8 @@ Rules:
   for ``chunk_timeout_s``) is left for the next one, which continues from the bytes already
   received (STREAM_REQUEST with that offset). The result is verified by sha256 before it is
   returned; a corrupt stream is discarded whole.
+- ``probe`` asks from near the end of the copy we hold: the answer's STREAM_OPEN gives the holder's
+  size and sha256, so checking whether a checkpoint changed costs a few hundred bytes.
 - Bytes are counted by kind (the stream's ``kind``: checkpoint, lower-checkpoint, ...) beside
   the per-type counters of the connections.
 """
@@ -26,6 +28,7 @@ from blocktrain.protocol import (ProtocolError, StreamChunk, StreamEnd, StreamOp
 
 log = logging.getLogger("blocktrain.p2p")
 
+PROBE_TAIL = 1024
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -81,6 +84,29 @@ class CheckpointFetcher:
         q = self._inbox.get(msg.stream_id)
         if q is not None:
             q.put_nowait(msg)
+
+    async def probe(self, addr: str, kind: str, name: str, size: int) -> tuple[int, bytes] | None:
+        """(total_size, sha256) of what ``addr`` holds now, or None if it holds nothing. Asks from
+        PROBE_TAIL bytes before the end of our copy (``size``): a checkpoint's size varies by a few
+        header bytes between versions, and an unchanged one moves only that tail."""
+        sid = next(self._ids)
+        q: asyncio.Queue = asyncio.Queue()
+        self._inbox[sid] = q
+        try:
+            pc = await self.peer.connection_to(addr)
+            pc.send_nowait(StreamRequest(kind=kind, name=name, offset=max(0, size - PROBE_TAIL), stream_id=sid))
+            opened = None
+            while True:  # the answer: OPEN, (chunks if it grew), END
+                m = await asyncio.wait_for(q.get(), self.chunk_timeout_s)
+                if isinstance(m, StreamOpen):
+                    opened = None if "error" in m.meta else (m.total_size, m.sha256)
+                elif isinstance(m, StreamEnd):
+                    return opened
+        except (asyncio.TimeoutError, ConnectionError, ProtocolError) as e:
+            log.info("probe %s/%s at %s failed: %s", kind, name, addr, e)
+            return None
+        finally:
+            del self._inbox[sid]
 
     async def fetch(self, addrs: list[str], kind: str, name: str, receiver: StreamReceiver | None = None) -> bytes:
         """The payload (kind, name) from the first of ``addrs`` able to finish it, sha256-verified."""

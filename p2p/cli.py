@@ -80,6 +80,93 @@ def _peer_options(f):
     return f
 
 
+def _train_options(f):
+    opts = [
+        click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+                     help="Where this peer keeps and serves its checkpoints (default: ~/.blocktrain/work/PEER_ID). "
+                          "A restart with the same directory resumes from its checkpoint."),
+        click.option("--steps", type=click.IntRange(1), default=None,
+                     help="Local training steps of this peer (default: the config's train.steps, 300)."),
+        click.option("--every", type=click.IntRange(1), default=25, show_default=True,
+                     help="Local steps per averaging round (DiLoCo's H)."),
+        click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8"]), default="raw", show_default=True,
+                     help="Codec of the averaged updates (lossy ones keep error feedback)."),
+        click.option("--outer", type=click.Choice(["sgd", "nesterov"]), default="sgd", show_default=True,
+                     help="Outer optimizer applied to the averaged pseudo-gradient."),
+        click.option("--outer-lr", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True),
+        click.option("--outer-momentum", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True),
+        click.option("--min-coverage", type=click.FloatRange(0, 1), default=1.0, show_default=True,
+                     help="A round averaging less of the parameters over every live member fails (nothing applied)."),
+        click.option("--round-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
+                     help="Seconds a round waits for the group's parts."),
+        click.option("--schedule", type=click.Choice(["staggered", "parallel", "sequential"]), default="staggered",
+                     show_default=True,
+                     help="When lower blocks are pulled: every round (staggered, parallel) or only final (sequential)."),
+        click.option("--shard", default=None, metavar="I/N",
+                     help="Train on shard I of N of the data (default: this peer's own random windows)."),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="Model/training config, as for bt-train (model.d_model=128, steps=300, ...). "
+                          "Every peer of a swarm must use the same model config."),
+        click.option("--data", type=click.Path(file_okay=False, exists=True), default=None,
+                     help="Directory of the standard WikiText files (default: the embedded WikiText-2)."),
+        click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="torch threads."),
+        click.option("--no-train", is_flag=True, help="Join as a member only (no training), e.g. a bootstrap peer."),
+        click.option("--exit-when-done", is_flag=True,
+                     help="Leave once training is done (default: stay and serve the checkpoint until stopped)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _make_trainer(o: dict):
+    """A callback building the SwarmPeer once the Peer is up, or None when this peer does not train."""
+    if o["no_train"] or o["role"] != "train" or not o["blocks"]:
+        return None
+    if len(o["blocks"]) != 1:
+        raise click.ClickException("a training peer trains exactly one block: give --block once (or --no-train)")
+    import torch
+
+    from blocktrain.blocks.cli import JobConfig, apply_overrides
+    from blocktrain.blocks.data import DataError, as_tensor, read_split
+
+    from .swarm import SwarmConfig, SwarmPeer
+
+    try:
+        job = apply_overrides(JobConfig(), dict(_kv(s) for s in o["overrides"]))
+        if o["steps"]:
+            job = apply_overrides(job, {"steps": o["steps"]})
+        scfg = SwarmConfig(every=o["every"], codec=o["codec"], outer=o["outer"], outer_lr=o["outer_lr"],
+                           outer_momentum=o["outer_momentum"], min_coverage=o["min_coverage"],
+                           round_timeout_s=o["round_timeout"], schedule=o["schedule"])
+        train, valid = as_tensor(read_split("train", o["data"])), as_tensor(read_split("valid", o["data"]))
+    except (ValueError, DataError) as e:
+        raise click.ClickException(str(e))
+    k = o["blocks"][0]
+    if k >= job.model.n_blocks:
+        raise click.ClickException(f"--block {k}: the model has blocks 0..{job.model.n_blocks - 1}")
+    shard = None
+    if o["shard"]:
+        i, sep, n = o["shard"].partition("/")
+        if not sep or not i.isdigit() or not n.isdigit() or not 0 <= int(i) < int(n):
+            raise click.BadParameter(f"expected I/N with 0 <= I < N, got {o['shard']!r}", param_hint="--shard")
+        shard = (int(i), int(n))
+    torch.set_num_threads(o["threads"])
+
+    def build(peer: Peer):
+        work = Path(o["work_dir"]) if o["work_dir"] else Path.home() / ".blocktrain" / "work" / peer.id[:16]
+        return SwarmPeer(peer, k, job.model, job.train, scfg, work, train, valid, shard,
+                         progress=lambda s: click.echo(f"[{time.strftime('%H:%M:%S')}] {s}", err=True))
+    return build
+
+
+def _kv(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"expected KEY=VALUE, got {text!r}", param_hint="--set")
+    return key.strip(), value.strip()
+
+
 def _build_peer(o: dict) -> Peer:
     _setup_logging(o["verbose"])
     try:
@@ -105,7 +192,8 @@ def _build_peer(o: dict) -> Peer:
                 advertise=o["advertise"])
 
 
-async def _run(peer: Peer, bootstrap: tuple[str, int] | None, quiet: bool, key_hint: str):
+async def _run(peer: Peer, bootstrap: tuple[str, int] | None, quiet: bool, key_hint: str, trainer=None,
+               exit_when_done: bool = False):
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -115,20 +203,43 @@ async def _run(peer: Peer, bootstrap: tuple[str, int] | None, quiet: bool, key_h
         await peer.join(*bootstrap)
     click.echo(f"peer {peer.id[:16]} listening on {peer.addr}; others join with:\n"
                f"  bt-peer join {peer.addr} --block K {key_hint} --identity OTHER_KEY_FILE", err=True)
+    training = None
+    if trainer is not None:
+        sp = trainer(peer)
+        training = asyncio.ensure_future(sp.run())
+        click.echo(f"training block {sp.k} in {sp.dir} (checkpoint: {sp.own_path})", err=True)
+    failed = None
     last = 0.0
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
         except asyncio.TimeoutError:
             pass
+        if training is not None and training.done():
+            if training.exception() is not None:
+                failed = training.exception()
+                click.echo(f"training failed: {type(failed).__name__}: {failed}", err=True)
+                break
+            r = training.result()
+            training = None
+            click.echo(f"training done: block {r['block']} step {r['step']}, valid CE {r['ce_start']:.4f} -> "
+                       f"{r['ce_end']:.4f}, {len(r['rounds'])} rounds applied, {len(r['failed_rounds'])} failed"
+                       + ("" if exit_when_done else "; serving the checkpoint until stopped"), err=True)
+            if exit_when_done:
+                break
         if not quiet and time.monotonic() - last >= 5:
             last = time.monotonic()
             t = peer.traffic_report()["totals"]
             alive = sum(1 for m in peer.members.values() if m.state == "alive")
             click.echo(f"[{time.strftime('%H:%M:%S')}] {alive} peers alive, sent {_fmt_bytes(t['sent']['wire_bytes'])}, "
                        f"received {_fmt_bytes(t['received']['wire_bytes'])}", err=True)
+    if training is not None and not training.done():
+        training.cancel()
+        await asyncio.gather(training, return_exceptions=True)
     click.echo("stopping: goodbye to peers, writing report", err=True)
     await peer.stop("peer shutting down")
+    if failed is not None:
+        raise click.ClickException(f"training failed: {failed}")
 
 
 def _key_hint(o: dict) -> str:
@@ -137,23 +248,36 @@ def _key_hint(o: dict) -> str:
 
 @main.command()
 @_peer_options
+@_train_options
 @click.option("--quiet", is_flag=True, help="No periodic status line.")
 def start(quiet, **o):
-    """Start a new swarm (or a first member) and print the command others use to join."""
+    """Start a new swarm (or a first member) and print the command others use to join.
+
+    With --block K (role train) the peer trains block K, as for `join`."""
     install_uvloop()
-    asyncio.run(_run(_build_peer(o), None, quiet, _key_hint(o)))
+    trainer = _make_trainer(o)
+    asyncio.run(_run(_build_peer(o), None, quiet, _key_hint(o), trainer, o["exit_when_done"]))
 
 
 @main.command()
 @click.argument("bootstrap")
 @_peer_options
+@_train_options
 @click.option("--quiet", is_flag=True, help="No periodic status line.")
 def join(bootstrap, quiet, **o):
-    """Join the swarm through any member at BOOTSTRAP (HOST:PORT)."""
+    """Join the swarm through any member at BOOTSTRAP (HOST:PORT) and train --block K.
+
+    The peer pulls the block's latest checkpoint from the group (if the group has one), agrees
+    with the group on the round it joins, pulls the lower blocks' parameters (the input
+    handoff), and averages with the group every --every steps. Its transfer report (--report)
+    holds bytes by peer, kind and direction, every round's coverage, rejected updates and the
+    CE improvement per GB moved. Ctrl-C (or SIGTERM) stops it cleanly; a restart with the same
+    --work-dir resumes from its checkpoint."""
     install_uvloop()
     boot = _addr(bootstrap)
+    trainer = _make_trainer(o)
     try:
-        asyncio.run(_run(_build_peer(o), boot, quiet, _key_hint(o)))
+        asyncio.run(_run(_build_peer(o), boot, quiet, _key_hint(o), trainer, o["exit_when_done"]))
     except ConnectionError as e:
         raise click.ClickException(str(e))
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from blocktrain.protocol import Announce, Connection, ConnectionClosed, PeerInfo, PeerList, Ping, Role, Status
+from blocktrain.protocol import (Announce, Connection, ConnectionClosed, PeerInfo, PeerList, Ping, ProtocolError, Role,
+                                 Status)
 
 from .identity import peer_id
 from .link import LinkSpec
@@ -105,6 +106,7 @@ class Peer:
         self.members: dict[str, Member] = {}
         self.traffic: dict[str, PeerTraffic] = {}
         self.events: list[dict] = []  # joined / left / dead, for reports and tests
+        self.report_extra: dict[str, object] = {}  # report section -> fn() giving its JSON (training)
         self.started_at = time.time()
         self._server = None
         self._tasks: set[asyncio.Task] = set()
@@ -225,6 +227,8 @@ class Peer:
             self.clients[pid] = pc
             try:
                 await self._reader(pc, pid, client=True)
+            except (ConnectionError, ProtocolError) as e:
+                log.debug("client %s: connection ended: %s", pid[:12], e)
             finally:
                 self._account(pid, pc)
                 self._client_conns.discard(pc)
@@ -267,8 +271,8 @@ class Peer:
             pc.send_nowait(Announce(peer=self.info()))
             pc.send_nowait(PeerList(peers=self._peer_list()))
             await self._reader(pc, pid)
-        except ConnectionError:
-            pass
+        except (ConnectionError, ProtocolError) as e:  # the connection's end; already logged by it
+            log.debug("connection to %s ended: %s", pid[:12], e)
         finally:
             self._account(pid, pc)
             m = self.members.get(pid)
@@ -408,7 +412,8 @@ class Peer:
     def report(self) -> dict:
         return {"kind": "blocktrain-transfer-report", "peer_id": self.id, "addr": self.addr,
                 "blocks": list(self.blocks), "role": self.role, "start_time": self.started_at,
-                "end_time": time.time(), "events": self.events, **self.traffic_report()}
+                "end_time": time.time(), "events": self.events, **self.traffic_report(),
+                **{k: f() for k, f in self.report_extra.items()}}
 
     def write_report(self):
         if not self.report_path:

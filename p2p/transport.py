@@ -201,9 +201,10 @@ class PeerConnection(asyncio.BufferedProtocol):
             # fast path: nothing queued, so nothing to order against: seal and write now
             try:
                 self._write(self.conn.send_buffers(msg))
-            except ProtocolError as e:
-                self._shutdown(f"cannot send: {e}", e)
-                raise ConnectionError(str(e)) from e
+            except ProtocolError as e:  # e.g. the peer's goodbye closed the session meanwhile
+                err = ConnectionError(f"cannot send to {self.name or self.peer_addr}: {e}")
+                self._shutdown(f"cannot send: {e}", err)
+                raise err from e
             return
         (self._bulk if bulk else self._control).append(msg)
         self._write_wakeup.set()

@@ -225,7 +225,7 @@ def _peer_cmd(tmp_path, i, port, block, bootstrap=None):
         cmd.append(bootstrap)
     return cmd + ["--block", str(block), "--listen", f"127.0.0.1:{port}", "--swarm-key", str(tmp_path / "swarm.key"),
                   "--identity", str(tmp_path / f"id{i}"), "--report", str(tmp_path / f"r{i}.json"),
-                  "--report-every", "1", "--heartbeat", "0.2", "--dead-after", "2", "--quiet", "-v"]
+                  "--report-every", "1", "--heartbeat", "0.2", "--dead-after", "2", "--quiet", "-v", "--no-train"]
 
 
 async def _status(tmp_path, port):
