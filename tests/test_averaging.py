@@ -172,6 +172,8 @@ async def test_two_peers_train_one_block_and_agree_after_every_round():
     try:
         trainers = [BlockTrainer(mc, tc, 0, data, shard=i, num_shards=2) for i in range(2)]
         swarm = [SwarmBlockTrainer(p, t, a, every=4) for p, t, a in zip(peers, trainers, avgs)]
+        late = await asyncio.gather(*(s.join_group(1) for s in swarm))  # both agree to average from round 1
+        assert late == [[], []] and all(s.joined == {o.peer.id: 1} for s, o in zip(swarm, swarm[::-1]))
         reports = await asyncio.gather(*(s.run(12) for s in swarm))
         for r in reports:
             assert [x["round"] for x in r.rounds] == [1, 2, 3] and all(x["coverage"] == 1.0 for x in r.rounds)
