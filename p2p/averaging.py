@@ -39,7 +39,7 @@ log = logging.getLogger("blocktrain.p2p")
 
 
 # BlockUpdate phases that manage the group rather than carry a round's parts (see swarm.py).
-CONTROL_PHASES = ("join", "welcome", "late")
+CONTROL_PHASES = ("join", "welcome", "late", "absent")
 
 # Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
 PIECE_FLOATS = 1 << 20

@@ -11,7 +11,8 @@ Rules:
 - The group of round r is this peer and every live member on the same block that agreed with us
   to average from a round <= r. Agreeing is a handshake over BLOCK_UPDATE control phases: a
   joiner sends ``join`` for round r to every member; a member that has not yet begun round r
-  answers ``welcome``, one that has answers ``late`` and the joiner catches up again.
+  answers ``welcome``, one that has answers ``late`` and the joiner catches up again, one that
+  is not training (still waiting for its lower blocks, or finished) answers ``absent``.
 - A joiner (or a restarted peer whose group moved on) first pulls the block's latest checkpoint
   (kind ``checkpoint``: parameters, AdamW state, outer momentum, step) from a member, verified,
   and starts from it. Checkpoints are written after every applied round, so they hold the
@@ -94,6 +95,7 @@ class SwarmBlockTrainer:
         self.joined: dict[str, int] = {}  # member -> first round we average with it
         self.begun = 0  # the last round whose group we fixed
         self._replies: dict[str, asyncio.Future] = {}
+        self.accepting = False  # whether we answer joins with welcome: from our own join to our end
         averager.on_control = self._control
 
     # --- the group ---------------------------------------------------------------------------
@@ -113,7 +115,9 @@ class SwarmBlockTrainer:
     def _control(self, msg: BlockUpdate, pc, pid: str):
         phase = msg.meta.get("phase")
         if phase == "join":
-            if msg.round > self.begun:
+            if not self.accepting:  # not training (yet): it must not wait for us
+                reply = BlockUpdate(block=msg.block, round=msg.round, meta={"phase": "absent"})
+            elif msg.round > self.begun:
                 self.joined[pid] = msg.round
                 reply = BlockUpdate(block=msg.block, round=msg.round, meta={"phase": "welcome"})
                 log.info("block %d: %s joins from round %d", msg.block, pid[:12], msg.round)
@@ -123,16 +127,17 @@ class SwarmBlockTrainer:
                 pc.send_nowait(reply)
             except (ConnectionError, ProtocolError):
                 pass
-        elif phase in ("welcome", "late"):
+        elif phase in ("welcome", "late", "absent"):
             fut = self._replies.get(pid)
             if fut is not None and not fut.done():
                 fut.set_result((phase, msg.round))
 
-    async def join_group(self, rnd: int, timeout_s: float = 10.0) -> list[str]:
-        """Agree with every current member to average from round ``rnd``; the members that
-        answered ``late`` (they already began it)."""
+    async def join_group(self, rnd: int, timeout_s: float = 10.0, only_new: bool = False) -> list[str]:
+        """Agree with every current member (``only_new``: those we have no agreement with) to
+        average from round ``rnd``; the members that answered ``late`` (they already began it)."""
         late = []
-        members = self.candidates()
+        self.accepting = True
+        members = {pid: a for pid, a in self.candidates().items() if not only_new or pid not in self.joined}
         loop = asyncio.get_running_loop()
         self._replies = {pid: loop.create_future() for pid in members}
         for pid, addr in members.items():
@@ -154,6 +159,13 @@ class SwarmBlockTrainer:
         self._replies = {}
         return late
 
+    async def _repair(self, rnd: int):
+        """Views of the group can differ (a join answered ``late`` by some members and
+        ``welcome`` by others, a peer back after a restart): after every round, agree again with
+        the training members we have no agreement with, from the next round."""
+        if any(pid not in self.joined for pid in self.candidates()):
+            await self.join_group(rnd, timeout_s=2.0, only_new=True)
+
     # --- training ----------------------------------------------------------------------------
     def round_of(self, step: int) -> int:
         return -(-step // self.every)
@@ -162,6 +174,7 @@ class SwarmBlockTrainer:
         """Train to ``steps`` local steps. ``before_round()`` runs (awaited) at every round start
         (lower-block refresh); ``on_round(applied)`` after every round (checkpoint)."""
         start = flatten(self.params)
+        self.accepting = True
         while self.trainer.step < steps:
             if before_round is not None and self.trainer.step % self.every == 0:
                 await before_round()
@@ -183,6 +196,7 @@ class SwarmBlockTrainer:
                     self.report.failed.append({"round": rnd, "step": self.trainer.step, "reason": str(e)})
                     if on_round is not None:
                         await on_round(False)
+                    await self._repair(rnd + 1)
                     continue
             new = self.outer.step(start, avg)
             unflatten_(self.params, new)
@@ -194,6 +208,8 @@ class SwarmBlockTrainer:
                 "seconds": round(rep.seconds, 4) if rep else 0.0, "bytes_sent": rep.bytes_sent if rep else 0})
             if on_round is not None:
                 await on_round(True)
+            await self._repair(rnd + 1)
+        self.accepting = False
         return self.report
 
 
