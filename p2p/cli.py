@@ -401,6 +401,118 @@ def generate(address, prompt, n_bytes, mode, swarm_key, identity, timeout):
     click.echo(f"[{mode}: {st['traversals']} traversal(s), {st['seconds']:.3f} s, route {st['route']}]", err=True)
 
 
+async def assemble_from_swarm(host: str, port: int, ident, key, out: Path, timeout: float = 30.0,
+                              log=lambda s: None) -> dict:
+    """Fetch the newest checkpoint of every block from its training peers, verified, into ``out``;
+    returns {block: {"step", "from", "bytes", "sha256"}} and the model config."""
+    from blocktrain.blocks import checkpoint as ckpt
+
+    from .checkpoints import CheckpointFetcher, FetchError
+
+    tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
+    st = await query_status(host, port, ident, key, tmo)
+    holders: dict[int, list[str]] = {}
+    for m in [{"addr": st["addr"], "blocks": st["blocks"], "state": "alive", "role": st["role"]}] + st["members"]:
+        if m["state"] == "alive" and m["role"] == "train":
+            for b in m["blocks"]:
+                holders.setdefault(b, []).append(m["addr"])
+    if not holders:
+        raise click.ClickException(f"{host}:{port} knows no live training peers")
+    client = Peer(ident, key, "127.0.0.1", 0, role="client", timeouts=tmo)
+    fetcher = CheckpointFetcher(client, chunk_timeout_s=timeout)
+    got, config = {}, None
+    try:
+        for k in sorted(holders):
+            best = None
+            for addr in holders[k]:  # every holder: a peer that fell behind must not win
+                try:
+                    blob = await fetcher.fetch([addr], "checkpoint", f"block{k}")
+                    c = ckpt.decode(blob, f"block {k} from {addr}")
+                except (FetchError, ckpt.CheckpointError) as e:
+                    log(f"block {k}: {addr}: {e}")
+                    continue
+                if c.block != k:
+                    log(f"block {k}: {addr} sent block {c.block}'s checkpoint; ignored")
+                    continue
+                if best is None or c.step > best[0].step:
+                    best = (c, blob, addr)
+            if best is None:
+                raise click.ClickException(f"no holder of block {k} delivered a valid checkpoint ({holders[k]})")
+            c, blob, addr = best
+            if config is None:
+                config = c.config
+            elif c.config != config:
+                raise click.ClickException(f"block {k} from {addr} has another model config than block 0")
+            out.mkdir(parents=True, exist_ok=True)
+            ckpt.save(c, out / f"block{k}.safetensors")
+            got[k] = {"step": c.step, "from": addr, "bytes": len(blob), "sha256": c.sha256,
+                      "final": bool(c.extra.get("final"))}
+            log(f"block {k}: step {c.step} from {addr} ({_fmt_bytes(len(blob))}), verified")
+    finally:
+        await client.stop("done")
+    n = (config or {}).get("n_blocks", 0)
+    missing = [k for k in range(n) if k not in got]
+    if missing:
+        raise click.ClickException(f"no live training peer holds block(s) {missing} of {n}")
+    return {"blocks": got, "config": config}
+
+
+def evaluate_assembled(directory: Path, data: str | None, windows: int) -> dict:
+    """Test CE of the assembled blocks in ``directory`` (each block's head along the chain)."""
+    from blocktrain.blocks import checkpoint as ckpt
+    from blocktrain.blocks.data import as_tensor, read_split
+    from blocktrain.blocks.model import Block, ModelConfig
+    from blocktrain.blocks.train import eval_chain
+
+    blocks, seq_len = [], None
+    for path in sorted(directory.glob("block*.safetensors"), key=lambda p: int(p.stem[5:])):
+        c = ckpt.load(path)
+        cfg = ModelConfig.from_dict(c.config)
+        b = Block(cfg, c.block)
+        b.load_state_dict(c.tensors)
+        blocks.append(b)
+        seq_len = c.extra.get("train", {}).get("seq_len", seq_len)
+    test = as_tensor(read_split("test", data))
+    heads = eval_chain(blocks, test, seq_len or 128, windows or None)
+    return {"test_ce": heads[-1], "head_ce": heads, "test_windows": windows, "seq_len": seq_len,
+            "data": data or "embedded WikiText-2"}
+
+
+@main.command()
+@click.argument("address")
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="Directory for the verified block checkpoints (usable by `bt-peer serve --checkpoints`).")
+@click.option("--swarm-key", type=click.Path(dir_okay=False), default=None)
+@click.option("--identity", type=click.Path(dir_okay=False), default=str(DEFAULT_IDENTITY), show_default=True)
+@click.option("--data", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Directory of the standard WikiText files for the test CE (default: the embedded WikiText-2).")
+@click.option("--test-windows", type=click.IntRange(0), default=300, show_default=True,
+              help="Test windows to evaluate (0: the whole test split).")
+@click.option("--no-eval", is_flag=True, help="Only fetch and verify.")
+@click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True)
+def assemble(address, out, swarm_key, identity, data, test_windows, no_eval, timeout):
+    """Fetch every block's newest checkpoint from the swarm via ADDRESS, verify it, evaluate test CE.
+
+    Writes OUT/block{k}.safetensors and OUT/assembled.json (where each block came from, its
+    step and sha256, and the test CE of every block's head along the chain)."""
+    install_uvloop()
+    host, port = _addr(address)
+    try:
+        key, ident = load_swarm_key(swarm_key), load_or_create_identity(identity)
+        res = asyncio.run(assemble_from_swarm(host, port, ident, key, Path(out), timeout,
+                                              log=lambda s: click.echo(s, err=True)))
+    except (KeyError_, ConnectionError, OSError) as e:
+        raise click.ClickException(f"assemble via {address}: {e}")
+    if not no_eval:
+        click.echo(f"evaluating test CE on {test_windows or 'all'} windows...", err=True)
+        res["eval"] = evaluate_assembled(Path(out), data, test_windows)
+        click.echo(f"assembled model: test CE {res['eval']['test_ce']:.4f} nats/byte (heads along the chain: "
+                   + ", ".join(f"{c:.4f}" for c in res["eval"]["head_ce"]) + ")")
+    res["blocks"] = {str(k): v for k, v in res["blocks"].items()}
+    (Path(out) / "assembled.json").write_text(json.dumps(res, indent=1))
+    click.echo(f"wrote {out}/assembled.json")
+
+
 @main.command()
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="Where to write the new swarm key.")
 def keygen(out):

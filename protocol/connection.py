@@ -124,7 +124,7 @@ def _counter():
 class ByteCounter:
     """Per-direction frame and byte counts, by message type and by kind of traffic.
 
-    Kinds: ``update`` (BLOCK_UPDATE), ``pipeline`` (PIPELINE_*), a stream's own kind for
+    Kinds: ``update`` (BLOCK_UPDATE with tensors), ``pipeline`` (PIPELINE_*), a stream's own kind for
     STREAM_* frames (``checkpoint``, ``lower-checkpoint``, ``update``; any other is
     ``stream-other``, so a peer cannot grow the table), ``control`` for everything else.
     """
@@ -138,7 +138,7 @@ class ByteCounter:
     def kind_of(self, msg: Message) -> str:
         t = msg.TYPE
         if t is MessageType.BLOCK_UPDATE:
-            return "update"
+            return "update" if msg.tensors else "control"  # without tensors: the group's join handshake
         if t in _PIPELINE_TYPES:
             return "pipeline"
         if t not in _STREAM_TYPES:

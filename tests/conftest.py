@@ -49,15 +49,17 @@ def pair():
 
 
 async def mesh(n: int, timeouts, blocks=(), psk: bytes | None = None) -> list:
-    """n started peers on loopback, all joined through the first, full membership awaited (bounded)."""
+    """n started peers on loopback, all joined through the first, full membership awaited (bounded).
+    ``blocks``: every peer's blocks, or a list of them, one per peer."""
     import asyncio
 
     from blocktrain.p2p.node import Peer
 
     psk = psk or os.urandom(32)
     peers = []
-    for _ in range(n):
-        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=blocks, timeouts=timeouts).start()
+    per_peer = list(blocks) if blocks and isinstance(blocks[0], tuple) else [blocks] * n
+    for i in range(n):
+        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=per_peer[i], timeouts=timeouts).start()
         if peers:
             await p.join("127.0.0.1", peers[0].port)
         peers.append(p)

@@ -83,10 +83,7 @@ async def test_restarted_peer_resumes_from_its_own_checkpoint(tmp_path):
 
 
 async def test_lower_blocks_come_from_the_swarm_and_count_as_their_own_kind(tmp_path):
-    peers = await mesh(2, FAST)
-    peers[0].blocks, peers[1].blocks = (0,), (1,)
-    for p, q in ((peers[0], peers[1]), (peers[1], peers[0])):
-        p.members[q.id].info = q.info()
+    peers = await mesh(2, FAST, blocks=[(0,), (1,)])
     try:
         sps = [SwarmPeer(p, k, MC, TC, SC, tmp_path / f"w{k}", DATA, DATA) for k, p in enumerate(peers)]
         reps = await asyncio.gather(sps[0].run(40), sps[1].run(40))
@@ -94,6 +91,17 @@ async def test_lower_blocks_come_from_the_swarm_and_count_as_their_own_kind(tmp_
         assert lower and lower[0]["step"] == 0 and lower[0]["lower_steps"][0] >= 10
         got = peers[1].report()["by_kind"]["received"]
         assert got["lower-checkpoint"]["payload_bytes"] > 0 and "checkpoint" not in got
+        # the assembled model: every block's newest checkpoint from the swarm, verified, evaluated
+        from blocktrain.p2p.cli import assemble_from_swarm, evaluate_assembled
+        from blocktrain.p2p.identity import load_or_create_identity
+        host, port = peers[0].addr.rsplit(":", 1)
+        res = await assemble_from_swarm(host, int(port), load_or_create_identity(tmp_path / "client"),
+                                        peers[0].swarm_key, tmp_path / "asm")
+        assert {k: v["step"] for k, v in res["blocks"].items()} == {0: 40, 1: 40}
+        assert res["blocks"][1]["from"] == peers[1].addr
+        ev = evaluate_assembled(tmp_path / "asm", None, 4)
+        assert ev["test_ce"] == ev["head_ce"][-1] < 5.0
+        assert peers[0].report()["by_kind"]["sent"]["checkpoint"]["payload_bytes"] >= res["blocks"][0]["bytes"]
     finally:
         for p in peers:
             await p.stop()
