@@ -565,30 +565,63 @@ def status(address, swarm_key, identity, as_json, timeout):
 
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
-def report(files):
-    """Print transfer-volume reports (one peer's, or a whole swarm's) as a table."""
-    rows, tot = [], {"sent": 0, "received": 0}
+@click.option("--json", "as_json", is_flag=True, help="Print the aggregate as JSON instead of tables.")
+def report(files, as_json):
+    """Print transfer-volume reports (one peer's, or a whole swarm's): bytes by kind, by remote
+    peer and message type, and direction; training rounds; CE improvement per GB moved."""
+    rows, kinds = [], {d: {} for d in ("sent", "received")}
+    peers_out = []
     for f in files:
         try:
             r = json.loads(Path(f).read_text())
         except ValueError as e:
             raise click.ClickException(f"{f}: not JSON: {e}")
-        if r.get("kind") != "blocktrain-transfer-report":
+        if not isinstance(r, dict) or r.get("kind") != "blocktrain-transfer-report":
             raise click.ClickException(f"{f}: not a BlockTrain transfer report")
         for pid, t in sorted(r["peers"].items()):
             for d in ("sent", "received"):
                 for typ, c in sorted(t[d]["by_type"].items()):
-                    rows.append((r["peer_id"][:12], r["addr"], d, pid[:12], typ, c["frames"], c["payload_bytes"],
-                                 c["wire_bytes"]))
-            tot["sent"] += t["sent"]["total"]["wire_bytes"]
-            tot["received"] += t["received"]["total"]["wire_bytes"]
-        dur = r["end_time"] - r["start_time"]
-        click.echo(f"{f}: peer {r['peer_id'][:12]} {r['addr']} blocks {r['blocks']}, {dur:.0f} s, "
-                   f"{len(r['peers'])} remote peers, {len(r.get('events', []))} membership events")
-    click.echo(f"{'peer':<13} {'dir':<9} {'remote':<13} {'type':<17} {'frames':>8} {'payload':>11} {'wire':>11}")
-    for p, _, d, remote, typ, fr, pb, wb in rows:
+                    rows.append((r["peer_id"][:12], d, pid[:12], typ, c["frames"], c["payload_bytes"], c["wire_bytes"]))
+        for d in ("sent", "received"):
+            for k, c in r.get("by_kind", {}).get(d, {}).items():
+                acc = kinds[d].setdefault(k, {"frames": 0, "payload_bytes": 0, "wire_bytes": 0})
+                for x in acc:
+                    acc[x] += c[x]
+        tr = r.get("training") or {}
+        moved = r["totals"]["sent"]["wire_bytes"] + r["totals"]["received"]["wire_bytes"]
+        peers_out.append({"file": f, "peer_id": r["peer_id"], "addr": r["addr"], "blocks": r["blocks"],
+                          "seconds": r["end_time"] - r["start_time"], "wire_bytes_moved": moved,
+                          "by_kind": r.get("by_kind", {}), "training": {k: tr.get(k) for k in (
+                              "block", "state", "step", "ce_start", "ce_end", "ce_improvement_per_gb")} if tr else None,
+                          "rounds": len(tr.get("rounds", [])), "failed_rounds": len(tr.get("failed_rounds", [])),
+                          "rejected_updates": tr.get("rejected_updates", []),
+                          "membership_events": len(r.get("events", []))})
+    total_moved = sum(kinds["sent"][k]["wire_bytes"] for k in kinds["sent"])
+    agg = {"peers": peers_out, "by_kind": kinds, "wire_bytes_sent": total_moved}
+    if as_json:
+        click.echo(json.dumps(agg, indent=1))
+        return
+    for p in peers_out:
+        click.echo(f"{p['file']}: peer {p['peer_id'][:12]} {p['addr']} blocks {p['blocks']}, {p['seconds']:.0f} s, "
+                   f"moved {_fmt_bytes(p['wire_bytes_moved'])}, {p['membership_events']} membership events")
+        t = p["training"]
+        if t:
+            ce = (f"valid CE {t['ce_start']:.4f} -> {t['ce_end']:.4f}" if t["ce_end"] is not None
+                  else f"valid CE at start {t['ce_start']}" if t["ce_start"] is not None else "no CE yet")
+            per_gb = f", {t['ce_improvement_per_gb']:.3g} CE per GB" if t.get("ce_improvement_per_gb") else ""
+            click.echo(f"  training block {t['block']}: {t['state']} at step {t['step']}, {p['rounds']} rounds applied, "
+                       f"{p['failed_rounds']} failed; {ce}{per_gb}")
+        for ev in p["rejected_updates"]:
+            click.echo(f"  REJECTED update from {ev['peer'][:12]} in round {ev['round']}: {ev['reason']} (excluded since)")
+    click.echo(f"\n{'peer':<13} {'dir':<9} {'remote':<13} {'type':<17} {'frames':>8} {'payload':>11} {'wire':>11}")
+    for p, d, remote, typ, fr, pb, wb in rows:
         click.echo(f"{p:<13} {d:<9} {remote:<13} {typ:<17} {fr:>8} {_fmt_bytes(pb):>11} {_fmt_bytes(wb):>11}")
-    click.echo(f"total wire bytes: sent {_fmt_bytes(tot['sent'])}, received {_fmt_bytes(tot['received'])}")
+    click.echo(f"\n{'kind':<17} {'sent payload':>13} {'sent wire':>11} {'recv payload':>13} {'recv wire':>11}")
+    for k in sorted(set(kinds["sent"]) | set(kinds["received"])):
+        s, rcv = kinds["sent"].get(k, {}), kinds["received"].get(k, {})
+        click.echo(f"{k:<17} {_fmt_bytes(s.get('payload_bytes', 0)):>13} {_fmt_bytes(s.get('wire_bytes', 0)):>11} "
+                   f"{_fmt_bytes(rcv.get('payload_bytes', 0)):>13} {_fmt_bytes(rcv.get('wire_bytes', 0)):>11}")
+    click.echo(f"total wire bytes sent by these peers: {_fmt_bytes(total_moved)}")
 
 
 if __name__ == "__main__":
