@@ -222,6 +222,84 @@ def _plot_sweep(rows, path):
 
 
 @main.command()
+@click.option("--workers", default=6, show_default=True, type=click.IntRange(1, 64),
+              help="bt-peer processes; worker i trains block i mod K.")
+@click.option("--steps", default=300, show_default=True, type=click.IntRange(2, 10**6),
+              help="Optimizer steps per block in all (each of a block's workers takes its share).")
+@click.option("--every", default=25, show_default=True, type=click.IntRange(1, 10**6), help="Local steps per round.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Model/training config, as for bt-train.")
+@click.option("--schedule", type=click.Choice(["staggered", "parallel", "sequential"]), default="staggered",
+              show_default=True)
+@click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8"]), default="raw", show_default=True)
+@click.option("--outer", type=click.Choice(["sgd", "nesterov"]), default="sgd", show_default=True)
+@click.option("--outer-lr", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True))
+@click.option("--outer-momentum", default=0.0, show_default=True, type=click.FloatRange(0, 1, max_open=True))
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="Also run one worker per block (same total steps per block) and report the CE gap.")
+@click.option("--wan", is_flag=True, help="Shape every link (--link) and report initial -> final CE with bytes moved.")
+@click.option("--link", default="delay=25,rate=100", show_default=True,
+              help="Link for --wan: one-way delay ms, rate Mbit/s (in-process link shaper).")
+@click.option("--test-windows", default=300, show_default=True, type=click.IntRange(0, 10**6))
+@click.option("--out", default="runs/bench-swarm", show_default=True, type=click.Path(file_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
+def swarm(workers, steps, every, overrides, schedule, codec, outer, outer_lr, outer_momentum, compare, wan, link,
+          test_windows, out, json_path):
+    """Train a model with real bt-peer processes on loopback, assemble it from the swarm, test it.
+
+    --workers 6: two peers per block x three blocks, averaging every --every steps, against
+    one worker per block at the same total steps per block (measured after it, in this run).
+    Target: assembled test CE within 0.03 of the one-worker-per-block run. --wan: every link
+    shaped (default 50 ms RTT, 100 Mbit/s); reports initial -> final CE and the bytes moved.
+    """
+    from .swarm import run
+
+    def kv(s):
+        k, sep, v = s.partition("=")
+        if not sep:
+            raise click.BadParameter(f"expected KEY=VALUE, got {s!r}", param_hint="--set")
+        return k.strip(), v.strip()
+    ov = dict(kv(s) for s in overrides)
+    results = {"benchmark": "swarm"}
+    runs = [("swarm", workers)]
+    from blocktrain.blocks.cli import JobConfig, apply_overrides
+    try:
+        K = apply_overrides(JobConfig(), ov).model.n_blocks
+    except ValueError as e:
+        raise click.ClickException(str(e))
+    if compare and workers != K:
+        runs.append(("one_per_block", K))
+    for name, w in runs:
+        click.echo(f"{name}: {w} bt-peer processes, {steps} steps per block"
+                   + (f", links {link}" if wan else "") + f" (logs and reports in {out}/{name})", err=True)
+        with click.progressbar(length=1, label=name, file=sys.stderr) as bar:
+            def progress(done, total):
+                bar.length = total
+                bar.update(done - bar.pos)
+            try:
+                r = run(w, steps, ov, every, Path(out) / name, test_windows, link if wan else None, schedule, codec,
+                        (outer, outer_lr, outer_momentum), progress=progress)
+            except (ValueError, RuntimeError, TimeoutError) as e:
+                raise click.ClickException(f"{name}: {e}")
+        results[name] = r
+        gb = r["bytes_moved"] / 1e9
+        click.echo(f"{name}: test CE {r['initial_test_ce']:.3f} -> {r['final_test_ce']:.4f} in {r['train_seconds']:.0f} s, "
+                   f"{gb:.3f} GB moved (" + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in
+                                                      sorted(r["bytes_sent_by_kind"].items())) + ")")
+    if "one_per_block" in results:
+        gap = results["swarm"]["final_test_ce"] - results["one_per_block"]["final_test_ce"]
+        results["gap"] = gap
+        results["gap_target"] = 0.03
+        results["gap_met"] = gap <= 0.03
+        click.echo(f"gap: {workers} workers {results['swarm']['final_test_ce']:.4f} vs one per block "
+                   f"{results['one_per_block']['final_test_ce']:.4f}: {gap:+.4f} (target <= 0.03: "
+                   f"{'met' if gap <= 0.03 else 'MISSED'})")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(results, indent=1))
+        click.echo(f"wrote {json_path}")
+
+
+@main.command()
 @click.option("--peers", default="2,4", show_default=True, help="Comma-separated group sizes to measure.")
 @click.option("--floats", default=50_000_000, show_default=True, type=click.IntRange(1000, 10**10))
 @click.option("--rounds", default=4, show_default=True, type=click.IntRange(2, 100))

@@ -102,6 +102,8 @@ def _train_options(f):
         click.option("--schedule", type=click.Choice(["staggered", "parallel", "sequential"]), default="staggered",
                      show_default=True,
                      help="When lower blocks are pulled: every round (staggered, parallel) or only final (sequential)."),
+        click.option("--min-group", type=click.IntRange(1), default=1, show_default=True,
+                     help="Start training only once this many peers (this one included) train the block."),
         click.option("--shard", default=None, metavar="I/N",
                      help="Train on shard I of N of the data (default: this peer's own random windows)."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -138,7 +140,8 @@ def _make_trainer(o: dict):
             job = apply_overrides(job, {"steps": o["steps"]})
         scfg = SwarmConfig(every=o["every"], codec=o["codec"], outer=o["outer"], outer_lr=o["outer_lr"],
                            outer_momentum=o["outer_momentum"], min_coverage=o["min_coverage"],
-                           round_timeout_s=o["round_timeout"], schedule=o["schedule"])
+                           round_timeout_s=o["round_timeout"], schedule=o["schedule"],
+                           min_group=o["min_group"])
         train, valid = as_tensor(read_split("train", o["data"])), as_tensor(read_split("valid", o["data"]))
     except (ValueError, DataError) as e:
         raise click.ClickException(str(e))

@@ -61,6 +61,7 @@ class SwarmConfig:
     join_timeout_s: float = 10.0
     lower_timeout_s: float = 3600.0  # how long to wait for the lower blocks' checkpoints
     eval_windows: int = 16  # valid windows for the CE at start and end (CE per GB)
+    min_group: int = 1  # wait until this many peers (us included) agreed to train the block together
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -367,9 +368,19 @@ class SwarmPeer:
             if not late:
                 break
             log.info("block %d: %d members already began the round; catching up again", self.k, len(late))
+        deadline = time.monotonic() + self.scfg.lower_timeout_s
+        while len(self.swarm.group(self.swarm.round_of(self.trainer.step) + 1)) < self.scfg.min_group:
+            if self.state != "waiting for the group":
+                self.state = "waiting for the group"
+                self.progress(f"block {self.k}: waiting until {self.scfg.min_group} peers train this block")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"block {self.k}: fewer than {self.scfg.min_group} peers within "
+                                   f"{self.scfg.lower_timeout_s:.0f} s")
+            await asyncio.sleep(0.2)
         self.state = "training"
-        self.progress(f"block {self.k}: training from step {self.trainer.step} to {steps}, "
-                      f"group {len(self.swarm.group()) } peer(s), rounds of {self.scfg.every} steps")
+        self.progress(f"block {self.k}: training from step {self.trainer.step} to {steps}, group of "
+                      f"{len(self.swarm.group(self.swarm.round_of(self.trainer.step) + 1))} peer(s), "
+                      f"rounds of {self.scfg.every} steps")
 
         async def before_round():
             if self.scfg.schedule != "sequential" and self.trainer.step:
