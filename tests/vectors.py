@@ -33,6 +33,10 @@ VALID = {
         pack_tensor("w", "float32", (3,), struct.pack("<3b", 127, -64, 0), "int8", (0.5,)),)),
     "block_update_lz4": BlockUpdate(block=1, round=0, codec="raw", tensors=(
         pack_tensor("z", "float32", (64,), bytes(256), compress="always"),)),
+    "block_update_reduce": BlockUpdate(block=1, round=7, codec="raw", tensors=(
+        pack_tensor("part", "float32", (1,), struct.pack("<f", 0.5)),),
+        meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"}),
+    "block_update_join": BlockUpdate(block=1, round=8, codec="raw", meta={"phase": "join"}),
     "stream_open": StreamOpen(kind="checkpoint", name="block-1", total_size=5, sha256=bytes(range(32)),
                               offset=0, meta={}, stream_id=3),
     "stream_chunk": StreamChunk(offset=0, data=b"hello", stream_id=3),
