@@ -36,6 +36,24 @@ class FetchError(Exception):
     """No member could deliver the payload."""
 
 
+async def _next(q: asyncio.Queue, pc, timeout_s: float):
+    """The next message of a stream; ConnectionError as soon as its connection closes (a holder
+    killed mid-stream is left at once, not after the chunk timeout)."""
+    if not q.empty():
+        return q.get_nowait()
+    get = asyncio.ensure_future(q.get())
+    try:
+        await asyncio.wait({get, pc.closed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not get.done():
+            get.cancel()
+    if get.done() and not get.cancelled():  # a message that came with the close is still read
+        return get.result()
+    if pc.closed.done():
+        raise ConnectionError(f"connection closed mid-stream: {pc.close_reason}")
+    raise asyncio.TimeoutError
+
+
 class CheckpointServer:
     def __init__(self, peer, directory: str | Path):
         self.peer, self.dir = peer, Path(directory)
@@ -97,7 +115,7 @@ class CheckpointFetcher:
             pc.send_nowait(StreamRequest(kind=kind, name=name, offset=max(0, size - PROBE_TAIL), stream_id=sid))
             opened = None
             while True:  # the answer: OPEN, (chunks if it grew), END
-                m = await asyncio.wait_for(q.get(), self.chunk_timeout_s)
+                m = await _next(q, pc, self.chunk_timeout_s)
                 if isinstance(m, StreamOpen):
                     opened = None if "error" in m.meta else (m.total_size, m.sha256)
                 elif isinstance(m, StreamEnd):
@@ -120,7 +138,7 @@ class CheckpointFetcher:
                 pc = await self.peer.connection_to(addr)
                 pc.send_nowait(StreamRequest(kind=kind, name=name, offset=rx.resume_offset, stream_id=sid))
                 while True:
-                    m = await asyncio.wait_for(q.get(), self.chunk_timeout_s)
+                    m = await _next(q, pc, self.chunk_timeout_s)
                     if isinstance(m, StreamOpen):
                         if "error" in m.meta:
                             raise FetchError(f"{addr}: {m.meta['error']}")

@@ -116,3 +116,53 @@ async def test_stream_bytes_are_counted_under_their_kind(tmp_path):
     finally:
         for p in peers:
             await p.stop()
+
+
+async def test_holder_process_killed_mid_stream_is_resumed_from_another(tmp_path):
+    """A holder process is killed by pid mid-stream; the fetch goes on from the bytes it has with
+    the next holder (another process), verified by sha256."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from blocktrain.p2p.identity import load_swarm_key, new_swarm_key
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from blocktrain.p2p.node import Peer
+
+    new_swarm_key(tmp_path / "key")
+    data = os.urandom(6 * 1024 * 1024 + 7)
+    procs = []
+    try:
+        for name, rate in (("a", 40.0), ("b", 0.0)):  # a: 40 Mbit/s, ~1.3 s for the whole file
+            put(tmp_path / name, "checkpoint", "block1", data)
+            procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "holder.py"),
+                                           str(tmp_path / "key"), str(tmp_path / name), str(rate),
+                                           str(tmp_path / f"{name}.addr")]))
+        for _ in range(300):  # bounded: 30 s for both to listen
+            if all((tmp_path / f"{n}.addr").exists() for n in "ab"):
+                break
+            assert all(p.poll() is None for p in procs)
+            await asyncio.sleep(0.1)
+        a_addr, b_addr = ((tmp_path / f"{n}.addr").read_text() for n in "ab")
+        me = await Peer(X25519PrivateKey.generate(), load_swarm_key(str(tmp_path / "key")), "127.0.0.1", 0,
+                        timeouts=FAST).start()
+        fetcher = CheckpointFetcher(me, chunk_timeout_s=20)
+        task = asyncio.ensure_future(fetcher.fetch([a_addr, b_addr], "checkpoint", "block1"))
+        for _ in range(300):
+            if fetcher.received_by_kind.get("checkpoint", 0) >= 4 * 1024 * 1024:  # one chunk in
+                break
+            assert not task.done()
+            await asyncio.sleep(0.01)
+        assert not task.done()  # a has not sent everything
+        os.kill(procs[0].pid, signal.SIGKILL)
+        got = await asyncio.wait_for(task, 30)
+        assert got == data
+        # resumed, not restarted: the chunk from a is not fetched again
+        assert fetcher.received_by_kind["checkpoint"] == len(data)
+        await me.stop()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
