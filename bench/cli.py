@@ -228,7 +228,7 @@ def _plot_sweep(rows, path):
               help="Optimizer steps per block in all (each of a block's workers takes its share).")
 @click.option("--every", default=25, show_default=True, type=click.IntRange(1, 10**6), help="Local steps per round.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Model/training config, as for bt-train.")
-@click.option("--schedule", type=click.Choice(["staggered", "parallel", "sequential"]), default="staggered",
+@click.option("--schedule", type=click.Choice(["staggered", "parallel", "sequential"]), default="parallel",
               show_default=True)
 @click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8"]), default="raw", show_default=True)
 @click.option("--outer", type=click.Choice(["sgd", "nesterov"]), default="sgd", show_default=True)

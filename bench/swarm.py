@@ -54,7 +54,7 @@ def _initial_ce(model: dict, seed: int, seq_len: int, windows: int, data) -> lis
 
 
 def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_windows: int = 300,
-        link: str | None = None, schedule: str = "staggered", codec: str = "raw", outer: tuple = ("sgd", 1.0, 0.0),
+        link: str | None = None, schedule: str = "parallel", codec: str = "raw", outer: tuple = ("sgd", 1.0, 0.0),
         timeout_s: float = 3600.0, progress=None, log=lambda s: None) -> dict:
     from blocktrain.blocks.cli import JobConfig, apply_overrides
     from blocktrain.blocks.data import as_tensor, read_split

@@ -99,7 +99,7 @@ def _train_options(f):
                      help="A round averaging less of the parameters over every live member fails (nothing applied)."),
         click.option("--round-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
                      help="Seconds a round waits for the group's parts."),
-        click.option("--schedule", type=click.Choice(["staggered", "parallel", "sequential"]), default="staggered",
+        click.option("--schedule", type=click.Choice(["staggered", "parallel", "sequential"]), default="parallel",
                      show_default=True,
                      help="When lower blocks are pulled: every round (staggered, parallel) or only final (sequential)."),
         click.option("--min-group", type=click.IntRange(1), default=1, show_default=True,

@@ -57,7 +57,7 @@ class SwarmConfig:
     min_coverage: float = 1.0
     max_norm: float = 1e4  # bound on an incoming part's L2 norm
     round_timeout_s: float = 120.0
-    schedule: str = "staggered"  # how block k's lower blocks are refreshed (see module doc)
+    schedule: str = "parallel"  # how block k's lower blocks are refreshed (see module doc)
     join_timeout_s: float = 10.0
     lower_timeout_s: float = 3600.0  # how long to wait for the lower blocks' checkpoints
     eval_windows: int = 16  # valid windows for the CE at start and end (CE per GB)
