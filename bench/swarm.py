@@ -9,8 +9,9 @@ Rules:
 - The assembled model is fetched from the swarm (``bt-peer assemble``'s code) once every
   worker reports ``done``, and evaluated on test windows; the initial CE is the same blocks
   as initialised (every worker of block k starts from the same seeded block).
-- Bytes are the peers' own counters (sent wire bytes, summed; by kind), read from their final
-  reports after they are stopped by SIGTERM. Only processes this module started are stopped.
+- Bytes are the peers' own counters (sent wire bytes, summed; by kind), read from their reports
+  when every one says ``done`` (the assembly's own fetches are counted apart). Only processes
+  this module started are stopped.
 - ``link``: every peer's outgoing links go through the in-process link shaper (delay, rate).
 """
 
@@ -114,6 +115,7 @@ def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_w
             if progress:
                 progress(sum(r.get("training", {}).get("step", 0) for r in reps), workers * local)
             if done == workers:
+                break_reps = reps  # the training's bytes, before the assembly moves its own
                 break
             dead = [i for i, p in enumerate(procs) if p.poll() is not None]
             if dead:
@@ -140,7 +142,7 @@ def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_w
     ev = evaluate_assembled(out / "assembled", None, test_windows)
     test = as_tensor(read_split("test"))
     init = _initial_ce(job.model.to_dict(), job.train.seed, job.train.seq_len, test_windows, test)
-    reps = reports()
+    reps = break_reps
     kinds: dict = {}
     for r in reps:
         for k, c in r.get("by_kind", {}).get("sent", {}).items():
@@ -157,6 +159,7 @@ def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_w
         "initial_test_ce": init[-1], "final_test_ce": ev["test_ce"], "head_test_ce": ev["head_ce"],
         "test_windows": test_windows, "train_seconds": train_s,
         "bytes_sent_by_kind": kinds, "bytes_moved": total,
+        "assembly_bytes": sum(v["bytes"] for v in res["blocks"].values()),
         "ce_improvement_per_gb": (init[-1] - ev["test_ce"]) / (total / 1e9) if total else None,
         "rounds_applied_per_worker": rounds, "rounds_failed_per_worker": failed,
         "assembled_from": {str(k): v for k, v in res["blocks"].items()},
