@@ -1,8 +1,10 @@
 """``bt-bench average``: time to average F float32 among N peer processes on loopback.
 
 Beside it, in the same run: torch.distributed's gloo all_reduce over the same number of processes
-and floats. (A hivemind DecentralizedAverager runner is not written yet.) Each figure is the
-median over rounds after a first warm-up round; a round's time is its slowest peer's.
+and floats, and hivemind's DecentralizedAverager (``bench/hivemind_child.py``, run with a Python
+that has the ``compare`` extra; its all-reduce is timed from the trigger after matchmaking, so
+matchmaking is not charged to it). Each figure is the median over rounds after a first warm-up
+round; a round's time is its slowest peer's.
 """
 
 from __future__ import annotations
@@ -107,7 +109,19 @@ def _spawn_all(args_for, n: int, timeout_s: float) -> list[dict]:
         return [json.loads(Path(o).read_text()) for o in outs]
 
 
-def run(peers: int, floats: int, rounds: int = 4, against=("gloo",), codec: str = "raw", timeout_s: float = 900) -> dict:
+def hivemind_missing(python: str) -> str | None:
+    """Why ``python`` cannot run the hivemind comparison, or None if it can."""
+    r = subprocess.run([python, "-c", "import hivemind, torch; print(hivemind.__version__)"], capture_output=True,
+                       text=True, timeout=120)
+    if r.returncode:
+        return (f"{python} cannot import hivemind ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else 'error'}); "
+                "install the comparison extra (pip install -e '.[compare]', kept out of the test install) "
+                "or point --hivemind-python at a Python that has hivemind 1.1.12")
+    return None
+
+
+def run(peers: int, floats: int, rounds: int = 4, against=("gloo",), codec: str = "raw", timeout_s: float = 900,
+        hivemind_python: str = sys.executable) -> dict:
     res = {"benchmark": "average", "peers": peers, "floats": floats, "rounds": rounds, "codec": codec}
     key = os.urandom(32).hex()
     ports = _free_ports(peers)
@@ -118,6 +132,32 @@ def run(peers: int, floats: int, rounds: int = 4, against=("gloo",), codec: str 
     res["blocktrain_s"] = statistics.median(per_round[1:] if rounds > 1 else per_round)
     res["blocktrain_rounds_s"] = per_round
     res["coverage"] = min(c for o in ours for c in o["coverage"])
+    if "hivemind" in against:
+        with tempfile.TemporaryDirectory() as tmp:
+            child = str(Path(__file__).with_name("hivemind_child.py"))
+            procs = [subprocess.Popen([hivemind_python, child, str(i), str(peers), str(floats), str(rounds), tmp],
+                                      stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, f"log{i}"), "w"))
+                     for i in range(peers)]
+            try:
+                for p in procs:
+                    p.wait(timeout=timeout_s)
+            finally:
+                for p in procs:  # ours, by pid
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            if any(p.returncode for p in procs):
+                log = Path(tmp, "log0").read_text()[-2000:]
+                raise RuntimeError(f"hivemind peers failed: {log}")
+            hm = [json.loads(Path(tmp, f"r{i}.json").read_text()) for i in range(peers)]
+        hr = [max(o["times"][r] for o in hm) for r in range(rounds)]
+        res["hivemind_s"] = statistics.median(hr[1:] if rounds > 1 else hr)
+        res["hivemind_rounds_s"] = hr
+        res["hivemind_with_matchmaking_s"] = statistics.median(
+            [max(o["with_matchmaking"][r] for o in hm) for r in range(1, rounds)] or [0])
+        res["hivemind_group_sizes"] = sorted({s for o in hm for s in o["group_sizes"]})
+        res["vs_hivemind"] = res["hivemind_s"] / res["blocktrain_s"]
+        res["5x_faster_than_hivemind"] = res["vs_hivemind"] >= 5.0
     if "gloo" in against:
         port = _free_ports(1)[0]
         g = _spawn_all(lambda i, out: ["gloo", i, peers, port, floats, rounds, out], peers, timeout_s)

@@ -304,27 +304,45 @@ def swarm(workers, steps, every, overrides, schedule, codec, outer, outer_lr, ou
 @click.option("--floats", default=50_000_000, show_default=True, type=click.IntRange(1000, 10**10))
 @click.option("--rounds", default=4, show_default=True, type=click.IntRange(2, 100))
 @click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8"]), default="raw", show_default=True)
-@click.option("--against", default="gloo", show_default=True, type=click.Choice(["gloo", "none"]),
-              help="Baseline measured in the same run (hivemind: not written yet).")
+@click.option("--against", default="gloo", show_default=True,
+              help="Baselines measured in the same run: gloo, hivemind, gloo,hivemind or none.")
+@click.option("--hivemind-python", default=sys.executable, show_default="this Python",
+              help="A Python with hivemind 1.1.12 (the compare extra), for --against hivemind.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
-def average(peers, floats, rounds, codec, against, json_path):
+def average(peers, floats, rounds, codec, against, hivemind_python, json_path):
     """Same-block averaging: F float32 among N peer processes on loopback, beside gloo all_reduce.
 
     Each peer process joins the group, connects to every member, then runs --rounds averaging
     rounds (reduce-scatter + all-gather over the sealed protocol); the figure is the median of
     the rounds after the first, each taken as its slowest peer's time. gloo: the same processes
-    count and floats through torch.distributed all_reduce. Target: within 2x of gloo.
+    count and floats through torch.distributed all_reduce. hivemind: DecentralizedAverager peers
+    on 127.0.0.1, their all-reduce timed after matchmaking. Targets: within 2x of gloo, at least
+    5x faster than hivemind.
     """
-    from .average import run
+    from .average import hivemind_missing, run
 
+    baselines = tuple(b for b in against.split(",") if b and b != "none")
+    unknown = set(baselines) - {"gloo", "hivemind"}
+    if unknown:
+        raise click.BadParameter(f"unknown baseline(s) {sorted(unknown)}", param_hint="--against")
+    if "hivemind" in baselines:
+        why = hivemind_missing(hivemind_python)
+        if why:
+            raise click.ClickException(why)
     results = []
     for n in [int(x) for x in peers.split(",")]:
-        r = run(n, floats, rounds, (against,), codec)
+        try:
+            r = run(n, floats, rounds, baselines, codec, hivemind_python=hivemind_python)
+        except RuntimeError as e:
+            raise click.ClickException(str(e))
         results.append(r)
         line = f"{n} peers, {floats:,} floats ({codec}): {r['blocktrain_s']:.3f} s, coverage {r['coverage']:.0%}"
         if "gloo_s" in r:
             line += f"; gloo {r['gloo_s']:.3f} s: {r['vs_gloo']:.1f}x gloo (target <= 2x: " \
                     f"{'met' if r['within_2x_of_gloo'] else 'MISSED'})"
+        if "hivemind_s" in r:
+            line += f"; hivemind {r['hivemind_s']:.3f} s: {r['vs_hivemind']:.1f}x faster (target >= 5x: " \
+                    f"{'met' if r['5x_faster_than_hivemind'] else 'MISSED'})"
         click.echo(line)
     if json_path:
         from pathlib import Path
