@@ -19,7 +19,8 @@ from blocktrain.p2p.transport import Timeouts
 
 from conftest import mesh
 
-FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.2, dead_after_s=3, close_s=1)
+# In-process trainers share one interpreter: a heartbeat may wait for the GIL, so death is slow to call
+FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.2, dead_after_s=30, close_s=1)
 MC = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
 TC = TrainConfig(steps=200, batch_size=4, seq_len=32, warmup=2)
 SC = SwarmConfig(every=10, round_timeout_s=20, join_timeout_s=5, eval_windows=2)
@@ -174,3 +175,36 @@ def test_killed_peer_leaves_the_others_training(tmp_path):
         assert all(r["coverage"] == 1.0 for r in after)
         assert not [f for f in rep["failed_rounds"] if f["round"] >= after[0]["round"]]  # (joining may fail some)
         assert rep["state"] in ("training", "done")
+
+
+async def test_peer_sending_nan_updates_is_excluded_and_reported(tmp_path):
+    peers = await mesh(3, FAST, blocks=(0,))
+    try:
+        from dataclasses import replace
+        sc = replace(SC, round_timeout_s=3)  # the excluded peer waits out its own rounds
+        sps = [SwarmPeer(p, 0, MC, TC, sc, tmp_path / f"w{i}", DATA, DATA, shard=(i, 3)) for i, p in enumerate(peers)]
+        bad = sps[2].trainer
+        step = bad.train_step
+
+        def diverges():  # from its 15th step on, its parameters are NaN: so is its pseudo-gradient
+            loss = step()
+            if bad.step >= 15:
+                with torch.no_grad():
+                    for p in bad.block.parameters():
+                        p.fill_(float("nan"))
+            return loss
+        bad.train_step = diverges
+        reps = await asyncio.gather(*(sp.run(40) for sp in sps))
+        for rep in reps[:2]:
+            assert [e["peer"] for e in rep["rejected_updates"]] == [peers[2].id]
+            assert "NaN" in rep["rejected_updates"][0]["reason"] and rep["rejected_updates"][0]["round"] == 2
+            assert peers[2].id in rep["excluded_peers"]
+            later = [r for r in rep["rounds"] if r["round"] > 2]
+            assert later and all(peers[2].id not in r["members"] and r["coverage"] == 1.0 for r in later)
+            assert all(torch.isfinite(p).all() for p in sps[0].trainer.block.parameters())
+        assert torch.allclose(_params(sps[0]), _params(sps[1]), atol=1e-6)
+        text = peers[0].report()["training"]["rejected_updates"][0]
+        assert text["peer"] == peers[2].id
+    finally:
+        for p in peers:
+            await p.stop()
