@@ -26,6 +26,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -94,9 +95,9 @@ class Averager:
         if w.dtype != "float32" or w.shape != (want_numel,):
             raise ValueError(f"part is {w.dtype} {w.shape}, expected float32 ({want_numel},)")
         t = from_wire(w)
-        if not torch.isfinite(t).all():
-            raise ValueError("part holds NaN or inf")
-        norm = float(t.norm())
+        norm = float(torch.linalg.vector_norm(t))  # one pass: NaN or inf anywhere makes it NaN or inf
+        if not math.isfinite(norm):
+            raise ValueError(f"part holds NaN or inf (its norm is {norm})")
         if norm > self.max_norm:
             raise ValueError(f"part norm {norm:.3g} exceeds the bound {self.max_norm:.3g}")
         return t
@@ -124,9 +125,9 @@ class Averager:
         R, n = len(ids), vector.numel()
         P = max(R, -(-n // PIECE_FLOATS))  # pieces: each fits a frame; piece j belongs to member j % R
         bounds = [(n * i) // P for i in range(P + 1)]
-        x = vector.detach().float().reshape(-1).clone()
+        x = vector.detach().float().reshape(-1)  # read only: our own piece is a view of it
         if self.codec.lossy and self._residual is not None and self._residual.numel() == n:
-            x += self._residual  # error feedback
+            x = x + self._residual  # error feedback
         wires = [to_wire("part", x[bounds[j]:bounds[j + 1]], self.codec, "never") for j in range(P)]
         if self.codec.lossy:
             self._residual = x - torch.cat([from_wire(w) for w in wires])
@@ -183,7 +184,11 @@ class Averager:
                 got = {p: t for p, t in received[j].items() if p in expected}
                 if not final and not set(got) >= expected:
                     continue
-                avg = torch.stack(list(got.values())).mean(0)
+                vals = list(got.values())
+                avg = vals[0].clone()
+                for v in vals[1:]:
+                    avg.add_(v)
+                avg.div_(len(vals))
                 contributors = sorted(got)
                 gather_sent[j] = contributors
                 gathered[j] = (avg, contributors)
@@ -236,13 +241,13 @@ class Averager:
         self._inbox.pop(rnd, None)
         self._done.append(rnd)
         expected = set(live())
-        out = vector.detach().float().reshape(-1).clone()  # pieces that never came back keep our values
+        out = torch.empty(n)
         parts, covered = [], 0
         for j in range(P):
             got = gathered.get(j)
             ok = got is not None and set(got[1]) >= expected
-            if got is not None:
-                out[bounds[j]:bounds[j + 1]] = got[0]
+            # pieces that never came back keep our values
+            out[bounds[j]:bounds[j + 1]] = got[0] if got is not None else vector.detach().reshape(-1)[bounds[j]:bounds[j + 1]]
             if ok:
                 covered += bounds[j + 1] - bounds[j]
             parts.append({"owner": owner(j), "contributors": got[1] if got else [], "ok": ok})
