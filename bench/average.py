@@ -90,19 +90,24 @@ def _gloo_child(i: int, n: int, port: int, floats: int, rounds: int, out: str):
     dist.destroy_process_group()
 
 
+def _wait_all(procs: list, timeout_s: float):
+    """Wait for every process; any still running after that (or on an error) is killed, by pid."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def _spawn_all(args_for, n: int, timeout_s: float) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"r{i}.json") for i in range(n)]
         procs = [subprocess.Popen([sys.executable, "-m", "blocktrain.bench.average", *map(str, args_for(i, outs[i]))])
                  for i in range(n)]
-        try:
-            for p in procs:
-                p.wait(timeout=timeout_s)
-        finally:
-            for p in procs:  # ours, by pid
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        _wait_all(procs, timeout_s)
         bad = [i for i, p in enumerate(procs) if p.returncode != 0]
         if bad:
             raise RuntimeError(f"benchmark processes {bad} failed")
@@ -138,14 +143,7 @@ def run(peers: int, floats: int, rounds: int = 4, against=("gloo",), codec: str 
             procs = [subprocess.Popen([hivemind_python, child, str(i), str(peers), str(floats), str(rounds), tmp],
                                       stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, f"log{i}"), "w"))
                      for i in range(peers)]
-            try:
-                for p in procs:
-                    p.wait(timeout=timeout_s)
-            finally:
-                for p in procs:  # ours, by pid
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
+            _wait_all(procs, timeout_s)
             if any(p.returncode for p in procs):
                 log = Path(tmp, "log0").read_text()[-2000:]
                 raise RuntimeError(f"hivemind peers failed: {log}")
