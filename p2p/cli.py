@@ -426,12 +426,13 @@ async def assemble_from_swarm(host: str, port: int, ident, key, out: Path, timeo
     got, config = {}, None
     try:
         for k in sorted(holders):
-            best = None
+            best, why = None, []
             for addr in holders[k]:  # every holder: a peer that fell behind must not win
                 try:
                     blob = await fetcher.fetch([addr], "checkpoint", f"block{k}")
                     c = ckpt.decode(blob, f"block {k} from {addr}")
                 except (FetchError, ckpt.CheckpointError) as e:
+                    why.append(str(e))
                     log(f"block {k}: {addr}: {e}")
                     continue
                 if c.block != k:
@@ -440,7 +441,7 @@ async def assemble_from_swarm(host: str, port: int, ident, key, out: Path, timeo
                 if best is None or c.step > best[0].step:
                     best = (c, blob, addr)
             if best is None:
-                raise click.ClickException(f"no holder of block {k} delivered a valid checkpoint ({holders[k]})")
+                raise click.ClickException(f"no holder of block {k} delivered a valid checkpoint: {'; '.join(why)}")
             c, blob, addr = best
             if config is None:
                 config = c.config

@@ -235,6 +235,7 @@ class PeerConnection(asyncio.BufferedProtocol):
                         self._writer_idle = False
                     continue
                 msg = self._control.popleft() if self._control else self._bulk.popleft()
+                self._wake_drain()
                 if self.shaper is not None:
                     # the link's send buffer: at most SHAPER_BUFFER_S of serialization queued ahead
                     while self.shaper.busy_until() - time.monotonic() > SHAPER_BUFFER_S and not self.closed.done():
@@ -254,9 +255,6 @@ class PeerConnection(asyncio.BufferedProtocol):
                 if self.transport.is_closing():
                     break
                 self._write(frames)
-                if len(self._bulk) <= 2 and self._drain_waiter is not None and not self._drain_waiter.done() \
-                        and not self._writing_paused:
-                    self._drain_waiter.set_result(None)
                 if isinstance(msg, Goodbye):
                     break
         except asyncio.CancelledError:
@@ -265,6 +263,13 @@ class PeerConnection(asyncio.BufferedProtocol):
             raise
         except ProtocolError as e:
             self._shutdown(f"cannot send: {e}", e)
+
+    def _wake_drain(self):
+        """A sender waiting in drain() may go on once the bulk queue is short again (both the
+        shaped and the plain path take frames off it)."""
+        if len(self._bulk) <= 2 and self._drain_waiter is not None and not self._drain_waiter.done() \
+                and not self._writing_paused:
+            self._drain_waiter.set_result(None)
 
     async def _deliver_loop(self):
         """Write each shaped frame at its arrival time, in order (the link's far end)."""

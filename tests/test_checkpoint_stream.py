@@ -166,3 +166,27 @@ async def test_holder_process_killed_mid_stream_is_resumed_from_another(tmp_path
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+
+
+async def test_stream_of_many_chunks_over_a_shaped_link(tmp_path):
+    """The shaped writer wakes senders waiting on backpressure (a stream of more frames than the
+    bulk queue holds once stalled here)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from blocktrain.p2p.link import LinkSpec
+    from blocktrain.p2p.node import Peer
+
+    psk = os.urandom(32)
+    links = {"default": LinkSpec(delay_ms=2, rate_mbit=800), "links": {}}
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST, links=links).start()
+    b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST, links=links).start()
+    try:
+        await b.join("127.0.0.1", a.port)
+        data = os.urandom(5 * 4 * 1024 * 1024 + 99)  # six chunks
+        put(tmp_path, "checkpoint", "block0", data)
+        CheckpointServer(a, tmp_path)
+        got = await asyncio.wait_for(CheckpointFetcher(b, chunk_timeout_s=10).fetch([a.addr], "checkpoint", "block0"), 60)
+        assert got == data
+    finally:
+        for p in (a, b):
+            await p.stop()
