@@ -251,14 +251,11 @@ def swarm(workers, steps, every, overrides, schedule, codec, outer, outer_lr, ou
     Target: assembled test CE within 0.03 of the one-worker-per-block run. --wan: every link
     shaped (default 50 ms RTT, 100 Mbit/s); reports initial -> final CE and the bytes moved.
     """
+    from blocktrain.p2p.cli import _kv
+
     from .swarm import run
 
-    def kv(s):
-        k, sep, v = s.partition("=")
-        if not sep:
-            raise click.BadParameter(f"expected KEY=VALUE, got {s!r}", param_hint="--set")
-        return k.strip(), v.strip()
-    ov = dict(kv(s) for s in overrides)
+    ov = dict(_kv(s) for s in overrides)
     results = {"benchmark": "swarm"}
     runs = [("swarm", workers)]
     from blocktrain.blocks.cli import JobConfig, apply_overrides

@@ -249,7 +249,6 @@ class SwarmPeer:
         self.lower_in_use: dict[int, bytes] = {}  # block -> sha256 of the copy the trainer uses
         self.state = "starting"
         self.ce = {}
-        self.started = time.time()
         peer.report_extra["training"] = self.training_report
 
     @property
@@ -311,8 +310,7 @@ class SwarmPeer:
                 c = await self._lower(j)
                 if c is not None:
                     got[j] = c
-            final_ok = self.scfg.schedule != "sequential" or all(
-                bool(got[j].extra.get("final")) for j in got) and len(got) == self.k
+            final_ok = self.scfg.schedule != "sequential" or all(bool(c.extra.get("final")) for c in got.values())
             if len(got) == self.k and final_ok:
                 if any(self.lower_in_use.get(j) != c.sha for j, c in got.items()):
                     self.trainer.set_lower([got[j].ck.tensors for j in range(self.k)], [got[j].ck.step for j in range(self.k)])
@@ -324,6 +322,9 @@ class SwarmPeer:
                 return False
             if time.monotonic() > deadline:
                 raise TimeoutError(f"block {self.k}: lower blocks not available within {self.scfg.lower_timeout_s:.0f} s")
+            if self.state != "waiting for lower blocks":
+                self.progress(f"block {self.k}: waiting for blocks 0..{self.k - 1} from the swarm"
+                              + (" (their final checkpoints)" if self.scfg.schedule == "sequential" else ""))
             self.state = "waiting for lower blocks"
             await asyncio.sleep(1.0)
 
@@ -358,7 +359,6 @@ class SwarmPeer:
         if self.own_path.exists():
             self._restore(ckpt.load(self.own_path), str(self.own_path))  # a damaged own checkpoint stops us
         await asyncio.sleep(2 * self.peer.timeouts.heartbeat_s)  # let gossip bring in the members
-        self.state = "waiting for lower blocks"
         await self.refresh_lower(wait=True)
         self.ce["start"] = await asyncio.to_thread(self.eval_ce)
         for attempt in range(5):

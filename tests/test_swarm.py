@@ -103,6 +103,15 @@ async def test_lower_blocks_come_from_the_swarm_and_count_as_their_own_kind(tmp_
         ev = evaluate_assembled(tmp_path / "asm", None, 4)
         assert ev["test_ce"] == ev["head_ce"][-1] < 5.0
         assert peers[0].report()["by_kind"]["sent"]["checkpoint"]["payload_bytes"] >= res["blocks"][0]["bytes"]
+        # what bt-peer report makes of a training peer's report
+        from click.testing import CliRunner
+
+        from blocktrain.p2p.cli import main
+        (tmp_path / "r1.json").write_text(json.dumps(peers[1].report()))
+        out = CliRunner().invoke(main, ["report", str(tmp_path / "r1.json")])
+        assert out.exit_code == 0, out.output
+        assert "training block 1: done at step 40" in out.output and "CE per GB" in out.output
+        assert any(line.startswith("lower-checkpoint") for line in out.output.splitlines())
     finally:
         for p in peers:
             await p.stop()
