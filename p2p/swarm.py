@@ -97,6 +97,7 @@ class SwarmBlockTrainer:
         self.begun = 0  # the last round whose group we fixed
         self._replies: dict[str, asyncio.Future] = {}
         self.accepting = False  # whether we answer joins with welcome: from our own join to our end
+        self.absent: set[str] = set()  # members that did not answer our join, or were not training
         averager.on_control = self._control
 
     # --- the group ---------------------------------------------------------------------------
@@ -116,6 +117,7 @@ class SwarmBlockTrainer:
     def _control(self, msg: BlockUpdate, pc, pid: str):
         phase = msg.meta.get("phase")
         if phase == "join":
+            self.absent.discard(pid)
             if not self.accepting:  # not training (yet): it must not wait for us
                 reply = BlockUpdate(block=msg.block, round=msg.round, meta={"phase": "absent"})
             elif msg.round > self.begun:
@@ -138,7 +140,8 @@ class SwarmBlockTrainer:
         average from round ``rnd``; the members that answered ``late`` (they already began it)."""
         late = []
         self.accepting = True
-        members = {pid: a for pid, a in self.candidates().items() if not only_new or pid not in self.joined}
+        members = {pid: a for pid, a in self.candidates().items()
+                   if not only_new or (pid not in self.joined and pid not in self.absent)}
         loop = asyncio.get_running_loop()
         self._replies = {pid: loop.create_future() for pid in members}
         for pid, addr in members.items():
@@ -151,20 +154,24 @@ class SwarmBlockTrainer:
         for pid, fut in self._replies.items():
             if fut not in done:
                 log.info("block %d: %s did not answer our join", self.trainer.k, pid[:12])
+                self.absent.add(pid)
                 continue
             phase, _ = fut.result()
             if phase == "welcome":
                 self.joined[pid] = rnd
+                self.absent.discard(pid)
             elif phase == "late":
                 late.append(pid)
+            else:  # absent or unreachable: it will ask us itself once it trains
+                self.absent.add(pid)
         self._replies = {}
         return late
 
     async def _repair(self, rnd: int):
         """Views of the group can differ (a join answered ``late`` by some members and
-        ``welcome`` by others, a peer back after a restart): after every round, agree again with
-        the training members we have no agreement with, from the next round."""
-        if any(pid not in self.joined for pid in self.candidates()):
+        ``welcome`` by others): after every round, agree again with the members we have no
+        agreement with, from the next round; those that were absent ask us themselves."""
+        if any(pid not in self.joined and pid not in self.absent for pid in self.candidates()):
             await self.join_group(rnd, timeout_s=2.0, only_new=True)
 
     # --- training ----------------------------------------------------------------------------
