@@ -7,8 +7,8 @@ Rules:
   averages what it received and sends the average of piece j to everyone. Every message is a BlockUpdate(block, round, codec, [part])
   with meta {"phase", "part", "contributors"}.
 - Every incoming part is validated before use: name, shape, dtype, finite values, norm bound.
-  A sender whose part fails is excluded from this and every later round, and the event is kept
-  for the report. Nothing is silently dropped: a missing part leaves a hole in the coverage.
+  A sender whose part fails is excluded from this and every later round, the event is kept for
+  the report, and the sender is told (phase ``excluded``): it stops waiting for us. Nothing is silently dropped: a missing part leaves a hole in the coverage.
 - A member that leaves mid-round (its connection closes, or the swarm declares it dead) is
   dropped from the round: the pieces it owned move to the live members (the same rule at every
   member: live member j mod R'), everyone re-sends its part there, and the round finishes with
@@ -40,7 +40,7 @@ log = logging.getLogger("blocktrain.p2p")
 
 
 # BlockUpdate phases that manage the group rather than carry a round's parts (see swarm.py).
-CONTROL_PHASES = ("join", "welcome", "late", "absent")
+CONTROL_PHASES = ("join", "welcome", "late", "absent", "excluded")
 
 # Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
 PIECE_FLOATS = 1 << 20
@@ -69,6 +69,7 @@ class Averager:
         self.codec = Codec(codec)
         self.min_coverage, self.max_norm, self.timeout_s = min_coverage, max_norm, timeout_s
         self.banned: dict[str, str] = {}  # peer id -> why
+        self.shunned: dict[str, str] = {}  # peers that excluded us -> their reason
         self.events: list[dict] = []
         self._inbox: dict[tuple, asyncio.Queue] = {}
         self._residual: torch.Tensor | None = None
@@ -77,6 +78,9 @@ class Averager:
         peer.on(BlockUpdate, self._route, inline=True)
 
     def _route(self, msg: BlockUpdate, pc, pid):
+        if msg.block == self.block and msg.meta.get("phase") == "excluded":
+            self.excluded_by(pid, msg.round, str(msg.meta.get("reason", ""))[:500])
+            return
         if msg.block == self.block and msg.meta.get("phase") in CONTROL_PHASES:
             if self.on_control is not None:
                 self.on_control(msg, pc, pid)
@@ -109,17 +113,31 @@ class Averager:
                                 "time": time.time()})
             log.warning("block %d round %d: rejected update from %s: %s; excluded from later rounds",
                         self.block, rnd, pid[:12], why)
+            m = self.peer.members.get(pid)
+            if m is not None and m.conn is not None:  # tell it, so it stops waiting for us
+                try:
+                    m.conn.send_nowait(BlockUpdate(block=self.block, round=rnd, meta={"phase": "excluded", "reason": why}))
+                except (ConnectionError, ProtocolError):
+                    pass
+
+    def excluded_by(self, pid: str, rnd: int, why: str):
+        """``pid`` rejected our update and will ignore us: stop waiting for it, now and later."""
+        if pid not in self.shunned:
+            self.shunned[pid] = why
+            self.events.append({"event": "excluded by", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
+            log.warning("block %d: %s rejected our update in round %d (%s) and excludes us", self.block, pid[:12],
+                        rnd, why)
 
     def _departed(self, pid: str, conns: dict) -> bool:
         """A member that left mid-round: its connection closed or the swarm declared it gone."""
         pc = conns.get(pid)
         m = self.peer.members.get(pid)
-        return pc is None or pc.closed.done() or m is None or m.state != "alive"
+        return pc is None or pc.closed.done() or m is None or m.state != "alive" or pid in self.shunned
 
     async def average(self, rnd: int, vector: torch.Tensor, members: dict[str, str]) -> tuple[torch.Tensor, RoundReport]:
         """Average ``vector`` (1-D float32) with ``members`` (peer id -> address, self included)."""
         t0 = time.perf_counter()
-        members = {pid: a for pid, a in members.items() if pid not in self.banned}
+        members = {pid: a for pid, a in members.items() if pid not in self.banned and pid not in self.shunned}
         ids = sorted(members)
         gid = hashlib.sha256("".join(ids).encode()).hexdigest()[:16]  # members disagreeing on it don't mix
         R, n = len(ids), vector.numel()

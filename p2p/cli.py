@@ -598,7 +598,7 @@ def report(files, as_json):
                           "by_kind": r.get("by_kind", {}), "training": {k: tr.get(k) for k in (
                               "block", "state", "step", "ce_start", "ce_end", "ce_improvement_per_gb")} if tr else None,
                           "rounds": len(tr.get("rounds", [])), "failed_rounds": len(tr.get("failed_rounds", [])),
-                          "rejected_updates": tr.get("rejected_updates", []),
+                          "rejected_updates": tr.get("rejected_updates", []), "excluded_by": tr.get("excluded_by", {}),
                           "membership_events": len(r.get("events", []))})
     total_moved = sum(kinds["sent"][k]["wire_bytes"] for k in kinds["sent"])
     agg = {"peers": peers_out, "by_kind": kinds, "wire_bytes_sent": total_moved}
@@ -617,6 +617,8 @@ def report(files, as_json):
                        f"{p['failed_rounds']} failed; {ce}{per_gb}")
         for ev in p["rejected_updates"]:
             click.echo(f"  REJECTED update from {ev['peer'][:12]} in round {ev['round']}: {ev['reason']} (excluded since)")
+        for pid, why in p["excluded_by"].items():
+            click.echo(f"  EXCLUDED by {pid[:12]}, which rejected this peer's update: {why}")
     click.echo(f"\n{'peer':<13} {'dir':<9} {'remote':<13} {'type':<17} {'frames':>8} {'payload':>11} {'wire':>11}")
     for p, d, remote, typ, fr, pb, wb in rows:
         click.echo(f"{p:<13} {d:<9} {remote:<13} {typ:<17} {fr:>8} {_fmt_bytes(pb):>11} {_fmt_bytes(wb):>11}")

@@ -102,10 +102,12 @@ class SwarmBlockTrainer:
 
     # --- the group ---------------------------------------------------------------------------
     def candidates(self) -> dict[str, str]:
-        """Live training members on our block (peer id -> address)."""
-        k = self.trainer.k
+        """Live training members on our block (peer id -> address), but none that excluded us
+        or that we excluded."""
+        k, av = self.trainer.k, self.averager
         return {pid: m.info.addr for pid, m in self.peer.members.items()
-                if m.state == "alive" and k in m.info.blocks and m.info.role == "train"}
+                if m.state == "alive" and k in m.info.blocks and m.info.role == "train"
+                and pid not in av.banned and pid not in av.shunned}
 
     def group(self, rnd: int | None = None) -> dict[str, str]:
         g = {self.peer.id: self.peer.addr}
@@ -420,6 +422,7 @@ class SwarmPeer:
                "rounds": r.rounds, "failed_rounds": r.failed, "catch_up": r.catch_up, "lower_refreshes": r.lower,
                "rejected_updates": [e for e in self.averager.events if e["event"] == "rejected update"],
                "averaging_events": self.averager.events, "excluded_peers": dict(self.averager.banned),
+               "excluded_by": dict(self.averager.shunned),
                "ce_start": self.ce.get("start"), "ce_end": self.ce.get("end"), "bytes_moved": moved}
         if "start" in self.ce and "end" in self.ce and moved:
             out["ce_improvement_per_gb"] = (self.ce["start"] - self.ce["end"]) / (moved / 1e9)

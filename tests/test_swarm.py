@@ -189,9 +189,7 @@ def test_killed_peer_leaves_the_others_training(tmp_path):
 async def test_peer_sending_nan_updates_is_excluded_and_reported(tmp_path):
     peers = await mesh(3, FAST, blocks=(0,))
     try:
-        from dataclasses import replace
-        sc = replace(SC, round_timeout_s=3)  # the excluded peer waits out its own rounds
-        sps = [SwarmPeer(p, 0, MC, TC, sc, tmp_path / f"w{i}", DATA, DATA, shard=(i, 3)) for i, p in enumerate(peers)]
+        sps = [SwarmPeer(p, 0, MC, TC, SC, tmp_path / f"w{i}", DATA, DATA, shard=(i, 3)) for i, p in enumerate(peers)]
         bad = sps[2].trainer
         step = bad.train_step
 
@@ -214,6 +212,9 @@ async def test_peer_sending_nan_updates_is_excluded_and_reported(tmp_path):
         assert torch.allclose(_params(sps[0]), _params(sps[1]), atol=1e-6)
         text = peers[0].report()["training"]["rejected_updates"][0]
         assert text["peer"] == peers[2].id
+        # the excluded peer was told, stopped waiting for the others and trained on alone
+        assert set(reps[2]["excluded_by"]) == {peers[0].id, peers[1].id}
+        assert all(r["members"] == [peers[2].id] for r in reps[2]["rounds"] if r["round"] > 2)
     finally:
         for p in peers:
             await p.stop()
