@@ -169,6 +169,8 @@ def run(peers: int, floats: int, rounds: int = 4, against=("gloo",), codec: str 
 def main(argv):
     if argv[0] == "peer":
         i, n, ports, floats, rounds, key, out, codec = argv[1:]
+        from blocktrain.p2p.transport import install_uvloop
+        install_uvloop()  # as bt-peer runs
         asyncio.run(_peer_child(int(i), int(n), [int(p) for p in ports.split(",")], int(floats), int(rounds), key,
                                 out, codec))
     elif argv[0] == "gloo":

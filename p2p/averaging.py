@@ -92,13 +92,13 @@ class Averager:
     def _queue(self, rnd: int) -> asyncio.Queue:
         return self._inbox.setdefault(rnd, asyncio.Queue())
 
-    def _validate(self, msg: BlockUpdate, want_numel: int) -> torch.Tensor:
+    def _validate(self, msg: BlockUpdate, want_numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if len(msg.tensors) != 1 or msg.tensors[0].name != "part":
             raise ValueError("expected one tensor named 'part'")
         w = msg.tensors[0]
         if w.dtype != "float32" or w.shape != (want_numel,):
             raise ValueError(f"part is {w.dtype} {w.shape}, expected float32 ({want_numel},)")
-        t = from_wire(w)
+        t = from_wire(w, out=out)
         norm = float(torch.linalg.vector_norm(t))  # one pass: NaN or inf anywhere makes it NaN or inf
         if not math.isfinite(norm):
             raise ValueError(f"part holds NaN or inf (its norm is {norm})")
@@ -159,10 +159,11 @@ class Averager:
                     log.info("round %d: cannot reach %s: %s", rnd, pid[:12], e)
         q = self._queue(rnd)
         departed: set[str] = set()
+        out = torch.empty(n)  # the round's result: gathered pieces are decoded straight into it
         received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(P)}  # reduce parts that reached us
         sent_to: dict[int, str] = {}  # piece -> the owner our part went to
         gather_sent: dict[int, list] = {}  # piece -> contributors of the average we sent
-        gathered: dict[int, tuple[torch.Tensor, list]] = {}
+        gathered: dict[int, list] = {}  # piece -> its contributors, once its average is in ``out``
         rejected = []
         deadline = time.monotonic() + self.timeout_s
 
@@ -203,13 +204,14 @@ class Averager:
                 if not final and not set(got) >= expected:
                     continue
                 vals = list(got.values())
-                avg = vals[0].clone()
+                avg = out[bounds[j]:bounds[j + 1]]
+                avg.copy_(vals[0])
                 for v in vals[1:]:
                     avg.add_(v)
                 avg.div_(len(vals))
                 contributors = sorted(got)
                 gather_sent[j] = contributors
-                gathered[j] = (avg, contributors)
+                gathered[j] = contributors
                 w = to_wire("part", avg, self.codec, "never")
                 msg = BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
                                   meta={"phase": "gather", "part": j, "contributors": contributors, "group": gid})
@@ -245,30 +247,30 @@ class Averager:
                 self._reject(pid, f"bad phase/part {phase!r}/{j!r}", rnd)
                 rejected.append({"peer": pid, "reason": self.banned[pid]})
                 continue
-            try:
-                t = self._validate(msg, bounds[j + 1] - bounds[j])
+            wanted = phase == "gather" and j not in gathered and pid == owner(j)
+            try:  # the awaited average goes straight into the result (refilled below if it is rejected)
+                t = self._validate(msg, bounds[j + 1] - bounds[j], out[bounds[j]:bounds[j + 1]] if wanted else None)
             except ValueError as e:
                 self._reject(pid, str(e), rnd)
                 rejected.append({"peer": pid, "reason": str(e)})
                 continue
             if phase == "reduce":
                 received[j].setdefault(pid, t)  # kept even before we know we own it (a departure moves pieces)
-            elif j not in gathered and pid == owner(j):
+            elif wanted:
                 c = msg.meta.get("contributors")
-                gathered[j] = (t, c if isinstance(c, list) else [])
+                gathered[j] = c if isinstance(c, list) else []
         self._inbox.pop(rnd, None)
         self._done.append(rnd)
         expected = set(live())
-        out = torch.empty(n)
         parts, covered = [], 0
         for j in range(P):
             got = gathered.get(j)
-            ok = got is not None and set(got[1]) >= expected
-            # pieces that never came back keep our values
-            out[bounds[j]:bounds[j + 1]] = got[0] if got is not None else vector.detach().reshape(-1)[bounds[j]:bounds[j + 1]]
+            ok = got is not None and set(got) >= expected
+            if got is None:  # a piece that never came back keeps our values
+                out[bounds[j]:bounds[j + 1]] = vector.detach().reshape(-1)[bounds[j]:bounds[j + 1]]
             if ok:
                 covered += bounds[j + 1] - bounds[j]
-            parts.append({"owner": owner(j), "contributors": got[1] if got else [], "ok": ok})
+            parts.append({"owner": owner(j), "contributors": got or [], "ok": ok})
         rep = RoundReport(rnd, ids, covered / n if n else 1.0, parts, rejected, time.perf_counter() - t0, bytes_sent,
                           departed=sorted(departed))
         if rep.coverage < self.min_coverage:
