@@ -336,13 +336,20 @@ def serve(bootstrap, checkpoints, reference, quiet, **o):
         raise click.ClickException(str(e))
 
 
-def _chain(st: dict, bad: set) -> list[str]:
-    """One live serving peer per block 0..K-1 from a status reply, avoiding ``bad``."""
+def _holders(st: dict, role: str, bad: set = frozenset()) -> dict[int, list[str]]:
+    """Block -> addresses of the live peers with ``role`` holding it, from a status reply (the
+    answering peer included), avoiding ``bad``."""
     holders: dict[int, list[str]] = {}
     for m in [{"addr": st["addr"], "blocks": st["blocks"], "state": "alive", "role": st["role"]}] + st["members"]:
-        if m["state"] == "alive" and m["role"] == "serve" and m["addr"] not in bad:
+        if m["state"] == "alive" and m["role"] == role and m["addr"] not in bad:
             for b in m["blocks"]:
                 holders.setdefault(b, []).append(m["addr"])
+    return holders
+
+
+def _chain(st: dict, bad: set) -> list[str]:
+    """One live serving peer per block 0..K-1 from a status reply, avoiding ``bad``."""
+    holders = _holders(st, "serve", bad)
     if not holders:
         raise click.ClickException("no live serving peers known")
     missing = [b + 1 for b in range(max(holders) + 1) if b not in holders]
@@ -414,11 +421,7 @@ async def assemble_from_swarm(host: str, port: int, ident, key, out: Path, timeo
 
     tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
     st = await query_status(host, port, ident, key, tmo)
-    holders: dict[int, list[str]] = {}
-    for m in [{"addr": st["addr"], "blocks": st["blocks"], "state": "alive", "role": st["role"]}] + st["members"]:
-        if m["state"] == "alive" and m["role"] == "train":
-            for b in m["blocks"]:
-                holders.setdefault(b, []).append(m["addr"])
+    holders = _holders(st, "train")
     if not holders:
         raise click.ClickException(f"{host}:{port} knows no live training peers")
     client = Peer(ident, key, "127.0.0.1", 0, role="client", timeouts=tmo)

@@ -258,6 +258,7 @@ class SwarmPeer:
         self.lower_in_use: dict[int, bytes] = {}  # block -> sha256 of the copy the trainer uses
         self.state = "starting"
         self.ce = {}
+        self.saved_step: int | None = None  # step of the checkpoint this run last wrote
         peer.report_extra["training"] = self.training_report
 
     @property
@@ -281,6 +282,7 @@ class SwarmPeer:
             c.optim[OUTER_MOMENTUM] = self.swarm.outer._buf
         c.extra.update(final=final, round=self.swarm.round_of(self.trainer.step), swarm=asdict(self.scfg))
         ckpt.save(c, self.own_path)
+        self.saved_step = c.step
         # the input handoff needs the parameters alone
         ckpt.save(ckpt.Checkpoint(c.config, c.block, c.step, c.tensors, extra={"final": final, "round": c.extra["round"]}),
                   self.dir / "serve" / "lower-checkpoint" / f"block{self.k}.safetensors")
@@ -366,7 +368,9 @@ class SwarmPeer:
     async def run(self, steps: int | None = None) -> dict:
         steps = steps or self.tcfg.steps
         if self.own_path.exists():
-            self._restore(ckpt.load(self.own_path), str(self.own_path))  # a damaged own checkpoint stops us
+            own = ckpt.load(self.own_path)  # a damaged own checkpoint stops us
+            self._restore(own, str(self.own_path))
+            self.saved_step = own.step
         await asyncio.sleep(2 * self.peer.timeouts.heartbeat_s)  # let gossip bring in the members
         await self.refresh_lower(wait=True)
         self.ce["start"] = await asyncio.to_thread(self.eval_ce)
@@ -406,7 +410,7 @@ class SwarmPeer:
             self.peer.write_report()
 
         await self.swarm.run(steps, on_round=on_round, before_round=before_round)
-        if not self.own_path.exists() or ckpt.load(self.own_path).step != self.trainer.step:
+        if self.saved_step != self.trainer.step:
             self.save(final=True)  # the last round failed: keep the local result
         self.ce["end"] = await asyncio.to_thread(self.eval_ce)
         self.state = "done"
