@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     socks, ports = [], []
     for _ in range(n):
         s = socket.socket()
@@ -129,7 +129,7 @@ def run(peers: int, floats: int, rounds: int = 4, against=("gloo",), codec: str 
         hivemind_python: str = sys.executable) -> dict:
     res = {"benchmark": "average", "peers": peers, "floats": floats, "rounds": rounds, "codec": codec}
     key = os.urandom(32).hex()
-    ports = _free_ports(peers)
+    ports = free_ports(peers)
     ours = _spawn_all(lambda i, out: ["peer", i, peers, ",".join(map(str, ports)), floats, rounds, key, out, codec],
                       peers, timeout_s)
     # a round ends at different moments on different peers: the round's time is the slowest peer's
@@ -157,7 +157,7 @@ def run(peers: int, floats: int, rounds: int = 4, against=("gloo",), codec: str 
         res["vs_hivemind"] = res["hivemind_s"] / res["blocktrain_s"]
         res["5x_faster_than_hivemind"] = res["vs_hivemind"] >= 5.0
     if "gloo" in against:
-        port = _free_ports(1)[0]
+        port = free_ports(1)[0]
         g = _spawn_all(lambda i, out: ["gloo", i, peers, port, floats, rounds, out], peers, timeout_s)
         gr = [max(o["times"][r] for o in g) for r in range(rounds)]
         res["gloo_s"] = statistics.median(gr[1:] if rounds > 1 else gr)

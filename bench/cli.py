@@ -251,18 +251,18 @@ def swarm(workers, steps, every, overrides, schedule, codec, outer, outer_lr, ou
     Target: assembled test CE within 0.03 of the one-worker-per-block run. --wan: every link
     shaped (default 50 ms RTT, 100 Mbit/s); reports initial -> final CE and the bytes moved.
     """
-    from blocktrain.p2p.cli import _kv
+    from blocktrain.blocks.config import ConfigError, apply_overrides, parse_set
+    from blocktrain.p2p.config import PeerJob
 
     from .swarm import run
 
-    ov = dict(_kv(s) for s in overrides)
+    try:
+        ov = parse_set(overrides)
+        K = apply_overrides(PeerJob(), ov).model.n_blocks
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--set")
     results = {"benchmark": "swarm"}
     runs = [("swarm", workers)]
-    from blocktrain.blocks.cli import JobConfig, apply_overrides
-    try:
-        K = apply_overrides(JobConfig(), ov).model.n_blocks
-    except ValueError as e:
-        raise click.ClickException(str(e))
     if compare and workers != K:
         runs.append(("one_per_block", K))
     for name, w in runs:

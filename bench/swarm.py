@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from .average import _free_ports
+from .average import free_ports
 
 
 def _initial_ce(model: dict, seed: int, seq_len: int, windows: int, data) -> list[float]:
@@ -46,12 +46,14 @@ def _initial_ce(model: dict, seed: int, seq_len: int, windows: int, data) -> lis
 def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_windows: int = 300,
         link: str | None = None, schedule: str = "parallel", codec: str = "raw", outer: tuple = ("sgd", 1.0, 0.0),
         timeout_s: float = 3600.0, progress=None, log=lambda s: None) -> dict:
-    from blocktrain.blocks.cli import JobConfig, apply_overrides
+    from blocktrain.blocks.config import apply_overrides
     from blocktrain.blocks.data import as_tensor, read_split
-    from blocktrain.p2p.cli import assemble_from_swarm, evaluate_assembled
+    from blocktrain.blocks.evaluate import evaluate
+    from blocktrain.p2p.assemble import assemble_from_swarm
+    from blocktrain.p2p.config import PeerJob
     from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key, new_swarm_key
 
-    job = apply_overrides(JobConfig(), overrides)
+    job = apply_overrides(PeerJob(), overrides)
     K = job.model.n_blocks
     if workers % K:
         raise ValueError(f"{workers} workers do not split evenly over {K} blocks")
@@ -63,7 +65,7 @@ def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_w
     key = out / "swarm.key"
     if not key.exists():
         new_swarm_key(key)
-    ports = _free_ports(workers)
+    ports = free_ports(workers)
     sets = [x for k, v in {**overrides, "steps": local}.items() for x in ("--set", f"{k}={v}")]
     procs, logs = [], []
     t0 = time.monotonic()
@@ -128,7 +130,7 @@ def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_w
                 p.wait()
         for f in logs:
             f.close()
-    ev = evaluate_assembled(out / "assembled", None, test_windows)
+    ev = evaluate(out / "assembled", None, test_windows)
     test = as_tensor(read_split("test"))
     init = _initial_ce(job.model.to_dict(), job.train.seed, job.train.seq_len, test_windows, test)
     reps = break_reps

@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from blocktrain.blocks.model import Block, EndToEnd, ModelConfig
 from blocktrain.p2p.link import LinkSpec
 from blocktrain.p2p.node import Peer
-from blocktrain.p2p.pipeline import PipelineClient, PipelineServer, ServedBlocks
+from blocktrain.p2p.client import PipelineClient
+from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
 from blocktrain.p2p.transport import Timeouts
 
 PROMPT_LEN = 64
@@ -30,9 +31,8 @@ PROMPT_LEN = 64
 
 def _sent_bytes(peers, client) -> int:
     """Wire bytes sent so far by every peer (to members and to the client) and by the client."""
-    total = sum(p.traffic_report()["totals"]["sent"]["wire_bytes"] for p in peers)
-    total += sum(pc.conn.counter.snapshot()["sent"]["total"]["wire_bytes"] for p in peers for pc in p.clients.values())
-    total += sum(pc.conn.counter.snapshot()["sent"]["total"]["wire_bytes"] for pc in client.conns.values())
+    total = sum(p.traffic_totals()["sent"]["wire_bytes"] for p in peers)  # clients' connections included
+    total += client.sent_wire_bytes()
     return total
 
 
@@ -63,7 +63,7 @@ async def run_one(mode: str, n_bytes: int, rtt_ms: float, rate_mbit: float, hops
         for p in peers:  # warm the connections between hops (handshakes are not part of a request)
             for q in peers:
                 if q is not p:
-                    await p.connection_to(q.addr)
+                    await p.connection(q.addr)
         prompt = bytes(range(32, 32 + PROMPT_LEN))
         n_run = n_bytes if mode == "blocktrain" or measure_ar is None else min(n_bytes, measure_ar)
         gen = client.generate_blocktrain if mode == "blocktrain" else client.generate_autoregressive

@@ -30,9 +30,9 @@ def _write_random_model(directory: Path, hops: int, n_bytes: int, d_model: int, 
     e2e = EndToEnd(cfg)
     for k in range(hops):
         ckpt.save(ckpt.Checkpoint(cfg.to_dict(), k, 0, Block(cfg, k).state_dict()),
-                  directory / "checkpoints" / f"block{k}.safetensors")
+                  ckpt.block_path(directory / "checkpoints", k))
         ckpt.save(ckpt.Checkpoint(cfg.to_dict(), k, 0, e2e.blocks[k].state_dict()),
-                  directory / "reference" / f"block{k}.safetensors")
+                  ckpt.block_path(directory / "reference", k))
 
 
 def _wait_listening(ns: str, port: int, proc, timeout_s: float = 120.0):
@@ -117,7 +117,7 @@ def run_kernel(n_bytes: int = 256, rtt_ms: float = 50.0, rate_mbit: float = 100.
 
 async def _client(spec: dict) -> dict:
     from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key
-    from blocktrain.p2p.pipeline import PipelineClient
+    from blocktrain.p2p.client import PipelineClient
     from blocktrain.p2p.transport import Timeouts
 
     client = PipelineClient(load_or_create_identity(spec["identity"]), load_swarm_key(spec["key"]), spec["route"],

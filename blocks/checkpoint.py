@@ -10,6 +10,9 @@ Rules:
   a flipped byte or a foreign file raises ``CheckpointError`` and nothing is loaded.
 - Writes go to a temporary file in the same directory, are fsynced, then renamed over the
   target: a crash at any moment leaves either the old checkpoint or the new one, never half.
+  Leftover temporary files of a killed writer are removed by the next ``save`` there.
+- Block k's checkpoint is named ``block_name(k)`` ("block{k}"), in a file ``block_file(k)``; this
+  is the one place that spells it (directories, streams and the serving code all use it).
 """
 
 from __future__ import annotations
@@ -33,8 +36,43 @@ OPTIM_PREFIX = "optim."
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 
+SUFFIX = ".safetensors"
+
+
 class CheckpointError(Exception):
     """A checkpoint file is truncated, corrupted or not a BlockTrain checkpoint."""
+
+
+def block_name(k: int) -> str:
+    """The name of block k's checkpoint (a stream name, and a file name without its suffix)."""
+    return f"block{int(k)}"
+
+
+def block_file(k: int) -> str:
+    return block_name(k) + SUFFIX
+
+
+def block_path(directory: str | Path, k: int) -> Path:
+    return Path(directory) / block_file(k)
+
+
+def block_of(path: str | Path) -> int | None:
+    """The block index of a ``block{k}.safetensors`` file name, or None."""
+    name = Path(path).name
+    if not (name.startswith("block") and name.endswith(SUFFIX)):
+        return None
+    digits = name[len("block"):-len(SUFFIX)]
+    return int(digits) if digits.isdigit() else None
+
+
+def block_files(directory: str | Path) -> dict[int, Path]:
+    """Block index -> file, for every ``block{k}.safetensors`` in ``directory``."""
+    out = {}
+    for p in Path(directory).glob("block*" + SUFFIX):
+        k = block_of(p)
+        if k is not None:
+            out[k] = p
+    return dict(sorted(out.items()))
 
 
 @dataclass
@@ -112,6 +150,8 @@ def save(ck: Checkpoint, path: str | Path) -> str:
     """Atomically write ``ck`` to ``path``; returns the sha256 of its data section."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(path.name + ".*.tmp"):  # a writer killed mid-write left it
+        stale.unlink(missing_ok=True)
     blob = encode(ck)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:

@@ -1,131 +1,19 @@
 """``bt-train``: the main job. Train a BlockTrain model and the end-to-end reference, same budget.
 
-Defaults live in one place (``JobConfig``); ``--config FILE`` (JSON) and ``--set key=value``
-override them, typed by the dataclass fields; unknown keys are errors. Writes ``results.json``,
-``curves.png`` and the block checkpoints into ``--out``.
+This module parses the command line and prints; the job itself is blocktrain.blocks.job.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import resource
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
+import click
 
 from . import checkpoint as ckpt
-from .data import DataError, as_tensor, read_split
-from .model import Assembled, ModelConfig
-from .run import train_blocktrain, train_e2e
+from .config import ConfigError, JobConfig, load
+from .data import DataError
 from .schedule import SCHEDULES
-from .train import TrainConfig, eval_chain, eval_continuation, eval_e2e
-
-
-def _default_model() -> ModelConfig:
-    # Small enough that both models train in a few minutes on 2 cores.
-    return ModelConfig(d_model=128, n_head=4, n_layer=6, n_blocks=3)
-
-
-def _default_train() -> TrainConfig:
-    return TrainConfig(steps=300, eval_every=50, warmup=30)
-
-
-@dataclass
-class JobConfig:
-    model: ModelConfig = field(default_factory=_default_model)
-    train: TrainConfig = field(default_factory=_default_train)
-    schedule: str = "relay"  # see blocktrain.blocks.schedule
-    processes: bool = False  # one OS process per block, exchanging checkpoint files (not for relay)
-    reference: bool = True  # also train the end-to-end reference under the same budget
-    test_windows: int = 300  # test windows of train.seq_len bytes for the final CE; 0 = the whole split
-    threads: int = 2  # torch threads
-    data: str | None = None  # directory of standard WikiText files; None = embedded WikiText-2
-    out: str | None = None  # output directory; None = runs/train-<time>
-
-
-def _coerce(value: str, typ):
-    typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ) if isinstance(typ, str) else typ
-    if typ is bool or typ == "bool":
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"not a boolean: {value!r}")
-    if typ in (int, float, str):
-        return typ(value)
-    if "None" in str(typ) or "|" in str(typ):  # str | None
-        return None if value.lower() in ("none", "") else value
-    return typ(value)
-
-
-def apply_overrides(job: JobConfig, overrides: dict) -> JobConfig:
-    """``{"model.d_model": 192, "steps": 100, ...}`` -> a new JobConfig; unknown keys raise."""
-    model, train, top = job.model.to_dict(), job.train.to_dict(), dataclasses.asdict(job)
-    types = {f.name: f.type for f in dataclasses.fields(JobConfig)}
-    mtypes = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
-    ttypes = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
-    for key, value in overrides.items():
-        section, _, name = key.rpartition(".")
-        if section == "model" or (not section and name in mtypes and name not in types):
-            target, typ = model, mtypes.get(name)
-        elif section == "train" or (not section and name in ttypes and name not in types):
-            target, typ = train, ttypes.get(name)
-        elif not section and name in types and name not in ("model", "train"):
-            target, typ = top, types[name]
-        else:
-            typ = None
-        if typ is None:
-            raise ValueError(f"unknown config key {key!r}")
-        target[name] = _coerce(value, typ) if isinstance(value, str) else value
-    top.pop("model"), top.pop("train")
-    return JobConfig(model=ModelConfig.from_dict(model), train=TrainConfig.from_dict(train), **top)
-
-
-def parse_args(argv=None) -> JobConfig:
-    ap = argparse.ArgumentParser(
-        prog="bt-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Examples:\n  bt-train\n  bt-train --steps 1000 --set model.d_model=192 --set model.n_head=6\n"
-               "  bt-train --config job.json --schedule sequential --out runs/seq")
-    ap.add_argument("--config", type=Path, help="JSON file of overrides (same keys as --set)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override one setting, e.g. model.d_model=192, train.lr=1e-3, steps=500")
-    ap.add_argument("--steps", type=int, help="optimizer steps per block and for the reference")
-    ap.add_argument("--schedule", choices=SCHEDULES, help="when each block trains (default staggered)")
-    ap.add_argument("--data", help="directory with wiki.{train,valid,test}.tokens (default: embedded WikiText-2)")
-    ap.add_argument("--out", help="output directory (default runs/train-<time>)")
-    ap.add_argument("--no-reference", action="store_true", help="skip the end-to-end reference")
-    ap.add_argument("--processes", action="store_true",
-                    help="train each block in its own process, exchanging checkpoint files (staggered, parallel or "
-                         "sequential; relay needs same-block averaging between workers, which bt-peer provides)")
-    ap.add_argument("--threads", type=int, help="torch threads (default 2)")
-    a = ap.parse_args(argv)
-    overrides = {}
-    if a.config:
-        try:
-            overrides.update(json.loads(a.config.read_text()))
-        except (OSError, ValueError) as e:
-            ap.error(f"--config {a.config}: {e}")
-    for item in a.set:
-        if "=" not in item:
-            ap.error(f"--set wants KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        overrides[k.strip()] = v.strip()
-    for key in ("steps", "schedule", "data", "out", "threads"):
-        if getattr(a, key) is not None:
-            overrides[key] = getattr(a, key)
-    if a.no_reference:
-        overrides["reference"] = False
-    if a.processes:
-        overrides["processes"] = True
-    try:
-        return apply_overrides(JobConfig(), overrides)
-    except (ValueError, TypeError, AssertionError) as e:
-        ap.error(str(e))
 
 
 class _LineProgress:
@@ -154,7 +42,7 @@ class _LineProgress:
               file=sys.stderr, flush=True)
 
 
-def _bar(desc: str, total: int | None):
+def bar(desc: str, total: int | None):
     if not sys.stderr.isatty():
         return _LineProgress(desc, total)
     from tqdm import tqdm
@@ -162,195 +50,50 @@ def _bar(desc: str, total: int | None):
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
-def run_job(job: JobConfig, log=print) -> dict:
-    torch.set_num_threads(job.threads)
-    out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    train = as_tensor(read_split("train", job.data))
-    valid = as_tensor(read_split("valid", job.data))
-    test = as_tensor(read_split("test", job.data))
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]},
+               epilog="Examples: bt-train | bt-train --steps 1000 --set model.d_model=192 --set model.n_head=6 | "
+                      "bt-train --config job.json --schedule sequential --out runs/seq")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
+              help="JSON file of overrides (the same keys as --set, or nested sections).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override one setting: model.d_model=192, train.lr=1e-3, steps=500 (a bare key when one "
+                   "section has it). Unknown keys are errors.")
+@click.option("--steps", type=click.IntRange(1), default=None, help="Optimizer steps per block and for the reference "
+              "(train.steps, default 300).")
+@click.option("--schedule", type=click.Choice(SCHEDULES), default=None,
+              help="When each block trains (default relay: every worker on one block, then the next).")
+@click.option("--data", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Directory with wiki.{train,valid,test}.tokens (default: the embedded WikiText-2).")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Output directory (default runs/train-<time>).")
+@click.option("--no-reference", is_flag=True, default=None, help="Skip the end-to-end reference.")
+@click.option("--processes", is_flag=True, default=None,
+              help="Train each block in its own process, exchanging checkpoint files (staggered, parallel or "
+                   "sequential; relay needs same-block averaging between workers, which bt-peer provides).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="torch threads (default 2).")
+def main(config_file, sets, steps, schedule, data, out, no_reference, processes, threads):
+    """Train a 3-block BlockTrain model and the end-to-end reference on WikiText-2 bytes, under the
+    same budget; report the test CE of every head along the chain, write results.json, curves.png
+    and the checkpoints (servable with `bt-peer serve --checkpoints OUT/checkpoints`).
+
+    Defaults live in one place (the config dataclasses); --config FILE and --set KEY=VALUE
+    override them, typed by the fields; unknown keys are errors.
+    """
+    from .job import run_job
     try:
-        test_raw = as_tensor(read_split("test", job.data, "raw"))
-    except DataError:
-        test_raw = None
-    tw = job.test_windows or None
-    mc, tc = job.model, job.train
-    log(f"data: train {train.numel():,} bytes, valid {valid.numel():,}, test {test.numel():,} "
-        f"({'embedded WikiText-2' if job.data is None else job.data})")
-    log(f"model: d {mc.d_model}, {mc.n_layer} layers in {mc.n_blocks} blocks, head_layers {mc.head_layers}; "
-        f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} bytes; schedule {job.schedule}")
-
-    def progress_for(bar):
-        def cb(t, total, ces):
-            bar.update(1)
-            if ces:
-                bar.set_postfix_str("valid CE " + " ".join(f"{c:.3f}" for c in ces))
-        return cb
-
-    if job.processes:
-        bt = train_in_processes(job, out / "checkpoints", log)
-    else:
-        with _bar(f"blocktrain ({job.schedule})", None) as bar:
-            bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(bar))
-        for k, b in enumerate(bt.blocks):
-            ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
-                                      extra={"schedule": job.schedule, "final": True}),
-                      out / "checkpoints" / f"block{k}.safetensors")
-    heads = eval_chain(bt.blocks, test, tc.seq_len, tw)
-    heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
-    asm = Assembled(bt.blocks)
-    result = {
-        "job": {"model": mc.to_dict(), "train": tc.to_dict(), "schedule": job.schedule,
-                "test_windows": job.test_windows, "data": job.data or "embedded WikiText-2"},
-        "blocktrain": {
-            "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
-            "curve": bt.curve, "train_seconds": bt.seconds, "train_flops": bt.train_flops,
-            "busy_fraction": bt.busy_fraction, "trainable_bytes_per_block": bt.trainable_bytes,
-            "workers_per_block": bt.workers_per_block, "starts": bt.starts,
-            "continuation_one_traversal": eval_continuation(asm, test, 64, 32, 64, one_traversal=True),
-        },
-    }
-    if job.reference:
-        with _bar("end-to-end reference", tc.steps) as bar:
-            e2e = train_e2e(mc, tc, train, valid, progress_for(bar))
-        for k, b in enumerate(e2e.model.blocks):  # the reference, split by the same layers, for serving
-            ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), extra={"model": "end-to-end"}),
-                      out / "reference" / f"block{k}.safetensors")
-        ce = eval_e2e(e2e.model, test, tc.seq_len, tw)
-        fwd = lambda ids: e2e.model(ids)[0]  # noqa: E731
-        result["reference"] = {
-            "test_ce": ce, "test_raw_ce": eval_e2e(e2e.model, test_raw, tc.seq_len, tw) if test_raw is not None else None,
-            "curve": e2e.curve, "train_seconds": e2e.seconds, "train_flops": e2e.train_flops,
-            "trainable_bytes": e2e.trainable_bytes[0],
-            "continuation_teacher_forced": eval_continuation(fwd, test, 64, 32, 64, one_traversal=False),
-        }
-        result["gap_ce"] = heads[-1] - ce
-        prompt = test[:64].long()[None]
-        result["samples"] = {
-            "prompt": bytes(prompt[0].tolist()).decode("utf-8", "replace"),
-            "blocktrain_one_traversal": bytes(asm.generate_one_traversal(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
-            "reference_autoregressive": bytes(e2e.model.generate(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
-        }
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result["wall_seconds"] = time.perf_counter() - t0
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    plot_curves(result, out / "curves.png")
-    log(summary(result))
-    log(f"wrote {out / 'results.json'}, {out / 'curves.png'}, {out / 'checkpoints'}")
-    return result
-
-
-def train_in_processes(job: JobConfig, directory: Path, log):
-    """K worker processes (blocktrain.blocks.worker), one per block; progress from their files."""
-    import subprocess
-
-    from .model import Block
-    from .run import RunResult
-    from .worker import block_path
-
-    if job.schedule == "relay":
-        raise ValueError("--processes runs staggered, parallel or sequential; relay averages gradients between "
-                         "workers, which needs the network (bt-peer)")
-    mc, tc = job.model, job.train
-    directory.mkdir(parents=True, exist_ok=True)
-    procs = []
-    t0 = time.perf_counter()
+        job = load(JobConfig(), config_file, sets, **{"train.steps": steps, "schedule": schedule, "data": data,
+                                                       "out": out, "threads": threads,
+                                                       "reference": False if no_reference else None,
+                                                       "processes": True if processes else None})
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="configuration") from None
     try:
-        for k in range(mc.n_blocks):
-            cmd = [sys.executable, "-m", "blocktrain.blocks.worker", "--block", str(k), "--dir", str(directory),
-                   "--schedule", job.schedule, "--model", json.dumps(mc.to_dict()),
-                   "--train", json.dumps(tc.to_dict()), "--ckpt-every", str(tc.refresh_every), "--threads", "1"]
-            procs.append(subprocess.Popen(cmd))
-        with _bar(f"blocktrain ({job.schedule}, {mc.n_blocks} processes)", mc.n_blocks * tc.steps) as bar:
-            done = 0
-            while any(p.poll() is None for p in procs):
-                time.sleep(1.0)
-                steps = 0
-                for k in range(mc.n_blocks):
-                    try:
-                        steps += ckpt.load(block_path(directory, k)).step
-                    except ckpt.CheckpointError:
-                        pass  # not written yet, or being replaced
-                bar.update(steps - done)
-                done = steps
-        bad = [k for k, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            raise RuntimeError(f"block workers {bad} failed; their checkpoints in {directory} are kept")
-    finally:
-        for p in procs:  # interrupted: stop our workers, by pid; their checkpoints stay for a restart
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=30)
-    blocks = []
-    for k in range(mc.n_blocks):
-        c = ckpt.load(block_path(directory, k))
-        b = Block(mc, k)
-        b.load_state_dict(c.tensors)
-        blocks.append(b)
-    res = RunResult(f"blocktrain-{job.schedule}-processes", blocks=blocks, seconds=time.perf_counter() - t0)
-    res.wall_steps = tc.steps * (mc.n_blocks if job.schedule == "sequential" else 1)
-    res.busy_fraction = 1 / mc.n_blocks if job.schedule == "sequential" else 1.0
-    from .model import train_flops_per_token
-    res.train_flops = float(sum(train_flops_per_token(mc, k, tc.seq_len) for k in range(mc.n_blocks))
-                            * tc.steps * tc.batch_size * tc.seq_len)
-    res.trainable_bytes = []
-    log(f"block workers finished in {res.seconds:.0f} s")
-    return res
-
-
-def plot_curves(result: dict, path: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    curve = result["blocktrain"]["curve"]
-    starts = result["blocktrain"].get("starts") or []
-    for k in range(len(curve[0][1]) if curve else 0):
-        s = starts[k] if k < len(starts) else 0
-        pts = [c for c in curve if c[0] > s]  # a block's head means nothing before it trains
-        ax.plot([c[0] for c in pts], [c[1][k] for c in pts], label=f"BlockTrain head of block {k + 1}")
-    if "reference" in result:
-        ref = result["reference"]["curve"]
-        ax.plot([c[0] for c in ref], [c[1][0] for c in ref], "k--", label="end-to-end reference")
-    ax.set_xlabel("wall time, in optimizer steps of one worker (relay: the K workers share each block's steps)")
-    ax.set_ylabel("valid CE (nats/byte)")
-    ax.set_title(f"BlockTrain ({result['job']['schedule']}) vs end-to-end, WikiText-2 bytes")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def summary(r: dict) -> str:
-    b = r["blocktrain"]
-    lines = ["", "test CE, nats/byte (WikiText-2 wiki.test.tokens):"]
-    for k, ce in enumerate(b["test_ce_heads"]):
-        lines.append(f"  BlockTrain head of block {k + 1:<2}      {ce:.4f}")
-    if "reference" in r:
-        lines.append(f"  end-to-end reference           {r['reference']['test_ce']:.4f}")
-        lines.append(f"  gap (assembled - reference)    {r['gap_ce']:+.4f}")
-        c1 = b["continuation_one_traversal"]
-        c2 = r["reference"]["continuation_teacher_forced"]
-        lines.append(f"  32-byte continuation: one traversal CE {c1['ce']:.3f} acc {c1['byte_accuracy']:.1%}; "
-                     f"byte-by-byte (teacher-forced) CE {c2['ce']:.3f} acc {c2['byte_accuracy']:.1%}")
-    lines.append(f"  wall time {r['wall_seconds']:.0f} s, peak RSS {r['peak_rss_mib']:.0f} MiB")
-    return "\n".join(lines)
-
-
-def main(argv=None):
-    job = parse_args(argv)
-    try:
-        run_job(job)
+        run_job(job, log=lambda s: click.echo(s, err=True), bar=bar)
     except (DataError, ValueError, RuntimeError, ckpt.CheckpointError) as e:
-        print(f"bt-train: {e}", file=sys.stderr)
+        click.echo(f"bt-train: {e}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("bt-train: interrupted; checkpoints written so far are kept", file=sys.stderr)
+        click.echo("bt-train: interrupted; checkpoints written so far are kept", err=True)
         sys.exit(130)
 
 

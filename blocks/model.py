@@ -30,8 +30,8 @@ MASK_ID = 256  # the placeholder input id; never an output
 
 @dataclass(frozen=True)
 class ModelConfig:
-    d_model: int = 192  # residual width
-    n_head: int = 6  # attention heads; d_model % n_head == 0
+    d_model: int = 128  # residual width (the default model trains in minutes on 2 cores)
+    n_head: int = 4  # attention heads; d_model % n_head == 0
     n_layer: int = 6  # layers of the whole model (end-to-end reference = assembled model)
     n_blocks: int = 3  # K: blocks the layers are cut into, n_layer % n_blocks == 0
     max_seq_len: int = 512  # positions the embedding knows (prompt + placeholders)
@@ -40,9 +40,14 @@ class ModelConfig:
     identity_init: bool = True  # blocks 1..K-1 start as the identity (zeroed output projections)
 
     def __post_init__(self):
-        assert self.d_model % self.n_head == 0, f"d_model {self.d_model} % n_head {self.n_head} != 0"
-        assert self.n_layer % self.n_blocks == 0, f"n_layer {self.n_layer} % n_blocks {self.n_blocks} != 0"
-        assert self.head_layers >= 0, "head_layers must be >= 0"
+        if min(self.d_model, self.n_head, self.n_layer, self.n_blocks, self.max_seq_len, self.mlp_ratio) < 1:
+            raise ValueError("d_model, n_head, n_layer, n_blocks, max_seq_len and mlp_ratio must be >= 1")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
+        if self.n_layer % self.n_blocks:
+            raise ValueError(f"n_layer {self.n_layer} does not split into {self.n_blocks} blocks")
+        if self.head_layers < 0:
+            raise ValueError("head_layers must be >= 0")
 
     @property
     def layers_per_block(self) -> int:
@@ -153,10 +158,12 @@ class Block(nn.Module):
     def is_first(self) -> bool:
         return self.index == 0
 
-    def embed(self, idx):
+    def embed(self, idx, start: int = 0):
+        """Byte ids at positions start..start+T-1 -> the residual stream: the one embedding site."""
         B, T = idx.shape
-        assert T <= self.cfg.max_seq_len, f"sequence of {T} > max_seq_len {self.cfg.max_seq_len}"
-        pos = torch.arange(T, device=idx.device)
+        if start < 0 or start + T > self.cfg.max_seq_len:
+            raise ValueError(f"positions {start}..{start + T - 1} exceed max_seq_len {self.cfg.max_seq_len}")
+        pos = torch.arange(start, start + T, device=idx.device)
         return self.tok(idx) + self.pos(pos)[None]  # (B, T, C)
 
     def trunk(self, x, caches: list | None = None):
@@ -251,10 +258,7 @@ class EndToEnd(nn.Module):
     @torch.no_grad()
     def forward_cached(self, idx, caches: list, start: int):
         """Forward ``idx`` at positions ``start..`` using and extending ``caches`` (KV per layer)."""
-        b0 = self.blocks[0]
-        T = idx.shape[1]
-        assert start + T <= self.cfg.max_seq_len, "KV cache past max_seq_len"
-        h = b0.tok(idx) + b0.pos(torch.arange(start, start + T))[None]
+        h = self.blocks[0].embed(idx, start)
         for k, b in enumerate(self.blocks):
             for i, layer in enumerate(b.layers):
                 h = layer(h, caches[k][i])

@@ -40,7 +40,7 @@ def make_plans(name: str, n_blocks: int, steps: int, decay_frac: float) -> list[
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
-    D = max(1, int(round(decay_frac * steps)))
+    D = max(1, int(round(decay_frac * steps)))  # as train.wsd_plan
     plans = []
     for k in range(n_blocks):
         if name == "parallel":

@@ -24,20 +24,26 @@ from .model import MASK_ID, Block, EndToEnd, ModelConfig, config_from_dict, lr_a
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 600  # optimizer steps per block, and for the end-to-end reference
+    steps: int = 300  # optimizer steps per block, and for the end-to-end reference
     batch_size: int = 16  # sequences per step
     seq_len: int = 128  # bytes per sequence
     lr: float = 2e-3  # peak AdamW learning rate
     weight_decay: float = 0.1
-    warmup: int = 50  # linear warmup steps
+    warmup: int = 30  # linear warmup steps
     decay_frac: float = 0.3  # WSD: fraction of a block's steps spent in the final decay
     lr_floor: float = 0.05  # LR after the decay, as a fraction of peak
     mask_frac: float = 0.25  # fraction of sequences whose tail is placeholders (one-traversal output)
     refresh_every: int = 25  # wall steps between refreshes of the lower-block checkpoints
     seed: int = 0
-    eval_every: int = 100  # steps between curve points (valid CE on eval_windows windows)
+    eval_every: int = 50  # steps between curve points (valid CE on eval_windows windows)
     eval_windows: int = 32
     grad_clip: float = 1.0
+
+    def __post_init__(self):
+        if min(self.steps, self.batch_size, self.seq_len, self.eval_every, self.eval_windows, self.refresh_every) < 1:
+            raise ValueError("steps, batch_size, seq_len, eval_every, eval_windows and refresh_every must be >= 1")
+        if self.lr <= 0 or self.warmup < 0 or not 0 <= self.decay_frac <= 1 or not 0 <= self.mask_frac <= 1:
+            raise ValueError("lr must be > 0, warmup >= 0, decay_frac and mask_frac in [0, 1]")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -45,6 +51,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def wsd_plan(cfg: TrainConfig) -> tuple[int, int]:
+    """(decay_start, decay_end) of warmup-stable-decay over ``cfg.steps``: the last ``decay_frac``
+    of the steps decay (the one home of this rule; schedules that shift it say so)."""
+    D = max(1, int(round(cfg.decay_frac * cfg.steps)))
+    return cfg.steps - D, cfg.steps
 
 
 def mask_tail(x: torch.Tensor, frac: float, step: int, seed: int) -> torch.Tensor:
@@ -86,7 +99,7 @@ class BlockTrainer:
         self.batches = ByteBatches(data, tcfg.batch_size, tcfg.seq_len, seed=tcfg.seed, shard=shard,
                                    num_shards=num_shards)
         self.step = 0  # optimizer steps taken
-        self.lr_plan = (0, tcfg.steps)  # (decay_start, decay_end), set by the schedule
+        self.lr_plan = wsd_plan(tcfg)  # (decay_start, decay_end); the staggered schedule sets its own
 
     def set_lower(self, states: list[dict], steps: list[int] | None = None):
         """Install frozen copies of blocks 0..k-1 from their state dicts (parameters only)."""
@@ -122,10 +135,14 @@ class BlockTrainer:
         """One optimizer step. ``replicas`` > 1: that many workers each take their own rows of the
         batch and their gradients are averaged before the step (synchronous same-block averaging,
         computed here in one process: the optimization is the same as one worker on the batch)."""
+        loss = self.compute_grads(replicas)
+        self.apply_grads()
+        return loss
+
+    def compute_grads(self, replicas: int = 1) -> float:
+        """Forward and backward on this step's batch: the gradients are left in ``.grad``."""
         x, y = self.batches.batch(self.step)
         x = mask_tail(x, self.tcfg.mask_frac, self.step, self.tcfg.seed)
-        for g in self.opt.param_groups:
-            g["lr"] = self.lr()
         self.block.train()
         self.opt.zero_grad(set_to_none=True)
         assert 1 <= replicas <= x.shape[0], f"{replicas} workers for a batch of {x.shape[0]} rows"
@@ -136,10 +153,30 @@ class BlockTrainer:
             share = xs.shape[0] / x.shape[0]  # the rows' share of the batch: a weighted average of gradients
             (loss * share).backward()
             total += loss.item() * share
+        return total
+
+    def grads(self) -> torch.Tensor:
+        """The gradients as one flat float32 vector (parameter order)."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.block.parameters()])
+
+    def apply_grads(self, flat: torch.Tensor | None = None):
+        """Clip and take the optimizer step, with ``flat`` (e.g. the group's average) as the
+        gradients when given, else those that ``compute_grads`` left."""
+        if flat is not None:
+            pos = 0
+            for p in self.block.parameters():
+                n = p.numel()
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(flat[pos:pos + n].view_as(p))
+                pos += n
+            assert pos == flat.numel(), "gradient vector and parameters differ in size"
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr()
         torch.nn.utils.clip_grad_norm_(self.block.parameters(), self.tcfg.grad_clip)
         self.opt.step()
         self.step += 1
-        return total
 
     def checkpoint(self) -> ckpt.Checkpoint:
         names = {p: n for n, p in self.block.named_parameters()}
@@ -172,7 +209,7 @@ class EndToEndTrainer:
         self.opt = _adamw(list(self.model.parameters()), tcfg)
         self.batches = ByteBatches(data, tcfg.batch_size, tcfg.seq_len, seed=tcfg.seed)
         self.step = 0
-        self.lr_plan = (int(tcfg.steps * (1 - tcfg.decay_frac)), tcfg.steps)
+        self.lr_plan = wsd_plan(tcfg)
 
     def lr(self) -> float:
         t = self.tcfg

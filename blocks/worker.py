@@ -23,22 +23,20 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from .checkpoint import block_path
 from .data import as_tensor, read_split
+from .lower import LowerInputs
 from .model import ModelConfig
 from .schedule import make_plans
 from .train import BlockTrainer, TrainConfig
 
 
-def block_path(directory: Path, k: int) -> Path:
-    return Path(directory) / f"block{k}.safetensors"
-
-
 class LowerWatcher:
-    """Keeps a trainer's frozen lower blocks in step with the newest checkpoints on disk."""
+    """Offers the newest lower checkpoints on disk to the trainer's input (blocks/lower.py)."""
 
-    def __init__(self, trainer: BlockTrainer, directory: Path):
+    def __init__(self, trainer: BlockTrainer, directory: Path, require_final: bool = False):
         self.trainer, self.dir = trainer, Path(directory)
-        self.seen: list[str | None] = [None] * trainer.k
+        self.inputs = LowerInputs(trainer.k, require_final)
         self.errors: list[str] = []
 
     def _read(self, j: int) -> ckpt.Checkpoint | None:
@@ -53,25 +51,14 @@ class LowerWatcher:
 
     def refresh(self) -> bool:
         """Load newer lower checkpoints; True if the trainer's input changed."""
-        k = self.trainer.k
-        if k == 0:
-            return False
-        got = [self._read(j) for j in range(k)]
-        if any(g is None for g in got):
-            return False
-        shas = [g.sha256 for g in got]
-        if shas == self.seen:
-            return False
-        self.trainer.set_lower([g.tensors for g in got], [g.step for g in got])
-        self.seen = shas
-        return True
+        for j in range(self.trainer.k):
+            g = self._read(j)
+            if g is not None:
+                self.inputs.offer(j, g.sha256, g.step, g.tensors, bool(g.extra.get("final")))
+        return self.inputs.install(self.trainer)
 
     def ready(self) -> bool:
-        return self.trainer.k == 0 or all(s is not None for s in self.seen)
-
-    def lower_final(self, j: int) -> bool:
-        g = self._read(j)
-        return g is not None and bool(g.extra.get("final"))
+        return self.inputs.ready()
 
 
 def run_worker(k: int, mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, directory: Path,
@@ -87,13 +74,9 @@ def run_worker(k: int, mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, dire
         c = ckpt.load(own)  # a damaged own checkpoint is an error the operator must see
         tr.restore(c)
         log(f"block {k}: resumed from {own} at step {tr.step}")
-    watcher = LowerWatcher(tr, directory)
+    watcher = LowerWatcher(tr, directory, require_final=schedule == "sequential")
 
     def lower_ready() -> bool:
-        if k == 0:
-            return True
-        if schedule == "sequential" and not watcher.lower_final(k - 1):
-            return False
         watcher.refresh()
         return watcher.ready()
 

@@ -1,29 +1,36 @@
-"""Same-block averaging over the protocol: reduce-scatter + all-gather among a group of peers.
+"""Same-block averaging: one round as a sans-IO object, and a thin asyncio driver.
 
 Rules:
-- A group is the sorted peer ids of the peers on one block; the flat float32 vector of a round
-  is cut into P >= group size pieces of at most PIECE_FLOATS, piece j owned by member j mod R.
-  Phase 1 (reduce): every member sends piece j to its owner. Phase 2 (gather): the owner
-  averages what it received and sends the average of piece j to everyone. Every message is a BlockUpdate(block, round, codec, [part])
-  with meta {"phase", "part", "contributors"}.
-- Every incoming part is validated before use: name, shape, dtype, finite values, norm bound.
-  A sender whose part fails is excluded from this and every later round, the event is kept for
-  the report, and the sender is told (phase ``excluded``): it stops waiting for us. Nothing is silently dropped: a missing part leaves a hole in the coverage.
-- A member that leaves mid-round (its connection closes, or the swarm declares it dead) is
-  dropped from the round: the pieces it owned move to the live members (the same rule at every
-  member: live member j mod R'), everyone re-sends its part there, and the round finishes with
-  the others. The report lists it under ``departed``; coverage counts the live members.
-- Each round reports its coverage: for every part, which peers contributed; the fraction of
-  the vector averaged over everyone who should have. Below ``min_coverage`` the round raises
-  ``RoundFailed`` and nothing is applied.
-- Lossy codecs (fp16, bf16, int8) keep the rounding error of what this peer sent and add it to
-  the next round's input (error feedback).
+- Rule 1: everything a round does happens in ``AveragingRound``: parts in (``receive``),
+  departures in (``depart``), the deadline in (``expire``); messages out (``Part``) and, once
+  ``done``, a result with its coverage. It never touches a socket, a clock or a task; the
+  ``Averager`` feeds it and sends what it returns.
+- Rule 2: the flat float32 vector of a round is cut into P >= R pieces of at most PIECE_FLOATS
+  (R members, sorted ids); piece j is owned by member j mod R. Reduce: every member sends piece j
+  to its owner. Gather: the owner averages what it received and sends the average of piece j,
+  with its contributors, to everyone. Messages are BlockUpdate(block, round, codec, [part]) with
+  meta {"phase", "part", "group", "contributors"}; ``group`` is a digest of the round's members,
+  its number and its start point, so peers that disagree on any of them never mix.
+- Rule 3: every incoming part is validated before use (name, shape, dtype, finite values, the
+  norm bound). A sender whose part fails is rejected: the round goes on without it and reports
+  why; the driver excludes it from later rounds and tells it (phase ``excluded``).
+- Rule 4: a member that departs mid-round (its connection closes, the swarm declares it gone, or
+  it says it is not in this round's group) is dropped: the pieces it owned move to the live
+  members (live member j mod R', the same rule everywhere), everyone re-sends its part there, and
+  the round finishes with the others. Coverage counts the live members. A member that departs
+  a peer for a reason only it can see (another view of the group, unreachable) lists it in meta
+  ``departed`` of every part it sends from then on; the receivers depart it too, so nobody waits
+  for a member that will not come.
+- Rule 5: coverage is, for every piece, whether every live member contributed; the fraction of
+  the vector covered. Below ``min_coverage`` the result raises ``RoundFailed``: nothing applied.
+- Rule 6: lossy codecs (fp16, bf16, int8) keep the rounding error of what this peer sent and add
+  it to the next round's input (error feedback). An owner decodes its own average exactly as the
+  others do, so every member ends the round with the same bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import logging
 import math
@@ -34,249 +41,423 @@ import torch
 
 from blocktrain.protocol import BlockUpdate, Codec, ProtocolError
 
+from .group import CONTROL_PHASES, Phase
+from .services import PeerServices, PeerUnreachable
 from .tensors import from_wire, to_wire
 
 log = logging.getLogger("blocktrain.p2p")
 
-
-# BlockUpdate phases that manage the group rather than carry a round's parts (see swarm.py).
-CONTROL_PHASES = ("join", "welcome", "late", "absent", "excluded")
-
 # Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
 PIECE_FLOATS = 1 << 20
+# Rounds ahead of the one in progress whose parts are held; anything later is dropped. A member
+# can be one round ahead of us (it finished the round we are finishing), never more.
+AHEAD_ROUNDS = 2
+# Parts held per future round (each is at most one piece per member).
+MAX_EARLY_PARTS = 4096
 
 
 class RoundFailed(Exception):
     """A round's coverage fell below the threshold; nothing was averaged."""
+
+    def __init__(self, block: int, rnd: int, coverage: float, missing: int, pieces: int, min_coverage: float,
+                 silent: frozenset = frozenset()):
+        super().__init__(f"block {block} round {rnd}: coverage {coverage:.1%} < {min_coverage:.0%} "
+                         f"({missing} of {pieces} pieces lack a member); nothing applied")
+        self.block, self.round, self.coverage = block, rnd, coverage
+        self.silent = silent  # live members whose parts never came
 
 
 @dataclass
 class RoundReport:
     round: int
     members: list
-    coverage: float  # fraction of the vector averaged over every expected member
-    parts: list  # per part: {"owner", "contributors", "ok"}
+    coverage: float  # fraction of the vector averaged over every live member
+    parts: list  # per piece: {"owner", "contributors", "ok"}
     rejected: list = field(default_factory=list)  # {"peer", "reason"}
     seconds: float = 0.0
     bytes_sent: int = 0
     departed: list = field(default_factory=list)  # members that left mid-round (the others finished)
+    why: dict = field(default_factory=dict)  # departed or rejected member -> why
+
+
+@dataclass(frozen=True)
+class Part:
+    """A message for ``peer`` (``stored_bytes`` of tensor payload)."""
+    peer: str
+    msg: BlockUpdate
+    stored_bytes: int
+
+
+def group_digest(members, rnd: int, start: str) -> str:
+    """Identifies a round's group: its members, its number and its start point (rule 2)."""
+    return hashlib.sha256(f"{','.join(sorted(members))}|{rnd}|{start}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What an incoming part may be (rule 3)."""
+    max_norm: float = 1e6
+
+
+def validate_part(msg: BlockUpdate, numel: int, bounds: Bounds, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The part's tensor, or ValueError saying what is wrong with it."""
+    if len(msg.tensors) != 1 or msg.tensors[0].name != "part":
+        raise ValueError("expected one tensor named 'part'")
+    w = msg.tensors[0]
+    if w.dtype != "float32" or w.shape != (numel,):
+        raise ValueError(f"part is {w.dtype} {w.shape}, expected float32 ({numel},)")
+    t = from_wire(w, out=out)
+    norm = float(torch.linalg.vector_norm(t))  # one pass: NaN or inf anywhere makes it NaN or inf
+    if not math.isfinite(norm):
+        raise ValueError(f"part holds NaN or inf (its norm is {norm})")
+    if norm > bounds.max_norm:
+        raise ValueError(f"part norm {norm:.3g} exceeds the bound {bounds.max_norm:.3g}")
+    return t
+
+
+class AveragingRound:
+    """One round of reduce-scatter + all-gather, as seen by member ``me`` (sans-IO)."""
+
+    def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, *, codec: Codec = Codec.RAW,
+                 start: str = "", bounds: Bounds = Bounds(), min_coverage: float = 1.0,
+                 residual: torch.Tensor | None = None):
+        self.me, self.block, self.round = me, block, rnd
+        self.ids = sorted(set(members) | {me})
+        self.codec, self.bounds, self.min_coverage = Codec(codec), bounds, min_coverage
+        self.group = group_digest(self.ids, rnd, start)
+        R, n = len(self.ids), vector.numel()
+        self.n = n
+        self.P = max(R, -(-n // PIECE_FLOATS))
+        self.bounds_ = [(n * i) // self.P for i in range(self.P + 1)]
+        self.vector = vector.detach().float().reshape(-1)  # read only: our own piece is a view of it
+        x = self.vector
+        if self.codec.lossy and residual is not None and residual.numel() == n:
+            x = x + residual  # error feedback
+        self.wires = [to_wire("part", x[a:b], self.codec, "never") for a, b in self.spans()]
+        self.residual = x - torch.cat([from_wire(w) for w in self.wires]) if self.codec.lossy else None
+        self.x = x
+        self.out = torch.empty(n)  # the result: gathered pieces are decoded straight into it
+        self.departed: dict[str, str] = {}
+        self.rejected: list[dict] = []  # {"peer", "reason"}, in order
+        self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
+        self._sent_to: dict[int, str] = {}
+        self._gather_sent: set[int] = set()
+        self.gathered: dict[int, list] = {}  # piece -> contributors, once its average is in ``out``
+        self.finished = False
+
+    def spans(self):
+        return [(self.bounds_[j], self.bounds_[j + 1]) for j in range(self.P)]
+
+    # --- who -----------------------------------------------------------------------------------
+    def live(self) -> list[str]:
+        bad = {r["peer"] for r in self.rejected}
+        return [p for p in self.ids if p not in self.departed and p not in bad]
+
+    def owner(self, j: int) -> str:
+        o = self.ids[j % len(self.ids)]
+        live = self.live()
+        if o not in live:  # the piece moves to a live member, the same for all (rule 4)
+            o = live[j % len(live)]
+        return o
+
+    @property
+    def done(self) -> bool:
+        return self.finished or len(self.gathered) == self.P
+
+    # --- inputs --------------------------------------------------------------------------------
+    def start(self) -> list[Part]:
+        return self._progress(final=False)
+
+    def receive(self, pid: str, msg: BlockUpdate) -> list[Part]:
+        """A part from ``pid``; returns what to send next. A part that fails validation rejects
+        its sender (see ``rejected``)."""
+        if self.done or pid not in self.live():
+            return []
+        phase, j = msg.meta.get("phase"), msg.meta.get("part")
+        if type(j) is not int or not 0 <= j < self.P or phase not in ("reduce", "gather"):
+            return self._reject(pid, f"bad phase/part {phase!r}/{j!r}")
+        gone = msg.meta.get("departed", [])
+        if not isinstance(gone, list) or len(gone) > len(self.ids):
+            return self._reject(pid, "malformed 'departed'")
+        for d in gone:
+            if isinstance(d, str) and d != self.me and d != pid and d in self.live():
+                self.departed[d] = f"departed at {pid[:12]}"
+        a, b = self.bounds_[j], self.bounds_[j + 1]
+        wanted = phase == "gather" and j not in self.gathered and pid == self.owner(j)
+        try:  # the awaited average goes straight into the result (refilled at the end if rejected)
+            t = validate_part(msg, b - a, self.bounds, self.out[a:b] if wanted else None)
+        except ValueError as e:
+            return self._reject(pid, str(e))
+        if phase == "reduce":
+            self._received[j].setdefault(pid, t)  # kept before we know we own it (a departure moves pieces)
+        elif wanted:
+            c = msg.meta.get("contributors")
+            self.gathered[j] = [p for p in c if isinstance(p, str)] if isinstance(c, list) else []
+        return self._progress(final=False)
+
+    def depart(self, pid: str, why: str) -> list[Part]:
+        if pid not in self.live() or pid == self.me or self.done:
+            return []
+        self.departed[pid] = why
+        return self._progress(final=False)
+
+    def expire(self) -> list[Part]:
+        """The deadline passed: send what we have; the coverage says what is missing."""
+        if self.done:
+            return []
+        out = self._progress(final=True)
+        self.finished = True
+        return out
+
+    def _reject(self, pid: str, why: str) -> list[Part]:
+        if pid != self.me and all(r["peer"] != pid for r in self.rejected):
+            self.rejected.append({"peer": pid, "reason": why})
+        return self._progress(final=False)
+
+    # --- the protocol ----------------------------------------------------------------------------
+    def _msg(self, phase: str, j: int, wire, **meta) -> BlockUpdate:
+        if self.departed:
+            meta["departed"] = sorted(self.departed)
+        return BlockUpdate(block=self.block, round=self.round, codec=self.codec.value, tensors=(wire,),
+                           meta={"phase": phase, "part": j, "group": self.group, **meta})
+
+    def _progress(self, final: bool) -> list[Part]:
+        out: list[Part] = []
+        live = set(self.live())
+        spans = self.spans()
+        for j, (a, b) in enumerate(spans):  # our part of every piece goes to its current owner
+            o = self.owner(j)
+            if self._sent_to.get(j) == o:
+                continue
+            self._sent_to[j] = o
+            if o == self.me:
+                self._received[j][o] = from_wire(self.wires[j]) if self.codec.lossy else self.x[a:b]
+            else:
+                out.append(Part(o, self._msg("reduce", j, self.wires[j]), self.wires[j].stored_bytes))
+        for j, (a, b) in enumerate(spans):  # pieces we own: average once every live member's part is in
+            if self.owner(j) != self.me or j in self._gather_sent:
+                continue
+            got = {p: t for p, t in self._received[j].items() if p in live}
+            if not final and not set(got) >= live:
+                continue
+            avg = self.out[a:b]
+            vals = list(got.values())
+            avg.copy_(vals[0])
+            for v in vals[1:]:
+                avg.add_(v)
+            avg.div_(len(vals))
+            contributors = sorted(got)
+            w = to_wire("part", avg, self.codec, "never")
+            if self.codec.lossy:
+                from_wire(w, out=avg)  # what the others will decode (rule 6)
+            self._gather_sent.add(j)
+            self.gathered[j] = contributors
+            msg = self._msg("gather", j, w, contributors=contributors)
+            out += [Part(p, msg, w.stored_bytes) for p in sorted(live - {self.me})]
+        return out
+
+    def result(self) -> tuple[torch.Tensor, RoundReport]:
+        """The averaged vector and the round's report; RoundFailed below ``min_coverage``."""
+        live = set(self.live())
+        parts, covered = [], 0
+        for j, (a, b) in enumerate(self.spans()):
+            got = self.gathered.get(j)
+            ok = got is not None and set(got) >= live
+            if got is None or any(r["peer"] == self.owner(j) for r in self.rejected):
+                self.out[a:b] = self.vector[a:b]  # a piece that never came back keeps our values
+                ok = False
+            if ok:
+                covered += b - a
+            parts.append({"owner": self.owner(j), "contributors": got or [], "ok": ok})
+        rep = RoundReport(self.round, self.ids, covered / self.n if self.n else 1.0, parts, list(self.rejected),
+                          departed=sorted(self.departed),
+                          why={**self.departed, **{r["peer"]: r["reason"] for r in self.rejected}})
+        if rep.coverage < self.min_coverage:
+            raise RoundFailed(self.block, self.round, rep.coverage, sum(not p["ok"] for p in parts), self.P,
+                              self.min_coverage, frozenset(self.silent()))
+        return self.out, rep
+
+    def silent(self) -> set:
+        """Live members whose part of a piece we own never came (direct evidence only: an owner
+        whose average did not come may itself be waiting for someone)."""
+        live = set(self.live())
+        out = set()
+        for j in range(self.P):
+            if self.owner(j) == self.me:
+                out |= live - set(self._received[j]) - {self.me}
+        return out
 
 
 class Averager:
-    def __init__(self, peer, block: int, codec: str = "raw", min_coverage: float = 1.0,
+    """Drives averaging rounds for one block over the peer's connections (the thin asyncio part)."""
+
+    def __init__(self, peer: PeerServices, block: int, codec: str = "raw", min_coverage: float = 1.0,
                  max_norm: float = 1e6, timeout_s: float = 30.0):
         self.peer, self.block = peer, block
         self.codec = Codec(codec)
-        self.min_coverage, self.max_norm, self.timeout_s = min_coverage, max_norm, timeout_s
-        self.banned: dict[str, str] = {}  # peer id -> why
-        self.shunned: dict[str, str] = {}  # peers that excluded us -> their reason
+        self.min_coverage, self.timeout_s = min_coverage, timeout_s
+        self.bounds = Bounds(max_norm)
+        self.banned: dict[str, str] = {}  # peer id -> why (we rejected its update)
+        self.shunned: dict[str, str] = {}  # peers that rejected ours -> their reason
         self.events: list[dict] = []
-        self._inbox: dict[tuple, asyncio.Queue] = {}
         self._residual: torch.Tensor | None = None
-        self._done: collections.deque = collections.deque(maxlen=64)  # recently closed rounds
-        self.on_control = None  # fn(msg, pc, pid) for the group's join/welcome/late messages
+        self._round: AveragingRound | None = None
+        self._inbox: asyncio.Queue | None = None
+        self._early: dict[int, list] = {}  # round -> (pid, msg) that came before we began it
+        self._absent_told: set = set()
+        self.on_control = None  # fn(msg, pc, pid) for the group's control phases
+        self.current = 0  # the round in progress, or the last one
         peer.on(BlockUpdate, self._route, inline=True)
+        peer.on_membership(self._membership)
 
-    def _route(self, msg: BlockUpdate, pc, pid):
-        if msg.block == self.block and msg.meta.get("phase") == "excluded":
+    # --- inputs, in the connections' readers ---------------------------------------------------
+    def _route(self, msg: BlockUpdate, pc, pid: str):
+        phase = msg.meta.get("phase")
+        if phase == Phase.EXCLUDED.value:
             self.excluded_by(pid, msg.round, str(msg.meta.get("reason", ""))[:500])
-            return
-        if msg.block == self.block and msg.meta.get("phase") in CONTROL_PHASES:
+        elif phase == Phase.ABSENT.value and msg.meta.get("round_group") is not None:
+            self._put(msg.round, pid, msg)  # "I am not in your round": a departure for that round
+        elif phase in CONTROL_PHASES:
             if self.on_control is not None:
                 self.on_control(msg, pc, pid)
+        elif pid in self.banned:
             return
-        if msg.block != self.block or msg.round in self._done:
-            return  # another block's, or a straggler for a round already closed
-        self._queue(msg.round).put_nowait((pid, msg))
+        else:
+            self._put(msg.round, pid, msg)
 
-    def _queue(self, rnd: int) -> asyncio.Queue:
-        return self._inbox.setdefault(rnd, asyncio.Queue())
+    def _put(self, rnd: int, pid: str, msg):
+        r = self._round
+        if r is not None and rnd == r.round and self._inbox is not None:
+            self._inbox.put_nowait((pid, msg))
+        elif self.current < rnd <= self.current + AHEAD_ROUNDS:
+            early = self._early.setdefault(rnd, [])
+            if len(early) < MAX_EARLY_PARTS:
+                early.append((pid, msg))
+        elif msg.tensors and msg.meta.get("group") and rnd != self.current:
+            self._tell_absent(pid, rnd)  # a round we are not in at all
 
-    def _validate(self, msg: BlockUpdate, want_numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        if len(msg.tensors) != 1 or msg.tensors[0].name != "part":
-            raise ValueError("expected one tensor named 'part'")
-        w = msg.tensors[0]
-        if w.dtype != "float32" or w.shape != (want_numel,):
-            raise ValueError(f"part is {w.dtype} {w.shape}, expected float32 ({want_numel},)")
-        t = from_wire(w, out=out)
-        norm = float(torch.linalg.vector_norm(t))  # one pass: NaN or inf anywhere makes it NaN or inf
-        if not math.isfinite(norm):
-            raise ValueError(f"part holds NaN or inf (its norm is {norm})")
-        if norm > self.max_norm:
-            raise ValueError(f"part norm {norm:.3g} exceeds the bound {self.max_norm:.3g}")
-        return t
+    def _membership(self, ev):
+        if ev.departed and self._inbox is not None:
+            self._inbox.put_nowait((ev.peer_id, ev.change.value))
+
+    def expect(self, rnd: int) -> None:
+        """Our next round is ``rnd``: its parts (and the next one's) are held if they come early;
+        those held for earlier rounds are not ours: their senders hear that we are not in them."""
+        self.current = rnd - 1
+        for old in [k for k in self._early if k < rnd]:
+            for pid, msg in self._early.pop(old):
+                if msg.tensors:
+                    self._tell_absent(pid, old)
+
+    def depart(self, pid: str, why: str) -> None:
+        """A member left the group (a service's own signal): it departs the round in progress."""
+        if self._inbox is not None:
+            self._inbox.put_nowait((pid, why))
+
+    # --- rounds --------------------------------------------------------------------------------
+    async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "") -> tuple[torch.Tensor, RoundReport]:
+        """Average ``vector`` (1-D float32) with ``members`` (peer ids, or id -> address; ours
+        included) in round ``rnd`` whose start point has digest ``start``."""
+        t0 = time.perf_counter()
+        ids = [p for p in members if p not in self.banned and p not in self.shunned]
+        r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, codec=self.codec, start=start,
+                           bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual)
+        self._round, self._inbox, self.current = r, asyncio.Queue(), rnd
+        for item in self._early.pop(rnd, []):  # parts that came before we began the round
+            self._inbox.put_nowait(item)
+        for old in [k for k in self._early if k < rnd]:
+            del self._early[old]
+        for pid in r.ids:
+            if pid != self.peer.id and self.peer.member(pid) is None:
+                r.depart(pid, "not a member")
+        bytes_sent = 0
+        conns = {}
+
+        async def send(parts):
+            nonlocal bytes_sent
+            for p in parts:
+                try:
+                    if p.peer not in conns:
+                        conns[p.peer] = await self.peer.connection(p.peer)
+                    await conns[p.peer].send(p.msg, bulk=True)
+                    bytes_sent += p.stored_bytes
+                except (ConnectionError, ProtocolError) as e:
+                    log.info("round %d: sending to %s failed: %s", rnd, p.peer[:12], e)
+                    await send(r.depart(p.peer, f"unreachable: {e}"))
+
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            await send(r.start())
+            while not r.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    await send(r.expire())
+                    break
+                try:
+                    pid, msg = await asyncio.wait_for(self._inbox.get(), left)
+                except asyncio.TimeoutError:
+                    continue
+                before = len(r.rejected)
+                if isinstance(msg, str):  # a membership departure
+                    await send(r.depart(pid, msg))
+                elif msg.meta.get("phase") == Phase.ABSENT.value:
+                    await send(r.depart(pid, "not in this round's group"))
+                elif msg.meta.get("group") != r.group:  # another view of the group: not usable
+                    self._mismatch(pid, rnd)
+                    await send(r.depart(pid, "sees another group"))
+                else:
+                    await send(r.receive(pid, msg))
+                for rej in r.rejected[before:]:
+                    self._reject(rej["peer"], rej["reason"], rnd)
+        finally:
+            self._round, self._inbox = None, None
+        self._residual = r.residual
+        out, rep = r.result()
+        rep.seconds, rep.bytes_sent = time.perf_counter() - t0, bytes_sent
+        return out, rep
+
+    def _mismatch(self, pid: str, rnd: int):
+        if not any(e.get("peer") == pid and e["event"] == "group mismatch" for e in self.events):
+            self.events.append({"event": "group mismatch", "peer": pid, "round": rnd, "time": time.time()})
+            log.info("round %d: %s sees another group; its parts are not mixed in", rnd, pid[:12])
+        self._tell_absent(pid, rnd)
+
+    def _tell_absent(self, pid: str, rnd: int):
+        if (pid, rnd) in self._absent_told:
+            return
+        self._absent_told.add((pid, rnd))
+        if len(self._absent_told) > 4096:
+            self._absent_told.clear()
+        self._tell(pid, BlockUpdate(block=self.block, round=rnd, meta={"phase": Phase.ABSENT.value,
+                                                                       "round_group": True}))
+
+    def _tell(self, pid: str, msg: BlockUpdate):
+        self.peer.spawn(self._send_control(pid, msg), f"tell {msg.meta.get('phase')}")
+
+    async def _send_control(self, pid: str, msg: BlockUpdate):
+        try:
+            (await self.peer.connection(pid)).send_nowait(msg)
+        except (ConnectionError, ProtocolError, PeerUnreachable):
+            pass
 
     def _reject(self, pid: str, why: str, rnd: int):
-        if pid not in self.banned:
-            self.banned[pid] = why
-            self.events.append({"event": "rejected update", "peer": pid, "round": rnd, "reason": why,
-                                "time": time.time()})
-            log.warning("block %d round %d: rejected update from %s: %s; excluded from later rounds",
-                        self.block, rnd, pid[:12], why)
-            m = self.peer.members.get(pid)
-            if m is not None and m.conn is not None:  # tell it, so it stops waiting for us
-                try:
-                    m.conn.send_nowait(BlockUpdate(block=self.block, round=rnd, meta={"phase": "excluded", "reason": why}))
-                except (ConnectionError, ProtocolError):
-                    pass
+        if pid in self.banned:
+            return
+        self.banned[pid] = why
+        self.events.append({"event": "rejected update", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
+        log.warning("block %d round %d: rejected update from %s: %s; excluded from later rounds",
+                    self.block, rnd, pid[:12], why)
+        self._tell(pid, BlockUpdate(block=self.block, round=rnd, meta={"phase": Phase.EXCLUDED.value, "reason": why}))
 
     def excluded_by(self, pid: str, rnd: int, why: str):
         """``pid`` rejected our update and will ignore us: stop waiting for it, now and later."""
-        if pid not in self.shunned:
-            self.shunned[pid] = why
-            self.events.append({"event": "excluded by", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
-            log.warning("block %d: %s rejected our update in round %d (%s) and excludes us", self.block, pid[:12],
-                        rnd, why)
-
-    def _departed(self, pid: str, conns: dict) -> bool:
-        """A member that left mid-round: its connection closed or the swarm declared it gone."""
-        pc = conns.get(pid)
-        m = self.peer.members.get(pid)
-        return pc is None or pc.closed.done() or m is None or m.state != "alive" or pid in self.shunned
-
-    async def average(self, rnd: int, vector: torch.Tensor, members: dict[str, str]) -> tuple[torch.Tensor, RoundReport]:
-        """Average ``vector`` (1-D float32) with ``members`` (peer id -> address, self included)."""
-        t0 = time.perf_counter()
-        members = {pid: a for pid, a in members.items() if pid not in self.banned and pid not in self.shunned}
-        ids = sorted(members)
-        gid = hashlib.sha256("".join(ids).encode()).hexdigest()[:16]  # members disagreeing on it don't mix
-        R, n = len(ids), vector.numel()
-        P = max(R, -(-n // PIECE_FLOATS))  # pieces: each fits a frame; piece j belongs to member j % R
-        bounds = [(n * i) // P for i in range(P + 1)]
-        x = vector.detach().float().reshape(-1)  # read only: our own piece is a view of it
-        if self.codec.lossy and self._residual is not None and self._residual.numel() == n:
-            x = x + self._residual  # error feedback
-        wires = [to_wire("part", x[bounds[j]:bounds[j + 1]], self.codec, "never") for j in range(P)]
-        if self.codec.lossy:
-            self._residual = x - torch.cat([from_wire(w) for w in wires])
-        bytes_sent = 0
-        conns = {}
-        for pid in ids:
-            if pid != self.peer.id:
-                try:
-                    conns[pid] = await self.peer.connection_to(members[pid])
-                except ConnectionError as e:
-                    log.info("round %d: cannot reach %s: %s", rnd, pid[:12], e)
-        q = self._queue(rnd)
-        departed: set[str] = set()
-        out = torch.empty(n)  # the round's result: gathered pieces are decoded straight into it
-        received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(P)}  # reduce parts that reached us
-        sent_to: dict[int, str] = {}  # piece -> the owner our part went to
-        gather_sent: dict[int, list] = {}  # piece -> contributors of the average we sent
-        gathered: dict[int, list] = {}  # piece -> its contributors, once its average is in ``out``
-        rejected = []
-        deadline = time.monotonic() + self.timeout_s
-
-        def live() -> list[str]:
-            return [p for p in ids if p not in departed and p not in self.banned]
-
-        def owner(j: int) -> str:
-            o = ids[j % R]
-            if o in departed or o in self.banned:  # the piece moves to a live member, the same for all
-                alive = live()
-                o = alive[j % len(alive)]
-            return o
-
-        async def send(pid, msg, w) -> None:
-            nonlocal bytes_sent
-            try:
-                await conns[pid].send(msg, bulk=True)
-                bytes_sent += w.stored_bytes
-            except (ConnectionError, ProtocolError, KeyError) as e:
-                log.info("round %d: sending to %s failed: %s", rnd, pid[:12], e)
-
-        async def progress(final: bool):
-            expected = set(live())
-            for j in range(P):  # our part of every piece goes to its current owner
-                o = owner(j)
-                if sent_to.get(j) == o:
-                    continue
-                sent_to[j] = o
-                if o == self.peer.id:
-                    received[j][o] = from_wire(wires[j]) if self.codec.lossy else x[bounds[j]:bounds[j + 1]]
-                else:
-                    await send(o, BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(wires[j],),
-                                              meta={"phase": "reduce", "part": j, "group": gid}), wires[j])
-            for j in range(P):  # pieces we own: average once every live member's part is in
-                if owner(j) != self.peer.id or j in gather_sent:
-                    continue
-                got = {p: t for p, t in received[j].items() if p in expected}
-                if not final and not set(got) >= expected:
-                    continue
-                vals = list(got.values())
-                avg = out[bounds[j]:bounds[j + 1]]
-                avg.copy_(vals[0])
-                for v in vals[1:]:
-                    avg.add_(v)
-                avg.div_(len(vals))
-                contributors = sorted(got)
-                gather_sent[j] = contributors
-                gathered[j] = contributors
-                w = to_wire("part", avg, self.codec, "never")
-                msg = BlockUpdate(block=self.block, round=rnd, codec=self.codec.value, tensors=(w,),
-                                  meta={"phase": "gather", "part": j, "contributors": contributors, "group": gid})
-                for pid in expected - {self.peer.id}:
-                    await send(pid, msg, w)
-
-        while True:
-            await progress(final=False)
-            if len(gathered) == P:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                await progress(final=True)  # send what we have: the coverage says what is missing
-                break
-            try:
-                pid, msg = await asyncio.wait_for(q.get(), min(left, 0.2))
-            except asyncio.TimeoutError:
-                for pid in set(live()) - {self.peer.id}:
-                    if self._departed(pid, conns):
-                        departed.add(pid)
-                        log.info("block %d round %d: %s left mid-round; finishing with the others",
-                                 self.block, rnd, pid[:12])
-                continue
-            if pid in self.banned:
-                continue
-            if msg.meta.get("group") != gid or pid not in members:  # another view of the group: not an attack, not usable
-                if not any(e.get("peer") == pid and e["event"] == "group mismatch" for e in self.events):
-                    self.events.append({"event": "group mismatch", "peer": pid, "round": rnd, "time": time.time()})
-                    log.info("round %d: %s sees another group; its parts are not mixed in", rnd, pid[:12])
-                continue
-            phase, j = msg.meta.get("phase"), msg.meta.get("part")
-            if not isinstance(j, int) or not 0 <= j < P or phase not in ("reduce", "gather"):
-                self._reject(pid, f"bad phase/part {phase!r}/{j!r}", rnd)
-                rejected.append({"peer": pid, "reason": self.banned[pid]})
-                continue
-            wanted = phase == "gather" and j not in gathered and pid == owner(j)
-            try:  # the awaited average goes straight into the result (refilled below if it is rejected)
-                t = self._validate(msg, bounds[j + 1] - bounds[j], out[bounds[j]:bounds[j + 1]] if wanted else None)
-            except ValueError as e:
-                self._reject(pid, str(e), rnd)
-                rejected.append({"peer": pid, "reason": str(e)})
-                continue
-            if phase == "reduce":
-                received[j].setdefault(pid, t)  # kept even before we know we own it (a departure moves pieces)
-            elif wanted:
-                c = msg.meta.get("contributors")
-                gathered[j] = c if isinstance(c, list) else []
-        self._inbox.pop(rnd, None)
-        self._done.append(rnd)
-        expected = set(live())
-        parts, covered = [], 0
-        for j in range(P):
-            got = gathered.get(j)
-            ok = got is not None and set(got) >= expected
-            if got is None:  # a piece that never came back keeps our values
-                out[bounds[j]:bounds[j + 1]] = vector.detach().reshape(-1)[bounds[j]:bounds[j + 1]]
-            if ok:
-                covered += bounds[j + 1] - bounds[j]
-            parts.append({"owner": owner(j), "contributors": got or [], "ok": ok})
-        rep = RoundReport(rnd, ids, covered / n if n else 1.0, parts, rejected, time.perf_counter() - t0, bytes_sent,
-                          departed=sorted(departed))
-        if rep.coverage < self.min_coverage:
-            raise RoundFailed(f"block {self.block} round {rnd}: coverage {rep.coverage:.1%} < {self.min_coverage:.0%} "
-                              f"({sum(not p['ok'] for p in parts)} of {P} pieces lack a member); nothing applied")
-        return out, rep
+        if pid in self.shunned:
+            return
+        self.shunned[pid] = why
+        self.events.append({"event": "excluded by", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
+        log.warning("block %d: %s rejected our update in round %d (%s) and excludes us", self.block, pid[:12], rnd, why)
+        if self._inbox is not None:
+            self._inbox.put_nowait((pid, "excluded us"))
 
 
 def flatten(params) -> torch.Tensor:
@@ -306,4 +487,3 @@ class OuterOptimizer:
             self._buf = g.clone() if self._buf is None else self._buf.mul_(self.momentum).add_(g)
             g = g + self.momentum * self._buf if self.nesterov else self._buf
         return start - self.lr * g
-

@@ -4,92 +4,166 @@ Rules:
 - A peer with a ``CheckpointServer`` answers STREAM_REQUEST(kind, name, offset) with the file
   ``DIR/kind/name.safetensors`` as a chunked stream from ``offset``, on the asker's stream id,
   queued as bulk frames (heartbeats go first) with backpressure. Names are
-  ``[A-Za-z0-9_.-]{1,128}``: nothing outside DIR is ever read.
-- ``fetch`` asks the members holding a payload in turn; a member that dies or stalls (no chunk
-  for ``chunk_timeout_s``) is left for the next one, which continues from the bytes already
-  received (STREAM_REQUEST with that offset). The result is verified by sha256 before it is
-  returned; a corrupt stream is discarded whole.
+  ``[A-Za-z0-9_.-]{1,128}``: nothing outside DIR is ever read. A name ``sha-<64 hex>`` asks for
+  the file of that kind whose sha256 is that (content addressing: resume from any holder of the
+  same bytes).
+- The server reads a file chunk by chunk from one open descriptor (a file replaced meanwhile is
+  not mixed in) and never holds more than a chunk of it; a file's sha256 is computed once per
+  version (inode, size, mtime) and cached. At most MAX_STREAMS_PER_PEER streams per asker run at
+  once; more are refused ("busy"), never queued.
+- ``fetch`` asks the holders in turn; a holder that dies or stalls (no chunk for
+  ``chunk_timeout_s``) is left for the next one, which continues from the bytes already received
+  when it holds the same bytes (asked by their sha256), else starts over. The result is verified
+  by sha256 before it is returned; a corrupt stream is discarded whole.
 - ``probe`` asks from near the end of the copy we hold: the answer's STREAM_OPEN gives the holder's
-  size and sha256, so checking whether a checkpoint changed costs a few hundred bytes.
-- Bytes are counted by kind (the stream's ``kind``: checkpoint, lower-checkpoint, ...) beside
-  the per-type counters of the connections.
+  size and sha256, so checking whether a checkpoint changed costs a few hundred bytes of traffic
+  and, on the holder, a stat and a cached hash.
+- A peer without a server refuses every STREAM_REQUEST at once ("not served here").
+- Bytes are counted by kind (the stream's ``kind``) beside the connections' own counters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
+import os
 import re
 from pathlib import Path
 
-from blocktrain.protocol import (ProtocolError, StreamChunk, StreamEnd, StreamOpen, StreamReceiver, StreamRequest,
-                                 stream_messages)
+from blocktrain.blocks.checkpoint import SUFFIX
+from blocktrain.protocol import (ProtocolError, StreamChunk, StreamEnd, StreamOpen, StreamReceiver, StreamRequest)
+from blocktrain.protocol.streams import CHUNK_SIZE_BYTES
+
+from .services import PeerServices
 
 log = logging.getLogger("blocktrain.p2p")
 
+CHECKPOINT = "checkpoint"  # a block's full checkpoint: parameters, optimizer state, step
+LOWER = "lower-checkpoint"  # a block's parameters only: the input handoff to the blocks above
 PROBE_TAIL = 1024
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+SHA_PREFIX = "sha-"
+# Streams one asker may have running at once: a fetch, a probe and a lower block or two.
+MAX_STREAMS_PER_PEER = 4
+# File versions whose sha256 is remembered.
+MAX_HASHED_FILES = 256
 
 
 class FetchError(Exception):
-    """No member could deliver the payload."""
+    """No holder could deliver the payload."""
 
 
-async def _next(q: asyncio.Queue, pc, timeout_s: float):
-    """The next message of a stream; ConnectionError as soon as its connection closes (a holder
-    killed mid-stream is left at once, not after the chunk timeout)."""
-    if not q.empty():
-        return q.get_nowait()
-    get = asyncio.ensure_future(q.get())
-    try:
-        await asyncio.wait({get, pc.closed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not get.done():
-            get.cancel()
-    if get.done() and not get.cancelled():  # a message that came with the close is still read
-        return get.result()
-    if pc.closed.done():
-        raise ConnectionError(f"connection closed mid-stream: {pc.close_reason}")
-    raise asyncio.TimeoutError
+def _sha256_of(f) -> bytes:
+    h = hashlib.sha256()
+    f.seek(0)
+    for blk in iter(lambda: f.read(CHUNK_SIZE_BYTES), b""):
+        h.update(blk)
+    return h.digest()
 
 
 class CheckpointServer:
-    def __init__(self, peer, directory: str | Path):
+    def __init__(self, peer: PeerServices, directory: str | Path):
         self.peer, self.dir = peer, Path(directory)
         self.sent_by_kind: dict[str, int] = {}
+        self._hashes: dict[tuple, bytes] = {}  # (inode, size, mtime_ns) -> sha256
+        self._active: dict[str, int] = {}  # asker -> streams running
         peer.on(StreamRequest, self.handle)
 
     def path(self, kind: str, name: str) -> Path | None:
         if not (NAME_RE.match(kind) and NAME_RE.match(name)) or name in (".", "..") or kind in (".", ".."):
             return None
-        return self.dir / kind / f"{name}.safetensors"
+        if name.startswith(SHA_PREFIX):
+            return self._by_sha(kind, name[len(SHA_PREFIX):])
+        return self.dir / kind / f"{name}{SUFFIX}"
+
+    def _by_sha(self, kind: str, hexdigest: str) -> Path | None:
+        folder = self.dir / kind
+        for p in sorted(folder.glob("*" + SUFFIX)) if folder.is_dir() else []:
+            try:
+                with open(p, "rb") as f:
+                    if self.sha256(f).hex() == hexdigest:
+                        return p
+            except OSError:
+                continue
+        return None
+
+    def sha256(self, f) -> bytes:
+        st = os.fstat(f.fileno())
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        digest = self._hashes.get(key)
+        if digest is None:
+            if len(self._hashes) >= MAX_HASHED_FILES:
+                self._hashes.pop(next(iter(self._hashes)))
+            digest = self._hashes[key] = _sha256_of(f)
+        return digest
 
     async def handle(self, req: StreamRequest, pc, pid):
+        if self._active.get(pid, 0) >= MAX_STREAMS_PER_PEER:
+            await refuse(req, pc, "busy: too many streams from this peer at once")
+            return
+        self._active[pid] = self._active.get(pid, 0) + 1
+        try:
+            await self._serve(req, pc, pid)
+        finally:
+            self._active[pid] -= 1
+            if not self._active[pid]:
+                del self._active[pid]
+
+    async def _serve(self, req: StreamRequest, pc, pid):
         path = self.path(req.kind, req.name)
         try:
-            data = path.read_bytes() if path is not None else None
+            f = open(path, "rb") if path is not None else None
         except OSError:
-            data = None
+            f = None
+        if f is None:
+            await refuse(req, pc, "bad name" if path is None and not req.name.startswith(SHA_PREFIX) else "not found")
+            return
         try:
-            if data is None or req.offset > len(data):
-                why = "bad name" if path is None else ("not found" if data is None else "offset past the end")
-                pc.send_nowait(StreamOpen(kind=req.kind, name=req.name, total_size=0, sha256=bytes(32), offset=0,
-                                          meta={"error": why}, stream_id=req.stream_id), bulk=True)
-                pc.send_nowait(StreamEnd(stream_id=req.stream_id), bulk=True)
-                return
-            for m in stream_messages(req.stream_id, req.kind, req.name, data, offset=req.offset):
-                await pc.send(m, bulk=True)
-                if isinstance(m, StreamChunk):
-                    self.sent_by_kind[req.kind] = self.sent_by_kind.get(req.kind, 0) + len(m.data)
-        except (ConnectionError, ProtocolError) as e:
+            with f:
+                digest = await asyncio.to_thread(self.sha256, f)
+                size = os.fstat(f.fileno()).st_size
+                if req.offset > size:
+                    await refuse(req, pc, "offset past the end")
+                    return
+                await pc.send(StreamOpen(kind=req.kind, name=req.name, total_size=size, sha256=digest,
+                                         offset=req.offset, stream_id=req.stream_id), bulk=True)
+                f.seek(req.offset)
+                off = req.offset
+                while off < size:
+                    data = f.read(min(CHUNK_SIZE_BYTES, size - off))
+                    if not data:
+                        raise OSError(f"{path} shrank while being sent")
+                    await pc.send(StreamChunk(offset=off, data=data, stream_id=req.stream_id), bulk=True)
+                    off += len(data)
+                    self.sent_by_kind[req.kind] = self.sent_by_kind.get(req.kind, 0) + len(data)
+                await pc.send(StreamEnd(stream_id=req.stream_id), bulk=True)
+        except (ConnectionError, ProtocolError, OSError) as e:
             log.info("stream %s/%s to %s stopped: %s", req.kind, req.name, pid[:12], e)
+
+
+async def refuse(req: StreamRequest, pc, why: str):
+    """Answer a STREAM_REQUEST we will not serve: STREAM_OPEN with meta {"error"}, then STREAM_END."""
+    try:
+        pc.send_nowait(StreamOpen(kind=req.kind, name=req.name, total_size=0, sha256=bytes(32), offset=0,
+                                  meta={"error": why}, stream_id=req.stream_id), bulk=True)
+        pc.send_nowait(StreamEnd(stream_id=req.stream_id), bulk=True)
+    except (ConnectionError, ProtocolError):
+        pass
+
+
+def refuse_streams(peer: PeerServices):
+    """For a peer that serves no checkpoints: every request gets an immediate refusal."""
+    async def handler(req, pc, pid):
+        await refuse(req, pc, "not served here")
+    peer.on(StreamRequest, handler)
 
 
 class CheckpointFetcher:
     """Receives the streams it asked for; one instance per peer."""
 
-    def __init__(self, peer, chunk_timeout_s: float = 30.0):
+    def __init__(self, peer: PeerServices, chunk_timeout_s: float = 30.0):
         self.peer = peer
         self.chunk_timeout_s = chunk_timeout_s
         self._ids = itertools.count(1 << 20)
@@ -103,55 +177,109 @@ class CheckpointFetcher:
         if q is not None:
             q.put_nowait(msg)
 
-    async def probe(self, addr: str, kind: str, name: str, size: int) -> tuple[int, bytes] | None:
-        """(total_size, sha256) of what ``addr`` holds now, or None if it holds nothing. Asks from
-        PROBE_TAIL bytes before the end of our copy (``size``): a checkpoint's size varies by a few
-        header bytes between versions, and an unchanged one moves only that tail."""
+    async def _next(self, q: asyncio.Queue, pc):
+        """The next message of a stream; ConnectionError as soon as its connection closes (a holder
+        killed mid-stream is left at once, not after the chunk timeout)."""
+        if not q.empty():
+            return q.get_nowait()
+        get = asyncio.ensure_future(q.get())
+        try:
+            await asyncio.wait({get, pc.closed}, timeout=self.chunk_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not get.done():
+                get.cancel()
+        if get.done() and not get.cancelled():  # a message that came with the close is still read
+            return get.result()
+        if pc.closed.done():
+            raise ConnectionError(f"connection closed mid-stream: {pc.close_reason}")
+        raise asyncio.TimeoutError
+
+    async def probe(self, holder: str, kind: str, name: str, size: int) -> tuple[int, bytes] | None:
+        """(total_size, sha256) of what ``holder`` holds now, or None if it holds nothing. Asks from
+        PROBE_TAIL bytes before the end of our copy (``size``)."""
         sid = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._inbox[sid] = q
         try:
-            pc = await self.peer.connection_to(addr)
+            pc = await self.peer.connection(holder)
             pc.send_nowait(StreamRequest(kind=kind, name=name, offset=max(0, size - PROBE_TAIL), stream_id=sid))
             opened = None
-            while True:  # the answer: OPEN, (chunks if it grew), END
-                m = await _next(q, pc, self.chunk_timeout_s)
+            while True:  # the answer: OPEN, (chunks), END
+                m = await self._next(q, pc)
                 if isinstance(m, StreamOpen):
                     opened = None if "error" in m.meta else (m.total_size, m.sha256)
                 elif isinstance(m, StreamEnd):
                     return opened
         except (asyncio.TimeoutError, ConnectionError, ProtocolError) as e:
-            log.info("probe %s/%s at %s failed: %s", kind, name, addr, e)
+            log.info("probe %s/%s at %s failed: %s", kind, name, holder, e)
             return None
         finally:
             del self._inbox[sid]
 
-    async def fetch(self, addrs: list[str], kind: str, name: str, receiver: StreamReceiver | None = None) -> bytes:
-        """The payload (kind, name) from the first of ``addrs`` able to finish it, sha256-verified."""
-        rx = receiver or StreamReceiver()
+    async def fetch(self, holders: list[str], kind: str, name: str) -> bytes:
+        """The payload (kind, name) from the first of ``holders`` able to finish it, sha256-verified.
+        After a holder fails, the next one is asked for the same bytes (by sha256) from where the
+        transfer stopped; if it holds other bytes, the transfer starts over with its version."""
+        rx = StreamReceiver()
         errors = []
-        for addr in addrs:
-            sid = next(self._ids)
-            q: asyncio.Queue = asyncio.Queue()
-            self._inbox[sid] = q
+        for holder in holders:
             try:
-                pc = await self.peer.connection_to(addr)
-                pc.send_nowait(StreamRequest(kind=kind, name=name, offset=rx.resume_offset, stream_id=sid))
-                while True:
-                    m = await _next(q, pc, self.chunk_timeout_s)
-                    if isinstance(m, StreamOpen):
-                        if "error" in m.meta:
-                            raise FetchError(f"{addr}: {m.meta['error']}")
-                        rx.on_open(m)
-                    elif isinstance(m, StreamChunk):
-                        rx.on_chunk(m)
-                        self.received_by_kind[kind] = self.received_by_kind.get(kind, 0) + len(m.data)
-                    else:
-                        return rx.on_end(m)
-            except (asyncio.TimeoutError, ConnectionError, FetchError, ProtocolError) as e:
+                if rx.open is not None and rx.resume_offset:
+                    try:
+                        return await self._fetch_one(holder, kind, SHA_PREFIX + rx.open.sha256.hex(), rx)
+                    except FetchError:  # it holds other bytes: its own version, from the start
+                        rx = StreamReceiver()
+                return await self._fetch_one(holder, kind, name, rx)
+            except (FetchError, asyncio.TimeoutError, ConnectionError, ProtocolError) as e:
                 why = "stalled" if isinstance(e, asyncio.TimeoutError) else str(e)
-                errors.append(f"{addr}: {why} (have {rx.resume_offset} bytes)")
-                log.info("fetch %s/%s from %s failed: %s; trying the next holder", kind, name, addr, why)
-            finally:
-                del self._inbox[sid]
+                errors.append(f"{holder}: {why} (have {rx.resume_offset} bytes)")
+                log.info("fetch %s/%s from %s failed: %s; trying the next holder", kind, name, holder, why)
         raise FetchError(f"no peer delivered {kind}/{name}: " + "; ".join(errors))
+
+    async def _fetch_one(self, holder: str, kind: str, name: str, rx: StreamReceiver) -> bytes:
+        sid = next(self._ids)
+        q: asyncio.Queue = asyncio.Queue()
+        self._inbox[sid] = q
+        try:
+            pc = await self.peer.connection(holder)
+            pc.send_nowait(StreamRequest(kind=kind, name=name, offset=rx.resume_offset, stream_id=sid))
+            while True:
+                m = await self._next(q, pc)
+                if isinstance(m, StreamOpen):
+                    if "error" in m.meta:
+                        raise FetchError(str(m.meta["error"])[:200])
+                    rx.on_open(_renamed(m, rx))
+                elif isinstance(m, StreamChunk):
+                    rx.on_chunk(m)
+                    self.received_by_kind[kind] = self.received_by_kind.get(kind, 0) + len(m.data)
+                else:
+                    return rx.on_end(m)
+        finally:
+            del self._inbox[sid]
+
+
+def _renamed(m: StreamOpen, rx: StreamReceiver) -> StreamOpen:
+    """A content-addressed answer continues the payload ``rx`` holds (same sha256, other name)."""
+    if rx.open is not None and m.sha256 == rx.open.sha256 and m.name != rx.open.name:
+        return StreamOpen(kind=m.kind, name=rx.open.name, total_size=m.total_size, sha256=m.sha256, offset=m.offset,
+                          meta=m.meta, stream_id=m.stream_id)
+    return m
+
+
+def holders(members, block: int, role: str = "train") -> list[str]:
+    """Addresses of the live members with ``role`` that hold ``block``, smallest peer id first.
+    ``members``: MemberViews, or status-reply member dicts."""
+    out = []
+    for m in members:
+        get = m.get if isinstance(m, dict) else (lambda k, m=m: getattr(m, k))
+        alive = get("state") == "alive" if isinstance(m, dict) else m.alive
+        if alive and get("role") == role and block in get("blocks"):
+            out.append((get("peer_id"), get("addr")))
+    return [a for _, a in sorted(out)]
+
+
+def status_members(st: dict) -> list[dict]:
+    """The members of a status reply, the answering peer included (as a live member)."""
+    me = {"peer_id": st["peer_id"], "addr": st["addr"], "blocks": st["blocks"], "role": st["role"], "state": "alive"}
+    return [me] + list(st["members"])
+

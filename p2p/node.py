@@ -2,26 +2,36 @@
 
 Rules:
 - Membership is a full mesh kept by gossip: on every new connection both sides send Announce
-  (themselves) and PeerList (every live member they know); a peer connects to each member it
-  learns of. Every ``heartbeat_s`` it pings each connection and gossips its list to one
-  member at random.
-- A member that sent nothing for ``dead_after_s`` is declared dead and dropped; one that says
-  Goodbye is dropped at once. A peer that comes back with the same identity is the same member.
-- One connection per pair: when two appear, the one opened by the smaller peer id stays.
-- Clients (role "client", e.g. ``bt-peer status``) are served but never become members.
-- Bytes are counted per remote peer, message type and direction (the codec's counters, summed
-  over that peer's connections); the report is written every ``report_every_s`` and at stop.
+  (themselves) and PeerList (every live member they know); a peer dials each member it learns
+  of. Every ``heartbeat_s`` it pings each connection and gossips its list to one member at random.
+- Everything that changes the membership goes through ``_set_liveness`` / ``_drop``, which emit
+  one ``MembershipEvent`` each to the subscribers and wake ``wait_for``.
+- A member whose connection closes without a Goodbye is SUSPECT and redialled; one that sent
+  nothing for ``dead_after_s`` is DEAD: dropped, and redialled with backoff for ``redial_for_s``
+  (a member that comes back is BACK, with the same identity). One that says Goodbye is dropped.
+  When this peer's own event loop stalled (the process was stopped, or starved of CPU), the
+  silence of others during the stall is not held against them.
+- One connection per pair: when two appear, the one opened by the smaller peer id stays; the
+  other is closed with the Goodbye reason DUPLICATE_REASON on both sides.
+- Clients (role "client", e.g. ``bt-peer status``) are served but never become members; a client
+  silent for ``client_idle_s`` is closed.
+- Before authentication a connection costs at most one pending-handshake slot: at most
+  MAX_PENDING_HANDSHAKES at once; a new one evicts the oldest, so silent sockets cannot lock
+  out a legitimate caller; each is closed after ``handshake_s``.
+- Bytes are counted per remote peer, message type, kind and direction (traffic.py); the report
+  is written every ``report_every_s`` and at stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -30,68 +40,59 @@ from blocktrain.protocol import (Announce, Connection, ConnectionClosed, PeerInf
                                  Status)
 
 from .identity import peer_id
-from .link import LinkSpec
-from .transport import PeerConnection, Timeouts, open_connection
+from .link import LinkShaper, LinkSpec
+from .services import Change, Liveness, MembershipEvent, MemberView, PeerUnreachable
+from .traffic import PeerTraffic, merge_counts, traffic_totals
+from .transport import (CLIENT_INFO, DUPLICATE_REASON, CloseCause, PeerConnection, Timeouts, make_connection,
+                        open_connection)
 
 log = logging.getLogger("blocktrain.p2p")
 
-# Connections a peer accepts before their handshake completes; more are refused at once.
+# Connections accepted before their handshake completes. An honest handshake takes a few round
+# trips; 64 covers a swarm's worth of simultaneous joins. Past it the oldest pending one is
+# evicted, so unauthenticated sockets hold at most 64 fds and a few KiB each.
 MAX_PENDING_HANDSHAKES = 64
+# Clients (status, assemble, generate) connected at once; past it the least recently heard goes.
+MAX_CLIENTS = 256
+# A dead member is redialled with backoff from REDIAL_MIN_S up to REDIAL_MAX_S, for redial_for_s.
+REDIAL_MIN_S = 1.0
+REDIAL_MAX_S = 30.0
+# The event loop counts as stalled when a heartbeat tick comes this many intervals late.
+STALL_TICKS = 3
+
+
+class JoinError(ConnectionError):
+    """No connection to the bootstrap peer within the join timeout."""
 
 
 @dataclass
-class Member:
+class _Member:
     info: PeerInfo
     last_heard: float
     conn: PeerConnection | None = None
-    state: str = "alive"  # alive | suspect (no connection, not yet timed out)
+    liveness: Liveness = Liveness.ALIVE
 
-
-_BREAKDOWNS = ("by_type", "by_kind")
-
-
-def _empty_traffic() -> dict:
-    return {d: {b: {} for b in _BREAKDOWNS} for d in ("sent", "received")}
-
-
-def _add_counts(into: dict, counts: dict):
-    for name, c in counts.items():
-        acc = into.setdefault(name, {"frames": 0, "payload_bytes": 0, "wire_bytes": 0})
-        for k in acc:
-            acc[k] += c[k]
+    def view(self, now: float) -> MemberView:
+        heard = max(self.last_heard, self.conn.last_heard if self.conn is not None else 0.0)
+        return MemberView(self.info.peer_id, self.info.addr, tuple(self.info.blocks), self.info.role, self.liveness,
+                          round(now - heard, 3))
 
 
 @dataclass
-class PeerTraffic:
-    """Bytes exchanged with one remote peer over its closed connections."""
-    closed: dict = field(default_factory=_empty_traffic)
-
-    def add(self, snapshot: dict):
-        for d in ("sent", "received"):
-            for b in _BREAKDOWNS:
-                _add_counts(self.closed[d][b], snapshot[d].get(b, {}))
-
-
-def _merge(a: dict, b: dict) -> dict:
-    """Closed-connection counts plus a live connection's snapshot, with totals."""
-    out = {}
-    for d in ("sent", "received"):
-        out[d] = {}
-        for br in _BREAKDOWNS:
-            by: dict = {}
-            _add_counts(by, a[d][br])
-            _add_counts(by, b[d].get(br, {}))
-            out[d][br] = dict(sorted(by.items()))
-        out[d]["total"] = {k: sum(c[k] for c in out[d]["by_type"].values())
-                           for k in ("frames", "payload_bytes", "wire_bytes")}
-    return out
+class _Redial:
+    peer: str
+    next_at: float
+    backoff: float
+    until: float
 
 
 class Peer:
+    """One BlockTrain peer; implements ``PeerServices`` for the services that run on it."""
+
     def __init__(self, identity: X25519PrivateKey, swarm_key: bytes, host: str = "127.0.0.1", port: int = 0,
                  blocks=(), role: str = "train", allowlist=None, timeouts: Timeouts = Timeouts(),
                  links: dict | None = None, seal: bool = True, report_path: str | Path | None = None,
-                 report_every_s: float = 10.0, advertise: str | None = None):
+                 report_every_s: float = 10.0, advertise: str | None = None, redial_for_s: float = 600.0):
         self.identity, self.swarm_key = identity, swarm_key
         self.id = peer_id(identity)
         self.host, self.port = host, port
@@ -103,37 +104,56 @@ class Peer:
         self.report_path = Path(report_path) if report_path else None
         self.report_every_s = report_every_s
         self.advertise = advertise
-        self.members: dict[str, Member] = {}
-        self.traffic: dict[str, PeerTraffic] = {}
-        self.events: list[dict] = []  # joined / left / dead, for reports and tests
-        self.report_extra: dict[str, object] = {}  # report section -> fn() giving its JSON (training)
+        self.redial_for_s = redial_for_s
+        self.addr = ""
         self.started_at = time.time()
+        self.events: list[dict] = []  # membership changes, for reports and tests
+        self._members: dict[str, _Member] = {}
+        self._traffic: dict[str, PeerTraffic] = {}
+        self._clients: dict[str, PeerConnection] = {}
+        self._client_conns: set[PeerConnection] = set()
+        self._pending: collections.OrderedDict[PeerConnection, float] = collections.OrderedDict()
+        self._dials: dict[str, asyncio.Future] = {}  # addr -> the dial in flight
+        self._redial: dict[str, _Redial] = {}  # addr -> schedule, for members we lost
+        self._handlers: dict[type, object] = {}
+        self._inline: dict[type, object] = {}
+        self._subscribers: list = []
+        self._waiters: set[asyncio.Future] = set()
+        self._sections: dict[str, object] = {}
         self._server = None
         self._tasks: set[asyncio.Task] = set()
-        self._connecting: set[str] = set()
-        self._pending = 0
-        self._client_conns: set[PeerConnection] = set()
-        self.clients: dict[str, PeerConnection] = {}  # connected clients by peer id (pipeline replies)
-        self.handlers: dict[type, object] = {}  # message type -> async fn(msg, pc, peer_id), see on()
-        self.inline_handlers: dict[type, object] = {}  # message type -> fn(msg, pc, peer_id), in order
-        self.addr = ""
         self._stopping = False
 
-    # --- lifecycle -----------------------------------------------------------------------------
+    # --- lifecycle ---------------------------------------------------------------------------
     async def start(self):
+        """Listen; raises OSError (e.g. the port is in use)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._accept, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         self.addr = self.advertise or f"{self.host}:{self.port}"
-        self._spawn(self._heartbeat_loop(), "heartbeat")
+        self.spawn(self._supervised("heartbeat", self._heartbeat_loop), "heartbeat")
         if self.report_path:
-            self._spawn(self._report_loop(), "reports")
+            self.spawn(self._supervised("reports", self._report_loop), "reports")
         log.info("peer %s listening on %s (blocks %s, role %s)", self.id[:12], self.addr, list(self.blocks), self.role)
+        self.notify()
         return self
 
-    async def join(self, host: str, port: int):
-        """Connect to any member; the rest of the swarm follows by gossip."""
-        await self._connect(f"{host}:{port}", wait=True)
+    async def join(self, host: str, port: int, timeout_s: float | None = None):
+        """Connect to any member (retrying with backoff for ``timeout_s``, default the handshake
+        timeout); the rest of the swarm follows by gossip. Raises JoinError."""
+        addr = f"{host}:{port}"
+        deadline = time.monotonic() + (self.timeouts.handshake_s if timeout_s is None else timeout_s)
+        delay = 0.2
+        while True:
+            try:
+                await self.connection(addr)
+                return
+            except PeerUnreachable as e:
+                if time.monotonic() + delay > deadline:
+                    raise JoinError(f"cannot join through {addr}: {e.why}") from None
+                log.info("bootstrap %s not reachable yet (%s); retrying in %.1f s", addr, e.why, delay)
+                await asyncio.sleep(delay)  # backoff: the bootstrap may still be starting
+                delay = min(2 * delay, 5.0)
 
     async def stop(self, reason: str = "shutting down"):
         """Goodbye to everyone, flush the report, close."""
@@ -142,20 +162,43 @@ class Peer:
         self._stopping = True
         if self._server is not None:
             self._server.close()
-        conns = [m.conn for m in self.members.values() if m.conn is not None] + list(self._client_conns)
+        conns = [m.conn for m in self._members.values() if m.conn is not None] + list(self._client_conns)
         await asyncio.gather(*(c.close(reason) for c in conns), return_exceptions=True)
+        for pc in list(self._pending):
+            pc.abort("peer shutting down")
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for f in self._waiters:
+            if not f.done():
+                f.set_result(None)
         if self._server is not None:
             await self._server.wait_closed()
         self.write_report()
 
-    def _spawn(self, coro, name: str) -> asyncio.Task:
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        """A task owned by the peer: cancelled and awaited at stop; a failure is logged."""
         t = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(self._task_done)
         return t
+
+    def _task_done(self, t: asyncio.Task):
+        self._tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None and not self._stopping:
+            log.error("task %s failed: %r", t.get_name(), t.exception())
+
+    async def _supervised(self, name: str, loop_fn):
+        """Run a background loop for the peer's lifetime; restart it (after a pause) if it dies."""
+        while not self._stopping:
+            try:
+                await loop_fn()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # e.g. EMFILE while writing the report
+                log.error("%s loop failed (%r); restarting it in 1 s", name, e)
+                await asyncio.sleep(1.0)
 
     def info(self) -> PeerInfo:
         return PeerInfo(self.id, self.addr, self.blocks, self.role, 0)
@@ -167,212 +210,374 @@ class Peer:
         links = self.links.get("links", {})
         return links.get(pid) or links.get(addr) or self.links.get("default") or LinkSpec()
 
-    # --- connections ---------------------------------------------------------------------------
-    def _accept(self) -> PeerConnection:
-        conn = Connection(Role.RESPONDER, self.identity, self.swarm_key, allowlist=self.allowlist,
-                          info=self._hello(), seal=self.seal)
-        pc = PeerConnection(conn, self.timeouts, self.links.get("default"), name="inbound")
-        if self._pending >= MAX_PENDING_HANDSHAKES or self._stopping:
-            asyncio.get_running_loop().call_soon(pc.abort, "too many pending handshakes")
+    def _new_connection(self, role: Role) -> Connection:
+        return make_connection(role, self.identity, self.swarm_key, allowlist=self.allowlist, info=self._hello(),
+                               seal=self.seal)
+
+    # --- services: handlers, members, connections, events ------------------------------------
+    def on(self, msg_type: type, handler, *, inline: bool = False) -> None:
+        (self._inline if inline else self._handlers)[msg_type] = handler
+
+    def handles(self, msg_type: type) -> bool:
+        return msg_type in self._inline or msg_type in self._handlers
+
+    def members(self, *, block: int | None = None, role: str | None = None, alive: bool = True) -> list[MemberView]:
+        now = time.monotonic()
+        return [m.view(now) for pid, m in sorted(self._members.items())
+                if (not alive or m.liveness is Liveness.ALIVE) and (block is None or block in m.info.blocks)
+                and (role is None or m.info.role == role)]
+
+    def member(self, peer_id: str) -> MemberView | None:
+        m = self._members.get(peer_id)
+        return m.view(time.monotonic()) if m is not None else None
+
+    def live_connection(self, peer: str) -> PeerConnection | None:
+        """The live connection to a member (by id or address), or None: never dials."""
+        return self._live_conn(peer)
+
+    def _live_conn(self, peer: str) -> PeerConnection | None:
+        m = self._members.get(peer)
+        if m is None:
+            m = next((x for x in self._members.values() if x.info.addr == peer), None)
+        if m is not None and m.conn is not None and not m.conn.closed.done():
+            return m.conn
+        return None
+
+    async def connection(self, peer: str) -> PeerConnection:
+        pc = self._live_conn(peer)
+        if pc is not None:
             return pc
-        self._pending += 1
-        self._spawn(self._serve(pc, inbound=True), "serve inbound")
+        m = self._members.get(peer)
+        addr = m.info.addr if m is not None else peer
+        if not addr or ":" not in addr or addr == self.addr:
+            raise PeerUnreachable(m.info.peer_id if m else "", addr, "no address to dial")
+        pc = await self._dial(addr)
+        if pc is None or pc.closed.done():
+            raise PeerUnreachable(m.info.peer_id if m else "", addr, "connection closed right after the handshake")
         return pc
 
-    async def _connect(self, addr: str, wait: bool = False):
-        if addr in self._connecting or addr == self.addr:
-            return
-        self._connecting.add(addr)
-        try:
-            host, _, port = addr.rpartition(":")
-            conn = Connection(Role.INITIATOR, self.identity, self.swarm_key, allowlist=self.allowlist,
-                              info=self._hello(), seal=self.seal)
-            pc = await open_connection(host, int(port), conn, self.timeouts, self._link_for(addr), name=addr)
-        except (OSError, ConnectionError, ValueError) as e:
-            log.info("cannot connect to %s: %s", addr, e)
-            if wait:
-                raise ConnectionError(f"cannot join through {addr}: {e}") from None
-            return
-        finally:
-            self._connecting.discard(addr)
-        task = self._spawn(self._serve(pc, inbound=False), f"serve {addr}")
-        if wait:
-            await asyncio.sleep(0)  # let it register before returning
-        return task
+    async def connection_to(self, addr: str) -> PeerConnection:
+        """The live connection to the member listening on ``addr`` (alias of ``connection``)."""
+        return await self.connection(addr)
 
-    async def _serve(self, pc: PeerConnection, inbound: bool):
+    def client_connection(self, peer_id: str) -> PeerConnection | None:
+        pc = self._clients.get(peer_id)
+        return pc if pc is not None and not pc.closed.done() else None
+
+    def on_membership(self, callback):
+        self._subscribers.append(callback)
+
+        def unsubscribe():
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+        return unsubscribe
+
+    async def wait_for(self, predicate, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        while not predicate():
+            if self._stopping:
+                return False
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            fut = loop.create_future()
+            self._waiters.add(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                return predicate()
+            finally:
+                self._waiters.discard(fut)
+        return True
+
+    def notify(self) -> None:
+        for f in list(self._waiters):
+            if not f.done():
+                f.set_result(None)
+
+    def _emit(self, change: Change, pid: str, addr: str):
+        self.events.append({"event": change.value, "peer": pid, "addr": addr, "time": time.time()})
+        ev = MembershipEvent(change, pid, addr)
+        for cb in list(self._subscribers):
+            try:
+                cb(ev)
+            except Exception:  # a subscriber's bug must not break membership
+                log.exception("membership subscriber failed on %s", ev)
+        self.notify()
+
+    # --- connections ---------------------------------------------------------------------------
+    def _accept(self) -> PeerConnection:
+        pc = PeerConnection(self._new_connection(Role.RESPONDER), self.timeouts, self.links.get("default"),
+                            name="inbound")
+        if self._stopping:
+            pc.abort("peer shutting down", CloseCause.REFUSED)
+            return pc
+        if len(self._pending) >= MAX_PENDING_HANDSHAKES:  # the oldest unauthenticated one makes room
+            oldest, _ = self._pending.popitem(last=False)
+            oldest.abort("too many pending handshakes", CloseCause.REFUSED)
+        self._pending[pc] = time.monotonic()
+        self.spawn(self._serve_inbound(pc), "serve inbound")
+        return pc
+
+    async def _serve_inbound(self, pc: PeerConnection):
         try:
-            if inbound:
-                try:
-                    await asyncio.wait_for(asyncio.shield(pc.established), self.timeouts.handshake_s)
-                except asyncio.TimeoutError:
-                    log.info("handshake from %s timed out", pc.peer_addr)
-                    pc.abort("handshake timed out")
-                    return
-                except (ConnectionError, Exception) as e:  # refused: wrong key, garbage, not allowed
-                    log.info("rejected connection from %s: %s", pc.peer_addr, e)
-                    return
-                finally:
-                    self._pending -= 1
-            hc = pc.established.result()
-            await self._run_member(pc, hc)
+            try:
+                await asyncio.wait_for(asyncio.shield(pc.established), self.timeouts.handshake_s)
+            except asyncio.TimeoutError:
+                log.info("handshake from %s timed out", pc.peer_addr)
+                pc.abort_timeout("handshake timed out")
+                return
+            except Exception as e:  # refused: wrong key, garbage, not allowed, evicted
+                log.info("rejected connection from %s: %s", pc.peer_addr, e)
+                return
+            finally:
+                self._pending.pop(pc, None)
+            await self._run(pc, pc.established.result())
         finally:
             await pc.wait_closed()
 
-    async def _run_member(self, pc: PeerConnection, hc):
-        pid, hello = hc.peer_id, hc.info
-        role = hello.get("role", "train") if isinstance(hello, dict) else "train"
-        if role == "client":
-            self._client_conns.add(pc)
-            self.clients[pid] = pc
-            try:
-                await self._reader(pc, pid, client=True)
-            except (ConnectionError, ProtocolError) as e:
-                log.debug("client %s: connection ended: %s", pid[:12], e)
-            finally:
-                self._account(pid, pc)
-                self._client_conns.discard(pc)
-                if self.clients.get(pid) is pc:
-                    del self.clients[pid]
+    async def _dial(self, addr: str) -> PeerConnection | None:
+        """Dial ``addr`` (one dial per address at a time) and register the connection; returns
+        the member's live connection, or None when it was not kept. Raises PeerUnreachable."""
+        fut = self._dials.get(addr)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._dials[addr] = fut
+            self.spawn(self._dial_task(addr, fut), f"dial {addr}")
+        return await asyncio.shield(fut)
+
+    async def _dial_task(self, addr: str, fut: asyncio.Future):
+        try:
+            host, _, port = addr.rpartition(":")
+            pc = await open_connection(host, int(port), self._new_connection(Role.INITIATOR), self.timeouts,
+                                       self._link_for(addr), name=addr)
+        except (OSError, ConnectionError, ValueError) as e:
+            self._dials.pop(addr, None)
+            fut.set_exception(PeerUnreachable("", addr, str(e)))
+            fut.exception()  # retrieved: nobody may be waiting
+            return
+        hc = pc.established.result()
+        kept = self._register(pc, hc)
+        self._dials.pop(addr, None)
+        fut.set_result(self._live_conn(hc.peer_id))  # ours, or the one kept instead of a duplicate
+        if kept is None:
+            await pc.wait_closed()
             return
         try:
-            info = PeerInfo(pid, str(hello.get("addr", "")), tuple(hello.get("blocks", ())), role, 0)
-        except Exception as e:
-            pc.abort(f"bad peer info: {e}")
+            await self._read(pc, hc.peer_id, client=False)
+        finally:
+            await pc.wait_closed()
+
+    async def _run(self, pc: PeerConnection, hc):
+        kept = self._register(pc, hc)
+        if kept is None:
             return
+        await self._read(pc, hc.peer_id, client=self._is_client(hc))
+
+    @staticmethod
+    def _is_client(hc) -> bool:
+        return isinstance(hc.info, dict) and hc.info.get("role") == "client"
+
+    def _register(self, pc: PeerConnection, hc) -> PeerConnection | None:
+        """Make an established connection a member's (or a client's); None if it is not kept."""
+        pid, hello = hc.peer_id, hc.info
+        if self._is_client(hc):
+            if len(self._clients) >= MAX_CLIENTS:
+                oldest = min(self._client_conns, key=lambda c: c.last_heard)
+                oldest.abort("too many clients", CloseCause.REFUSED)
+            old = self._clients.get(pid)
+            if old is not None and old is not pc:
+                self._client_conns.discard(old)
+            self._clients[pid] = pc
+            self._client_conns.add(pc)
+            return pc
+        try:
+            if not isinstance(hello, dict):
+                raise ValueError("hello info is not a map")
+            info = PeerInfo(pid, str(hello.get("addr", "")), tuple(hello.get("blocks", ())),
+                            str(hello.get("role", "train")), 0)
+        except Exception as e:
+            pc.abort(f"bad peer info: {e}", CloseCause.REFUSED)
+            return None
         pc.name = info.addr or pid[:12]
         if self.links.get("links") and pc.shaper is None:
             spec = self._link_for(info.addr, pid)
             if spec.shaped:
-                from .link import LinkShaper
                 pc.shaper = LinkShaper(spec)
-        m = self.members.get(pid)
-        if m is not None and m.conn is not None and not m.conn.closed.done():
-            # duplicate: keep the connection opened by the smaller id
-            mine = pc.conn.role is Role.INITIATOR  # we opened pc
-            keep_new = (self.id < pid) == mine
-            if not keep_new:
-                await pc.close("duplicate connection")
-                return
-            old = m.conn
-            m.conn = pc
-            self._spawn(old.close("duplicate connection"), "close duplicate")
+        m = self._members.get(pid)
+        if m is not None and m.conn is not None and not m.conn.closed.done() and m.conn is not pc:
+            if self._opener(pc, pid) > self._opener(m.conn, pid):  # keep the one opened by the smaller id
+                self.spawn(pc.close(DUPLICATE_REASON, CloseCause.DUPLICATE), "close duplicate")
+                return None
+            old, m.conn = m.conn, pc
+            self.spawn(old.close(DUPLICATE_REASON, CloseCause.DUPLICATE), "close duplicate")
         elif m is None:
-            self.members[pid] = m = Member(info, time.monotonic(), pc)
-            self.events.append({"event": "joined", "peer": pid, "addr": info.addr, "time": time.time()})
+            self._members[pid] = m = _Member(info, time.monotonic(), pc)
             log.info("peer %s joined (%s, blocks %s)", pid[:12], info.addr, list(info.blocks))
+            self._redial.pop(info.addr, None)
+            self._emit(Change.JOINED if not any(e["peer"] == pid for e in self.events) else Change.BACK, pid, info.addr)
         else:
             m.conn, m.info = pc, info
-            if m.state != "alive":
-                self.events.append({"event": "rejoined", "peer": pid, "addr": info.addr, "time": time.time()})
-                log.info("peer %s is back (%s)", pid[:12], info.addr)
-        m.state, m.last_heard = "alive", time.monotonic()
+        m.last_heard = time.monotonic()
+        self._redial.pop(info.addr, None)
+        if m.liveness is not Liveness.ALIVE:
+            m.liveness = Liveness.ALIVE
+            log.info("peer %s is back (%s)", pid[:12], info.addr)
+            self._emit(Change.BACK, pid, info.addr)
+        if self.role != "client":  # a client (assemble, status) tells nobody about itself
+            try:
+                pc.send_nowait(Announce(peer=self.info()))
+                pc.send_nowait(PeerList(peers=self._peer_list()))
+            except ConnectionError:
+                pass
+        self.notify()
+        return pc
+
+    def _opener(self, pc: PeerConnection, pid: str) -> str:
+        return self.id if pc.conn.role is Role.INITIATOR else pid
+
+    async def _read(self, pc: PeerConnection, pid: str, client: bool):
         try:
-            pc.send_nowait(Announce(peer=self.info()))
-            pc.send_nowait(PeerList(peers=self._peer_list()))
-            await self._reader(pc, pid)
+            while True:
+                msg = await pc.recv()
+                if isinstance(msg, ConnectionClosed):
+                    return
+                m = None if client else self._members.get(pid)
+                if m is not None:
+                    m.last_heard = time.monotonic()
+                inline = self._inline.get(type(msg))
+                if inline is not None:  # in order, in the reader (stream chunks, round parts)
+                    inline(msg, pc, pid)
+                    continue
+                handler = self._handlers.get(type(msg))
+                if handler is not None:
+                    self.spawn(handler(msg, pc, pid), f"handle {type(msg).__name__}")
+                elif isinstance(msg, Status):
+                    if not msg.status:
+                        pc.send_nowait(Status(status=self.status()))
+                elif client:
+                    continue
+                elif isinstance(msg, Announce):
+                    self._learn(msg.peer, direct=True)
+                elif isinstance(msg, PeerList):
+                    for p in msg.peers:
+                        self._learn(p)
         except (ConnectionError, ProtocolError) as e:  # the connection's end; already logged by it
             log.debug("connection to %s ended: %s", pid[:12], e)
         finally:
             self._account(pid, pc)
-            m = self.members.get(pid)
-            reason = pc.close_reason or ""
-            if m is not None and m.conn is pc:
-                m.conn = None
-                if "duplicate" in reason:
-                    pass  # the other connection carries on
-                elif reason.startswith("peer closed"):
-                    self._drop(pid, "left")
-                elif not self._stopping:
-                    m.state = "suspect"
+            if client:
+                self._client_conns.discard(pc)
+                if self._clients.get(pid) is pc:
+                    del self._clients[pid]
+            else:
+                self._connection_ended(pid, pc)
+
+    def _connection_ended(self, pid: str, pc: PeerConnection):
+        m = self._members.get(pid)
+        if m is None or m.conn is not pc or self._stopping:
+            return
+        m.conn = None
+        cause = pc.close_cause
+        if cause is CloseCause.GOODBYE:
+            self._drop(pid, Change.LEFT)
+        elif cause is CloseCause.DUPLICATE:  # the peer kept the other connection: it is on its way
+            self._schedule_redial(m.info.addr, pid, soon=True)
+        elif m.liveness is Liveness.ALIVE:
+            m.liveness = Liveness.SUSPECT
+            log.info("peer %s: connection %s; redialling", pid[:12], pc.close_reason)
+            self._schedule_redial(m.info.addr, pid, soon=True)
+            self._emit(Change.SUSPECT, pid, m.info.addr)
 
     def _account(self, pid: str, pc: PeerConnection):
-        self.traffic.setdefault(pid, PeerTraffic()).add(pc.conn.counter.snapshot())
-
-    async def _reader(self, pc: PeerConnection, pid: str, client: bool = False):
-        while True:
-            msg = await pc.recv()
-            m = self.members.get(pid)
-            if m is not None:
-                m.last_heard = time.monotonic()
-            if isinstance(msg, ConnectionClosed):
-                return
-            inline = self.inline_handlers.get(type(msg))
-            handler = self.handlers.get(type(msg))
-            if inline is not None:  # in order, in the reader (stream chunks)
-                inline(msg, pc, pid)
-            elif handler is not None:
-                self._spawn(handler(msg, pc, pid), f"handle {type(msg).__name__}")
-            elif isinstance(msg, Status):
-                if not msg.status:
-                    pc.send_nowait(Status(status=self.status()))
-            elif client:
-                continue
-            elif isinstance(msg, Announce):
-                self._learn(msg.peer, direct=True)
-            elif isinstance(msg, PeerList):
-                for p in msg.peers:
-                    self._learn(p)
-
-    def on(self, msg_type: type, handler, inline: bool = False):
-        """Run ``await handler(msg, pc, peer_id)`` (as its own task) for every message of that type;
-        ``inline``: call ``handler(msg, pc, peer_id)`` in the reader itself, in arrival order."""
-        (self.inline_handlers if inline else self.handlers)[msg_type] = handler
-
-    async def connection_to(self, addr: str) -> PeerConnection:
-        """The live connection to the member listening on ``addr``, connecting if there is none."""
-        for attempt in range(2):
-            for m in self.members.values():
-                if m.info.addr == addr and m.conn is not None and not m.conn.closed.done():
-                    return m.conn
-            if attempt == 0:
-                task = await self._connect(addr)
-                deadline = time.monotonic() + self.timeouts.handshake_s
-                while task is not None and time.monotonic() < deadline and not any(
-                        m.info.addr == addr and m.conn is not None for m in self.members.values()):
-                    await asyncio.sleep(0.01)
-        raise ConnectionError(f"no connection to {addr}")
+        self._traffic.setdefault(pid, PeerTraffic()).add(pc.conn.counter.snapshot())
 
     def _learn(self, p: PeerInfo, direct: bool = False):
-        if p.peer_id == self.id or p.role == "client" or not p.addr:
+        if p.peer_id == self.id or p.role == "client" or not p.addr or self.role == "client":
             return
-        m = self.members.get(p.peer_id)
-        if m is None or (m.conn is None and not direct):
-            if p.addr not in self._connecting:
-                self._spawn(self._connect(p.addr), f"connect {p.addr}")
-        elif direct:
-            m.info = p
+        m = self._members.get(p.peer_id)
+        if m is not None and direct:
+            if m.info != p:
+                m.info = p
+                self.notify()
+            return
+        if (m is None or m.conn is None) and p.addr not in self._dials and not self._stopping:
+            self.spawn(self._quiet_dial(p.addr), f"connect {p.addr}")
+
+    async def _quiet_dial(self, addr: str):
+        try:
+            await self._dial(addr)
+        except PeerUnreachable as e:
+            log.info("cannot connect to %s: %s", addr, e.why)
 
     def _peer_list(self) -> list[PeerInfo]:
         now = time.monotonic()
         return [PeerInfo(pid, m.info.addr, m.info.blocks, m.info.role, min(int((now - m.last_heard) * 1000), 2**32 - 1))
-                for pid, m in self.members.items() if m.state == "alive"]
+                for pid, m in self._members.items() if m.liveness is Liveness.ALIVE]
 
-    def _drop(self, pid: str, why: str):
-        m = self.members.pop(pid, None)
+    def _drop(self, pid: str, change: Change):
+        m = self._members.pop(pid, None)
         if m is None:
             return
-        self.events.append({"event": why, "peer": pid, "addr": m.info.addr, "time": time.time()})
-        log.info("peer %s %s (%s)", pid[:12], why, m.info.addr)
+        log.info("peer %s %s (%s)", pid[:12], change.value, m.info.addr)
         if m.conn is not None:
-            m.conn.abort(f"peer {why}")
+            m.conn.abort(f"peer {change.value}")
+        if change is Change.DEAD:
+            self._schedule_redial(m.info.addr, pid)
+        else:
+            self._redial.pop(m.info.addr, None)
+        self._emit(change, pid, m.info.addr)
+
+    def _schedule_redial(self, addr: str, pid: str, soon: bool = False):
+        if not addr or self._stopping:
+            return
+        now = time.monotonic()
+        r = self._redial.get(addr)
+        if r is None:
+            self._redial[addr] = _Redial(pid, now + (0.0 if soon else REDIAL_MIN_S), REDIAL_MIN_S,
+                                         now + self.redial_for_s)
+        elif soon:
+            r.next_at = min(r.next_at, now)
+
+    def _redial_due(self, now: float):
+        for addr, r in list(self._redial.items()):
+            if now > r.until:
+                del self._redial[addr]
+            elif now >= r.next_at and addr not in self._dials:
+                r.next_at = now + r.backoff
+                r.backoff = min(2 * r.backoff, REDIAL_MAX_S)
+                self.spawn(self._quiet_dial(addr), f"redial {addr}")
 
     async def _heartbeat_loop(self):
         nonce = 0
+        interval = self.timeouts.heartbeat_s
+        last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(self.timeouts.heartbeat_s)
+            await asyncio.sleep(interval)  # the heartbeat: time is the behaviour here
             now = time.monotonic()
-            for pid, m in list(self.members.items()):
+            if now - last_tick > STALL_TICKS * interval + 1.0:  # we, not they, were silent
+                log.warning("event loop stalled %.1f s; not counting it against the members", now - last_tick - interval)
+                for m in self._members.values():
+                    m.last_heard = now
+                    if m.conn is not None:
+                        m.conn.last_heard = now
+            last_tick = now
+            for pid, m in list(self._members.items()):
                 silent = now - max(m.last_heard, m.conn.last_heard if m.conn else 0)
                 if silent > self.timeouts.dead_after_s:
-                    self._drop(pid, "dead")
+                    self._drop(pid, Change.DEAD)
                 elif m.conn is not None and not m.conn.closed.done():
                     nonce += 1
                     try:
                         m.conn.send_nowait(Ping(nonce=nonce))
                     except ConnectionError:
                         pass
-            live = [m.conn for m in self.members.values() if m.conn is not None and not m.conn.closed.done()]
+            for pc in list(self._client_conns):
+                if now - pc.last_heard > self.timeouts.client_idle_s:
+                    pc.abort("client idle", CloseCause.TIMEOUT)
+            self._redial_due(now)
+            live = [m.conn for m in self._members.values() if m.conn is not None and not m.conn.closed.done()]
             if live:
                 try:
                     random.choice(live).send_nowait(PeerList(peers=self._peer_list()))
@@ -382,57 +587,63 @@ class Peer:
     # --- reports -------------------------------------------------------------------------------
     def traffic_report(self) -> dict:
         peers = {}
-        for pid in set(self.traffic) | set(self.members) | set(self.clients):
-            closed = self.traffic.get(pid, PeerTraffic()).closed
-            m = self.members.get(pid)
-            pc = m.conn if m is not None else self.clients.get(pid)
-            t = _merge(closed, pc.conn.counter.snapshot() if pc is not None else _empty_traffic())
+        for pid in set(self._traffic) | set(self._members) | set(self._clients):
+            m = self._members.get(pid)
+            pc = m.conn if m is not None else self._clients.get(pid)
+            t = merge_counts(self._traffic.get(pid, PeerTraffic()).closed,
+                             pc.conn.counter.snapshot() if pc is not None else None)
             t["addr"] = m.info.addr if m else next((e["addr"] for e in reversed(self.events) if e["peer"] == pid), "")
-            t["client"] = m is None and pid in self.clients or t["addr"] == ""
+            t["client"] = (m is None and pid in self._clients) or t["addr"] == ""
             peers[pid] = t
-        totals = {d: {"frames": 0, "payload_bytes": 0, "wire_bytes": 0} for d in ("sent", "received")}
-        by_kind = {d: {} for d in ("sent", "received")}
-        for t in peers.values():
-            for d in totals:
-                for k in totals[d]:
-                    totals[d][k] += t[d]["total"][k]
-                _add_counts(by_kind[d], t[d]["by_kind"])
-        return {"peers": peers, "totals": totals, "by_kind": by_kind}
+        return {"peers": peers, **traffic_totals(peers.values())}
+
+    def traffic_totals(self) -> dict:
+        return self.traffic_report()["totals"]
 
     def status(self) -> dict:
-        now = time.monotonic()
         return {
             "peer_id": self.id, "addr": self.addr, "blocks": list(self.blocks), "role": self.role,
-            "members": [{"peer_id": pid, "addr": m.info.addr, "blocks": list(m.info.blocks), "role": m.info.role,
-                         "state": m.state, "last_heard_s": round(now - m.last_heard, 3)}
-                        for pid, m in sorted(self.members.items())],
-            "traffic": self.traffic_report()["totals"],
+            "members": [{"peer_id": v.peer_id, "addr": v.addr, "blocks": list(v.blocks), "role": v.role,
+                         "state": v.liveness.value, "last_heard_s": v.last_heard_s}
+                        for v in self.members(alive=False)],
+            "traffic": self.traffic_totals(),
+            **{k: f() for k, f in self._sections.items() if k in STATUS_SECTIONS},
         }
+
+    def report_section(self, name: str, fn) -> None:
+        self._sections[name] = fn
 
     def report(self) -> dict:
         return {"kind": "blocktrain-transfer-report", "peer_id": self.id, "addr": self.addr,
                 "blocks": list(self.blocks), "role": self.role, "start_time": self.started_at,
                 "end_time": time.time(), "events": self.events, **self.traffic_report(),
-                **{k: f() for k, f in self.report_extra.items()}}
+                **{k: f() for k, f in self._sections.items()}}
 
     def write_report(self):
         if not self.report_path:
             return
-        self.report_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.report_path.with_suffix(self.report_path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.report(), indent=1))
-        os.replace(tmp, self.report_path)
+        try:
+            self.report_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.report_path.with_suffix(self.report_path.suffix + ".tmp")
+            tmp.write_text(json.dumps(self.report(), indent=1))
+            os.replace(tmp, self.report_path)
+        except OSError as e:
+            log.error("cannot write the report %s: %s", self.report_path, e)
 
     async def _report_loop(self):
         while True:
-            await asyncio.sleep(self.report_every_s)
+            await asyncio.sleep(self.report_every_s)  # the report cadence
             self.write_report()
+
+
+# Report sections that are also part of the STATUS reply (small, and useful to `bt-peer status`).
+STATUS_SECTIONS = ("work",)
 
 
 async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,
                        timeouts: Timeouts = Timeouts()) -> dict:
     """Ask one peer for its view of the swarm (as a client, never a member)."""
-    conn = Connection(Role.INITIATOR, identity, swarm_key, info={"addr": "", "blocks": [], "role": "client"})
+    conn = make_connection(Role.INITIATOR, identity, swarm_key, info=CLIENT_INFO)
     pc = await open_connection(host, port, conn, timeouts, name=f"{host}:{port}")
     try:
         pc.send_nowait(Status(status={}))
@@ -442,5 +653,7 @@ async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_k
                 return msg.status
             if isinstance(msg, ConnectionClosed):
                 raise ConnectionError(f"{host}:{port} closed before answering: {msg.reason}")
+    except asyncio.TimeoutError:
+        raise ConnectionError(f"{host}:{port} did not answer within {timeouts.handshake_s} s") from None
     finally:
         await pc.close("done")

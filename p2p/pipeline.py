@@ -2,77 +2,105 @@
 
 Rules:
 - A request is a PipelineForward with ``route`` (the hops' addresses), ``hop`` (the receiver's
-  index) and meta: ``mode`` ("blocktrain" or "autoregressive"), ``blocks`` (the block each hop
-  runs), ``reply_to`` (the client's peer id: the last hop answers on the client's own
-  connection), ``prompt_len`` and ``n`` (bytes wanted); autoregressive requests also carry
-  ``session``, ``pos`` and ``end``.
-- blocktrain: prompt + N-1 placeholders cross the chain once; the last block's head gives all N
-  bytes. autoregressive: the end-to-end model split by the same layers; one traversal per byte,
-  a KV cache per peer per session, released at the session's end or after ``SESSION_IDLE_S``.
-- Hidden states travel with the ``codec`` the client asks for (bf16 by default: half the bytes
-  of fp32, for both modes alike). Compute runs off the event loop.
-- Every hop adds its compute time to meta ``compute_s``, so the client can state the bound.
+  index) and meta: ``mode``, ``blocks`` (the block each hop runs), ``reply_to`` (the client's peer
+  id: the last hop answers on the client's own connection), ``prompt_len`` and ``n`` (bytes
+  wanted), ``codec`` (of the hidden states between hops); session modes also carry ``session``,
+  ``pos`` and ``end``. PROTOCOL.md section 7.3 lists the fields.
+- Modes. ``blocktrain``: prompt + N-1 placeholders cross the chain once; the last block's head
+  gives all N bytes. ``autoregressive``: one traversal per byte through the same blocks, a KV
+  cache per hop and session. ``reference``: the same, through the end-to-end reference model
+  split by the same layers (when the peer serves it).
+- A KV cache belongs to (client, session); it is freed at the session's end or after
+  SESSION_IDLE_S, and a hop holds at most MAX_SESSIONS of them (the least recently used goes).
+- A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
+  "hop", "block"}) on the client's connection; the client raises ``PipelineError`` carrying the
+  block and hop, never a string to parse.
+- Compute runs off the event loop; every hop adds its compute time to meta ``compute_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import collections
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from blocktrain.blocks.model import MASK_ID, Block
-from blocktrain.protocol import ConnectionClosed, PipelineForward, PipelineResult, Role
+from blocktrain.protocol import PipelineForward, PipelineResult
 
+from .services import PeerServices, PeerUnreachable
 from .tensors import from_wire, to_wire
 
-MODES = ("blocktrain", "autoregressive")
+MODES = ("blocktrain", "autoregressive", "reference")
 SESSION_IDLE_S = 60.0  # a KV cache unused this long is freed
+# KV caches one hop holds at once: each is a few MiB for the default model and 256 bytes.
+MAX_SESSIONS = 64
+# Seconds the last hop waits for the client's own connection to register (it dialled us at once).
+CLIENT_WAIT_S = 5.0
 
 
 class PipelineError(Exception):
-    """A request could not be served; the message names the hop or block that failed."""
+    """A request could not be served; ``block`` and ``hop`` say where (None: the chain as a whole)."""
+
+    def __init__(self, msg: str, block: int | None = None, hop: int | None = None):
+        super().__init__(msg)
+        self.block, self.hop = block, hop
 
 
 @dataclass
 class ServedBlocks:
-    """What one serving peer holds: BlockTrain block k and/or block k of the end-to-end model."""
-    blocktrain: dict = field(default_factory=dict)  # block index -> Block (with head if last)
-    autoregressive: dict = field(default_factory=dict)  # block index -> Block of the end-to-end model
+    """What one serving peer holds: BlockTrain blocks (with their heads) and/or blocks of the
+    end-to-end reference."""
+    blocktrain: dict = field(default_factory=dict)  # block index -> Block
+    reference: dict = field(default_factory=dict)  # block index -> Block of the end-to-end model
+
+    def held(self, mode: str) -> dict:
+        return self.reference if mode == "reference" else self.blocktrain
 
 
 class PipelineServer:
-    def __init__(self, peer, served: ServedBlocks):
+    def __init__(self, peer: PeerServices, served: ServedBlocks):
         self.peer, self.served = peer, served
-        self.sessions: dict[tuple, dict] = {}
-        peer.on(PipelineForward, self.handle)
+        self.sessions: collections.OrderedDict[tuple, dict] = collections.OrderedDict()
         self.served_requests = 0
+        peer.on(PipelineForward, self.handle)
+        peer.report_section("serving", lambda: {"requests": self.served_requests, "sessions": len(self.sessions),
+                                                "blocks": sorted(self.served.blocktrain),
+                                                "reference_blocks": sorted(self.served.reference)})
+
+    def _session(self, client: str, meta: dict, layers: int) -> dict:
+        key = (client, meta["session"])
+        sess = self.sessions.pop(key, None)
+        if sess is None:
+            if meta.get("pos", 0) != 0:
+                raise PipelineError("session unknown here (expired, or this hop restarted): start it again")
+            sess = {"caches": [{} for _ in range(layers)]}
+        sess["used"] = time.monotonic()
+        self.sessions[key] = sess
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+        return sess
 
     def _compute(self, mode: str, k: int, x: torch.Tensor, meta: dict, client: str):
+        b: Block = self.served.held(mode)[k]
         with torch.no_grad():
             if mode == "blocktrain":
-                b: Block = self.served.blocktrain[k]
                 h = b.trunk(x)
                 if k == b.cfg.n_blocks - 1:
                     p = meta["prompt_len"]
                     return b.logits(h)[:, p - 1:].argmax(-1).to(torch.uint8), True
                 return h, False
-            b = self.served.autoregressive[k]
-            key = (client, meta["session"])
-            sess = self.sessions.setdefault(key, {"caches": [{} for _ in b.layers], "used": 0.0})
-            sess["used"] = time.monotonic()
+            sess = self._session(client, meta, len(b.layers))
             pos = meta["pos"]
-            if b.is_first:
-                h = b.tok(x) + b.pos(torch.arange(pos, pos + x.shape[1]))[None]
-            else:
-                h = x
+            h = b.embed(x, start=pos) if b.is_first else x
             for layer, cache in zip(b.layers, sess["caches"]):
                 h = layer(h, cache)
             if meta.get("end"):
-                self.sessions.pop(key, None)
-            if b.head is not None:
+                self.sessions.pop((client, meta["session"]), None)
+            if b.head is not None and k == b.cfg.n_blocks - 1:
                 return b.logits(h)[:, -1:].argmax(-1).to(torch.uint8), True
             return h, False
 
@@ -84,153 +112,123 @@ class PipelineServer:
     async def handle(self, msg: PipelineForward, pc, pid):
         meta = dict(msg.meta)
         client = meta.get("reply_to", pid)
+        k = _block_at(meta, msg.hop)
         try:
-            mode, k = meta["mode"], meta["blocks"][msg.hop]
+            mode = meta.get("mode")
             if mode not in MODES:
-                raise PipelineError(f"unknown mode {mode!r}")
-            held = self.served.blocktrain if mode == "blocktrain" else self.served.autoregressive
-            if k not in held:
-                raise PipelineError(f"peer {self.peer.addr} does not serve block {k + 1} ({mode})")
-            x = from_wire(msg.tensors[0])
-            if x.dtype in (torch.bfloat16, torch.float16):
-                x = x.float()
-            elif x.dtype in (torch.int16, torch.int32, torch.uint8):
-                x = x.long()
+                raise PipelineError(f"unknown mode {mode!r}", k, msg.hop)
+            if not isinstance(k, int) or k not in self.served.held(mode):
+                raise PipelineError(f"peer {self.peer.addr} does not serve block {k} ({mode})", k, msg.hop)
+            x = _input(msg, self.served.held(mode)[k])
             t0 = time.perf_counter()
             out, last = await asyncio.to_thread(self._compute, mode, k, x, meta, client)
-            meta["compute_s"] = meta.get("compute_s", 0.0) + time.perf_counter() - t0
+            meta["compute_s"] = float(meta.get("compute_s", 0.0)) + time.perf_counter() - t0
             self._expire()
             self.served_requests += 1
             if last:
-                reply = self.peer.clients.get(client)
-                if reply is None:
-                    raise PipelineError(f"client {client[:12]} is not connected to the last hop {self.peer.addr}")
-                reply.send_nowait(PipelineResult(request_id=msg.request_id, tensors=(to_wire("bytes", out),),
-                                                 meta=meta))
+                reply = await self._client(client)
+                reply.send_nowait(PipelineResult(request_id=msg.request_id, tensors=(to_wire("bytes", out),), meta=meta))
                 return
-            nxt_block = meta["blocks"][msg.hop + 1]
+            nxt_block = _block_at(meta, msg.hop + 1)
             try:
-                nxt = await self.peer.connection_to(msg.route[msg.hop + 1])
-            except ConnectionError as e:
-                raise _Unreachable(nxt_block, f"block {nxt_block + 1} at {msg.route[msg.hop + 1]} is unreachable: {e}")
+                nxt = await self.peer.connection(msg.route[msg.hop + 1])
+            except (PeerUnreachable, IndexError) as e:
+                raise PipelineError(f"block {nxt_block} is unreachable: {e}", nxt_block, msg.hop + 1) from None
             nxt.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route, hop=msg.hop + 1,
                                             tensors=(to_wire("x", out, meta.get("codec", "bf16"), "never"),),
                                             meta=meta))
         except (PipelineError, ConnectionError, KeyError, IndexError, ValueError, TypeError) as e:
-            failed = e.block if isinstance(e, _Unreachable) else _block_at(meta, msg.hop)
-            reply = self.peer.clients.get(client)
-            if reply is not None and not reply.closed.done():  # else the client's timeout reports it
+            failed = e.block if isinstance(e, PipelineError) else k
+            hop = e.hop if isinstance(e, PipelineError) and e.hop is not None else msg.hop
+            reply = self.peer.client_connection(client)
+            if reply is not None:  # else the client's timeout reports it
+                try:
+                    reply.send_nowait(PipelineResult(request_id=msg.request_id, tensors=(),
+                                                     meta={"error": str(e)[:1000], "hop": hop, "block": failed}))
+                except ConnectionError:
+                    pass
+
+    async def _client(self, client: str):
+        if not await self.peer.wait_for(lambda: self.peer.client_connection(client) is not None, CLIENT_WAIT_S):
+            raise PipelineError(f"client {client[:12]} is not connected to the last hop {self.peer.addr}")
+        return self.peer.client_connection(client)
+
+
+def refuse_requests(peer: PeerServices):
+    """For a peer that serves nothing: every request is answered with an error at once."""
+    async def handler(msg: PipelineForward, pc, pid):
+        meta = msg.meta
+        client = meta.get("reply_to", pid)
+        reply = peer.client_connection(client) if isinstance(client, str) else None
+        if reply is not None:
+            try:
                 reply.send_nowait(PipelineResult(request_id=msg.request_id, tensors=(),
-                                                 meta={"error": str(e), "hop": msg.hop, "block": failed}))
+                                                 meta={"error": f"peer {peer.addr} serves no blocks",
+                                                       "hop": msg.hop, "block": _block_at(meta, msg.hop)}))
+            except ConnectionError:
+                pass
+    peer.on(PipelineForward, handler)
 
 
-class _Unreachable(PipelineError):
-    def __init__(self, block: int, msg: str):
-        super().__init__(msg)
-        self.block = block
+def _input(msg: PipelineForward, b: Block) -> torch.Tensor:
+    if len(msg.tensors) != 1:
+        raise PipelineError("expected one input tensor")
+    x = from_wire(msg.tensors[0])
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
+    elif x.dtype in (torch.int16, torch.int32, torch.uint8):
+        x = x.long()
+    if x.dim() != (2 if b.is_first else 3) or x.shape[0] != 1:
+        raise PipelineError(f"input of shape {tuple(x.shape)} does not fit block {b.index}")
+    if b.is_first and (x.min() < 0 or x.max() > MASK_ID):
+        raise PipelineError("input ids outside 0..256")
+    if not b.is_first and (x.shape[-1] != b.cfg.d_model or x.dtype != torch.float32):
+        raise PipelineError(f"hidden states of width {x.shape[-1]}, block {b.index} takes {b.cfg.d_model}")
+    return x
 
 
 def _block_at(meta: dict, hop: int):
     blocks = meta.get("blocks")
-    return blocks[hop] if isinstance(blocks, list) and 0 <= hop < len(blocks) else None
+    if isinstance(blocks, list) and type(hop) is int and 0 <= hop < len(blocks) and type(blocks[hop]) is int:
+        return blocks[hop]
+    return None
 
 
-class PipelineClient:
-    """Sends requests into a chain of serving peers and collects the answers.
+class ServeError(Exception):
+    """What a serving peer was told to serve is not there (the message names the file and mode)."""
 
-    ``route``: the hops' addresses, ``blocks``: the block each hop serves. The client keeps a
-    connection to the first hop (requests) and the last (answers).
-    """
 
-    def __init__(self, identity, swarm_key, route: list[str], blocks: list[int], timeouts=None, link=None,
-                 codec: str = "bf16", timeout_s: float = 30.0):
-        from .transport import Timeouts
+def load_served(blocks, checkpoints: str | Path | None = None, reference: str | Path | None = None) -> ServedBlocks:
+    """Blocks ``blocks`` of a trained model: BlockTrain blocks from ``checkpoints`` (blocktrain and
+    autoregressive modes) and, optionally, the end-to-end reference from ``reference``."""
+    from blocktrain.blocks import checkpoint as ckpt
+    from blocktrain.blocks.model import ModelConfig
 
-        self.identity, self.swarm_key = identity, swarm_key
-        self.route, self.blocks = list(route), list(blocks)
-        self.timeouts = timeouts or Timeouts()
-        self.link = link
-        self.codec = codec
-        self.timeout_s = timeout_s
-        self.conns: dict[str, object] = {}
-        self.pending: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
-        self._readers: list[asyncio.Task] = []
-        from blocktrain.p2p.identity import peer_id
-        self.id = peer_id(identity)
-
-    async def connect(self):
-        from blocktrain.protocol import Connection
-
-        from .transport import open_connection
-        for addr in {self.route[0], self.route[-1]}:
-            host, _, port = addr.rpartition(":")
-            conn = Connection(Role.INITIATOR, self.identity, self.swarm_key,
-                              info={"addr": "", "blocks": [], "role": "client"})
-            pc = await open_connection(host, int(port), conn, self.timeouts, self.link, name=addr)
-            self.conns[addr] = pc
-            self._readers.append(asyncio.get_running_loop().create_task(self._read(pc, addr)))
-        await asyncio.sleep(0.05)  # let the peers register us before the first answer is due
-
-    async def _read(self, pc, addr):
-        while True:
-            m = await pc.recv()
-            if isinstance(m, ConnectionClosed):
-                for f in self.pending.values():
-                    if not f.done():
-                        f.set_exception(PipelineError(f"hop {addr} closed the connection: {m.reason}"))
-                return
-            if isinstance(m, PipelineResult):
-                f = self.pending.pop(m.request_id, None)
-                if f is not None and not f.done():
-                    f.set_result(m)
-
-    async def close(self):
-        for pc in self.conns.values():
-            await pc.close("done")
-        for t in self._readers:
-            t.cancel()
-        await asyncio.gather(*self._readers, return_exceptions=True)
-
-    async def _request(self, x: torch.Tensor, meta: dict, codec: str) -> PipelineResult:
-        rid = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self.pending[rid] = fut
-        meta = {**meta, "blocks": self.blocks, "reply_to": self.id, "codec": self.codec}
-        self.conns[self.route[0]].send_nowait(PipelineForward(
-            request_id=rid, route=self.route, hop=0, tensors=(to_wire("x", x, codec, "never"),), meta=meta))
-        try:
-            res = await asyncio.wait_for(fut, self.timeout_s)
-        except asyncio.TimeoutError:
-            self.pending.pop(rid, None)
-            raise PipelineError(f"no answer within {self.timeout_s}s from the chain {self.route} "
-                                f"(blocks {[b + 1 for b in self.blocks]})") from None
-        if "error" in res.meta:
-            b = res.meta.get("block")
-            raise PipelineError(f"{'block ' + str(b + 1) if isinstance(b, int) else 'the chain'} failed "
-                                f"(reported by hop {res.meta.get('hop')}): {res.meta['error']}")
-        return res
-
-    async def generate_blocktrain(self, prompt: bytes, n: int) -> tuple[bytes, dict]:
-        """N bytes from one traversal of the chain."""
-        ids = torch.tensor([list(prompt) + [MASK_ID] * (n - 1)], dtype=torch.int16)  # 257 ids: 2 bytes each
-        t0 = time.perf_counter()
-        res = await self._request(ids, {"mode": "blocktrain", "prompt_len": len(prompt), "n": n}, "raw")
-        out = bytes(from_wire(res.tensors[0])[0].tolist())
-        return out, {"seconds": time.perf_counter() - t0, "traversals": 1, "compute_s": res.meta["compute_s"]}
-
-    async def generate_autoregressive(self, prompt: bytes, n: int) -> tuple[bytes, dict]:
-        """N bytes, one traversal each, KV caches on the peers (the prompt is sent once)."""
-        session = next(self._ids)
-        t0 = time.perf_counter()
-        x = torch.tensor([list(prompt)], dtype=torch.int16)
-        pos, out, compute = 0, [], 0.0
-        for i in range(n):
-            res = await self._request(x, {"mode": "autoregressive", "session": session, "pos": pos, "n": 1,
-                                          "prompt_len": len(prompt), "end": i == n - 1}, "raw")
-            compute += res.meta["compute_s"]
-            b = int(from_wire(res.tensors[0]).reshape(-1)[0])
-            out.append(b)
-            pos += x.shape[1]
-            x = torch.tensor([[b]], dtype=torch.int16)
-        return bytes(out), {"seconds": time.perf_counter() - t0, "traversals": n, "compute_s": compute}
+    if not checkpoints and not reference:
+        raise ServeError("nothing to serve: give --checkpoints DIR (bt-train's OUT/checkpoints, or bt-peer "
+                         "assemble's OUT) and/or --reference DIR (bt-train's OUT/reference)")
+    served = ServedBlocks()
+    for directory, target, mode in ((checkpoints, served.blocktrain, "blocktrain and autoregressive"),
+                                    (reference, served.reference, "reference")):
+        if not directory:
+            continue
+        for k in blocks:
+            path = ckpt.block_path(directory, k)
+            if not path.exists():
+                raise ServeError(f"{path} is missing: block {k} cannot be served in {mode} mode "
+                                 f"(found: {sorted(p.name for p in ckpt.block_files(directory).values()) or 'none'})")
+            try:
+                c = ckpt.load(path)
+            except ckpt.CheckpointError as e:
+                raise ServeError(str(e)) from None
+            cfg = ModelConfig.from_dict(c.config)
+            if c.block != k or k >= cfg.n_blocks:
+                raise ServeError(f"{path} holds block {c.block} of a {cfg.n_blocks}-block model, not block {k}")
+            b = Block(cfg, k, with_head=(k == cfg.n_blocks - 1) if target is served.reference else True)
+            try:
+                b.load_state_dict(c.tensors)
+            except RuntimeError as e:
+                raise ServeError(f"{path}: its tensors do not fit the model config: {e}") from None
+            b.eval()
+            target[k] = b
+    return served

@@ -1,444 +1,725 @@
-"""Swarm training of one block: local steps, and every H steps a DiLoCo-style outer step
-averaged with the other peers on the same block.
+"""Swarm training: peers train the model's blocks together, averaging over the protocol.
 
 Rules:
-- The pseudo-gradient of a round is (parameters at the round's start) - (parameters now). It is
-  averaged over the group (``Averager``), then the outer optimizer moves the round's start point
-  (SGD or Nesterov); everyone in the group ends the round with the same parameters.
-- A round that fails (coverage below the threshold) changes nothing and keeps the round's start:
-  the next round's pseudo-gradient spans both rounds, so peers that shared a start share the
-  next one again. It is reported, never hidden.
-- The group of round r is this peer and every live member on the same block that agreed with us
-  to average from a round <= r. Agreeing is a handshake over BLOCK_UPDATE control phases: a
-  joiner sends ``join`` for round r to every member; a member that has not yet begun round r
-  answers ``welcome``, one that has answers ``late`` and the joiner catches up again, one that
-  is not training (still waiting for its lower blocks, or finished) answers ``absent``.
-- A joiner (or a restarted peer whose group moved on) first pulls the block's latest checkpoint
-  (kind ``checkpoint``: parameters, AdamW state, outer momentum, step) from a member, verified,
-  and starts from it. Checkpoints are written after every applied round, so they hold the
-  group's common start point.
-- Block k's input handoff: the parameters of blocks 0..k-1 (kind ``lower-checkpoint``, written
-  beside the full checkpoint) are pulled from their holders before training and, at every round
-  boundary, again if they changed (``sequential``: only the final ones).
+- Schedules. ``relay`` (the default): every training peer works on the lowest unfinished block as a
+  data-parallel replica; after ``steps`` steps the block is final, every peer keeps its parameters
+  as a frozen lower block, drops its optimizer state and moves on to the next block, which starts
+  as the identity with the head of the block below (blocks/train.py). A peer ends holding every
+  block; it serves and reports its own ``--block``. ``parallel``: each peer trains its own block
+  from the start, on the newest checkpoints of the blocks below, pulled from their holders.
+- Rounds. A round is ``every`` steps of the block in work (relay: steps are counted across
+  blocks). Rounds are numbered by attempt: a failed round still uses up its number, so members
+  never mistake a retry for the attempt before it.
+  ``sync="grads"``: every round is one step whose gradients are averaged before the optimizer step,
+  so every member takes the same step (the optimization of one worker on the group's batches).
+  ``sync="params"``: DiLoCo; ``every`` local steps, then the pseudo-gradient (round start - now) is
+  averaged and the outer optimizer moves the round's start point.
+- A round's group is fixed when it begins (group.py), and its identity covers its number and the
+  digest of its start point, so members that diverged never average together unnoticed.
+- A round that fails (coverage below the threshold) changes nothing: grads, no step; params, the
+  round's start point is kept.
+- Joining: ``Group`` decides (group.py). A joiner admitted at round ``at`` takes the group's state
+  after ``at``: every member writes it as ``checkpoint/block{b}.r{at}`` (the same bytes on every
+  member under ``grads``, so a fetch resumes across them) and the sponsor says READY; with it come
+  the final parameters of the blocks below (relay: ``lower-checkpoint/block{j}`` of any member).
+- Restart: a peer restarted with its work directory resumes from its newest checkpoint, and joins
+  the group (taking the group's state) if one is training.
+- Memory: one block's gradients and optimizer state at a time; lower blocks run forward only.
 - Training steps run off the event loop, so heartbeats and streams go on meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import math
+import resource
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.lower import LowerInputs
 from blocktrain.protocol import BlockUpdate, ProtocolError
 
 from .averaging import Averager, OuterOptimizer, RoundFailed, flatten, unflatten_
-from .checkpoints import CheckpointFetcher, CheckpointServer, FetchError
+from .checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, CheckpointServer, FetchError, holders
+from .group import Decision, Group, Phase, Send
+from .services import PeerServices, PeerUnreachable
 
 log = logging.getLogger("blocktrain.p2p")
 
-SCHEDULES = ("staggered", "parallel", "sequential")
+SCHEDULES = ("relay", "parallel")
+SYNCS = ("grads", "params")
 OUTER_MOMENTUM = "outer.momentum"  # the outer optimizer's buffer, in the checkpoint's optimizer state
+# Rounds kept in full in the report (the others are summed up); anomalies are always kept.
+REPORT_ROUNDS = 200
+# A peer outside our group is told our group's status at most this often (rule 6 of group.py).
+STATUS_EVERY_S = 5.0
+# Seconds between checkpoints of the block in training (and at every block's end).
+SAVE_EVERY_S = 30.0
 
 
 @dataclass
 class SwarmConfig:
-    every: int = 25  # local steps per round (H)
+    schedule: str = "relay"  # relay | parallel (see the module's rules)
+    sync: str = "grads"  # grads: average gradients every step; params: DiLoCo every `every` steps
+    every: int = 0  # local steps per round; 0 = the sync's default (grads 1, params 25)
     codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8 (with error feedback)
-    outer: str = "sgd"  # sgd | nesterov
+    outer: str = "sgd"  # params only: sgd | nesterov
     outer_lr: float = 1.0  # with sgd and momentum 0: the plain average of the workers' parameters
     outer_momentum: float = 0.0
     min_coverage: float = 1.0
     max_norm: float = 1e4  # bound on an incoming part's L2 norm
     round_timeout_s: float = 120.0
-    schedule: str = "parallel"  # how block k's lower blocks are refreshed (see module doc)
-    join_timeout_s: float = 10.0
-    lower_timeout_s: float = 3600.0  # how long to wait for the lower blocks' checkpoints
+    join_timeout_s: float = 10.0  # waiting for the answers to a JOIN
+    ready_timeout_s: float = 300.0  # waiting for the group's state after our admission
+    lower_timeout_s: float = 3600.0  # parallel: waiting for the lower blocks' checkpoints
     eval_windows: int = 16  # valid windows for the CE at start and end (CE per GB)
-    min_group: int = 1  # wait until this many peers (us included) agreed to train the block together
+    min_group: int = 1  # start only once this many peers (us included) start together or a group exists
+    margin: int = 2  # rounds between a joiner's admission and its first round
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"swarm schedule {self.schedule!r}: expected one of {SCHEDULES}")
+        if self.sync not in SYNCS:
+            raise ValueError(f"swarm sync {self.sync!r}: expected one of {SYNCS}")
         if self.outer not in ("sgd", "nesterov"):
             raise ValueError(f"outer optimizer {self.outer!r}: expected sgd or nesterov")
-        if self.every < 1:
-            raise ValueError("every must be at least 1 local step")
+        if self.every < 0:
+            raise ValueError("every must be >= 1 local step (0: the default)")
+        if self.sync == "grads" and self.every not in (0, 1):
+            raise ValueError("sync=grads averages every step: every must be 1")
+        if self.margin < 1 or self.min_group < 1:
+            raise ValueError("margin and min_group must be >= 1")
+        if not 0 <= self.min_coverage <= 1:
+            raise ValueError("min_coverage must be in [0, 1]")
+
+    @property
+    def steps_per_round(self) -> int:
+        return self.every or (1 if self.sync == "grads" else 25)
 
     def outer_optimizer(self) -> OuterOptimizer:
         return OuterOptimizer(self.outer_lr, self.outer_momentum, self.outer == "nesterov")
 
 
+class SwarmError(Exception):
+    """Training in the swarm cannot go on (a timeout waiting for blocks or a group)."""
+
+
+def digest(t: torch.Tensor) -> str:
+    """A digest of a start point (crc32 of its float32 bytes): cheap, for divergence, not security."""
+    return f"{zlib.crc32(t.detach().float().contiguous().numpy()):08x}"
+
+
 @dataclass
-class SwarmReport:
-    rounds: list = field(default_factory=list)  # per round: coverage, members, departed, seconds, bytes
-    failed: list = field(default_factory=list)  # per failed round: the reason
-    losses: list = field(default_factory=list)
-    catch_up: list = field(default_factory=list)  # checkpoints pulled to join: from, step
-    lower: list = field(default_factory=list)  # lower-block refreshes: step, lower steps
+class _Stats:
+    rounds: list = field(default_factory=list)  # the last REPORT_ROUNDS rounds, and every anomaly
+    applied: int = 0
+    failed: list = field(default_factory=list)
+    coverage_min: float = 1.0
+    averaging_s: float = 0.0
+    bytes_sent: int = 0
+    losses: list = field(default_factory=list)  # (global step, loss), every 10th step
+    joins: list = field(default_factory=list)  # joining the group: how, from which round, bytes
+    lower: list = field(default_factory=list)  # parallel: lower-block refreshes
+    phases: list = field(default_factory=list)  # relay: which block when
 
 
-class SwarmBlockTrainer:
-    """Trains ``trainer``'s block in the group of peers on that block."""
+class SwarmTrainer:
+    """Everything a training peer runs beside its peer: the block trainer of the block in work,
+    its group and averaging, checkpoints served and fetched, and the training report."""
 
-    def __init__(self, peer, trainer, averager: Averager, every: int = 50, outer: OuterOptimizer | None = None):
-        self.peer, self.trainer, self.averager = peer, trainer, averager
-        self.every = every
-        self.outer = outer or OuterOptimizer()
-        self.report = SwarmReport()
-        self.params = list(trainer.block.parameters())
-        self.joined: dict[str, int] = {}  # member -> first round we average with it
-        self.begun = 0  # the last round whose group we fixed
-        self._replies: dict[str, asyncio.Future] = {}
-        self.accepting = False  # whether we answer joins with welcome: from our own join to our end
-        self.absent: set[str] = set()  # members that did not answer our join, or were not training
-        averager.on_control = self._control
-
-    # --- the group ---------------------------------------------------------------------------
-    def candidates(self) -> dict[str, str]:
-        """Live training members on our block (peer id -> address), but none that excluded us
-        or that we excluded."""
-        k, av = self.trainer.k, self.averager
-        return {pid: m.info.addr for pid, m in self.peer.members.items()
-                if m.state == "alive" and k in m.info.blocks and m.info.role == "train"
-                and pid not in av.banned and pid not in av.shunned}
-
-    def group(self, rnd: int | None = None) -> dict[str, str]:
-        g = {self.peer.id: self.peer.addr}
-        for pid, addr in self.candidates().items():
-            if rnd is None or self.joined.get(pid, math.inf) <= rnd:
-                g[pid] = addr
-        return g
-
-    def _control(self, msg: BlockUpdate, pc, pid: str):
-        phase = msg.meta.get("phase")
-        if phase == "join":
-            self.absent.discard(pid)
-            if not self.accepting:  # not training (yet): it must not wait for us
-                reply = BlockUpdate(block=msg.block, round=msg.round, meta={"phase": "absent"})
-            elif msg.round > self.begun:
-                self.joined[pid] = msg.round
-                reply = BlockUpdate(block=msg.block, round=msg.round, meta={"phase": "welcome"})
-                log.info("block %d: %s joins from round %d", msg.block, pid[:12], msg.round)
-            else:
-                reply = BlockUpdate(block=msg.block, round=self.begun, meta={"phase": "late"})
-            try:
-                pc.send_nowait(reply)
-            except (ConnectionError, ProtocolError):
-                pass
-        elif phase in ("welcome", "late", "absent"):
-            fut = self._replies.get(pid)
-            if fut is not None and not fut.done():
-                fut.set_result((phase, msg.round))
-
-    async def join_group(self, rnd: int, timeout_s: float = 10.0, only_new: bool = False) -> list[str]:
-        """Agree with every current member (``only_new``: those we have no agreement with) to
-        average from round ``rnd``; the members that answered ``late`` (they already began it)."""
-        late = []
-        self.accepting = True
-        members = {pid: a for pid, a in self.candidates().items()
-                   if not only_new or (pid not in self.joined and pid not in self.absent)}
-        loop = asyncio.get_running_loop()
-        self._replies = {pid: loop.create_future() for pid in members}
-        for pid, addr in members.items():
-            try:
-                pc = await self.peer.connection_to(addr)
-                pc.send_nowait(BlockUpdate(block=self.trainer.k, round=rnd, meta={"phase": "join"}))
-            except (ConnectionError, ProtocolError) as e:
-                self._replies[pid].set_result(("unreachable", str(e)))
-        done, _ = await asyncio.wait(self._replies.values(), timeout=timeout_s) if members else (set(), set())
-        for pid, fut in self._replies.items():
-            if fut not in done:
-                log.info("block %d: %s did not answer our join", self.trainer.k, pid[:12])
-                self.absent.add(pid)
-                continue
-            phase, _ = fut.result()
-            if phase == "welcome":
-                self.joined[pid] = rnd
-                self.absent.discard(pid)
-            elif phase == "late":
-                late.append(pid)
-            else:  # absent or unreachable: it will ask us itself once it trains
-                self.absent.add(pid)
-        self._replies = {}
-        return late
-
-    async def _repair(self, rnd: int):
-        """Views of the group can differ (a join answered ``late`` by some members and
-        ``welcome`` by others): after every round, agree again with the members we have no
-        agreement with, from the next round; those that were absent ask us themselves."""
-        if any(pid not in self.joined and pid not in self.absent for pid in self.candidates()):
-            await self.join_group(rnd, timeout_s=2.0, only_new=True)
-
-    # --- training ----------------------------------------------------------------------------
-    def round_of(self, step: int) -> int:
-        return -(-step // self.every)
-
-    async def run(self, steps: int, on_round=None, before_round=None) -> SwarmReport:
-        """Train to ``steps`` local steps. ``before_round()`` runs (awaited) at every round start
-        (lower-block refresh); ``on_round(applied)`` after every round (checkpoint)."""
-        start = flatten(self.params)
-        self.accepting = True
-        while self.trainer.step < steps:
-            if before_round is not None and self.trainer.step % self.every == 0:
-                await before_round()
-            loss = await asyncio.to_thread(self.trainer.train_step)
-            self.report.losses.append(loss)
-            if self.trainer.step % self.every and self.trainer.step < steps:
-                continue
-            rnd = self.round_of(self.trainer.step)
-            self.begun = rnd
-            group = self.group(rnd)
-            pseudo_grad = start - flatten(self.params)
-            if len(group) == 1:
-                avg, rep = pseudo_grad, None
-            else:
-                try:
-                    avg, rep = await self.averager.average(rnd, pseudo_grad, group)
-                except RoundFailed as e:
-                    log.warning("%s; keeping the round's start point", e)
-                    self.report.failed.append({"round": rnd, "step": self.trainer.step, "reason": str(e)})
-                    if on_round is not None:
-                        await on_round(False)
-                    await self._repair(rnd + 1)
-                    continue
-            new = self.outer.step(start, avg)
-            unflatten_(self.params, new)
-            start = new
-            self.report.rounds.append({
-                "round": rnd, "step": self.trainer.step, "loss": loss,
-                "members": rep.members if rep else [self.peer.id], "coverage": rep.coverage if rep else 1.0,
-                "departed": rep.departed if rep else [], "rejected": rep.rejected if rep else [],
-                "seconds": round(rep.seconds, 4) if rep else 0.0, "bytes_sent": rep.bytes_sent if rep else 0})
-            if on_round is not None:
-                await on_round(True)
-            await self._repair(rnd + 1)
-        self.accepting = False
-        return self.report
-
-
-# ---------------------------------------------------------------------------------------------
-# A peer that trains one block in the swarm (``bt-peer join --block K``)
-
-
-class SwarmPeer:
-    """Everything a training peer runs beside its ``Peer``: the block trainer and its group,
-    checkpoints served and fetched, the lower blocks' handoff, and the training report."""
-
-    def __init__(self, peer, k: int, mcfg, tcfg, scfg: SwarmConfig, workdir: str | Path, data: torch.Tensor,
-                 valid: torch.Tensor, shard: tuple[int, int] | None = None, progress=None):
-        from blocktrain.blocks.schedule import make_plans
-        from blocktrain.blocks.train import BlockTrainer
-
+    def __init__(self, peer: PeerServices, k: int, mcfg, tcfg, scfg: SwarmConfig, workdir: str | Path,
+                 data: torch.Tensor, valid: torch.Tensor, shard: tuple[int, int] | None = None, progress=None):
         self.peer, self.k, self.mcfg, self.tcfg, self.scfg = peer, k, mcfg, tcfg, scfg
+        self.K, self.S, self.H = mcfg.n_blocks, tcfg.steps, scfg.steps_per_round
+        if self.S % self.H:
+            raise ValueError(f"{self.S} steps per block do not split into rounds of {self.H} steps")
         self.dir = Path(workdir)
-        self.valid = valid
+        self.data, self.valid, self.shard = data, valid, shard
         self.progress = progress or (lambda s: None)
-        self.trainer = BlockTrainer(mcfg, tcfg, k, data, shard=shard[0] if shard else 0,
-                                    num_shards=shard[1] if shard else 1)  # the same initial block on every peer
-        if shard is None:  # no shard given: this peer's own stream of random windows over all the data
-            from blocktrain.blocks.data import ByteBatches
-            self.trainer.batches = ByteBatches(data, tcfg.batch_size, tcfg.seq_len, seed=int(peer.id[:8], 16))
-        plans = make_plans("parallel" if scfg.schedule == "sequential" else scfg.schedule, mcfg.n_blocks, tcfg.steps,
-                           tcfg.decay_frac)
-        self.trainer.lr_plan = (plans[k].decay_start, plans[k].decay_end)
+        self.relay = scfg.schedule == "relay"
+        self.scope = "relay" if self.relay else f"block:{k}"
+        self.plan = list(range(self.K)) if self.relay else [k]  # the blocks this peer trains, in order
+        self.block = self.plan[0]  # the block in work
+        self.gstep = 0  # global steps done (relay: across blocks)
+        self.rnd = 0  # the last round attempted
+        self.trainer = None
+        self.finals: dict[int, dict] = {}  # relay: block -> final parameters
+        self.lower = LowerInputs(k, require_final=False) if not self.relay else None
+        self.lower_cache: dict[int, tuple] = {}  # parallel: block -> (checkpoint, size, sha) fetched
+        self.outer = scfg.outer_optimizer()
+        self.group = Group(peer.id, margin=scfg.margin)
+        self.averager = Averager(peer, k, codec=scfg.codec, min_coverage=scfg.min_coverage,
+                                 max_norm=scfg.max_norm, timeout_s=scfg.round_timeout_s)
+        self.averager.on_control = self._control
         self.server = CheckpointServer(peer, self.dir / "serve")
         self.fetcher = CheckpointFetcher(peer)
-        self.averager = Averager(peer, k, codec=scfg.codec, min_coverage=scfg.min_coverage, max_norm=scfg.max_norm,
-                                 timeout_s=scfg.round_timeout_s)
-        self.swarm = SwarmBlockTrainer(peer, self.trainer, self.averager, every=scfg.every,
-                                       outer=scfg.outer_optimizer())
-        self.lower_cache: dict[int, _Lower] = {}  # block -> the newest copy fetched
-        self.lower_in_use: dict[int, bytes] = {}  # block -> sha256 of the copy the trainer uses
+        self.stats = _Stats()
         self.state = "starting"
-        self.ce = {}
-        self.saved_step: int | None = None  # step of the checkpoint this run last wrote
-        peer.report_extra["training"] = self.training_report
+        self.ce: dict = {}
+        self.busy_s = 0.0
+        self.last_loss = float("nan")
+        self.t_start: float | None = None
+        self.t_end: float | None = None
+        self.memory = {"grad_optimizer_bytes": 0}
+        self._ready: dict[int, tuple] = {}  # round -> (sponsor, name) of the state we may fetch
+        self._status_sent: dict[str, float] = {}
+        self._rejoin = False
+        self._last_save = time.monotonic()
+        peer.report_section("training", self.training_report)
+        peer.report_section("work", self.work_status)
+        peer.on_membership(self._membership)
+
+    # --- where we are ------------------------------------------------------------------------------
+    def block_at(self, gstep: int) -> int:
+        return self.plan[min(gstep // self.S, len(self.plan) - 1)] if self.relay else self.k
 
     @property
-    def own_path(self) -> Path:
-        return self.dir / "serve" / "checkpoint" / f"block{self.k}.safetensors"
+    def total_steps(self) -> int:
+        return self.S * len(self.plan)
 
-    def _holders(self, j: int) -> list[str]:
-        return [m.info.addr for pid, m in sorted(self.peer.members.items())
-                if m.state == "alive" and j in m.info.blocks and m.info.role == "train"]
+    def params(self) -> list:
+        return list(self.trainer.block.parameters())
 
-    # --- checkpoints -------------------------------------------------------------------------
-    def _restore(self, c: ckpt.Checkpoint, source: str):
+    def work_status(self) -> dict:
+        """What this peer works on now (bt-peer status, the report)."""
+        return {"holds": self.k, "training_block": self.block if self.state == "training" else None,
+                "state": self.state, "schedule": self.scfg.schedule, "step": self.gstep,
+                "steps": self.total_steps, "round": self.group.round, "group": self.group.members()}
+
+    def _say(self, text: str):
+        self.progress(text)
+
+    # --- trainers --------------------------------------------------------------------------------
+    def _new_trainer(self, b: int):
+        from blocktrain.blocks.data import ByteBatches
+        from blocktrain.blocks.train import BlockTrainer
+
+        old = self.trainer
+        self.trainer = None  # one block's optimizer at a time: the old one goes first
+        tr = BlockTrainer(self.mcfg, self.tcfg, b, self.data, shard=self.shard[0] if self.shard else 0,
+                          num_shards=self.shard[1] if self.shard else 1)
+        if self.shard is None:  # this peer's own stream of random windows over all the data
+            tr.batches = ByteBatches(self.data, self.tcfg.batch_size, self.tcfg.seq_len, seed=_seed(self.peer.id, b))
+        if b > 0 and self.relay:
+            tr.set_lower([self.finals[j] for j in range(b)], [self.S] * b)
+            if old is not None and old.k == b - 1:
+                tr.init_from_below(old.block)  # identity start: the head of the block below
+        self.trainer = tr
+        self.block = b
+        self.outer = self.scfg.outer_optimizer()
+        self.memory["grad_optimizer_bytes"] = max(self.memory["grad_optimizer_bytes"], _grad_opt_bytes(tr))
+
+    def _finish_block(self):
+        """Relay: the block in work is final; keep its parameters, drop its optimizer."""
+        b = self.block
+        self.finals[b] = {n: t.detach().clone() for n, t in self.trainer.block.state_dict().items()}
+        self._save(final=True)
+        self.stats.phases[-1]["end_step"] = self.gstep
+        self.stats.phases[-1]["ended"] = time.time()
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def _checkpoint(self, final: bool) -> ckpt.Checkpoint:
+        c = self.trainer.checkpoint()
+        if self.outer._buf is not None:
+            c.optim[OUTER_MOMENTUM] = self.outer._buf
+        c.extra.update(final=final, gstep=self.gstep, round=self.rnd, block_in_work=self.block,
+                       schedule=self.scfg.schedule, swarm=asdict(self.scfg))
+        return c
+
+    def _save(self, final: bool = False):
+        """The block in work: its full checkpoint (resume, joiners, assembly), and its parameters as a
+        lower block (the handoff to the blocks above)."""
+        c = self._checkpoint(final)
+        b = self.block
+        ckpt.save(c, self.dir / "serve" / CHECKPOINT / ckpt.block_file(b))
+        ckpt.save(ckpt.Checkpoint(c.config, c.block, c.step, c.tensors,
+                                  extra={"final": final, "round": c.extra["round"], "gstep": self.gstep}),
+                  self.dir / "serve" / LOWER / ckpt.block_file(b))
+        if final and self.relay and b != self.k:  # only the own block's full state is kept once final
+            (self.dir / "serve" / CHECKPOINT / ckpt.block_file(b)).unlink(missing_ok=True)
+        self._last_save = time.monotonic()
+
+    def _save_final_params(self, j: int, tensors: dict):
+        """A final block taken from the group: its parameters as our lower block (for joiners), and,
+        for our own block, as our checkpoint (for serving and assembly)."""
+        c = ckpt.Checkpoint(self.mcfg.to_dict(), j, self.S, tensors,
+                            extra={"final": True, "gstep": (self.plan.index(j) + 1) * self.S, "train": self.tcfg.to_dict()})
+        ckpt.save(c, self.dir / "serve" / LOWER / ckpt.block_file(j))
+        if j == self.k:
+            ckpt.save(c, self.dir / "serve" / CHECKPOINT / ckpt.block_file(j))
+
+    def _join_state_name(self, rnd: int) -> str:
+        return f"{ckpt.block_name(self.block)}.r{rnd}"
+
+    def _save_join_state(self, rnd: int) -> str:
+        name = self._join_state_name(rnd)
+        ckpt.save(self._checkpoint(False), self.dir / "serve" / CHECKPOINT / (name + ckpt.SUFFIX))
+        for old in (self.dir / "serve" / CHECKPOINT).glob(f"block*.r*{ckpt.SUFFIX}"):
+            r = old.name[:-len(ckpt.SUFFIX)].rpartition(".r")[2]
+            if r.isdigit() and int(r) < rnd - 50 * self.scfg.margin:
+                old.unlink(missing_ok=True)
+        return name
+
+    def _restore(self, c: ckpt.Checkpoint, lowers: dict, source: str):
+        """Install a checkpoint of the block in work (and, relay, the final blocks below it)."""
+        gstep = int(c.extra.get("gstep", c.step))
+        if self.relay:
+            self.finals.update(lowers)
+            self.trainer = None
+            self._new_trainer(c.block)
         self.trainer.restore(c)
         buf = c.optim.get(OUTER_MOMENTUM)
-        self.swarm.outer._buf = buf.clone() if buf is not None else None
-        log.info("block %d: resumed from %s at step %d", self.k, source, c.step)
+        self.outer._buf = buf.clone() if buf is not None else None
+        self.gstep = gstep
+        self.rnd = int(c.extra.get("round", self.rnd))
+        log.info("block %d: resumed from %s at step %d (global step %d)", c.block, source, c.step, gstep)
 
-    def save(self, final: bool = False):
-        c = self.trainer.checkpoint()
-        if self.swarm.outer._buf is not None:
-            c.optim[OUTER_MOMENTUM] = self.swarm.outer._buf
-        c.extra.update(final=final, round=self.swarm.round_of(self.trainer.step), swarm=asdict(self.scfg))
-        ckpt.save(c, self.own_path)
-        self.saved_step = c.step
-        # the input handoff needs the parameters alone
-        ckpt.save(ckpt.Checkpoint(c.config, c.block, c.step, c.tensors, extra={"final": final, "round": c.extra["round"]}),
-                  self.dir / "serve" / "lower-checkpoint" / f"block{self.k}.safetensors")
-
-    async def catch_up(self) -> bool:
-        """Pull the group's latest checkpoint if it is ahead of ours; True if we took it."""
-        holders = self._holders(self.k)
-        if not holders:
+    def _resume_own(self) -> bool:
+        """After a restart: our newest state in the work directory, if any. A damaged own
+        checkpoint stops us (CheckpointError): the operator must see it."""
+        serve = self.dir / "serve"
+        if not self.relay:
+            path = serve / CHECKPOINT / ckpt.block_file(self.k)
+            if not path.exists():
+                return False
+            self._restore(ckpt.load(path), {}, str(path))
+            return True
+        finals = {}
+        for j in self.plan:  # the blocks already final, in order
+            path = serve / LOWER / ckpt.block_file(j)
+            if not path.exists():
+                break
+            c = ckpt.load(path)
+            if not (c.extra.get("final") and int(c.extra.get("gstep", -1)) == (j + 1) * self.S):
+                break
+            finals[j] = c.tensors
+        path = serve / CHECKPOINT / ckpt.block_file(len(finals))
+        if len(finals) < self.K and path.exists():
+            c = ckpt.load(path)
+            if c.block == len(finals) and not c.extra.get("final"):
+                self._restore(c, finals, str(path))
+                return True
+        if not finals:
             return False
-        try:
-            blob = await self.fetcher.fetch(holders, "checkpoint", f"block{self.k}")
-        except FetchError as e:  # nobody has written one yet: a fresh group
-            log.info("block %d: no checkpoint to catch up from: %s", self.k, e)
-            return False
-        try:
-            c = ckpt.decode(blob, "fetched checkpoint")
-        except ckpt.CheckpointError as e:
-            log.warning("block %d: fetched checkpoint unusable: %s", self.k, e)
-            return False
-        if c.step <= self.trainer.step:
-            return False
-        self._restore(c, "the group's checkpoint")
-        self.swarm.report.catch_up.append({"step": c.step, "bytes": len(blob), "time": time.time()})
+        self.finals.update(finals)
+        self.gstep = len(finals) * self.S
+        nxt = min(len(finals), self.K - 1)
+        if len(finals) < self.K:
+            from blocktrain.blocks.model import Block
+            below = Block(self.mcfg, nxt - 1)
+            below.load_state_dict(finals[nxt - 1])
+            self._new_trainer(nxt)
+            self.trainer.init_from_below(below)
+        else:  # everything is final: we only serve
+            self._new_trainer(self.K - 1)
+            self.trainer.block.load_state_dict(finals[self.K - 1])
+        log.info("resumed with blocks %s final (global step %d)", sorted(finals), self.gstep)
         return True
 
-    # --- the input handoff -------------------------------------------------------------------
+    # --- the group's control messages (in the connections' readers) ------------------------------
+    def candidates(self) -> list[str]:
+        """Live training peers in our group's scope (relay: all; parallel: those on our block)."""
+        return [m.peer_id for m in self.peer.members(role="train", block=None if self.relay else self.k)
+                if m.peer_id not in self.averager.banned and m.peer_id not in self.averager.shunned]
+
+    def _control(self, msg: BlockUpdate, pc, pid: str):
+        meta = msg.meta
+        try:
+            phase = Phase(meta.get("phase"))
+        except ValueError:
+            return
+        if meta.get("scope") != self.scope:
+            if phase is Phase.JOIN:  # another scope's join: we are not in its group
+                self._send([Send(pid, msg.round, {"phase": Phase.ABSENT.value})])
+            return
+        if phase is Phase.JOIN:
+            self._send(self.group.on_join(pid, meta))
+        elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
+            self.group.on_reply(pid, phase, meta)
+        elif phase is Phase.ADMIT:
+            self.group.on_admit(pid, meta)
+        elif phase is Phase.READY:
+            at, name = meta.get("at"), meta.get("name")
+            if type(at) is int and isinstance(name, str):
+                self._ready[at] = (pid, name)
+        elif phase is Phase.LEAVE:
+            if self.group.depart(pid, str(meta.get("why", ""))[:200]):
+                self.averager.depart(pid, "left the group")
+        elif phase is Phase.STATUS:
+            leave = self.group.on_status(pid, meta)
+            if leave is not None:
+                self._say(f"another group is larger; leaving ours to join it ({len(leave)} member(s) told)")
+                self._send(leave)
+                self._rejoin = True
+        self.peer.notify()
+
+    def _membership(self, ev):
+        if ev.departed and self.group.depart(ev.peer_id, ev.change.value):
+            log.info("%s left the group (%s)", ev.peer_id[:12], ev.change.value)
+
+    def _send(self, sends: list[Send]):
+        """Control messages, in order: on the live connection at once, else after dialling."""
+        for s in sends:
+            msg = BlockUpdate(block=self.block, round=max(0, s.round), meta={**s.meta, "scope": self.scope})
+            pc = self.peer.live_connection(s.peer)
+            if pc is not None:
+                try:
+                    pc.send_nowait(msg)
+                    continue
+                except (ConnectionError, ProtocolError):
+                    pass
+            self.peer.spawn(self._dial_send(s.peer, msg), "group control")
+
+    async def _dial_send(self, pid: str, msg: BlockUpdate):
+        try:
+            (await self.peer.connection(pid)).send_nowait(msg)
+        except (ConnectionError, ProtocolError, PeerUnreachable) as e:
+            log.info("cannot tell %s %s: %s", pid[:12], msg.meta.get("phase"), e)
+
+    # --- joining -----------------------------------------------------------------------------------
+    async def join(self):
+        """Find our group (group.py): start it, start together, or take its state. Returns when we
+        are a member (or alone)."""
+        delay = 0.2
+        while True:
+            self.state = "joining"
+            start = flatten(self.params())
+            rnd = self.rnd + 1
+            self._send(self.group.start_join(self.candidates(), self.gstep, digest(start), rnd))
+            await self.peer.wait_for(lambda: not self.group.waiting_for(), self.scfg.join_timeout_s)
+            d = self.group.decide(self.scfg.min_group)
+            if d.action == "train":
+                self._joined(d, "own state")
+                return
+            if d.action == "fetch":
+                if await self._take_group_state(d):
+                    return
+                continue
+            if d.why and self.state != d.why:
+                self._say(f"waiting: {d.why}")
+            await asyncio.sleep(delay)  # backoff: ask again
+            delay = min(2 * delay, 2.0)
+
+    def _joined(self, d: Decision, how: str, nbytes: int = 0):
+        self.rnd = d.at
+        self.averager.expect(d.at + 1)
+        self.stats.joins.append({"round": d.at + 1, "how": how, "sponsor": d.sponsor, "members": list(d.members),
+                                 "bytes": nbytes, "time": time.time(), "why": d.why})
+        if len(d.members) > 1 or how != "own state":
+            self._say(f"in a group of {len(self.group.members(d.at + 1))} from round {d.at + 1} ({d.why})")
+
+    async def _take_group_state(self, d: Decision) -> bool:
+        """Wait for the sponsor's READY for round ``d.at`` and install that state; False to retry."""
+        self.averager.expect(d.at + 1)  # the group's parts for our first round may come early
+        self._say(f"admitted by {d.sponsor[:12]} from round {d.at + 1}; waiting for the group's state")
+        ok = await self.peer.wait_for(lambda: d.at in self._ready or self.peer.member(d.sponsor) is None,
+                                      self.scfg.ready_timeout_s)
+        if not ok or d.at not in self._ready:
+            self._say("the group's state did not come; asking again")
+            self._send([Send(m, d.at, {"phase": Phase.LEAVE.value, "why": "no state"}) for m in d.members
+                        if m != self.peer.id])
+            return False
+        sponsor, name = self._ready.pop(d.at)
+        others = [m.addr for m in (self.peer.member(p) for p in d.members) if m is not None and m.peer_id != sponsor]
+        sources = [a for a in [getattr(self.peer.member(sponsor), "addr", None)] + others if a]
+        try:
+            blob = await self.fetcher.fetch(sources, CHECKPOINT, name)
+            c = ckpt.decode(blob, f"the group's state {name}")
+            lowers, nbytes = {}, len(blob)
+            if self.relay:
+                for j in range(c.block):
+                    lb = await self.fetcher.fetch(sources, LOWER, ckpt.block_name(j))
+                    lowers[j] = ckpt.decode(lb, f"lower block {j}").tensors
+                    nbytes += len(lb)
+            self._check_state(c, lowers)
+        except (FetchError, ckpt.CheckpointError, ValueError) as e:
+            self._say(f"could not take the group's state: {e}; asking again")
+            self._send([Send(m, d.at, {"phase": Phase.LEAVE.value, "why": "state fetch failed"}) for m in d.members
+                        if m != self.peer.id])
+            return False
+        self._restore(c, lowers, f"the group's state after round {d.at} ({name})")
+        for j, tensors in lowers.items():  # final blocks we did not train: we hold and serve them too
+            self._save_final_params(j, tensors)
+        self.group.joined_group(d.at, d.members)
+        self._joined(d, "fetched the group's state", nbytes)
+        return True
+
+    def _check_state(self, c: ckpt.Checkpoint, lowers: dict):
+        """A fetched state is used only if it is one of ours: block, config, shapes, finite values."""
+        from blocktrain.blocks.model import Block, ModelConfig
+        if ModelConfig.from_dict(c.config) != self.mcfg:
+            raise ValueError("the group's model config differs from ours")
+        if c.block not in self.plan:
+            raise ValueError(f"the group trains block {c.block}, not one of ours {self.plan}")
+        want = {n: t.shape for n, t in Block(self.mcfg, c.block).state_dict().items()}
+        for tensors, b in [(c.tensors, c.block)] + [(t, j) for j, t in lowers.items()]:
+            shapes = {n: t.shape for n, t in tensors.items()}
+            ref = want if b == c.block else {n: t.shape for n, t in Block(self.mcfg, b).state_dict().items()}
+            if shapes != ref:
+                raise ValueError(f"block {b}: tensors do not match the model (names or shapes)")
+            if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
+                raise ValueError(f"block {b}: NaN or inf in the parameters")
+        g = int(c.extra.get("gstep", c.step))
+        if not 0 <= g <= self.total_steps:
+            raise ValueError(f"implausible step {g} (this run has {self.total_steps})")
+
+    # --- parallel: the input handoff -------------------------------------------------------------
     async def refresh_lower(self, wait: bool) -> bool:
-        """Install newer checkpoints of blocks 0..k-1 from their holders; ``wait``: until every one
-        is there (and final, for ``sequential``). True if the input changed."""
-        if self.k == 0:
+        """Parallel schedule: install newer checkpoints of blocks 0..k-1 from their holders; ``wait``:
+        until every one is there. True if the input changed."""
+        if self.relay or self.k == 0:
             return False
         deadline = time.monotonic() + self.scfg.lower_timeout_s
+        delay = 1.0
         while True:
-            got, changed = {}, False
             for j in range(self.k):
-                c = await self._lower(j)
-                if c is not None:
-                    got[j] = c
-            final_ok = self.scfg.schedule != "sequential" or all(bool(c.extra.get("final")) for c in got.values())
-            if len(got) == self.k and final_ok:
-                if any(self.lower_in_use.get(j) != c.sha for j, c in got.items()):
-                    self.trainer.set_lower([got[j].ck.tensors for j in range(self.k)], [got[j].ck.step for j in range(self.k)])
-                    self.lower_in_use = {j: c.sha for j, c in got.items()}
-                    changed = True
-                    self.swarm.report.lower.append({"step": self.trainer.step, "lower_steps": self.trainer.lower_steps})
+                await self._offer_lower(j)
+            if self.lower.ready():
+                changed = self.lower.install(self.trainer)
+                if changed:
+                    self.stats.lower.append({"step": self.trainer.step, "lower_steps": self.lower.steps})
                 return changed
             if not wait:
                 return False
             if time.monotonic() > deadline:
-                raise TimeoutError(f"block {self.k}: lower blocks not available within {self.scfg.lower_timeout_s:.0f} s")
+                raise SwarmError(f"block {self.k}: lower blocks not available within {self.scfg.lower_timeout_s:.0f} s")
             if self.state != "waiting for lower blocks":
-                self.progress(f"block {self.k}: waiting for blocks 0..{self.k - 1} from the swarm"
-                              + (" (their final checkpoints)" if self.scfg.schedule == "sequential" else ""))
+                self._say(f"block {self.k}: waiting for blocks 0..{self.k - 1} from the swarm")
             self.state = "waiting for lower blocks"
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(delay)  # retry with backoff: the lower blocks' peers may still be starting
+            delay = min(2 * delay, 10.0)
 
-    async def _lower(self, j: int):
-        """Block j's newest parameters from its holders (our copy if unchanged), or None."""
+    async def _offer_lower(self, j: int):
         have = self.lower_cache.get(j)
-        for addr in self._holders(j):
+        for addr in holders(self.peer.members(), j):
             if have is not None:
-                now = await self.fetcher.probe(addr, "lower-checkpoint", f"block{j}", have.size)
+                now = await self.fetcher.probe(addr, LOWER, ckpt.block_name(j), have[1])
                 if now is None:
                     continue
-                if now[1] == have.sha:
-                    return have
+                if now[1] == have[2]:
+                    return
             try:
-                blob = await self.fetcher.fetch([addr], "lower-checkpoint", f"block{j}")
+                blob = await self.fetcher.fetch([addr], LOWER, ckpt.block_name(j))
                 c = ckpt.decode(blob, f"lower block {j} from {addr}")
-            except (FetchError, ckpt.CheckpointError) as e:
+                self._check_lower(c, j)
+            except (FetchError, ckpt.CheckpointError, ValueError) as e:
                 log.info("block %d: lower block %d from %s: %s", self.k, j, addr, e)
                 continue
-            self.lower_cache[j] = _Lower(c, len(blob), hashlib.sha256(blob).digest())
-            return self.lower_cache[j]
-        return have
+            import hashlib
+            self.lower_cache[j] = (c, len(blob), hashlib.sha256(blob).digest())
+            self.lower.offer(j, self.lower_cache[j][2], c.step, c.tensors, bool(c.extra.get("final")))
+            return
 
-    # --- the whole run -----------------------------------------------------------------------
-    def eval_ce(self) -> float:
+    def _check_lower(self, c: ckpt.Checkpoint, j: int):
+        from blocktrain.blocks.model import Block, ModelConfig
+        if c.block != j or ModelConfig.from_dict(c.config) != self.mcfg:
+            raise ValueError(f"not block {j} of our model")
+        ref = {n: t.shape for n, t in Block(self.mcfg, j).state_dict().items()}
+        if {n: t.shape for n, t in c.tensors.items()} != ref:
+            raise ValueError("tensors do not match the model")
+        if not all(torch.isfinite(t).all() for t in c.tensors.values() if t.is_floating_point()):
+            raise ValueError("NaN or inf in the parameters")
+        if not 0 <= c.step <= self.S:
+            raise ValueError(f"implausible step {c.step}")
+
+    # --- the rounds ----------------------------------------------------------------------------------
+    async def _round(self) -> None:
+        """One round of the block in work: local step(s), averaging with the group, the update."""
+        rnd = self.rnd = self.rnd + 1
+        start = flatten(self.params())
+        members = self.group.begin_round(rnd, digest(start), self.block)
+        members = [m for m in members if m == self.peer.id or self.peer.member(m) is not None]
+        t0 = time.perf_counter()
+        if self.scfg.sync == "grads":
+            loss = await self._timed(self.trainer.compute_grads)
+            vec = self.trainer.grads()
+        else:
+            for _ in range(self.H):
+                loss = await self._timed(self.trainer.train_step)
+            vec = start - flatten(self.params())
+        self.last_loss = loss
+        rep, avg = None, vec
+        if len(members) > 1:
+            try:
+                avg, rep = await self.averager.average(rnd, vec, members, start=digest(start))
+            except RoundFailed as e:
+                log.warning("%s; %s", e, "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
+                self.stats.failed.append({"round": rnd, "step": self.gstep + self.H, "reason": str(e),
+                                          "silent": sorted(e.silent)})
+                for pid in e.silent:  # they failed the round: they join again, taking the group's state
+                    self.group.depart(pid, f"silent in round {rnd}")
+                if self.scfg.sync == "params":
+                    unflatten_(self.params(), start)
+                    self.trainer.step -= self.H
+                self._after_round(rnd, None, loss, members, time.perf_counter() - t0, failed=True)
+                return
+        if self.scfg.sync == "grads":
+            await self._timed(self.trainer.apply_grads, avg)
+        else:
+            unflatten_(self.params(), self.outer.step(start, avg))
+        self.gstep += self.H
+        self._after_round(rnd, rep, loss, members, time.perf_counter() - t0)
+
+    async def _timed(self, fn, *args):
+        t = time.perf_counter()
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            self.busy_s += time.perf_counter() - t
+
+    def _after_round(self, rnd: int, rep, loss: float, members: list, seconds: float, failed: bool = False):
+        s = self.stats
+        if not failed:
+            s.applied += 1
+            cand = set(self.candidates()) | {self.peer.id}
+            entry = {"round": rnd, "block": self.block, "step": self.gstep, "loss": round(loss, 5),
+                     "members": rep.members if rep else [self.peer.id],
+                     "coverage": rep.coverage if rep else 1.0, "departed": rep.departed if rep else [],
+                     "rejected": rep.rejected if rep else [], "seconds": round(seconds, 4),
+                     "bytes_sent": rep.bytes_sent if rep else 0,
+                     "candidates_outside": sorted(cand - set(members))}
+            if rep:
+                for pid in rep.departed:  # gone from the round: gone from the group (rule 5 of group.py),
+                    if self.group.joined.get(pid, 0) <= rnd:  # unless it was admitted for a later round
+                        self.group.depart(pid, rep.why.get(pid, "departed mid-round"))
+                entry["why"] = rep.why
+                s.coverage_min = min(s.coverage_min, rep.coverage)
+                s.averaging_s += rep.seconds
+                s.bytes_sent += rep.bytes_sent
+            s.rounds.append(entry)
+            if len(s.rounds) > REPORT_ROUNDS:  # keep the anomalies and the last REPORT_ROUNDS
+                drop = next((i for i, r in enumerate(s.rounds[:-REPORT_ROUNDS])
+                             if not (r["departed"] or r["rejected"] or r["candidates_outside"])), None)
+                if drop is not None:
+                    s.rounds.pop(drop)
+            if self.gstep % 10 == 0 or self.gstep < 10:
+                s.losses.append((self.gstep, round(loss, 5)))
+        due = self.group.ready_due(rnd)
+        if due:  # joiners admitted at this round take the state we have now
+            name = self._save_join_state(rnd)
+            if self.group.sponsor() == self.peer.id:
+                self._send(self.group.ready(rnd, due, name))
+        self._tell_outsiders()
+
+    def _tell_outsiders(self):
+        """Rule 6 of group.py: training peers in scope but outside our group hear our status."""
+        now = time.monotonic()
+        members = set(self.group.members()) | set(self.group.joined)
+        for pid in self.candidates():
+            if pid not in members and now - self._status_sent.get(pid, 0.0) > STATUS_EVERY_S:
+                self._status_sent[pid] = now
+                self._send([self.group.status_for(pid)])
+
+    # --- the whole run -----------------------------------------------------------------------------
+    def eval_heads(self) -> list[float]:
+        """Valid CE of every head along the chain this peer holds (relay: up to the block in work)."""
+        from blocktrain.blocks.model import Block
         from blocktrain.blocks.train import eval_chain
-        return eval_chain(self.trainer.lower + [self.trainer.block], self.valid, self.tcfg.seq_len,
-                          self.scfg.eval_windows)[-1]
+        if self.relay:
+            chain = []
+            for j in range(self.block):
+                b = Block(self.mcfg, j)
+                b.load_state_dict(self.finals[j])
+                chain.append(b)
+        else:
+            chain = list(self.trainer.lower)
+        return eval_chain(chain + [self.trainer.block], self.valid, self.tcfg.seq_len, self.scfg.eval_windows)
 
     async def run(self, steps: int | None = None) -> dict:
-        steps = steps or self.tcfg.steps
-        if self.own_path.exists():
-            own = ckpt.load(self.own_path)  # a damaged own checkpoint stops us
-            self._restore(own, str(self.own_path))
-            self.saved_step = own.step
-        await asyncio.sleep(2 * self.peer.timeouts.heartbeat_s)  # let gossip bring in the members
-        await self.refresh_lower(wait=True)
-        self.ce["start"] = await asyncio.to_thread(self.eval_ce)
-        for attempt in range(5):
-            self.state = "joining"
-            await self.catch_up()
-            late = await self.swarm.join_group(self.swarm.round_of(self.trainer.step) + 1, self.scfg.join_timeout_s)
-            if not late:
-                break
-            log.info("block %d: %d members already began the round; catching up again", self.k, len(late))
-        deadline = time.monotonic() + self.scfg.lower_timeout_s
-        while len(self.swarm.group(self.swarm.round_of(self.trainer.step) + 1)) < self.scfg.min_group:
-            if self.state != "waiting for the group":
-                self.state = "waiting for the group"
-                self.progress(f"block {self.k}: waiting until {self.scfg.min_group} peers train this block")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"block {self.k}: fewer than {self.scfg.min_group} peers within "
-                                   f"{self.scfg.lower_timeout_s:.0f} s")
-            await asyncio.sleep(0.2)
+        """Train every block of the plan to ``steps`` steps each (default: the config's)."""
+        if steps is not None and steps != self.S:
+            if steps % self.H:
+                raise ValueError(f"{steps} steps do not split into rounds of {self.H}")
+            self.S = steps
+        self._new_trainer(self.plan[0])
+        resumed = self._resume_own()
+        self.state = "waiting for members"
+        await self.peer.wait_for(lambda: len(self.candidates()) + 1 >= self.scfg.min_group, self.scfg.lower_timeout_s)
+        if not self.relay:
+            await self.refresh_lower(wait=True)
+        self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]
+        if resumed:
+            self._say(f"resumed at global step {self.gstep} (block {self.block})")
+        self.t_start = time.monotonic()
+        await self.join()
         self.state = "training"
-        self.progress(f"block {self.k}: training from step {self.trainer.step} to {steps}, group of "
-                      f"{len(self.swarm.group(self.swarm.round_of(self.trainer.step) + 1))} peer(s), "
-                      f"rounds of {self.scfg.every} steps")
-
-        async def before_round():
-            if self.scfg.schedule != "sequential" and self.trainer.step:
+        self._say(f"training block {self.block} from step {self.gstep} of {self.total_steps}, group of "
+                  f"{len(self.group.members())}, rounds of {self.H} step(s) ({self.scfg.sync})")
+        if not self.stats.phases or self.stats.phases[-1]["block"] != self.block:
+            self.stats.phases.append({"block": self.block, "start_step": self.gstep, "started": time.time()})
+        while self.gstep < self.total_steps:
+            if self._rejoin:
+                self._rejoin = False
+                await self.join()
+                self.state = "training"
+            b = self.block_at(self.gstep)
+            if b != self.block:  # relay: the next block, on the final ones below
+                self._new_trainer(b)
+                self.stats.phases.append({"block": b, "start_step": self.gstep, "started": time.time()})
+                self._say(f"block {b - 1} is final; training block {b} (holding block {self.k})")
+            if not self.relay and self.gstep and self.gstep % max(self.H, self.tcfg.refresh_every) == 0:
                 await self.refresh_lower(wait=False)
-
-        async def on_round(applied: bool):
-            if applied:
-                self.save(final=self.trainer.step >= steps)
-            r = self.swarm.report
-            last = r.rounds[-1] if applied else r.failed[-1]
-            self.progress(f"block {self.k}: step {self.trainer.step}/{steps} loss {r.losses[-1]:.4f} "
-                          + (f"round {last['round']}: {len(last['members'])} peer(s), coverage {last['coverage']:.0%}"
-                             if applied else f"round {last['round']} FAILED"))
-            self.peer.write_report()
-
-        await self.swarm.run(steps, on_round=on_round, before_round=before_round)
-        if self.saved_step != self.trainer.step:
-            self.save(final=True)  # the last round failed: keep the local result
-        self.ce["end"] = await asyncio.to_thread(self.eval_ce)
+            await self._round()
+            if self.relay and self.gstep % self.S == 0:
+                self._finish_block()
+            elif time.monotonic() - self._last_save > SAVE_EVERY_S or self.gstep >= self.total_steps:
+                self._save(final=self.gstep >= self.total_steps)
+            if self.gstep % max(1, self.total_steps // 20) == 0:
+                self.peer.write_report()
+                self._say(f"step {self.gstep}/{self.total_steps} (block {self.block}), loss {self.last_loss:.4f}, "
+                          f"group of {len(self.group.members())}")
+        self._send(self.group.finish())
+        self.t_end = time.monotonic()
+        if self.relay and self.block != self.k:  # serve our own block
+            self._restore_final_own()
+        heads = await asyncio.to_thread(self.eval_heads)
+        self.ce["end"], self.ce["heads"] = heads[-1], heads
         self.state = "done"
         self.peer.write_report()
         return self.training_report()
 
+    def _restore_final_own(self):
+        c = ckpt.load(self.dir / "serve" / CHECKPOINT / ckpt.block_file(self.k))
+        self.trainer = None
+        self._new_trainer(self.k)
+        self.trainer.restore(c)
+
     def training_report(self) -> dict:
-        r = self.swarm.report
-        t = self.peer.traffic_report()["totals"]
+        s = self.stats
+        t = self.peer.traffic_totals()
         moved = t["sent"]["wire_bytes"] + t["received"]["wire_bytes"]
-        out = {"block": self.k, "state": self.state, "step": self.trainer.step, "steps": self.tcfg.steps,
+        wall = ((self.t_end or time.monotonic()) - self.t_start) if self.t_start else 0.0
+        out = {"block": self.k, "state": self.state, "schedule": self.scfg.schedule, "sync": self.scfg.sync,
+               "steps_per_round": self.H, "step": self.gstep, "steps": self.total_steps,
+               "block_in_work": self.block, "round": self.group.round, "group": self.group.members(),
                "config": {"swarm": asdict(self.scfg), "train": self.tcfg.to_dict(), "model": self.mcfg.to_dict()},
-               "rounds": r.rounds, "failed_rounds": r.failed, "catch_up": r.catch_up, "lower_refreshes": r.lower,
+               "rounds": s.rounds, "rounds_applied": s.applied, "failed_rounds": s.failed,
+               "coverage_min": s.coverage_min, "averaging_seconds": round(s.averaging_s, 3),
+               "update_bytes_sent": s.bytes_sent, "losses": s.losses, "joins": s.joins, "lower_refreshes": s.lower,
+               "phases": s.phases, "group_events": self.group.events,
                "rejected_updates": [e for e in self.averager.events if e["event"] == "rejected update"],
                "averaging_events": self.averager.events, "excluded_peers": dict(self.averager.banned),
                "excluded_by": dict(self.averager.shunned),
-               "ce_start": self.ce.get("start"), "ce_end": self.ce.get("end"), "bytes_moved": moved}
+               "busy": {"train_s": round(self.busy_s, 3), "wall_s": round(wall, 3),
+                        "fraction": round(self.busy_s / wall, 4) if wall else None},
+               "memory": {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                          **self.memory},
+               "ce_start": self.ce.get("start"), "ce_end": self.ce.get("end"), "head_ce": self.ce.get("heads"),
+               "bytes_moved": moved}
         if "start" in self.ce and "end" in self.ce and moved:
             out["ce_improvement_per_gb"] = (self.ce["start"] - self.ce["end"]) / (moved / 1e9)
         return out
 
 
-@dataclass
-class _Lower:
-    ck: ckpt.Checkpoint
-    size: int
-    sha: bytes
+def _seed(peer_id: str, block: int) -> int:
+    return (int(peer_id[:8], 16) * 1_000_003 + block) % (1 << 62)
 
-    @property
-    def extra(self) -> dict:
-        return self.ck.extra
+
+def _grad_opt_bytes(tr) -> int:
+    b = tr.trainable_bytes()
+    return b["grads"] + b["optim_state"]

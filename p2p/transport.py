@@ -9,8 +9,10 @@ Rules:
   frame is sealed as it is taken and written whole; a writer that cannot finish a frame (its
   task is cancelled, the link dies) marks the connection broken and closes it: a half-written
   sealed stream cannot be resynchronized.
-- Writers wait for drain when the transport buffer is above its high-water mark;
+- Writers wait for drain when the transport buffer is above its high-water mark or the bulk
+  queue is long; all of them share one drain waiter (aiohttp's ``_drain_helper``), and
   ``connection_lost`` wakes every waiter with ``ConnectionError``.
+- Why a connection closed is typed (``CloseCause``); nothing parses the reason text.
 - Every phase has a named timeout (``Timeouts``); a timeout never swallows an outer cancel.
 - A ``LinkShaper`` (optional) delays each frame as a WAN link would (see link.py).
 - Pings are answered by the driver as they are parsed (``auto_pong``): liveness does not wait
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 import socket
 import time
@@ -41,8 +44,26 @@ WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
 WRITE_LOW_WATER_BYTES = 1024 * 1024
 # A shaped link accepts frames until this much serialization time is queued (its send buffer).
 SHAPER_BUFFER_S = 0.05
+# Bulk frames queued per connection before senders wait in drain(): enough to keep the writer busy
+# while a sender prepares the next frame, few enough that a heartbeat never waits behind much.
+BULK_QUEUE_FRAMES = 2
 # Frames smaller than this are joined into one buffer before writing: one syscall, one segment.
 SMALL_FRAME_BYTES = 64 * 1024
+
+
+class CloseCause(str, enum.Enum):
+    GOODBYE = "goodbye"  # the peer said Goodbye: it is leaving
+    DUPLICATE = "duplicate"  # one of two connections between the same pair was closed (either side)
+    PEER_ERROR = "peer error"  # the peer sent an Error frame or broke the protocol
+    LOST = "lost"  # the socket closed or failed without a Goodbye
+    LOCAL = "local"  # we closed it
+    TIMEOUT = "timeout"  # a phase timed out (handshake, idle)
+    REFUSED = "refused"  # we refused it (overload, not allowed)
+
+
+# The Goodbye reason that means "this connection is redundant; the peer stays" (the pair keeps
+# the other connection). Compared for equality, never searched for.
+DUPLICATE_REASON = "duplicate connection"
 
 
 @dataclass(frozen=True)
@@ -52,6 +73,7 @@ class Timeouts:
     heartbeat_s: float = 1.0  # Ping interval on an idle connection
     dead_after_s: float = 6.0  # no frame from a peer for this long: declared dead
     close_s: float = 2.0  # Goodbye flush before the socket closes
+    client_idle_s: float = 300.0  # a client (not a member) silent this long is closed
 
 
 # Bytes read at once when no large payload is in progress.
@@ -83,7 +105,8 @@ class PeerConnection(asyncio.BufferedProtocol):
         self._in_flight_event = asyncio.Event()
         self._deliverer: asyncio.Task | None = None
         self.last_heard = time.monotonic()
-        self.close_reason: str | None = None
+        self.close_reason: str | None = None  # for people: logs and error messages
+        self.close_cause: CloseCause | None = None  # for code
         self.peer_addr = None
         self.auto_pong = True  # a Ping is answered by the driver at once and never queued
         self._read_view = memoryview(bytearray(READ_BUFFER_BYTES))
@@ -92,6 +115,9 @@ class PeerConnection(asyncio.BufferedProtocol):
     # --- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport):
         self.transport = transport
+        if self.closed.done():  # refused before the transport existed (overload, shutdown)
+            transport.abort()
+            return
         self.peer_addr = transport.get_extra_info("peername")
         transport.set_write_buffer_limits(WRITE_HIGH_WATER_BYTES, WRITE_LOW_WATER_BYTES)
         sock = transport.get_extra_info("socket")
@@ -143,29 +169,31 @@ class PeerConnection(asyncio.BufferedProtocol):
                     continue
                 self._push(ev)
                 if isinstance(ev, ConnectionClosed):
-                    self._shutdown(f"peer closed: {ev.reason or 'goodbye'} (code {ev.code})")
+                    cause = (CloseCause.DUPLICATE if ev.code == 0 and ev.reason == DUPLICATE_REASON
+                             else CloseCause.GOODBYE if ev.code == 0 else CloseCause.PEER_ERROR)
+                    self._shutdown(f"peer closed: {ev.reason or 'goodbye'} (code {ev.code})", cause=cause)
                     return
         except ProtocolError as e:
             out = self.conn.data_to_send()
             if out and not self.transport.is_closing():
                 self.transport.write(out)
             log.info("%s: closing: %s", self.name or self.peer_addr, e)
-            self._shutdown(f"protocol error: {e}", e)
+            self._shutdown(f"protocol error: {e}", e, CloseCause.PEER_ERROR)
             return
         out = self.conn.data_to_send()  # handshake replies
         if out:
             self.transport.write(out)
 
     def connection_lost(self, exc):
-        self._shutdown(f"connection lost: {exc or 'EOF'}", ConnectionError(f"connection lost: {exc or 'EOF'}"))
+        self._shutdown(f"connection lost: {exc or 'EOF'}", ConnectionError(f"connection lost: {exc or 'EOF'}"),
+                       CloseCause.LOST)
 
     def pause_writing(self):
         self._writing_paused = True
 
     def resume_writing(self):
         self._writing_paused = False
-        if self._drain_waiter is not None and not self._drain_waiter.done():
-            self._drain_waiter.set_result(None)
+        self._wake_drain()
 
     # --- events --------------------------------------------------------------------------------
     def _push(self, ev):
@@ -214,10 +242,16 @@ class PeerConnection(asyncio.BufferedProtocol):
         self.send_nowait(msg, bulk)
         await self.drain()
 
+    def _must_wait(self) -> bool:
+        return (self._writing_paused or len(self._bulk) > BULK_QUEUE_FRAMES) and not self.closed.done()
+
     async def drain(self):
-        while (self._writing_paused or len(self._bulk) > 2) and not self.closed.done():
-            self._drain_waiter = self.loop.create_future()  # resume_writing and _shutdown resolve it
-            await self._drain_waiter
+        """Wait until the transport and the bulk queue can take more; every concurrent drainer
+        waits on the same future, which ``_wake_drain`` and ``_shutdown`` resolve."""
+        while self._must_wait():
+            if self._drain_waiter is None or self._drain_waiter.done():
+                self._drain_waiter = self.loop.create_future()
+            await asyncio.shield(self._drain_waiter)  # a cancelled drainer leaves it to the others
         if self.closed.done():
             raise ConnectionError(f"connection to {self.name or self.peer_addr} closed: {self.close_reason}")
 
@@ -265,10 +299,9 @@ class PeerConnection(asyncio.BufferedProtocol):
             self._shutdown(f"cannot send: {e}", e)
 
     def _wake_drain(self):
-        """A sender waiting in drain() may go on once the bulk queue is short again (both the
-        shaped and the plain path take frames off it)."""
-        if len(self._bulk) <= 2 and self._drain_waiter is not None and not self._drain_waiter.done() \
-                and not self._writing_paused:
+        """Senders waiting in drain() may go on once the transport takes more and the bulk queue is
+        short again (both the shaped and the plain path take frames off it)."""
+        if self._drain_waiter is not None and not self._drain_waiter.done() and not self._must_wait():
             self._drain_waiter.set_result(None)
 
     async def _deliver_loop(self):
@@ -299,10 +332,10 @@ class PeerConnection(asyncio.BufferedProtocol):
             self.transport.writelines(frames)
 
     # --- closing -------------------------------------------------------------------------------
-    def _shutdown(self, reason: str, exc: BaseException | None = None):
+    def _shutdown(self, reason: str, exc: BaseException | None = None, cause: CloseCause = CloseCause.LOCAL):
         if self.closed.done():
             return
-        self.close_reason = reason
+        self.close_reason, self.close_cause = reason, cause
         self.closed.set_result(exc)
         if not self.established.done():
             self.established.set_exception(exc or ConnectionError(reason))
@@ -315,7 +348,7 @@ class PeerConnection(asyncio.BufferedProtocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
-    async def close(self, reason: str = "goodbye"):
+    async def close(self, reason: str = "goodbye", cause: CloseCause = CloseCause.LOCAL):
         """Say Goodbye (after queued control frames), give it ``close_s`` to leave, then close."""
         if self.closed.done():
             return
@@ -326,7 +359,7 @@ class PeerConnection(asyncio.BufferedProtocol):
                     await asyncio.wait_for(asyncio.shield(self._writer), self.timeouts.close_s)
             except (ConnectionError, ProtocolError, asyncio.TimeoutError):
                 pass
-        self._shutdown(f"closed by us: {reason}")
+        self._shutdown(f"closed by us: {reason}", cause=cause)
         await self.wait_closed()
 
     async def wait_closed(self):
@@ -338,10 +371,33 @@ class PeerConnection(asyncio.BufferedProtocol):
                 except (asyncio.CancelledError, Exception):
                     pass
 
-    def abort(self, reason: str):
-        self._shutdown(reason, ConnectionError(reason))
+    def abort_timeout(self, reason: str):
+        """Close a connection whose phase timed out, telling the peer (ERROR TIMEOUT) first."""
+        frame = getattr(self.conn, "timeout_frame", None)
+        if frame is not None and self.transport is not None and not self.transport.is_closing():
+            try:
+                self.transport.write(frame(reason))
+            except ProtocolError:
+                pass
+        self.abort(reason, CloseCause.TIMEOUT)
+
+    def abort(self, reason: str, cause: CloseCause = CloseCause.LOCAL):
+        self._shutdown(reason, ConnectionError(reason), cause)
         if self.transport is not None:
             self.transport.abort()
+
+
+def make_connection(role: Role, identity, swarm_key: bytes, *, allowlist=None, info: dict | None = None,
+                    seal: bool = True) -> Connection:
+    """The one place p2p makes a protocol Connection: the application's traffic classifier goes in."""
+    from .traffic import kind_of
+    try:
+        return Connection(role, identity, swarm_key, allowlist=allowlist, info=info, seal=seal, kind_of=kind_of)
+    except TypeError:  # a protocol core without application classifiers (it counts kinds itself)
+        return Connection(role, identity, swarm_key, allowlist=allowlist, info=info, seal=seal)
+
+
+CLIENT_INFO = {"addr": "", "blocks": [], "role": "client"}
 
 
 async def open_connection(host: str, port: int, conn: Connection, timeouts: Timeouts = Timeouts(),
@@ -356,7 +412,7 @@ async def open_connection(host: str, port: int, conn: Connection, timeouts: Time
     try:
         await asyncio.wait_for(asyncio.shield(pc.established), timeouts.handshake_s)
     except asyncio.TimeoutError:
-        pc.abort("handshake timed out")
+        pc.abort("handshake timed out", CloseCause.TIMEOUT)
         await pc.wait_closed()
         raise ConnectionError(f"handshake with {host}:{port} timed out after {timeouts.handshake_s}s") from None
     except ProtocolError as e:

@@ -63,8 +63,19 @@ async def mesh(n: int, timeouts, blocks=(), psk: bytes | None = None) -> list:
         if peers:
             await p.join("127.0.0.1", peers[0].port)
         peers.append(p)
-    for _ in range(200):
-        if all(len(p.members) == n - 1 for p in peers):
-            break
-        await asyncio.sleep(0.05)
+    for p in peers:  # bounded: membership events wake the wait
+        await p.wait_for(lambda p=p: len(p.members()) == n - 1, 10.0)
     return peers
+
+
+def crash(peer):
+    """Make ``peer`` vanish as a killed process would: no Goodbye, sockets dropped, nothing answers."""
+    peer._stopping = True
+    if peer._server is not None:
+        peer._server.close()
+    for t in list(peer._tasks):
+        t.cancel()
+    for v in peer.members(alive=False):
+        pc = peer.live_connection(v.peer_id)
+        if pc is not None:
+            pc.abort("crash")

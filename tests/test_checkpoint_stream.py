@@ -8,7 +8,7 @@ import pytest
 from blocktrain.p2p.checkpoints import CheckpointFetcher, CheckpointServer, FetchError
 from blocktrain.p2p.transport import Timeouts
 
-from conftest import mesh
+from conftest import crash, mesh
 from blocktrain.protocol import StreamChunk, StreamRequest, stream_messages
 
 FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.3, dead_after_s=3, close_s=1)
@@ -39,16 +39,14 @@ async def test_fetch_resumes_with_another_holder_after_a_death(tmp_path):
             await pc.send(next(msgs), bulk=True)
             await pc.send(next(msgs), bulk=True)
             await asyncio.sleep(0.2)
-            for m in a.members.values():
-                if m.conn:
-                    m.conn.abort("crash")
+            crash(a)
 
         async def records(req, pc, pid):
             asked.append(req.offset)
             await sb.handle(req, pc, pid)
 
-        a.handlers[StreamRequest] = dies_after_one_chunk
-        b.handlers[StreamRequest] = records
+        a.on(StreamRequest, dies_after_one_chunk)
+        b.on(StreamRequest, records)
         fetcher = CheckpointFetcher(c, chunk_timeout_s=2)
         got = await asyncio.wait_for(fetcher.fetch([a.addr, b.addr], "checkpoint", "block1"), 60)
         assert got == data
@@ -91,7 +89,7 @@ async def test_corrupt_stream_is_discarded_and_fetched_elsewhere(tmp_path):
                     m = StreamChunk(offset=m.offset, data=bytes(len(m.data)), stream_id=m.stream_id)
                 await pc.send(m, bulk=True)
 
-        a.handlers[StreamRequest] = lies
+        a.on(StreamRequest, lies)
         fetcher = CheckpointFetcher(c, chunk_timeout_s=2)
         assert await fetcher.fetch([a.addr, b.addr], "checkpoint", "block1") == data
     finally:

@@ -10,7 +10,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.blocks.model import Assembled, Block, EndToEnd, ModelConfig
 from blocktrain.p2p.node import Peer
-from blocktrain.p2p.pipeline import PipelineClient, PipelineError, PipelineServer, ServedBlocks
+from blocktrain.p2p.client import PipelineClient
+from blocktrain.p2p.pipeline import PipelineError, PipelineServer, ServedBlocks
+
+from conftest import crash
 from blocktrain.p2p.transport import Timeouts
 
 CFG = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=96, head_layers=1)
@@ -62,7 +65,7 @@ async def test_pipeline_equals_in_process_models(models):
         got, stats = await client.generate_blocktrain(prompt, 12)
         want = Assembled(bt).generate_one_traversal(torch.tensor([list(prompt)]), 12)[0]
         assert got == bytes(want.tolist()) and stats["traversals"] == 1
-        got, stats = await client.generate_autoregressive(prompt, 10)
+        got, stats = await client.generate_autoregressive(prompt, 10, mode="reference")
         want = e2e.generate(torch.tensor([list(prompt)]), 10)[0]
         assert got == bytes(want.tolist()) and stats["traversals"] == 10
         assert all(not s.sessions for s in servers)  # KV caches freed at the session's end
@@ -81,7 +84,7 @@ async def test_dead_hop_fails_within_timeout_naming_the_block(models):
     bt, e2e = models
     async with served_chain(bt, e2e, timeout_s=5) as (peers, _, client):
         await peers[1].stop("crash")  # the middle hop is gone
-        with pytest.raises(PipelineError, match="block 2|no answer") as ei:
+        with pytest.raises(PipelineError, match="block 1|no answer") as ei:
             await asyncio.wait_for(client.generate_blocktrain(b"hello world", 4), 15)
         assert "block" in str(ei.value)
 
@@ -89,12 +92,13 @@ async def test_dead_hop_fails_within_timeout_naming_the_block(models):
 async def test_wrong_block_is_a_clear_error(models):
     bt, e2e = models
     async with served_chain(bt, e2e, route=(0, 2), blocks=(0, 1), timeout_s=5) as (_, _, client):
-        with pytest.raises(PipelineError, match="does not serve block 2"):
+        with pytest.raises(PipelineError, match="does not serve block 1") as ei:
             await client.generate_blocktrain(b"hello", 3)
+        assert ei.value.block == 1 and ei.value.hop == 1  # typed: the client knows where, without parsing
 
 
 async def test_client_retries_through_another_holder_of_the_block(models):
-    from blocktrain.p2p.cli import _generate
+    from blocktrain.p2p.client import generate
     from blocktrain.protocol import PipelineForward
     bt, e2e = models
     psk = os.urandom(32)
@@ -104,27 +108,20 @@ async def test_client_retries_through_another_holder_of_the_block(models):
     await spare.join("127.0.0.1", peers[0].port)
     PipelineServer(spare, ServedBlocks({1: bt[1]}, {1: e2e.blocks[1]}))
     try:
-        for _ in range(100):
-            if len(peers[0].members) == 3 and all(len(p.members) == 3 for p in peers):
-                break
-            await asyncio.sleep(0.05)
+        for p in peers:
+            await p.wait_for(lambda p=p: len(p.members()) == 3, 10.0)
         # the holder of block 2 that the client picks first (smallest peer id) dies mid-request
         victim = min((peers[1], spare), key=lambda p: p.id)
         died = []
 
         async def die(msg, pc, pid):
             died.append(msg.request_id)
-            victim._server.close()
-            for m in list(victim.members.values()) + [None]:
-                if m is not None and m.conn:
-                    m.conn.abort("crash")
-            for t in list(victim._tasks):
-                t.cancel()
+            crash(victim)
 
-        victim.handlers[PipelineForward] = die
+        victim.on(PipelineForward, die)
         prompt = b"retry me please"
-        out, stats = await _generate("127.0.0.1", peers[0].port, X25519PrivateKey.generate(), psk, prompt, 6,
-                                     "blocktrain", 3)
+        out, stats = await generate("127.0.0.1", peers[0].port, X25519PrivateKey.generate(), psk, prompt, 6,
+                                    "blocktrain", 3)
         want = bytes(Assembled(bt).generate_one_traversal(torch.tensor([list(prompt)]), 6)[0].tolist())
         assert died and out == want and victim.addr not in stats["route"]
     finally:

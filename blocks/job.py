@@ -1,0 +1,223 @@
+"""The main job as a library: train a BlockTrain model and the end-to-end reference under the
+same budget, evaluate both, write ``results.json``, ``curves.png`` and the checkpoints.
+
+Rules:
+- Nothing here parses arguments or prints: progress goes to ``bar(desc, total)`` (a context
+  manager with ``update(n)`` and ``set_postfix_str(s)``) and text to ``log``; the CLI chooses how
+  they look (blocks/cli.py).
+- Checkpoints: ``OUT/checkpoints/block{k}.safetensors`` (BlockTrain) and
+  ``OUT/reference/block{k}.safetensors`` (the end-to-end model split by the same layers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import JobConfig
+from .data import DataError, as_tensor, read_split
+from .model import Assembled
+from .run import train_blocktrain, train_e2e
+from .train import eval_chain, eval_continuation, eval_e2e
+
+
+class _Quiet:
+    def update(self, n: int = 1):
+        pass
+
+    def set_postfix_str(self, s: str):
+        pass
+
+
+@contextlib.contextmanager
+def no_bar(desc: str, total: int | None):
+    yield _Quiet()
+
+
+def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
+    torch.set_num_threads(job.threads)
+    out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    train = as_tensor(read_split("train", job.data))
+    valid = as_tensor(read_split("valid", job.data))
+    test = as_tensor(read_split("test", job.data))
+    try:
+        test_raw = as_tensor(read_split("test", job.data, "raw"))
+    except DataError:
+        test_raw = None
+    tw = job.test_windows or None
+    mc, tc = job.model, job.train
+    log(f"data: train {train.numel():,} bytes, valid {valid.numel():,}, test {test.numel():,} "
+        f"({'embedded WikiText-2' if job.data is None else job.data})")
+    log(f"model: d {mc.d_model}, {mc.n_layer} layers in {mc.n_blocks} blocks, head_layers {mc.head_layers}; "
+        f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} bytes; schedule {job.schedule}")
+
+    def progress_for(bar):
+        def cb(t, total, ces):
+            bar.update(1)
+            if ces:
+                bar.set_postfix_str("valid CE " + " ".join(f"{c:.3f}" for c in ces))
+        return cb
+
+    if job.processes:
+        bt = train_in_processes(job, out / "checkpoints", log, bar)
+    else:
+        with bar(f"blocktrain ({job.schedule})", None) as bar:
+            bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(bar))
+        for k, b in enumerate(bt.blocks):
+            ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
+                                      extra={"schedule": job.schedule, "final": True}),
+                      out / "checkpoints" / ckpt.block_file(k))
+    heads = eval_chain(bt.blocks, test, tc.seq_len, tw)
+    heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
+    asm = Assembled(bt.blocks)
+    result = {
+        "job": {"model": mc.to_dict(), "train": tc.to_dict(), "schedule": job.schedule,
+                "test_windows": job.test_windows, "data": job.data or "embedded WikiText-2"},
+        "blocktrain": {
+            "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
+            "curve": bt.curve, "train_seconds": bt.seconds, "train_flops": bt.train_flops,
+            "busy_fraction": bt.busy_fraction, "trainable_bytes_per_block": bt.trainable_bytes,
+            "workers_per_block": bt.workers_per_block, "starts": bt.starts,
+            "continuation_one_traversal": eval_continuation(asm, test, 64, 32, 64, one_traversal=True),
+        },
+    }
+    if job.reference:
+        with bar("end-to-end reference", tc.steps) as bar:
+            e2e = train_e2e(mc, tc, train, valid, progress_for(bar))
+        for k, b in enumerate(e2e.model.blocks):  # the reference, split by the same layers, for serving
+            ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), extra={"model": "end-to-end"}),
+                      out / "reference" / ckpt.block_file(k))
+        ce = eval_e2e(e2e.model, test, tc.seq_len, tw)
+        fwd = lambda ids: e2e.model(ids)[0]  # noqa: E731
+        result["reference"] = {
+            "test_ce": ce, "test_raw_ce": eval_e2e(e2e.model, test_raw, tc.seq_len, tw) if test_raw is not None else None,
+            "curve": e2e.curve, "train_seconds": e2e.seconds, "train_flops": e2e.train_flops,
+            "trainable_bytes": e2e.trainable_bytes[0],
+            "continuation_teacher_forced": eval_continuation(fwd, test, 64, 32, 64, one_traversal=False),
+        }
+        result["gap_ce"] = heads[-1] - ce
+        prompt = test[:64].long()[None]
+        result["samples"] = {
+            "prompt": bytes(prompt[0].tolist()).decode("utf-8", "replace"),
+            "blocktrain_one_traversal": bytes(asm.generate_one_traversal(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
+            "reference_autoregressive": bytes(e2e.model.generate(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
+        }
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["wall_seconds"] = time.perf_counter() - t0
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    plot_curves(result, out / "curves.png")
+    log(summary(result))
+    log(f"wrote {out / 'results.json'}, {out / 'curves.png'}, {out / 'checkpoints'}")
+    return result
+
+
+def train_in_processes(job: JobConfig, directory: Path, log, bar=no_bar):
+    """K worker processes (blocktrain.blocks.worker), one per block; progress from their files."""
+    import subprocess
+
+    from .model import Block
+    from .run import RunResult
+    from .checkpoint import block_path
+
+    if job.schedule == "relay":
+        raise ValueError("--processes runs staggered, parallel or sequential; relay averages gradients between "
+                         "workers, which needs the network (bt-peer)")
+    mc, tc = job.model, job.train
+    directory.mkdir(parents=True, exist_ok=True)
+    procs = []
+    t0 = time.perf_counter()
+    try:
+        for k in range(mc.n_blocks):
+            cmd = [sys.executable, "-m", "blocktrain.blocks.worker", "--block", str(k), "--dir", str(directory),
+                   "--schedule", job.schedule, "--model", json.dumps(mc.to_dict()),
+                   "--train", json.dumps(tc.to_dict()), "--ckpt-every", str(tc.refresh_every), "--threads", "1"]
+            procs.append(subprocess.Popen(cmd))
+        with bar(f"blocktrain ({job.schedule}, {mc.n_blocks} processes)", mc.n_blocks * tc.steps) as bar:
+            done = 0
+            while any(p.poll() is None for p in procs):
+                time.sleep(1.0)
+                steps = 0
+                for k in range(mc.n_blocks):
+                    try:
+                        steps += ckpt.load(block_path(directory, k)).step
+                    except ckpt.CheckpointError:
+                        pass  # not written yet, or being replaced
+                bar.update(steps - done)
+                done = steps
+        bad = [k for k, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"block workers {bad} failed; their checkpoints in {directory} are kept")
+    finally:
+        for p in procs:  # interrupted: stop our workers, by pid; their checkpoints stay for a restart
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+    blocks = []
+    for k in range(mc.n_blocks):
+        c = ckpt.load(block_path(directory, k))
+        b = Block(mc, k)
+        b.load_state_dict(c.tensors)
+        blocks.append(b)
+    res = RunResult(f"blocktrain-{job.schedule}-processes", blocks=blocks, seconds=time.perf_counter() - t0)
+    res.wall_steps = tc.steps * (mc.n_blocks if job.schedule == "sequential" else 1)
+    res.busy_fraction = 1 / mc.n_blocks if job.schedule == "sequential" else 1.0
+    from .model import train_flops_per_token
+    res.train_flops = float(sum(train_flops_per_token(mc, k, tc.seq_len) for k in range(mc.n_blocks))
+                            * tc.steps * tc.batch_size * tc.seq_len)
+    res.trainable_bytes = []
+    log(f"block workers finished in {res.seconds:.0f} s")
+    return res
+
+
+def plot_curves(result: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curve = result["blocktrain"]["curve"]
+    starts = result["blocktrain"].get("starts") or []
+    for k in range(len(curve[0][1]) if curve else 0):
+        s = starts[k] if k < len(starts) else 0
+        pts = [c for c in curve if c[0] > s]  # a block's head means nothing before it trains
+        ax.plot([c[0] for c in pts], [c[1][k] for c in pts], label=f"BlockTrain head of block {k + 1}")
+    if "reference" in result:
+        ref = result["reference"]["curve"]
+        ax.plot([c[0] for c in ref], [c[1][0] for c in ref], "k--", label="end-to-end reference")
+    ax.set_xlabel("wall time, in optimizer steps of one worker (relay: the K workers share each block's steps)")
+    ax.set_ylabel("valid CE (nats/byte)")
+    ax.set_title(f"BlockTrain ({result['job']['schedule']}) vs end-to-end, WikiText-2 bytes")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(r: dict) -> str:
+    b = r["blocktrain"]
+    lines = ["", "test CE, nats/byte (WikiText-2 wiki.test.tokens):"]
+    for k, ce in enumerate(b["test_ce_heads"]):
+        lines.append(f"  BlockTrain head of block {k + 1:<2}      {ce:.4f}")
+    if "reference" in r:
+        lines.append(f"  end-to-end reference           {r['reference']['test_ce']:.4f}")
+        lines.append(f"  gap (assembled - reference)    {r['gap_ce']:+.4f}")
+        c1 = b["continuation_one_traversal"]
+        c2 = r["reference"]["continuation_teacher_forced"]
+        lines.append(f"  32-byte continuation: one traversal CE {c1['ce']:.3f} acc {c1['byte_accuracy']:.1%}; "
+                     f"byte-by-byte (teacher-forced) CE {c2['ce']:.3f} acc {c2['byte_accuracy']:.1%}")
+    lines.append(f"  wall time {r['wall_seconds']:.0f} s, peak RSS {r['peak_rss_mib']:.0f} MiB")
+    return "\n".join(lines)
+
+

@@ -1,0 +1,154 @@
+"""A peer process as a library: build the peer and its services from options, run it until it is
+told to stop (or, optionally, until its training is done), report.
+
+Rules:
+- Everything ``bt-peer start/join/serve`` does lives here; the CLI only parses and prints.
+- Failures are domain errors: ``JoinError`` (bootstrap unreachable), ``AddressInUse``,
+  ``SwarmError`` (training cannot go on), ``TrainingFailed`` (wrapping what the trainer raised).
+- Every peer answers every request type: a peer that does not train refuses checkpoint streams
+  and a peer that does not serve refuses pipeline requests, at once, so nobody waits on it.
+- Stopping: the trainer is cancelled (its last checkpoint is on disk), every connection gets a
+  Goodbye, the report is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from .checkpoints import refuse_streams
+from .config import PeerJob
+from .link import LinkSpec
+from .node import JoinError, Peer
+from .pipeline import PipelineServer, ServedBlocks, refuse_requests
+from .swarm import SwarmError, SwarmTrainer
+from .transport import Timeouts
+
+__all__ = ["AddressInUse", "JoinError", "PeerOptions", "SwarmError", "Training", "TrainingFailed", "build_peer",
+           "run_peer"]
+
+
+class AddressInUse(OSError):
+    """The listen address is taken."""
+
+
+class TrainingFailed(Exception):
+    """The trainer stopped with an error (its last checkpoint is kept)."""
+
+
+@dataclass
+class PeerOptions:
+    identity: X25519PrivateKey
+    swarm_key: bytes
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str | None = None
+    blocks: tuple = ()
+    role: str = "train"  # train | serve | bootstrap
+    allowlist: set | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    links: dict | None = None
+    seal: bool = True
+    report_path: str | None = None
+    report_every_s: float = 10.0
+
+
+@dataclass
+class Training:
+    """What a training peer trains, with which data, where it keeps its checkpoints."""
+    job: PeerJob
+    block: int
+    work_dir: Path
+    train_data: object  # uint8 tensor
+    valid_data: object
+    shard: tuple[int, int] | None = None
+
+
+def build_peer(o: PeerOptions) -> Peer:
+    return Peer(o.identity, o.swarm_key, o.host, o.port, o.blocks, o.role, allowlist=o.allowlist,
+                timeouts=o.timeouts, links=o.links or {"default": LinkSpec(), "links": {}}, seal=o.seal,
+                report_path=o.report_path, report_every_s=o.report_every_s, advertise=o.advertise)
+
+
+async def start_peer(peer: Peer, bootstrap: tuple[str, int] | None, join_timeout_s: float = 30.0):
+    """Listen, then join through ``bootstrap`` (retrying while it starts)."""
+    try:
+        await peer.start()
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise AddressInUse(e.errno, f"{peer.host}:{peer.port} is already in use: pick another --listen port "
+                                        f"(or :0 for any free one)") from None
+        raise
+    if bootstrap:
+        try:
+            await peer.join(*bootstrap, timeout_s=join_timeout_s)
+        except JoinError:
+            await peer.stop("could not join")
+            raise
+
+
+async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: asyncio.Event,
+                   training: Training | None = None, served: ServedBlocks | None = None, exit_when_done: bool = False,
+                   on_line=lambda s: None, status_every_s: float = 5.0, join_timeout_s: float = 30.0) -> dict | None:
+    """Run a peer until ``stop`` is set (or its training is done, with ``exit_when_done``). Returns the
+    training report, if it trained."""
+    await start_peer(peer, bootstrap, join_timeout_s)
+    if served is not None:
+        PipelineServer(peer, served)
+    else:
+        refuse_requests(peer)
+    trainer = None
+    if training is not None:
+        j = training.job
+        trainer = SwarmTrainer(peer, training.block, j.model, j.train, j.swarm, training.work_dir,
+                               training.train_data, training.valid_data, training.shard, progress=on_line)
+    else:
+        refuse_streams(peer)
+    task = asyncio.ensure_future(trainer.run()) if trainer is not None else None
+    stopping = asyncio.ensure_future(stop.wait())
+    result, failed = None, None
+    last = time.monotonic()
+    try:
+        while not stop.is_set():
+            waits = {stopping} | ({task} if task is not None and not task.done() else set())
+            await asyncio.wait(waits, timeout=status_every_s, return_when=asyncio.FIRST_COMPLETED)
+            if task is not None and task.done() and result is None and failed is None:
+                if task.exception() is not None:
+                    failed = task.exception()
+                    break
+                result = task.result()
+                on_line(f"training done: block {result['block']} at step {result['step']}, "
+                        f"valid CE {_f(result['ce_start'])} -> {_f(result['ce_end'])}, "
+                        f"{result['rounds_applied']} rounds applied, {len(result['failed_rounds'])} failed"
+                        + ("" if exit_when_done else "; serving the checkpoint until stopped"))
+                if exit_when_done:
+                    break
+            if status_every_s and time.monotonic() - last >= status_every_s:
+                last = time.monotonic()
+                t = peer.traffic_totals()
+                on_line(f"{len(peer.members())} peers alive, sent {_mib(t['sent']['wire_bytes'])}, "
+                        f"received {_mib(t['received']['wire_bytes'])}")
+    finally:
+        stopping.cancel()
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await peer.stop("peer shutting down")
+    if failed is not None:
+        if isinstance(failed, SwarmError):
+            raise failed
+        raise TrainingFailed(f"{type(failed).__name__}: {failed}") from failed
+    return result
+
+
+def _f(x) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else "n/a"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,75 @@
+"""Assembling a model from a swarm: the newest verified checkpoint of every block, from its holders.
+
+Rules:
+- Every training holder of a block is asked (a holder that fell behind must not win); the
+  checkpoint with the highest step is kept. A checkpoint is used only if it verifies (sha256),
+  holds the block it is named for, and has the same model config as the other blocks.
+- The result is ``OUT/block{k}.safetensors`` for every block (servable with ``bt-peer serve
+  --checkpoints OUT``), or ``AssembleError`` naming the blocks that no holder delivered.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from blocktrain.blocks import checkpoint as ckpt
+
+from .checkpoints import CHECKPOINT, CheckpointFetcher, FetchError, holders, status_members
+from .node import Peer, query_status
+from .transport import Timeouts
+
+
+class AssembleError(Exception):
+    """The swarm could not deliver a complete, consistent model."""
+
+
+async def assemble_from_swarm(host: str, port: int, ident: X25519PrivateKey, key: bytes, out: Path,
+                              timeout: float = 30.0, log=lambda s: None) -> dict:
+    """Fetch, verify and write every block; returns {"blocks": {k: {step, from, bytes, sha256, final}},
+    "config": model config}."""
+    tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
+    st = await query_status(host, port, ident, key, tmo)
+    members = status_members(st)
+    blocks = sorted({b for m in members if m["role"] == "train" and m["state"] == "alive" for b in m["blocks"]})
+    if not blocks:
+        raise AssembleError(f"{host}:{port} knows no live training peers")
+    client = Peer(ident, key, "127.0.0.1", 0, role="client", timeouts=tmo)
+    fetcher = CheckpointFetcher(client, chunk_timeout_s=timeout)
+    got, config = {}, None
+    try:
+        for k in blocks:
+            best, why = None, []
+            for addr in holders(members, k):
+                try:
+                    blob = await fetcher.fetch([addr], CHECKPOINT, ckpt.block_name(k))
+                    c = ckpt.decode(blob, f"block {k} from {addr}")
+                except (FetchError, ckpt.CheckpointError) as e:
+                    why.append(str(e))
+                    log(f"block {k}: {addr}: {e}")
+                    continue
+                if c.block != k:
+                    log(f"block {k}: {addr} sent block {c.block}'s checkpoint; ignored")
+                    continue
+                if best is None or c.step > best[0].step:
+                    best = (c, blob, addr)
+            if best is None:
+                raise AssembleError(f"no holder of block {k} delivered a valid checkpoint: {'; '.join(why)}")
+            c, blob, addr = best
+            if config is None:
+                config = c.config
+            elif c.config != config:
+                raise AssembleError(f"block {k} from {addr} has another model config than block {blocks[0]}")
+            out.mkdir(parents=True, exist_ok=True)
+            ckpt.save(c, ckpt.block_path(out, k))
+            got[k] = {"step": c.step, "from": addr, "bytes": len(blob), "sha256": c.sha256,
+                      "final": bool(c.extra.get("final"))}
+            log(f"block {k}: step {c.step} from {addr} ({len(blob) / 2**20:.1f} MiB), verified")
+    finally:
+        await client.stop("done")
+    n = (config or {}).get("n_blocks", 0)
+    missing = [k for k in range(n) if k not in got]
+    if missing:
+        raise AssembleError(f"no live training peer holds block(s) {missing} of {n}")
+    return {"blocks": got, "config": config}

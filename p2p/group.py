@@ -1,0 +1,283 @@
+"""Group membership, sans-IO: who this peer averages with, round by round.
+
+Rules:
+- Rule 1: everything that changes who is in the group happens in ``Group``'s methods, through the
+  one table ``REPLIES`` (what each state answers to each control phase). Messages, departures
+  and decisions go in; messages (``Send``) and decisions come out. No sockets, clocks or tasks:
+  the driver (swarm.py) sends, waits and times out.
+- Rule 2: a group has one sponsor, its member with the smallest peer id. Only the sponsor admits
+  a joiner: it picks the round ``at`` = its current round + ``margin``, answers ``welcome`` and
+  tells every member ``admit``. Members finish a round only with the sponsor's parts, which it
+  sends after the ``admit`` on the same connection, so every member learns of the joiner before
+  the round ``at`` begins: all of them average with it from round ``at + 1``. The joiner takes
+  the group's state at the end of round ``at`` (the sponsor writes it and says ``ready``).
+- Rule 3: peers that start at once from the same state (same step and digest; from one seed,
+  every peer's fresh block is the same) form the group together, from their next round, with no
+  state to fetch; each learns of the others from their JOINs and its own JOIN's answers. With
+  ``min_group`` a starting peer waits (retrying) until that many start together or a group exists.
+  A starter that others counted in but that itself decided to ask again (it had not yet heard
+  of them) is welcomed by any member into its first round as it stands (``same``), as long as
+  its state is still that round's start point.
+- Rule 4: starting with nobody training and no same-state starters: the starting peer with the
+  most steps (then the smallest id) trains alone and sponsors the others.
+- Rule 5: a member that departs (left, dead, connection lost, excluded) leaves the group for good;
+  a peer that comes back joins again through a sponsor, taking the group's state.
+- Rule 6: two groups that meet (a split: a stopped peer resumed, a race at start) merge: each
+  member tells non-members its group's (size, sponsor); the group of lower rank (smaller, then the
+  larger sponsor id) yields: its members leave it and join the other one (rule 2).
+- Control messages are tensorless BLOCK_UPDATEs; ``meta["phase"]`` names them (PROTOCOL.md 7.2).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class State(str, enum.Enum):
+    IDLE = "idle"  # not training in this group's scope
+    STARTING = "starting"  # about to train: looking for a group to join
+    TRAINING = "training"  # a member; rounds under way
+    DONE = "done"  # finished training
+
+
+class Phase(str, enum.Enum):
+    JOIN = "join"  # joiner -> everyone in scope: {step, digest, round}
+    WELCOME = "welcome"  # sponsor -> joiner: {at, members, block, same}
+    REDIRECT = "redirect"  # non-sponsor member -> joiner: {sponsor}
+    STARTING = "starting"  # a starting peer -> joiner: {step, digest}
+    ABSENT = "absent"  # not training in this scope (or, with a round: not in that round's group)
+    ADMIT = "admit"  # sponsor -> members: {peer, at}
+    READY = "ready"  # sponsor -> joiner: the state at the end of round ``at`` can be fetched: {name}
+    LEAVE = "leave"  # a member -> members: it leaves the group (yielding to another group, or done)
+    STATUS = "status"  # a member -> a non-member in scope: {size, sponsor, round}
+    EXCLUDED = "excluded"  # a member -> a peer whose update it rejected (averaging.py)
+
+
+CONTROL_PHASES = frozenset(p.value for p in Phase)
+
+# What a peer answers to a JOIN in each state (rule 1). TRAINING: the sponsor welcomes, the other
+# members redirect to it; STARTING: "starting", with the step and digest it starts from (rule 3).
+REPLIES = {
+    State.IDLE: Phase.ABSENT,
+    State.STARTING: Phase.STARTING,
+    State.TRAINING: Phase.WELCOME,
+    State.DONE: Phase.ABSENT,
+}
+
+
+@dataclass(frozen=True)
+class Send:
+    """A control message for ``peer``: BLOCK_UPDATE(block, round, meta) without tensors."""
+    peer: str
+    round: int
+    meta: dict
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a joiner does once its JOIN has been answered (``Group.decide``)."""
+    action: str  # "fetch" (wait for READY, take the state at ``at``), "train" (go on from our own
+    #              state, admitted at ``at`` or alone), "retry" (ask again shortly)
+    at: int = 0
+    sponsor: str = ""
+    members: tuple = ()
+    block: int | None = None  # the block the group trains (relay: may differ from ours)
+    why: str = ""
+
+
+@dataclass
+class _Reply:
+    phase: Phase
+    meta: dict
+
+
+@dataclass
+class Group:
+    """Membership of one averaging group, as one member sees it."""
+
+    me: str
+    margin: int = 2  # rounds between an admission and the joiner's first round (>= 2, rule 2)
+    state: State = State.IDLE
+    round: int = 0  # the round in progress (its members are fixed)
+    digest: str = ""  # digest of our start point of the round in progress
+    step: int = 0
+    block: int = 0  # the block this group trains now
+    joined: dict = field(default_factory=dict)  # member -> first round it averages with us
+    events: list = field(default_factory=list)  # admissions, departures, yields: for the report
+    _replies: dict = field(default_factory=dict)  # joiner side: peer -> _Reply
+    _asked: set = field(default_factory=set)  # joiner side: peers our JOIN went to
+    _admits_due: dict = field(default_factory=dict)  # sponsor side: round -> joiners to tell READY
+    _starters: dict = field(default_factory=dict)  # STARTING side: peer -> (step, digest) it starts from
+
+    # --- views -------------------------------------------------------------------------------
+    def members(self, rnd: int | None = None) -> list[str]:
+        """Sorted ids averaging in round ``rnd`` (default: the round in progress), us included."""
+        r = self.round if rnd is None else rnd
+        return sorted({self.me} | {p for p, first in self.joined.items() if first <= r})
+
+    def sponsor(self) -> str:
+        """The member with the smallest id, among those of the round in progress."""
+        return min(self.members())
+
+    def rank(self) -> tuple:
+        """Orders groups for merging (rule 6): larger wins, then the smaller sponsor id."""
+        return (len(self.joined) + 1, _neg(self.sponsor()))
+
+    # --- as a joiner ---------------------------------------------------------------------------
+    def start_join(self, candidates, step: int, digest: str, rnd: int) -> list[Send]:
+        """Ask every candidate in scope to let us in; we are STARTING until ``decide``."""
+        self.state, self.step, self.digest, self.round = State.STARTING, step, digest, rnd
+        self.joined.clear()
+        self._replies, self._asked = {}, set(candidates) - {self.me}  # starters seen before are kept
+        return [Send(p, rnd, {"phase": Phase.JOIN.value, "step": step, "digest": digest})
+                for p in sorted(self._asked)]
+
+    def on_reply(self, peer: str, phase: Phase, meta: dict):
+        if peer in self._asked:
+            self._replies[peer] = _Reply(phase, meta)
+            if phase is Phase.STARTING:
+                self._starting(peer, meta)
+
+    def _starting(self, peer: str, meta: dict):
+        step, digest = meta.get("step"), meta.get("digest")
+        if type(step) is int and isinstance(digest, str):
+            self._starters[peer] = (step, digest)
+
+    def waiting_for(self) -> set:
+        """Peers whose answer to our JOIN has not come (the driver times them out)."""
+        return self._asked - set(self._replies)
+
+    def decide(self, min_group: int = 1) -> Decision:
+        """Rules 2-4, once every asked peer answered or the driver's timeout passed."""
+        welcome = [(p, r) for p, r in self._replies.items() if r.phase is Phase.WELCOME]
+        if welcome:  # two welcomes mean two groups: join the larger (rule 6 merges the other)
+            p, r = max(welcome, key=lambda w: (len(w[1].meta.get("members", ())), _neg(w[0])))
+            members = tuple(m for m in r.meta.get("members", ()) if isinstance(m, str))
+            at, block = r.meta.get("at"), r.meta.get("block")
+            if type(at) is not int or at < 0:
+                return Decision("retry", why=f"{p[:12]} sent a malformed welcome")
+            if r.meta.get("same") is True and self.me in members:
+                self._enter(at, members)
+                return Decision("train", at, min(members), members, block if type(block) is int else None,
+                                "counted in by the others from the start; joining them as we stand")
+            return Decision("fetch", at, p, members, block if type(block) is int else None,
+                            f"the group's state after round {at}")
+        if any(r.phase is Phase.REDIRECT for r in self._replies.values()):
+            return Decision("retry", why="a group is training; its sponsor has not answered yet")
+        same = sorted(p for p, sd in self._starters.items() if sd == (self.step, self.digest))
+        if len(same) + 1 >= max(min_group, 2):  # rule 3: start together
+            self._enter(self.round - 1, same)
+            return Decision("train", self.round - 1, min([self.me, *same]), tuple(sorted([self.me, *same])), None,
+                            f"starting together with {len(same)} peer(s) from the same state")
+        if len(same) + 1 < min_group:
+            return Decision("retry", why=f"{len(same) + 1} of {min_group} peers ready to start together")
+        ahead = [p for p, (step, _) in self._starters.items() if (-step, p) < (-self.step, self.me)]
+        if ahead:
+            first = min(ahead, key=lambda p: (-self._starters[p][0], p))
+            return Decision("retry", sponsor=first, why=f"{first[:12]} starts the group")
+        self._enter(self.round - 1, ())
+        return Decision("train", self.round - 1, self.me, (self.me,), None, "no group in scope: we start it")
+
+    def joined_group(self, at: int, members) -> None:
+        """The joiner took the group's state after round ``at``: a member from ``at + 1``."""
+        self._enter(at, members)
+
+    def _enter(self, at: int, members) -> None:
+        self._starters = {}
+        self.state = State.TRAINING
+        self.round = at + 1
+        self.joined = {p: at + 1 for p in members if p != self.me}
+        self._replies, self._asked = {}, set()
+
+    # --- as a member ---------------------------------------------------------------------------
+    def begin_round(self, rnd: int, digest: str, block: int) -> list[str]:
+        """Round ``rnd`` starts from a point with ``digest``: its members."""
+        self.round, self.digest, self.block = rnd, digest, block
+        return self.members(rnd)
+
+    def on_join(self, peer: str, meta: dict) -> list[Send]:
+        """A JOIN from ``peer`` (rules 2-4)."""
+        answer = REPLIES[self.state]
+        first = self.joined.get(peer)
+        if answer is Phase.WELCOME and first is not None and first >= self.round \
+                and meta.get("digest") == self.digest and self.digest:  # rule 3: counted in, still in step
+            return [Send(peer, self.round, {"phase": Phase.WELCOME.value, "at": first - 1, "same": True,
+                                            "block": self.block, "members": self.members(first)})]
+        if answer is Phase.WELCOME and self.sponsor() != self.me:
+            return [Send(peer, self.round, {"phase": Phase.REDIRECT.value, "sponsor": self.sponsor()})]
+        if answer is Phase.STARTING:
+            self._starting(peer, meta)  # it starts too: rule 3 may make us one group
+            return [Send(peer, self.round, {"phase": Phase.STARTING.value, "step": self.step, "digest": self.digest})]
+        if answer is Phase.ABSENT:
+            return [Send(peer, self.round, {"phase": Phase.ABSENT.value})]
+        at = self.round + self.margin
+        out = [Send(m, self.round, {"phase": Phase.ADMIT.value, "peer": peer, "at": at})
+               for m in sorted(self.joined) if m != peer]  # future members too: they must know
+        self._admit(peer, at)
+        self._admits_due.setdefault(at, set()).add(peer)
+        out.append(Send(peer, self.round, {"phase": Phase.WELCOME.value, "at": at, "block": self.block,
+                                           "members": self.members(at + 1)}))
+        return out
+
+    def on_admit(self, sponsor: str, meta: dict) -> None:
+        peer, at = meta.get("peer"), meta.get("at")
+        if (self.state is State.TRAINING and sponsor == self.sponsor() and isinstance(peer, str)
+                and isinstance(at, int) and peer != self.me):
+            self._admit(peer, at)
+            self._admits_due.setdefault(at, set()).add(peer)  # we write the state it takes, too
+
+    def _admit(self, peer: str, at: int) -> None:
+        self.joined[peer] = at + 1
+        self.events.append({"event": "admitted", "peer": peer, "from_round": at + 1})
+
+    def ready_due(self, rnd: int) -> list[str]:
+        """The joiners that take the group's state at the end of round ``rnd`` (every member writes
+        it; the sponsor tells them READY)."""
+        return sorted(self._admits_due.pop(rnd, ()))
+
+    def ready(self, rnd: int, joiners, name: str) -> list[Send]:
+        return [Send(p, rnd, {"phase": Phase.READY.value, "at": rnd, "name": name}) for p in joiners]
+
+    def depart(self, peer: str, why: str) -> bool:
+        """Rule 5; True if ``peer`` was a member."""
+        was = self.joined.pop(peer, None) is not None
+        for due in self._admits_due.values():
+            due.discard(peer)
+        if was:
+            self.events.append({"event": "departed", "peer": peer, "round": self.round, "why": why})
+        return was
+
+    # --- merging (rule 6) ------------------------------------------------------------------------
+    def status_for(self, peer: str) -> Send:
+        size, _ = self.rank()
+        return Send(peer, self.round, {"phase": Phase.STATUS.value, "size": size, "sponsor": self.sponsor()})
+
+    def on_status(self, peer: str, meta: dict) -> list[Send] | None:
+        """A STATUS from a peer outside our group: None, or (we yield) LEAVEs for our members,
+        after which the driver joins again."""
+        size, sponsor = meta.get("size"), meta.get("sponsor")
+        if self.state is not State.TRAINING or peer in self.joined or not isinstance(size, int) \
+                or not isinstance(sponsor, str):
+            return None
+        if (size, _neg(sponsor)) <= self.rank():
+            return None
+        out = self.leave(f"yielding to the group of {sponsor[:12]} ({size} members)")
+        return out
+
+    def leave(self, why: str) -> list[Send]:
+        out = [Send(m, self.round, {"phase": Phase.LEAVE.value, "why": why}) for m in self.joined]
+        self.events.append({"event": "left group", "round": self.round, "why": why})
+        self.joined.clear()
+        self.state = State.IDLE
+        return out
+
+    def finish(self) -> list[Send]:
+        out = self.leave("done training") if self.joined else []
+        self.state = State.DONE
+        return out
+
+
+def _neg(peer_id: str) -> tuple:
+    """Sort key under which a smaller peer id ranks higher."""
+    return tuple(-ord(c) for c in peer_id)

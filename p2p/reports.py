@@ -1,0 +1,120 @@
+"""Transfer-volume reports people read: one peer's, or a swarm's, summed and summarised.
+
+Rules:
+- A report file is what ``Peer.report()`` writes (kind "blocktrain-transfer-report"); anything
+  else is a ``ReportError`` naming the file.
+- ``summarise`` gives one row per peer (block, rounds, rejected, CE start -> end, bytes by kind, CE
+  per GB) and the swarm's bytes by kind; ``details`` gives every (peer, direction, remote, type) row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .traffic import DIRECTIONS, add_counts
+
+REPORT_KIND = "blocktrain-transfer-report"
+
+
+class ReportError(Exception):
+    """A file is not a readable BlockTrain transfer report."""
+
+
+def read_report(path: str | Path) -> dict:
+    try:
+        r = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ReportError(f"{path}: {e}") from None
+    except ValueError as e:
+        raise ReportError(f"{path}: not JSON: {e}") from None
+    if not isinstance(r, dict) or r.get("kind") != REPORT_KIND:
+        raise ReportError(f"{path}: not a BlockTrain transfer report")
+    return r
+
+
+def summarise(files) -> dict:
+    """The aggregate of several reports (JSON-able)."""
+    kinds = {d: {} for d in DIRECTIONS}
+    peers = []
+    for f in files:
+        r = read_report(f)
+        for d in DIRECTIONS:
+            add_counts(kinds[d], r.get("by_kind", {}).get(d, {}))
+        tr = r.get("training") or {}
+        moved = r["totals"]["sent"]["wire_bytes"] + r["totals"]["received"]["wire_bytes"]
+        by_kind = {k: c["wire_bytes"] for d in DIRECTIONS for k, c in r.get("by_kind", {}).get(d, {}).items()}
+        peers.append({
+            "file": str(f), "peer_id": r["peer_id"], "addr": r["addr"], "blocks": r["blocks"], "role": r["role"],
+            "seconds": r["end_time"] - r["start_time"], "wire_bytes_moved": moved, "wire_bytes_by_kind": by_kind,
+            "training": {k: tr.get(k) for k in ("block", "state", "step", "steps", "schedule", "block_in_work",
+                                                 "ce_start", "ce_end", "head_ce", "ce_improvement_per_gb", "busy",
+                                                 "memory", "rounds_applied")} if tr else None,
+            "failed_rounds": len(tr.get("failed_rounds", [])),
+            "rejected_updates": tr.get("rejected_updates", []), "excluded_by": tr.get("excluded_by", {}),
+            "membership_events": len(r.get("events", [])), "details": _detail_rows(r),
+        })
+    sent = sum(c["wire_bytes"] for c in kinds["sent"].values())
+    return {"peers": peers, "by_kind": kinds, "wire_bytes_sent": sent}
+
+
+def _detail_rows(r: dict) -> list:
+    rows = []
+    for pid, t in sorted(r["peers"].items()):
+        for d in DIRECTIONS:
+            for typ, c in sorted(t[d]["by_type"].items()):
+                rows.append([r["peer_id"][:12], d, pid[:12], typ, c["frames"], c["payload_bytes"], c["wire_bytes"]])
+    return rows
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def summary_lines(agg: dict) -> list[str]:
+    """The short table: one row per peer, then bytes by kind."""
+    kinds = sorted({k for p in agg["peers"] for k in p["wire_bytes_by_kind"]})
+    head = f"{'peer':<13} {'block':>5} {'state':<9} {'rounds':>6} {'failed':>6} {'rejected':>8} {'CE start -> end':<17} " \
+           f"{'CE/GB':>7} " + " ".join(f"{k:>16}" for k in kinds)
+    lines = [head]
+    for p in agg["peers"]:
+        t = p["training"] or {}
+        ce = (f"{t['ce_start']:.3f} -> {t['ce_end']:.3f}" if isinstance(t.get("ce_end"), float)
+              else f"{t['ce_start']:.3f} -> ..." if isinstance(t.get("ce_start"), float) else "-")
+        per_gb = f"{t['ce_improvement_per_gb']:.3g}" if isinstance(t.get("ce_improvement_per_gb"), float) else "-"
+        lines.append(f"{p['peer_id'][:12]:<13} {str(t.get('block', '-')):>5} {str(t.get('state', p['role']))[:9]:<9} "
+                     f"{str(t.get('rounds_applied', '-')):>6} {p['failed_rounds']:>6} {len(p['rejected_updates']):>8} "
+                     f"{ce:<17} {per_gb:>7} " + " ".join(f"{fmt_bytes(p['wire_bytes_by_kind'].get(k, 0)):>16}"
+                                                         for k in kinds))
+    lines.append("")
+    lines.append(f"{'kind':<17} {'sent wire':>11} {'recv wire':>11}")
+    for k in sorted(set(agg["by_kind"]["sent"]) | set(agg["by_kind"]["received"])):
+        s, rcv = agg["by_kind"]["sent"].get(k, {}), agg["by_kind"]["received"].get(k, {})
+        lines.append(f"{k:<17} {fmt_bytes(s.get('wire_bytes', 0)):>11} {fmt_bytes(rcv.get('wire_bytes', 0)):>11}")
+    lines.append(f"total wire bytes sent by these peers: {fmt_bytes(agg['wire_bytes_sent'])}")
+    for p in agg["peers"]:
+        t = p["training"] or {}
+        heads = t.get("head_ce")
+        if heads:
+            from blocktrain.blocks.evaluate import verdicts
+            lines.append(f"{p['peer_id'][:12]}: valid CE of the heads along its chain " +
+                         " / ".join(f"{c:.3f}" for c in heads))
+            lines += [f"  {v}" for v in verdicts(heads)]
+        for ev in p["rejected_updates"]:
+            lines.append(f"{p['peer_id'][:12]}: REJECTED update from {ev['peer'][:12]} in round {ev['round']}: "
+                         f"{ev['reason']} (excluded since)")
+        for pid, why in p["excluded_by"].items():
+            lines.append(f"{p['peer_id'][:12]}: EXCLUDED by {pid[:12]}, which rejected this peer's update: {why}")
+    return lines
+
+
+def detail_lines(agg: dict) -> list[str]:
+    lines = [f"{'peer':<13} {'dir':<9} {'remote':<13} {'type':<17} {'frames':>8} {'payload':>11} {'wire':>11}"]
+    for p in agg["peers"]:
+        for peer, d, remote, typ, fr, pb, wb in p["details"]:
+            lines.append(f"{peer:<13} {d:<9} {remote:<13} {typ:<17} {fr:>8} {fmt_bytes(pb):>11} {fmt_bytes(wb):>11}")
+    return lines

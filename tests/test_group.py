@@ -1,0 +1,181 @@
+"""Group membership, sans-IO: every ordering of joins, admissions, departures and merges, no sockets."""
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blocktrain.p2p.group import Group, Phase, State
+
+
+class Net:
+    """Groups that talk by delivering each other's Sends, in an order the test chooses."""
+
+    def __init__(self, ids, margin=2):
+        self.g = {p: Group(p, margin=margin) for p in ids}
+        self.queue = []  # (src, Send)
+
+    def post(self, src, sends):
+        self.queue += [(src, s) for s in sends]
+
+    def deliver(self, i=0):
+        src, s = self.queue.pop(i)
+        g = self.g[s.peer]
+        phase = Phase(s.meta["phase"])
+        if phase is Phase.JOIN:
+            self.post(s.peer, g.on_join(src, s.meta))
+        elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
+            g.on_reply(src, phase, s.meta)
+        elif phase is Phase.ADMIT:
+            g.on_admit(src, s.meta)
+        elif phase is Phase.STATUS:
+            leave = g.on_status(src, s.meta)
+            if leave is not None:
+                self.post(s.peer, leave)
+        elif phase is Phase.LEAVE:
+            g.depart(src, s.meta.get("why", ""))
+
+    def drain(self, order=None):
+        while self.queue:
+            self.deliver(order.pop(0) % len(self.queue) if order else 0)
+
+
+def start(net, p, rnd=1, step=0, digest="d0", candidates=None):
+    others = [q for q in net.g if q != p] if candidates is None else candidates
+    net.post(p, net.g[p].start_join(others, step, digest, rnd))
+
+
+def test_peers_starting_together_from_one_state_form_one_group():
+    net = Net(["a", "b", "c"])
+    for p in "abc":
+        start(net, p)
+    net.drain()
+    decisions = {p: net.g[p].decide() for p in "abc"}
+    assert all(d.action == "train" for d in decisions.values())
+    assert all(net.g[p].members(1) == ["a", "b", "c"] for p in "abc")
+
+
+def test_min_group_waits_until_enough_start_together():
+    net = Net(["a", "b", "c"])
+    start(net, "a", candidates=["b", "c"])
+    net.drain()  # b and c are idle: absent
+    assert net.g["a"].decide(min_group=3).action == "retry"
+    for p in "abc":
+        start(net, p)
+    net.drain()
+    assert all(net.g[p].decide(min_group=3).action == "train" for p in "abc")
+
+
+def test_a_join_that_arrives_before_the_other_side_starts_still_ends_in_one_group():
+    """The race of issue 13: b's JOIN reaches a while a is not yet training (answered absent)."""
+    net = Net(["a", "b"])
+    start(net, "b")
+    net.drain()  # a is idle: absent
+    d = net.g["b"].decide()
+    assert d.action == "train" and net.g["b"].members() == ["b"]  # b trains alone, sponsoring
+    start(net, "a")
+    net.drain()
+    d = net.g["a"].decide()
+    assert d.action == "fetch" and d.sponsor == "b" and d.at == 1 + 2  # the state after round at
+    net.g["a"].joined_group(d.at, d.members)
+    for r in range(1, 10):
+        assert net.g["a"].members(r) == net.g["b"].members(r) or r <= d.at
+    assert net.g["b"].ready_due(d.at) == ["a"]
+
+
+def test_the_sponsor_admits_and_every_member_learns_before_the_joiners_first_round():
+    net = Net(["a", "b", "c", "j"])
+    for p in "abc":
+        start(net, p, candidates=["a", "b", "c"])
+    net.drain()
+    for p in "abc":
+        net.g[p].decide()
+        net.g[p].begin_round(5, "s5", 0)  # the group is at round 5
+    start(net, "j", rnd=1, step=0, digest="fresh")
+    net.drain()
+    d = net.g["j"].decide()
+    assert d.action == "fetch" and d.sponsor == "a" and d.at == 7
+    assert all(net.g[p].members(8) == ["a", "b", "c", "j"] for p in "abc")
+    assert all(net.g[p].members(7) == ["a", "b", "c"] for p in "abc")
+    assert all(net.g[p].ready_due(7) == ["j"] for p in "abc")  # every member writes the state
+
+
+def test_a_member_that_is_not_the_sponsor_redirects():
+    g = Group("b")
+    g.state, g.round, g.joined = State.TRAINING, 1, {"a": 1}
+    (s,) = g.on_join("z", {"step": 0, "digest": "x"})
+    assert s.meta == {"phase": "redirect", "sponsor": "a"}
+
+
+def test_departure_and_rejoin():
+    g = Group("a")
+    g.state, g.round, g.joined = State.TRAINING, 10, {"b": 1, "c": 3}
+    assert g.depart("c", "dead") and g.members() == ["a", "b"]
+    assert not g.depart("c", "dead")  # once
+    sends = g.on_join("c", {"step": 0, "digest": "x"})  # it comes back: admitted like any joiner
+    assert {s.meta["phase"] for s in sends} == {"admit", "welcome"} and g.members(13) == ["a", "b", "c"]
+
+
+def test_split_groups_merge_into_the_larger():
+    net = Net(["a", "b", "c"])
+    for p in "ab":
+        start(net, p, candidates=["a", "b"])
+    start(net, "c", candidates=[])
+    net.drain()
+    for p in "abc":
+        net.g[p].decide()
+    assert net.g["c"].members() == ["c"] and net.g["a"].members() == ["a", "b"]
+    net.post("a", [net.g["a"].status_for("c")])
+    net.post("c", [net.g["c"].status_for("a")])
+    net.drain()
+    assert net.g["c"].state is State.IDLE  # c yields: it joins again, taking the group's state
+    assert net.g["a"].members() == ["a", "b"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 1000), min_size=0, max_size=40), st.permutations(["a", "b", "c", "d"]))
+def test_any_delivery_order_at_start_gives_agreeing_views(order, starters):
+    """Peers start one after another; messages arrive in any order. Whatever each decides, the
+    members of every group agree on who is in it, so no round ever mixes two views."""
+    net = Net(list(starters))
+    for p in starters:
+        start(net, p)
+    net.drain(list(order))
+    for p in starters:
+        d = net.g[p].decide()
+        if d.action == "fetch":
+            net.g[p].joined_group(d.at, d.members)
+    views = {p: net.g[p].members(50) for p in starters if net.g[p].state is State.TRAINING}
+    for p, v in views.items():
+        for q in v:
+            if q in views:
+                assert views[q] == v, (p, q, views)
+
+
+def test_group_rank_orders_larger_then_smaller_sponsor():
+    a, b = Group("a"), Group("b")
+    a.state = b.state = State.TRAINING
+    b.joined = {"c": 1}
+    assert b.rank() > a.rank()  # larger wins
+    c = Group("c")
+    c.state = State.TRAINING
+    assert a.rank() > c.rank()  # equal size: the smaller sponsor id wins
+
+
+def test_a_starter_counted_in_by_others_is_welcomed_as_it_stands():
+    """b heard a's JOIN while starting and started together with it; a had decided to ask again
+    (b had answered absent before). a's retry is welcomed into round 1 with its own state."""
+    net = Net(["a", "b"])
+    start(net, "a")
+    net.drain()  # b idle: absent
+    assert net.g["a"].decide(min_group=2).action == "retry"
+    net.g["a"].state = State.STARTING  # a waits before asking again; b starts now
+    start(net, "b")
+    net.drain()
+    assert net.g["b"].decide(min_group=2).action == "train" and net.g["b"].members(1) == ["a", "b"]
+    net.g["b"].begin_round(1, "d0", 0)
+    start(net, "a")
+    net.drain()
+    d = net.g["a"].decide(min_group=2)
+    assert d.action == "train" and d.at == 0 and net.g["a"].members(1) == ["a", "b"]

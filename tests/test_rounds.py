@@ -1,0 +1,113 @@
+"""The averaging round, sans-IO: exact results, departures, rejections and every delivery order."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import blocktrain.p2p.averaging as av
+from blocktrain.p2p.averaging import AveragingRound, Bounds, RoundFailed
+
+IDS = ["a", "b", "c"]
+
+
+def rounds(xs, ids=IDS, **kw):
+    return {p: AveragingRound(p, 0, 1, ids, x, **kw) for p, x in zip(ids, xs)}
+
+
+def run(rs, order=None, drop=lambda part, src: False):
+    """Deliver every part until all rounds are done (or nothing is left to deliver)."""
+    queue = [(p, part) for p, r in rs.items() for part in r.start()]
+    order = list(order or [])
+    while queue:
+        src, part = queue.pop(order.pop(0) % len(queue) if order else 0)
+        if drop(part, src) or part.peer not in rs:
+            continue
+        queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+    return rs
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=200), st.integers(1, 5))
+def test_any_delivery_order_gives_the_same_exact_mean_everywhere(order, pieces):
+    av.PIECE_FLOATS, old = 7, av.PIECE_FLOATS
+    try:
+        torch.manual_seed(pieces)
+        xs = [torch.randn(7 * pieces + 2) for _ in IDS]
+        rs = run(rounds(xs), order)
+        outs = [r.result()[0] for r in rs.values()]
+    finally:
+        av.PIECE_FLOATS = old
+    assert all(torch.equal(outs[0], o) for o in outs)  # the same bytes at every member
+    assert torch.allclose(outs[0], torch.stack(xs).mean(0), atol=1e-6)
+
+
+def test_a_member_departing_mid_round_leaves_the_others_finishing():
+    xs = [torch.randn(100) for _ in IDS]
+    rs = rounds(xs)
+    queue = [(p, part) for p, r in rs.items() if p != "c" for part in r.start()]  # c never sends
+    for p in ("a", "b"):
+        queue += [(p, part) for part in rs[p].depart("c", "connection lost")]
+    while queue:
+        src, part = queue.pop(0)
+        if part.peer != "c":
+            queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+    for p in ("a", "b"):
+        out, rep = rs[p].result()
+        assert rep.departed == ["c"] and rep.coverage == 1.0 and rep.why["c"] == "connection lost"
+        assert torch.allclose(out, (xs[0] + xs[1]) / 2, atol=1e-6)
+
+
+def test_a_departure_seen_by_one_member_reaches_the_others():
+    """Only a sees that c is gone; b learns it from a's parts and does not wait for c."""
+    xs = [torch.randn(90) for _ in IDS]
+    rs = rounds(xs)
+    queue = [(p, part) for p, r in rs.items() if p != "c" for part in r.start()]
+    queue = [(s, q) for s, q in queue if s == "a"] + [(s, q) for s, q in queue if s != "a"]
+    queue = [(p, part) for p, part in [("a", x) for x in rs["a"].depart("c", "another view")]] + queue
+    while queue:
+        src, part = queue.pop(0)
+        if part.peer != "c":
+            queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+    assert rs["b"].done and rs["b"].result()[1].departed == ["c"]
+
+
+def test_a_poisoned_part_rejects_its_sender_and_the_round_goes_on():
+    xs = [torch.randn(60) for _ in IDS]
+    xs[2] = torch.full((60,), float("nan"))
+    rs = run(rounds(xs))
+    for p in ("a", "b"):
+        out, rep = rs[p].result()
+        assert [r["peer"] for r in rep.rejected] == ["c"] and "NaN" in rep.rejected[0]["reason"]
+        assert torch.allclose(out, (xs[0] + xs[1]) / 2, atol=1e-6)
+
+
+def test_norm_bound_and_shape_are_checked():
+    xs = [torch.randn(60), torch.randn(60), torch.full((60,), 1e3)]
+    rs = run(rounds(xs, bounds=Bounds(max_norm=100.0)))
+    assert "exceeds the bound" in rs["a"].result()[1].rejected[0]["reason"]
+
+
+def test_silence_until_the_deadline_fails_loudly_naming_who():
+    xs = [torch.randn(30) for _ in IDS]
+    rs = rounds(xs)
+    run({p: r for p, r in rs.items() if p != "c"})
+    for p in ("a", "b"):
+        rs[p].expire()
+        with pytest.raises(RoundFailed, match="nothing applied") as ei:
+            rs[p].result()
+        assert ei.value.silent == {"c"}
+
+
+def test_lossy_codec_gives_the_same_bytes_everywhere():
+    xs = [torch.randn(500) for _ in IDS]
+    rs = run(rounds(xs, codec="int8"))
+    outs = [r.result()[0] for r in rs.values()]
+    assert all(torch.equal(outs[0], o) for o in outs)
+    assert (outs[0] - torch.stack(xs).mean(0)).abs().max() < 0.1
+
+
+def test_group_identity_covers_members_round_and_start_point():
+    g = av.group_digest
+    assert g(IDS, 1, "s") == g(list(reversed(IDS)), 1, "s")
+    assert len({g(IDS, 1, "s"), g(IDS, 2, "s"), g(IDS, 1, "t"), g(IDS[:2], 1, "s")}) == 4
