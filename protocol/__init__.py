@@ -3,8 +3,8 @@
 Bytes in, events out. No sockets, no asyncio, no torch.
 """
 
-from .connection import (NEED_DATA, TRANSITIONS, ByteCounter, Connection, ConnectionClosed, HandshakeComplete,
-                         Role, State)
+from .connection import (MAX_HANDSHAKE_FRAME_BYTES, NEED_DATA, TRANSITIONS, ByteCounter, Connection,
+                         ConnectionClosed, HandshakeComplete, Role, State)
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .events import (MESSAGES, Announce, BlockUpdate, Error, Goodbye, Handshake, Message, PeerInfo, PeerList,
                      PipelineForward, PipelineResult, Ping, Pong, Status, StreamChunk, StreamEnd, StreamOpen, StreamRequest,
@@ -15,7 +15,7 @@ from .streams import CHUNK_SIZE_BYTES, StreamReceiver, stream_messages
 from .tensors import SEGMENT_ELEMS, Codec, WireTensor, pack_tensor
 
 __all__ = [
-    "NEED_DATA", "TRANSITIONS", "ByteCounter", "Connection", "ConnectionClosed", "HandshakeComplete", "Role",
+    "MAX_HANDSHAKE_FRAME_BYTES", "NEED_DATA", "TRANSITIONS", "ByteCounter", "Connection", "ConnectionClosed", "HandshakeComplete", "Role",
     "State", "ErrorCode", "LocalProtocolError", "ProtocolError", "RemoteProtocolError", "MESSAGES", "Announce",
     "BlockUpdate", "Error", "Goodbye", "Handshake", "Message", "PeerInfo", "PeerList", "PipelineForward",
     "PipelineResult", "Ping", "Pong", "Status", "StreamChunk", "StreamEnd", "StreamOpen", "StreamRequest", "decode_payload",

@@ -13,6 +13,10 @@ Rules:
   and ``error_frame()`` gives the bytes that tell the peer why.
 - Rule 5: every frame sent or received is counted per direction and message type: frames,
   payload bytes (before lz4) and wire bytes (header, lz4 and seal included).
+- Rule 6: every frame's length is judged from its 18-byte header (``_check_header``) against
+  the state's limit: before ESTABLISHED the handshake's (``MAX_HANDSHAKE_FRAME_BYTES``), and no
+  payload is received in place, so a peer without the swarm key makes us hold at most one such
+  frame.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocol
 from .events import Error, Handshake, Message, StreamChunk, StreamOpen, StreamRequest, decode_payload, encode_payload
 from .frames import (HEADER_BYTES, MAX_FRAME_BYTES, Flags, FrameBuffer, FrameHeader, MessageType, ReusableBuffer,
                      encode_header)
-from .handshake import PROTOCOL_NAME, TAGLEN, CipherState, HandshakeError, NoiseHandshake, peer_id_of
+from .handshake import MAX_MESSAGE_BYTES, PROTOCOL_NAME, TAGLEN, CipherState, HandshakeError, NoiseHandshake, peer_id_of
 
 PROLOGUE = b"BlockTrain/1 " + PROTOCOL_NAME
 _SEALED = int(Flags.SEALED)
@@ -35,6 +39,11 @@ _CLOSE_TYPES = frozenset({MessageType.GOODBYE, MessageType.ERROR})
 _STREAM_TYPES = frozenset({MessageType.STREAM_OPEN, MessageType.STREAM_CHUNK, MessageType.STREAM_END,
                            MessageType.STREAM_REQUEST})
 _PIPELINE_TYPES = frozenset({MessageType.PIPELINE_FORWARD, MessageType.PIPELINE_RESULT})
+# The largest frame before ESTABLISHED. Only HANDSHAKE frames (a Noise message, at most 65535
+# bytes by Noise's own rule) and unsealed ERROR refusals (a code and a reason of at most 4096
+# chars: under 16 KiB) may arrive then, so no legitimate frame is larger; and as the peer is not
+# yet authenticated, this is all it can make us hold.
+MAX_HANDSHAKE_FRAME_BYTES = MAX_MESSAGE_BYTES
 # Stream kinds counted under their own name (PROTOCOL.md section 7).
 STREAM_KINDS = frozenset({"checkpoint", "lower-checkpoint", "update"})
 _SIZED_TYPES = frozenset({MessageType.STREAM_CHUNK, MessageType.BLOCK_UPDATE, MessageType.PIPELINE_FORWARD,
@@ -207,6 +216,8 @@ class Connection:
                  info: dict | None = None, seal: bool = True, max_frame_bytes: int = MAX_FRAME_BYTES,
                  compress: bool = True, ephemeral=None):
         self.role = role
+        self.max_frame_bytes = max_frame_bytes
+        self._frames = FrameBuffer(max_frame_bytes + TAGLEN, self._check_header)
         self.state = State.START
         self.seal = seal
         self.compress = compress
@@ -215,7 +226,6 @@ class Connection:
         self._noise = NoiseHandshake(role is Role.INITIATOR, static, psk, PROLOGUE, ephemeral)
         self._send_cs: CipherState | None = None
         self._recv_cs: CipherState | None = None
-        self._frames = FrameBuffer(max_frame_bytes + TAGLEN)
         self._out = bytearray()  # handshake bytes produced while receiving
         self.error: ProtocolError | None = None
         self.peer: HandshakeComplete | None = None
@@ -232,6 +242,8 @@ class Connection:
     def state(self, value: State):
         self._state = value
         self._row = TRANSITIONS[(self.role, value)]  # the current row, looked up once per change
+        if value is State.CLOSED or value is State.ERROR:
+            self._frames.clear()  # nothing more is parsed: hold nothing the peer sent
 
     def _transition(self, ev: Ev):
         nxt = self._row.get(ev)
@@ -240,6 +252,16 @@ class Connection:
                                      ErrorCode.UNEXPECTED_MESSAGE)
         if nxt is not self._state:
             self.state = nxt
+
+    def _check_header(self, h: FrameHeader) -> None:
+        """The state's length limit, from the header alone (FrameBuffer calls it as it parses)."""
+        if self._state is State.ESTABLISHED:
+            limit = self.max_frame_bytes + TAGLEN
+        else:
+            limit = MAX_HANDSHAKE_FRAME_BYTES
+        if h.length > limit:
+            raise LocalProtocolError(f"frame length {h.length} exceeds the limit {limit} (state {self._state.value})",
+                                     ErrorCode.FRAME_TOO_LARGE)
 
     # --- sending -------------------------------------------------------------------------
     def initiate(self) -> bytes:
@@ -299,18 +321,21 @@ class Connection:
 
     # --- receiving -----------------------------------------------------------------------
     def receive_data(self, data) -> None:
-        if self.state is State.ERROR:
+        if self._state is State.ERROR or self._state is State.CLOSED:
             return
         self._frames.feed(data)
 
     def receive_buffer(self) -> memoryview | None:
-        """A writable view to receive the rest of a large incoming payload into, or None."""
-        if self.state in (State.ERROR, State.CLOSED):
+        """A writable view to receive the rest of a large incoming payload into, or None.
+        Only once ESTABLISHED: before, nothing is allocated for a frame the peer announces."""
+        if self._state is not State.ESTABLISHED:
             return None
         return self._frames.receive_buffer()
 
     def received_into(self, n: int) -> None:
         """``n`` bytes were written at the start of the view ``receive_buffer`` returned."""
+        if self._state is State.ERROR or self._state is State.CLOSED:
+            return  # closed meanwhile: the bytes are dropped with the rest
         self._frames.received_into(n)
 
     def next_event(self):

@@ -239,3 +239,73 @@ def test_large_payload_received_in_place_equals_fed(seal):
         pos += n
         got += p.drain(p.b)
     assert direct > 0 and got == [StreamChunk(offset=7, data=data, stream_id=2), Ping(nonce=1)]
+
+
+# --- r4: nothing unauthenticated is held beyond the handshake's own limit (issue 12, finding 1) ---
+
+def _header(mtype, flags, stream_id, length):
+    import struct
+    import zlib
+    head = struct.pack(">2sBBBBII", b"BT", 1, mtype, flags, 0, stream_id, length)
+    return head + struct.pack(">I", zlib.crc32(head))
+
+
+def _responder_after_message_1():
+    p = ConnectionPair()
+    p.b.receive_data(p.a.initiate())
+    assert p.drain(p.b) == [] and p.b.state is State.AWAIT_FINISH
+    return p
+
+
+def test_handshake_header_announcing_16_mib_is_refused_at_the_header():
+    p = ConnectionPair()
+    p.b.receive_data(_header(0x01, 0, 0, 16 * 1024 * 1024))  # 18 bytes, no payload
+    assert p.b.receive_buffer() is None
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.b.next_event()
+    assert ei.value.code is ErrorCode.FRAME_TOO_LARGE
+    assert p.b.state is State.ERROR and p.b.buffered_bytes == 0 and p.b.receive_buffer() is None
+    # the limit before ESTABLISHED is the handshake's: 65,535 passes the header, 65,536 does not
+    p = _responder_after_message_1()
+    p.b.receive_data(_header(0x01, 0, 0, 65535))
+    assert p.b.next_event() is NEED_DATA and p.b.receive_buffer() is None
+    p = _responder_after_message_1()
+    p.b.receive_data(_header(0x01, 0, 0, 65536))
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.b.next_event()
+    assert ei.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+def test_no_receive_buffer_before_established():
+    p = _responder_after_message_1()
+    p.b.receive_data(_header(0x01, 0, 0, 65535) + bytes(100))
+    assert p.b.next_event() is NEED_DATA
+    assert p.b.receive_buffer() is None  # a socket never reads into a buffer the peer sized
+    q = ConnectionPair()  # the initiator waiting for the confirmation: an unsealed ERROR may come
+    q.b.receive_data(q.a.initiate())
+    q.drain(q.b)
+    q.deliver(q.b, q.a)
+    assert q.a.state is State.AWAIT_CONFIRM
+    q.a.receive_data(_header(0x02, 0, 0, 65535) + bytes(100))
+    assert q.a.next_event() is NEED_DATA and q.a.receive_buffer() is None
+
+
+def test_unauthenticated_peer_makes_us_hold_little_even_one_byte_at_a_time():
+    """Measured: a responder fed a 65,535-byte handshake frame one byte at a time (the most an
+    unauthenticated peer may announce) holds about what it was sent, not an object per byte."""
+    import tracemalloc
+    p = _responder_after_message_1()
+    wire = _header(0x01, 0, 0, 65535) + bytes(60_000)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(len(wire)):
+            p.b.receive_data(wire[i:i + 1])
+            if i % 1000 == 0:
+                assert p.b.next_event() is NEED_DATA and p.b.receive_buffer() is None
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert p.b.buffered_bytes == len(wire)
+    assert held < 2 * len(wire), f"held {held} bytes for {len(wire)} received"
+
