@@ -48,6 +48,7 @@ def _announce(port_file: str, port: int):
 
 
 async def _child_peer(port_file: str, psk: bytes, seal: bool, total: int):
+    from blocktrain.p2p.traffic import kind_of
     from blocktrain.p2p.transport import PeerConnection, Timeouts
     from blocktrain.protocol import Connection, ConnectionClosed, Pong, Role, StreamChunk
 
@@ -55,7 +56,8 @@ async def _child_peer(port_file: str, psk: bytes, seal: bool, total: int):
     done = loop.create_future()
 
     def factory():
-        pc = PeerConnection(Connection(Role.RESPONDER, X25519PrivateKey.generate(), psk, seal=seal), Timeouts())
+        pc = PeerConnection(Connection(Role.RESPONDER, X25519PrivateKey.generate(), psk, seal=seal, kind_of=kind_of),
+                            Timeouts())
 
         async def serve():
             got = 0
@@ -154,6 +156,7 @@ def raw_transfer(tmpdir, total: int) -> float:
 
 
 async def peer_transfer(tmpdir, total: int, seal: bool, pings: int = 0) -> dict:
+    from blocktrain.p2p.traffic import kind_of
     from blocktrain.p2p.transport import Timeouts, open_connection
     from blocktrain.protocol import Connection, Ping, Pong, Role, StreamChunk
 
@@ -161,7 +164,8 @@ async def peer_transfer(tmpdir, total: int, seal: bool, pings: int = 0) -> dict:
     c = _Child(tmpdir, "sealed" if seal else "plain", psk.hex(), total)
     try:
         pc = await open_connection("127.0.0.1", c.port,
-                                   Connection(Role.INITIATOR, X25519PrivateKey.generate(), psk, seal=seal), Timeouts())
+                                   Connection(Role.INITIATOR, X25519PrivateKey.generate(), psk, seal=seal,
+                                              kind_of=kind_of), Timeouts())
         data = os.urandom(CHUNK)
         out = {}
         if pings:

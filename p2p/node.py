@@ -31,6 +31,7 @@ from blocktrain.protocol import (Announce, Connection, ConnectionClosed, PeerInf
 
 from .identity import peer_id
 from .link import LinkSpec
+from .traffic import kind_of
 from .transport import PeerConnection, Timeouts, open_connection
 
 log = logging.getLogger("blocktrain.p2p")
@@ -170,7 +171,7 @@ class Peer:
     # --- connections ---------------------------------------------------------------------------
     def _accept(self) -> PeerConnection:
         conn = Connection(Role.RESPONDER, self.identity, self.swarm_key, allowlist=self.allowlist,
-                          info=self._hello(), seal=self.seal)
+                          info=self._hello(), seal=self.seal, kind_of=kind_of)
         pc = PeerConnection(conn, self.timeouts, self.links.get("default"), name="inbound")
         if self._pending >= MAX_PENDING_HANDSHAKES or self._stopping:
             asyncio.get_running_loop().call_soon(pc.abort, "too many pending handshakes")
@@ -186,7 +187,7 @@ class Peer:
         try:
             host, _, port = addr.rpartition(":")
             conn = Connection(Role.INITIATOR, self.identity, self.swarm_key, allowlist=self.allowlist,
-                              info=self._hello(), seal=self.seal)
+                              info=self._hello(), seal=self.seal, kind_of=kind_of)
             pc = await open_connection(host, int(port), conn, self.timeouts, self._link_for(addr), name=addr)
         except (OSError, ConnectionError, ValueError) as e:
             log.info("cannot connect to %s: %s", addr, e)
@@ -432,7 +433,8 @@ class Peer:
 async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,
                        timeouts: Timeouts = Timeouts()) -> dict:
     """Ask one peer for its view of the swarm (as a client, never a member)."""
-    conn = Connection(Role.INITIATOR, identity, swarm_key, info={"addr": "", "blocks": [], "role": "client"})
+    conn = Connection(Role.INITIATOR, identity, swarm_key, info={"addr": "", "blocks": [], "role": "client"},
+                      kind_of=kind_of)
     pc = await open_connection(host, port, conn, timeouts, name=f"{host}:{port}")
     try:
         pc.send_nowait(Status(status={}))

@@ -27,6 +27,7 @@ from blocktrain.blocks.model import MASK_ID, Block
 from blocktrain.protocol import ConnectionClosed, PipelineForward, PipelineResult, Role
 
 from .tensors import from_wire, to_wire
+from .traffic import kind_of
 
 MODES = ("blocktrain", "autoregressive")
 SESSION_IDLE_S = 60.0  # a KV cache unused this long is freed
@@ -166,7 +167,7 @@ class PipelineClient:
         for addr in {self.route[0], self.route[-1]}:
             host, _, port = addr.rpartition(":")
             conn = Connection(Role.INITIATOR, self.identity, self.swarm_key,
-                              info={"addr": "", "blocks": [], "role": "client"})
+                              info={"addr": "", "blocks": [], "role": "client"}, kind_of=kind_of)
             pc = await open_connection(host, int(port), conn, self.timeouts, self.link, name=addr)
             self.conns[addr] = pc
             self._readers.append(asyncio.get_running_loop().create_task(self._read(pc, addr)))

@@ -12,7 +12,9 @@ Rules:
 - Rule 4: a remote error moves the connection to ERROR for good; ``next_event`` raises it once
   and ``error_frame()`` gives the bytes that tell the peer why.
 - Rule 5: every frame sent or received is counted per direction and message type: frames,
-  payload bytes (before lz4) and wire bytes (header, lz4 and seal included).
+  payload bytes (before lz4) and wire bytes (header, lz4 and seal included); and by kind of
+  traffic, where the application hands in its classifier (``kind_of``): the core knows no
+  application kinds, only that a stream's frames share the kind of its STREAM_REQUEST/OPEN.
 - Rule 6: every frame's length is judged from its 18-byte header (``_check_header``) against
   the state's limit: before ESTABLISHED the handshake's (``MAX_HANDSHAKE_FRAME_BYTES``), and no
   payload is received in place, so a peer without the swarm key makes us hold at most one such
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, as_remote
-from .events import Error, Handshake, Message, StreamChunk, StreamOpen, StreamRequest, decode_payload, encode_payload
+from .events import Error, Handshake, Message, StreamChunk, decode_payload, encode_payload
 from .frames import (HEADER_BYTES, MAX_FRAME_BYTES, Flags, FrameBuffer, FrameHeader, MessageType, ReusableBuffer,
                      encode_header)
 from .handshake import MAX_MESSAGE_BYTES, PROTOCOL_NAME, TAGLEN, CipherState, HandshakeError, NoiseHandshake, peer_id_of
@@ -36,16 +39,24 @@ from .handshake import MAX_MESSAGE_BYTES, PROTOCOL_NAME, TAGLEN, CipherState, Ha
 PROLOGUE = b"BlockTrain/1 " + PROTOCOL_NAME
 _SEALED = int(Flags.SEALED)
 _CLOSE_TYPES = frozenset({MessageType.GOODBYE, MessageType.ERROR})
-_STREAM_TYPES = frozenset({MessageType.STREAM_OPEN, MessageType.STREAM_CHUNK, MessageType.STREAM_END,
-                           MessageType.STREAM_REQUEST})
-_PIPELINE_TYPES = frozenset({MessageType.PIPELINE_FORWARD, MessageType.PIPELINE_RESULT})
+# A stream's kind is learnt from the frame that begins it and used for the frames that follow.
+_STREAM_BEGIN = frozenset({MessageType.STREAM_OPEN, MessageType.STREAM_REQUEST})
+_STREAM_FOLLOW = frozenset({MessageType.STREAM_CHUNK, MessageType.STREAM_END})
+_STREAM_DONE = frozenset({MessageType.STREAM_END})
+_STREAM_TYPES = _STREAM_BEGIN | _STREAM_FOLLOW
+# Streams whose kind is remembered at once; beyond, the oldest is forgotten (its later frames
+# are classified on their own). 4096 is far more than the few streams a peer runs at a time,
+# and bounds what a peer that opens streams and never ends them can make us keep (~0.5 MiB).
+MAX_TRACKED_STREAMS = 4096
+# Distinct kinds counted per direction; a classifier returning more is counted under
+# OVERFLOW_KIND, so a classifier that passes peer-chosen names through cannot grow the table.
+MAX_TRAFFIC_KINDS = 64
+OVERFLOW_KIND = "other"
 # The largest frame before ESTABLISHED. Only HANDSHAKE frames (a Noise message, at most 65535
 # bytes by Noise's own rule) and unsealed ERROR refusals (a code and a reason of at most 4096
 # chars: under 16 KiB) may arrive then, so no legitimate frame is larger; and as the peer is not
 # yet authenticated, this is all it can make us hold.
 MAX_HANDSHAKE_FRAME_BYTES = MAX_MESSAGE_BYTES
-# Stream kinds counted under their own name (PROTOCOL.md section 7).
-STREAM_KINDS = frozenset({"checkpoint", "lower-checkpoint", "update"})
 _SIZED_TYPES = frozenset({MessageType.STREAM_CHUNK, MessageType.BLOCK_UPDATE, MessageType.PIPELINE_FORWARD,
                           MessageType.PIPELINE_RESULT})
 _TYPE_NAMES = {t: t.name.lower() for t in MessageType}
@@ -133,40 +144,51 @@ def _counter():
 class ByteCounter:
     """Per-direction frame and byte counts, by message type and by kind of traffic.
 
-    Kinds: ``update`` (BLOCK_UPDATE with tensors), ``pipeline`` (PIPELINE_*), a stream's own kind for
-    STREAM_* frames (``checkpoint``, ``lower-checkpoint``, ``update``; any other is
-    ``stream-other``, so a peer cannot grow the table), ``control`` for everything else.
+    ``kind_of(msg) -> str`` is the application's classifier (None: no counts by kind). The core
+    adds one rule: STREAM_CHUNK, STREAM_END and STREAM_RESET frames count under the kind that the
+    STREAM_REQUEST or STREAM_OPEN of their stream id was given (at most ``MAX_TRACKED_STREAMS``
+    remembered); a stream id never seen is classified on its own.
     """
 
+    kind_of: Callable[[Message], str] | None = None
     sent: dict = field(default_factory=dict)
     received: dict = field(default_factory=dict)
     sent_kinds: dict = field(default_factory=dict)
     received_kinds: dict = field(default_factory=dict)
     _streams: dict = field(default_factory=dict)  # stream id -> kind, from STREAM_REQUEST/OPEN
 
-    def kind_of(self, msg: Message) -> str:
+    def kind(self, msg: Message) -> str | None:
+        """The kind ``msg`` counts under (and the stream table's bookkeeping), or None."""
+        classify = self.kind_of
+        if classify is None:
+            return None
         t = msg.TYPE
-        if t is MessageType.BLOCK_UPDATE:
-            return "update" if msg.tensors else "control"  # without tensors: the group's join handshake
-        if t in _PIPELINE_TYPES:
-            return "pipeline"
-        if t not in _STREAM_TYPES:
-            return "control"
-        if isinstance(msg, (StreamOpen, StreamRequest)):
-            kind = msg.kind if msg.kind in STREAM_KINDS else "stream-other"
-            if len(self._streams) >= 4096:  # streams that never ended: forget the oldest
-                self._streams.pop(next(iter(self._streams)))
-            self._streams[msg.stream_id] = kind
+        if t not in _STREAM_TYPES:  # the common case
+            return classify(msg)
+        if t in _STREAM_BEGIN:
+            kind = classify(msg)
+            streams = self._streams
+            if msg.stream_id not in streams and len(streams) >= MAX_TRACKED_STREAMS:
+                streams.pop(next(iter(streams)))  # streams that never ended: forget the oldest
+            streams[msg.stream_id] = kind
             return kind
-        kind = self._streams.get(msg.stream_id, "stream-other")
-        if t is MessageType.STREAM_END:
-            self._streams.pop(msg.stream_id, None)
-        return kind
+        if t in _STREAM_FOLLOW:
+            kind = self._streams.get(msg.stream_id)
+            if kind is None:
+                kind = classify(msg)
+            elif t in _STREAM_DONE:
+                del self._streams[msg.stream_id]
+            return kind
 
-    def add(self, direction: str, mtype: MessageType, payload: int, wire: int, kind: str = "control"):
+    def add(self, direction: str, mtype: MessageType, payload: int, wire: int, kind: str | None = None):
         sent = direction == "sent"
-        for d, name in ((self.sent if sent else self.received, _TYPE_NAMES[mtype]),
-                        (self.sent_kinds if sent else self.received_kinds, kind)):
+        pairs = [(self.sent if sent else self.received, _TYPE_NAMES[mtype])]
+        if kind is not None:
+            kinds = self.sent_kinds if sent else self.received_kinds
+            if kind not in kinds and len(kinds) >= MAX_TRAFFIC_KINDS:
+                kind = OVERFLOW_KIND
+            pairs.append((kinds, kind))
+        for d, name in pairs:
             c = d.get(name)
             if c is None:
                 c = d[name] = _counter()
@@ -204,17 +226,21 @@ def _logical_len(msg: Message, framed: int) -> int:
     return framed + sum(t.raw_bytes - t.stored_bytes for t in tensors)
 
 
+_HANDSHAKE_MSG = Handshake()  # what handshake frames are classified as (their bytes are not a message)
+
+
 class Connection:
     """One end of a BlockTrain connection.
 
     ``static``: this peer's X25519 key; ``psk``: the 32-byte swarm key; ``allowlist``: peer ids
     accepted (None = any holder of the swarm key); ``info``: a small map sent to the peer inside
-    the handshake (listen address, role); ``seal``: AEAD on every frame after the handshake.
+    the handshake (listen address, role); ``seal``: AEAD on every frame after the handshake;
+    ``kind_of``: the application's traffic classifier (``ByteCounter``).
     """
 
     def __init__(self, role: Role, static: X25519PrivateKey, psk: bytes, *, allowlist=None,
                  info: dict | None = None, seal: bool = True, max_frame_bytes: int = MAX_FRAME_BYTES,
-                 compress: bool = True, ephemeral=None):
+                 compress: bool = True, ephemeral=None, kind_of: Callable[[Message], str] | None = None):
         self.role = role
         self.max_frame_bytes = max_frame_bytes
         self._frames = FrameBuffer(max_frame_bytes + TAGLEN, self._check_header)
@@ -229,7 +255,7 @@ class Connection:
         self._out = bytearray()  # handshake bytes produced while receiving
         self.error: ProtocolError | None = None
         self.peer: HandshakeComplete | None = None
-        self.counter = ByteCounter()
+        self.counter = ByteCounter(kind_of)
         self._seal_buf, self._open_buf = ReusableBuffer(), ReusableBuffer()
         self.sealed_session = False
 
@@ -294,7 +320,7 @@ class Connection:
         flags, bufs = encode_payload(msg, self.compress)
         length = _checked_length(bufs)
         head = encode_header(msg.TYPE, flags, msg.stream_id, length)
-        self.counter.add("sent", msg.TYPE, length, HEADER_BYTES + length, self.counter.kind_of(msg))
+        self.counter.add("sent", msg.TYPE, length, HEADER_BYTES + length, self.counter.kind(msg))
         return head + b"".join(bytes(b) for b in bufs)
 
     def _frame(self, msg: Message, force_seal: bool = False) -> list:
@@ -307,10 +333,10 @@ class Connection:
                 sealed = [self._send_cs.seal_into(head, bufs, self._seal_buf.get(length + TAGLEN))]
             else:
                 sealed = [self._send_cs.encrypt(head, b"".join(bufs))]
-            self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length + TAGLEN, self.counter.kind_of(msg))
+            self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length + TAGLEN, self.counter.kind(msg))
             return [head, *sealed]
         head = encode_header(msg.TYPE, flags, msg.stream_id, length)
-        self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length, self.counter.kind_of(msg))
+        self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length, self.counter.kind(msg))
         return [head, *bufs]
 
     def data_to_send(self) -> bytes:
@@ -377,7 +403,7 @@ class Connection:
             if t is MessageType.HANDSHAKE:
                 raise LocalProtocolError("handshake message after the handshake", ErrorCode.UNEXPECTED_MESSAGE)
             msg = decode_payload(t, h.flags & ~_SEALED, h.stream_id, payload)
-            self.counter.add("received", t, _logical_len(msg, len(payload)), wire, self.counter.kind_of(msg))
+            self.counter.add("received", t, _logical_len(msg, len(payload)), wire, self.counter.kind(msg))
             if t in _CLOSE_TYPES:
                 self._transition(Ev.RECV_CLOSE)
                 return ConnectionClosed(msg.code if isinstance(msg, Error) else 0, msg.reason)
@@ -385,7 +411,7 @@ class Connection:
             return msg
         if h.type is MessageType.ERROR and not h.flags & _SEALED:  # a refusal during the handshake
             msg = decode_payload(h.type, h.flags, h.stream_id, payload)
-            self.counter.add("received", h.type, h.length, wire)
+            self.counter.add("received", h.type, h.length, wire, self.counter.kind(msg))
             self._transition(Ev.RECV_CLOSE)
             code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.HANDSHAKE_FAILED
             raise RemoteProtocolError(f"peer refused the handshake: {msg.reason} ({code.name})", code)
@@ -395,14 +421,15 @@ class Connection:
         payload = self._open(h, payload, True)
         if h.type is not MessageType.HANDSHAKE or len(payload):
             raise LocalProtocolError("expected the handshake confirmation", ErrorCode.UNEXPECTED_MESSAGE)
-        self.counter.add("received", h.type, 0, wire)
+        self.counter.add("received", h.type, 0, wire, self.counter.kind(_HANDSHAKE_MSG))
         self._transition(Ev.RECV_CONFIRM)
         return self.peer
 
     def _handle_handshake(self, h: FrameHeader, payload: memoryview):
         if h.type is not MessageType.HANDSHAKE or h.flags != 0:
             raise LocalProtocolError(f"expected a handshake frame, got {h.type.name}", ErrorCode.UNEXPECTED_MESSAGE)
-        self.counter.add("received", h.type, h.length, HEADER_BYTES + h.length)
+        self.counter.add("received", h.type, h.length, HEADER_BYTES + h.length,
+                         self.counter.kind(_HANDSHAKE_MSG))
         noise = self._noise
         if self.state is State.START:  # responder reads 1, writes 2
             noise.read_message(bytes(payload))

@@ -309,3 +309,65 @@ def test_unauthenticated_peer_makes_us_hold_little_even_one_byte_at_a_time():
     assert p.b.buffered_bytes == len(wire)
     assert held < 2 * len(wire), f"held {held} bytes for {len(wire)} received"
 
+
+# --- r4: the core knows no application kinds; the application hands it its classifier ------------
+
+def test_connection_module_names_no_application_kind():
+    import inspect
+
+    from blocktrain.protocol import connection
+    src = inspect.getsource(connection)
+    for word in ("checkpoint", "lower-checkpoint", '"update"', '"pipeline"', "join handshake", "STREAM_KINDS"):
+        assert word not in src, f"protocol/connection.py knows the application word {word}"
+
+
+def test_byte_counter_uses_the_classifier_and_remembers_stream_kinds():
+    from blocktrain.protocol import ByteCounter, StreamChunk, StreamEnd, StreamOpen, StreamRequest
+    from blocktrain.protocol.connection import MAX_TRACKED_STREAMS, MAX_TRAFFIC_KINDS
+    seen = []
+
+    def classify(msg):
+        seen.append(type(msg).__name__)
+        return msg.kind if isinstance(msg, (StreamOpen, StreamRequest)) else "rest"
+
+    c = ByteCounter(classify)
+    assert c.kind(StreamRequest(kind="k1", name="n", stream_id=5)) == "k1"
+    assert c.kind(StreamChunk(offset=0, data=b"x", stream_id=5)) == "k1"  # from the table, not classify
+    assert c.kind(StreamEnd(stream_id=5)) == "k1" and 5 not in c._streams
+    assert c.kind(StreamChunk(offset=0, data=b"x", stream_id=5)) == "rest"  # forgotten: classified alone
+    for sid in range(1, MAX_TRACKED_STREAMS + 100):  # streams that never end: the table stays bounded
+        c.kind(StreamOpen(kind="k", name="n", stream_id=sid))
+    assert len(c._streams) == MAX_TRACKED_STREAMS
+    for i in range(MAX_TRAFFIC_KINDS + 10):  # a classifier passing peer words through: bounded too
+        c.add("received", StreamOpen.TYPE, 1, 1, f"kind{i}")
+    assert len(c.received_kinds) == MAX_TRAFFIC_KINDS + 1 and c.received_kinds["other"]["frames"] == 10
+    assert ByteCounter().kind(Ping(nonce=1)) is None  # no classifier: no counts by kind
+    p = ConnectionPair()
+    p.handshake()
+    assert p.a.counter.snapshot()["sent"]["by_kind"] == {}
+
+
+def test_application_classifier_counts_as_before():
+    """p2p.traffic.kind_of gives the r3 kinds (PROTOCOL.md section 10) through the core's table."""
+    from blocktrain.p2p.traffic import kind_of
+    from blocktrain.protocol import (Connection, PipelineForward, Role, StreamChunk, StreamEnd, StreamOpen,
+                                     StreamRequest)
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    psk = os.urandom(32)
+    p = ConnectionPair()
+    p.a = Connection(Role.INITIATOR, X25519PrivateKey.generate(), psk, kind_of=kind_of)
+    p.b = Connection(Role.RESPONDER, X25519PrivateKey.generate(), psk, kind_of=kind_of)
+    p.handshake()
+    t = pack_tensor("w", "float32", (4,), bytes(16))
+    msgs = [BlockUpdate(block=1, round=1, tensors=[t]), BlockUpdate(block=1, round=1, meta={"phase": "join"}),
+            PipelineForward(request_id=1, tensors=[t]),
+            StreamRequest(kind="lower-checkpoint", name="block1", stream_id=7),
+            StreamOpen(kind="lower-checkpoint", name="block1", total_size=3, stream_id=7),
+            StreamChunk(offset=0, data=b"abc", stream_id=7), StreamEnd(stream_id=7),
+            StreamOpen(kind="weird", name="x", total_size=0, stream_id=8), StreamEnd(stream_id=8),
+            StreamChunk(offset=0, data=b"z", stream_id=9), Ping(nonce=1)]
+    for m in msgs:
+        p.deliver(p.a, p.b, p.a.send(m))
+    kinds = p.b.counter.snapshot()["received"]["by_kind"]
+    assert {k: v["frames"] for k, v in kinds.items()} == {
+        "update": 1, "control": 1 + 1 + 2, "pipeline": 1, "lower-checkpoint": 4, "stream-other": 3}
