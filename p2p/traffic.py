@@ -1,7 +1,7 @@
 """BlockTrain's kinds of traffic: the classifier the peer hands every Connection it makes.
 
 The protocol core counts bytes by whatever kind this returns (``Connection(kind_of=...)``) and
-gives the chunks and end of a stream the kind of its STREAM_REQUEST/STREAM_OPEN; the
+gives the chunks, end and reset of a stream the kind of its STREAM_REQUEST/STREAM_OPEN; the
 words themselves are the application's (PROTOCOL.md section 10):
 
 - ``update``: a BLOCK_UPDATE carrying tensors (an averaging round's parts);
@@ -15,18 +15,18 @@ words themselves are the application's (PROTOCOL.md section 10):
 from __future__ import annotations
 
 from blocktrain.protocol import (BlockUpdate, Message, PipelineForward, PipelineResult, StreamChunk, StreamEnd,
-                                 StreamOpen, StreamRequest)
+                                 StreamOpen, StreamRequest, StreamReset)
 
 # Stream kinds counted under their own name (PROTOCOL.md section 7).
 STREAM_KINDS = frozenset({"checkpoint", "lower-checkpoint", "update"})
 # Kinds that depend on the message type alone (one dict lookup per frame: this runs for each).
 _BY_TYPE = {PipelineForward: "pipeline", PipelineResult: "pipeline",
-            StreamChunk: "stream-other", StreamEnd: "stream-other"}
+            StreamChunk: "stream-other", StreamEnd: "stream-other", StreamReset: "stream-other"}
 
 
 def kind_of(msg: Message) -> str:
     """The kind of traffic ``msg`` counts under (``Connection(kind_of=kind_of)``). The core asks
-    it for a STREAM_CHUNK or STREAM_END only when it did not see the stream begin."""
+    it for a STREAM_CHUNK, STREAM_END or STREAM_RESET only when it did not see the stream begin."""
     t = type(msg)
     if t is BlockUpdate:
         return "update" if msg.tensors else "control"  # without tensors: the group's join handshake

@@ -7,9 +7,9 @@ Rules:
   (u32), payload length (u32), crc32 of the 14 bytes before it (u32).
 - Rule 3: parsing is transactional: a frame is returned only once complete; until then the
   buffer is unchanged, so any split of the input yields the same frames.
-- Rule 4: nothing here knows about sessions; the caller's ``check_header`` (the frame limit of
-  the connection's state) runs the moment a header parses, before any byte of its payload is
-  awaited.
+- Rule 4: nothing here knows about sessions; the caller's ``check_header`` (the frame limit and
+  the flag and type rules of the connection's state) runs the moment a header parses, before
+  any byte of its payload is awaited.
 - Rule 5: what a peer makes us hold is bounded by what it sent: small fed pieces are joined
   (``COALESCE_BYTES``), so a peer sending one byte at a time costs a few bytes of overhead per
   byte, not a Python object per byte.
@@ -50,8 +50,20 @@ class MessageType(IntEnum):
     STREAM_CHUNK = 0x31
     STREAM_END = 0x32
     STREAM_REQUEST = 0x33
+    STREAM_RESET = 0x34
     PIPELINE_FORWARD = 0x40
     PIPELINE_RESULT = 0x41
+
+
+# Types whose payload may hold lz4 data (PROTOCOL.md section 3); COMPRESSED on any other type is
+# BAD_FLAGS, from the header alone.
+COMPRESSIBLE_TYPES = frozenset({MessageType.BLOCK_UPDATE, MessageType.STREAM_CHUNK, MessageType.PIPELINE_FORWARD,
+                                MessageType.PIPELINE_RESULT})
+
+# Types sent on a stream id other than 0 (a STREAM_REQUEST's id names the stream its answer will
+# use); every other type is sent on stream 0. A frame breaking this is MALFORMED_METADATA.
+STREAM_TYPES = frozenset({MessageType.STREAM_OPEN, MessageType.STREAM_CHUNK, MessageType.STREAM_END,
+                          MessageType.STREAM_REQUEST, MessageType.STREAM_RESET})
 
 
 class Flags(IntFlag):
@@ -61,6 +73,7 @@ class Flags(IntFlag):
 
 
 KNOWN_FLAGS = int(Flags.COMPRESSED | Flags.SEALED)
+_COMPRESSED = int(Flags.COMPRESSED)  # a plain int: IntFlag arithmetic costs a microsecond per frame
 
 
 _TYPES = {int(t): t for t in MessageType}
@@ -96,8 +109,9 @@ def encode_header(type_: MessageType, flags: int, stream_id: int, length: int) -
 def parse_header(buf, max_frame_bytes: int | None = MAX_FRAME_BYTES) -> FrameHeader:
     """Validate and decode an 18-byte header; raises LocalProtocolError (callers convert).
 
-    Checks, in order: magic, crc, version, type, reserved bits and byte, then (unless
-    ``max_frame_bytes`` is None: the caller checks it with the rest of its state's rules) the length."""
+    Checks, in order: magic, crc, version, type, reserved bits and byte, COMPRESSED on a type that
+    never compresses, the stream id against the type, then (unless ``max_frame_bytes`` is None:
+    the caller checks it with the rest of its state's rules) the length."""
     magic, version, type_, flags, reserved, stream_id, length, crc = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise LocalProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})", ErrorCode.BAD_MAGIC)
@@ -112,6 +126,12 @@ def parse_header(buf, max_frame_bytes: int | None = MAX_FRAME_BYTES) -> FrameHea
     if flags & ~KNOWN_FLAGS or reserved != 0:
         raise LocalProtocolError(f"reserved flag bits or reserved byte set (flags 0x{flags:02x}, reserved {reserved})",
                                  ErrorCode.BAD_FLAGS)
+    if flags & _COMPRESSED and mtype not in COMPRESSIBLE_TYPES:
+        raise LocalProtocolError(f"COMPRESSED flag on a {mtype.name} frame", ErrorCode.BAD_FLAGS)
+    if (stream_id != 0) is not (mtype in STREAM_TYPES):
+        raise LocalProtocolError(f"{mtype.name} on stream {stream_id}: " + (
+            "streams use a stream id other than 0" if stream_id == 0 else "only stream messages use a stream id"),
+            ErrorCode.MALFORMED_METADATA)
     if max_frame_bytes is not None and length > max_frame_bytes:
         raise LocalProtocolError(f"frame length {length} exceeds limit {max_frame_bytes}", ErrorCode.FRAME_TOO_LARGE)
     return FrameHeader(mtype, flags, stream_id, length, version, bytes(buf[:HEADER_BYTES]))
