@@ -31,8 +31,8 @@ import msgpack
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, as_remote
-from .events import (MAX_REASON_CHARS, ROLES, Error, Handshake, Message, StreamChunk, decode_payload, encode_payload,
-                     unpack_canonical)
+from .events import (MAX_ADDR_CHARS, MAX_PEER_BLOCKS, MAX_REASON_CHARS, ROLES, Error, Handshake, Message, StreamChunk,
+                     decode_payload, encode_payload, unpack_canonical)
 from .frames import (HEADER_BYTES, MAX_FRAME_BYTES, Flags, FrameBuffer, FrameHeader, MessageType, ReusableBuffer,
                      encode_header)
 from .handshake import (DHLEN, MAX_MESSAGE_BYTES, PROTOCOL_NAME, TAGLEN, CipherState, HandshakeError, NoiseHandshake,
@@ -63,7 +63,8 @@ HELLO_MESSAGE_BYTES = DHLEN + TAGLEN
 # The hello map (v, seal, info) of messages 2 and 3: the listen address, blocks and role need
 # a few hundred bytes; 4 KiB leaves room for a few more keys and keeps both messages small.
 MAX_HELLO_BYTES = 4096
-# Keys of ``info`` under which this document defines a value (PROTOCOL.md section 4).
+# An ``info`` key names a field, it carries no data: 64 chars is ample (the defined keys have at
+# most 6) and keeps a hello of many small keys from hiding data in them.
 MAX_INFO_KEY_CHARS = 64
 _SIZED_TYPES = frozenset({MessageType.STREAM_CHUNK, MessageType.BLOCK_UPDATE, MessageType.PIPELINE_FORWARD,
                           MessageType.PIPELINE_RESULT})
@@ -257,11 +258,11 @@ def check_info(info) -> dict:
         if type(k) is not str or len(k) > MAX_INFO_KEY_CHARS:
             raise bad(f"key {k!r:.80} is not a string of <= {MAX_INFO_KEY_CHARS} chars")
     addr, blocks, role = info.get("addr", ""), info.get("blocks", []), info.get("role", "train")
-    if type(addr) is not str or len(addr) > 262:
-        raise bad("addr must be a 'host:port' string of <= 262 chars")
-    if type(blocks) not in (list, tuple) or len(blocks) > 64 or \
+    if type(addr) is not str or len(addr) > MAX_ADDR_CHARS:
+        raise bad(f"addr must be a 'host:port' string of <= {MAX_ADDR_CHARS} chars")
+    if type(blocks) not in (list, tuple) or len(blocks) > MAX_PEER_BLOCKS or \
             not all(type(b) is int and 0 <= b < 1 << 16 for b in blocks):
-        raise bad("blocks must be an array of at most 64 u16")
+        raise bad(f"blocks must be an array of at most {MAX_PEER_BLOCKS} u16")
     if role not in ROLES or type(role) is not str:
         raise bad(f"role must be one of {ROLES}")
     return info

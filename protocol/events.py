@@ -35,10 +35,18 @@ _U32 = struct.Struct(">I")
 _CHUNK = struct.Struct(">QI")
 # Bounds on metadata, so that a peer cannot make msgpack build huge objects.
 MAX_META_BYTES = 1024 * 1024
-MAX_LIST_LEN = 4096  # peers in a list, tensors in a message, hops in a route
+MAX_LIST_LEN = 4096  # peers in a list, tensors in a message
 MAX_STR_BYTES = 4096
 # Error and StreamReset reasons: a diagnostic line, not a document.
 MAX_REASON_CHARS = 4096
+# A "host:port" address: a host of up to 255 chars (RFC 1035's bound on a name), ':' and a port
+# of up to 5 digits, with one char to spare (the r0 bound, kept).
+MAX_ADDR_CHARS = 262
+# Blocks one peer record (or hello) may list: a peer holds a few blocks of a model cut into a
+# handful (3 by default); 64 bounds the list far above any cut the model code allows in practice.
+MAX_PEER_BLOCKS = 64
+# Hops of a serving route: one per block, so the same bound as a record's blocks.
+MAX_ROUTE_HOPS = MAX_PEER_BLOCKS
 
 
 def _bad(msg: str) -> LocalProtocolError:
@@ -147,8 +155,8 @@ class PeerInfo:
         object.__setattr__(self, "blocks", tuple(self.blocks))
         _check(_is_str(self.peer_id, 64) and len(self.peer_id) == 64, "peer_id must be 64 hex chars")
         _check(all(c in "0123456789abcdef" for c in self.peer_id), "peer_id must be lowercase hex")
-        _check(_is_str(self.addr, 262), "addr must be a string 'host:port'")
-        _check(len(self.blocks) <= 64 and all(_is_uint(b, 16) for b in self.blocks), "blocks must be u16s")
+        _check(_is_str(self.addr, MAX_ADDR_CHARS), "addr must be a string 'host:port'")
+        _check(len(self.blocks) <= MAX_PEER_BLOCKS and all(_is_uint(b, 16) for b in self.blocks), "blocks must be u16s")
         if not (self.role in ROLES):
             raise _bad(f"role must be one of {ROLES}")
         _check(_is_uint(self.last_seen_ms, 32), "last_seen_ms must be a u32")
@@ -321,7 +329,8 @@ class PipelineForward(Message):
         object.__setattr__(self, "route", tuple(self.route))
         object.__setattr__(self, "tensors", tuple(self.tensors))
         _check(_is_uint(self.request_id), "request_id must be a u64")
-        _check(len(self.route) <= 64 and all(_is_str(r, 262) for r in self.route), "route must be <= 64 addrs")
+        _check(len(self.route) <= MAX_ROUTE_HOPS and all(_is_str(r, MAX_ADDR_CHARS) for r in self.route),
+               f"route must be <= {MAX_ROUTE_HOPS} addrs")
         _check(_is_uint(self.hop, 16) and (not self.route or self.hop < len(self.route)), "hop outside route")
         _check_tensors(self.tensors)
         _check_meta(self.meta)
