@@ -13,13 +13,14 @@ import time
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from blocktrain.protocol import NEED_DATA, Connection, Ping, Role, StreamChunk
+from blocktrain.p2p.transport import make_connection
+from blocktrain.protocol import NEED_DATA, Ping, Role, StreamChunk
 
 
 def _pair(seal: bool):
     psk = os.urandom(32)
-    a = Connection(Role.INITIATOR, X25519PrivateKey.generate(), psk, seal=seal)
-    b = Connection(Role.RESPONDER, X25519PrivateKey.generate(), psk, seal=seal)
+    a = make_connection(Role.INITIATOR, X25519PrivateKey.generate(), psk, seal=seal)
+    b = make_connection(Role.RESPONDER, X25519PrivateKey.generate(), psk, seal=seal)
     b.receive_data(a.initiate())
     b.next_event()
     a.receive_data(b.data_to_send())

@@ -48,14 +48,14 @@ def _announce(port_file: str, port: int):
 
 
 async def _child_peer(port_file: str, psk: bytes, seal: bool, total: int):
-    from blocktrain.p2p.transport import PeerConnection, Timeouts
-    from blocktrain.protocol import Connection, ConnectionClosed, Pong, Role, StreamChunk
+    from blocktrain.p2p.transport import PeerConnection, Timeouts, make_connection
+    from blocktrain.protocol import ConnectionClosed, Pong, Role, StreamChunk
 
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
     def factory():
-        pc = PeerConnection(Connection(Role.RESPONDER, X25519PrivateKey.generate(), psk, seal=seal), Timeouts())
+        pc = PeerConnection(make_connection(Role.RESPONDER, X25519PrivateKey.generate(), psk, seal=seal), Timeouts())
 
         async def serve():
             got = 0
@@ -154,14 +154,15 @@ def raw_transfer(tmpdir, total: int) -> float:
 
 
 async def peer_transfer(tmpdir, total: int, seal: bool, pings: int = 0) -> dict:
-    from blocktrain.p2p.transport import Timeouts, open_connection
-    from blocktrain.protocol import Connection, Ping, Pong, Role, StreamChunk
+    from blocktrain.p2p.transport import Timeouts, make_connection, open_connection
+    from blocktrain.protocol import Ping, Pong, Role, StreamChunk
 
     psk = os.urandom(32)
     c = _Child(tmpdir, "sealed" if seal else "plain", psk.hex(), total)
     try:
         pc = await open_connection("127.0.0.1", c.port,
-                                   Connection(Role.INITIATOR, X25519PrivateKey.generate(), psk, seal=seal), Timeouts())
+                                   make_connection(Role.INITIATOR, X25519PrivateKey.generate(), psk, seal=seal),
+                                   Timeouts())
         data = os.urandom(CHUNK)
         out = {}
         if pings:

@@ -19,6 +19,8 @@ Rules:
   size and sha256, so checking whether a checkpoint changed costs a few hundred bytes of traffic
   and, on the holder, a stat and a cached hash.
 - A peer without a server refuses every STREAM_REQUEST at once ("not served here").
+- A stream that fails on the receiving side (gap, size, sha256) is answered with STREAM_RESET,
+  and the sender stops sending it; a sender that resets a stream is left for the next holder.
 - Bytes are counted by kind (the stream's ``kind``) beside the connections' own counters.
 """
 
@@ -33,7 +35,9 @@ import re
 from pathlib import Path
 
 from blocktrain.blocks.checkpoint import SUFFIX
-from blocktrain.protocol import (ProtocolError, StreamChunk, StreamEnd, StreamOpen, StreamReceiver, StreamRequest)
+from blocktrain.protocol import (ProtocolError, StreamChunk, StreamEnd, StreamOpen, StreamReceiver,
+                                 StreamRequest, StreamReset)
+from blocktrain.protocol.streams import StreamFailed
 from blocktrain.protocol.streams import CHUNK_SIZE_BYTES
 
 from .services import PeerServices
@@ -69,7 +73,13 @@ class CheckpointServer:
         self.sent_by_kind: dict[str, int] = {}
         self._hashes: dict[tuple, bytes] = {}  # (inode, size, mtime_ns) -> sha256
         self._active: dict[str, int] = {}  # asker -> streams running
+        self._reset: set[tuple] = set()  # (asker, stream id) the asker reset: stop sending
         peer.on(StreamRequest, self.handle)
+        peer.on(StreamReset, self._on_reset, inline=True)
+
+    def _on_reset(self, msg: StreamReset, pc, pid):
+        if len(self._reset) < 4 * MAX_STREAMS_PER_PEER * 64:
+            self._reset.add((pid, msg.stream_id))
 
     def path(self, kind: str, name: str) -> Path | None:
         if not (NAME_RE.match(kind) and NAME_RE.match(name)) or name in (".", "..") or kind in (".", ".."):
@@ -104,9 +114,11 @@ class CheckpointServer:
             await refuse(req, pc, "busy: too many streams from this peer at once")
             return
         self._active[pid] = self._active.get(pid, 0) + 1
+        self._reset.discard((pid, req.stream_id))
         try:
             await self._serve(req, pc, pid)
         finally:
+            self._reset.discard((pid, req.stream_id))
             self._active[pid] -= 1
             if not self._active[pid]:
                 del self._active[pid]
@@ -132,6 +144,9 @@ class CheckpointServer:
                 f.seek(req.offset)
                 off = req.offset
                 while off < size:
+                    if (pid, req.stream_id) in self._reset:
+                        log.info("stream %s/%s: %s reset it; stopped", req.kind, req.name, pid[:12])
+                        return
                     data = f.read(min(CHUNK_SIZE_BYTES, size - off))
                     if not data:
                         raise OSError(f"{path} shrank while being sent")
@@ -169,7 +184,7 @@ class CheckpointFetcher:
         self._ids = itertools.count(1 << 20)
         self._inbox: dict[int, asyncio.Queue] = {}
         self.received_by_kind: dict[str, int] = {}
-        for t in (StreamOpen, StreamChunk, StreamEnd):
+        for t in (StreamOpen, StreamChunk, StreamEnd, StreamReset):
             peer.on(t, self._route, inline=True)
 
     def _route(self, msg, pc, pid):
@@ -245,15 +260,25 @@ class CheckpointFetcher:
             pc.send_nowait(StreamRequest(kind=kind, name=name, offset=rx.resume_offset, stream_id=sid))
             while True:
                 m = await self._next(q, pc)
-                if isinstance(m, StreamOpen):
-                    if "error" in m.meta:
-                        raise FetchError(str(m.meta["error"])[:200])
-                    rx.on_open(_renamed(m, rx))
-                elif isinstance(m, StreamChunk):
-                    rx.on_chunk(m)
-                    self.received_by_kind[kind] = self.received_by_kind.get(kind, 0) + len(m.data)
-                else:
-                    return rx.on_end(m)
+                try:
+                    if isinstance(m, StreamOpen):
+                        if "error" in m.meta:
+                            raise FetchError(str(m.meta["error"])[:200])
+                        rx.on_open(_renamed(m, rx))
+                    elif isinstance(m, StreamChunk):
+                        rx.on_chunk(m)
+                        self.received_by_kind[kind] = self.received_by_kind.get(kind, 0) + len(m.data)
+                    elif isinstance(m, StreamReset):
+                        rx.on_reset(m)
+                    else:
+                        return rx.on_end(m)
+                except StreamFailed as e:
+                    if not e.by_peer:  # tell the holder to stop: this stream is useless to us
+                        try:
+                            pc.send_nowait(StreamReset(code=int(e.code), reason=str(e)[:200], stream_id=sid))
+                        except (ConnectionError, ProtocolError):
+                            pass
+                    raise
         finally:
             del self._inbox[sid]
 

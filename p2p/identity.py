@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from blocktrain.protocol.handshake import _pub, peer_id_of, private_bytes
+from blocktrain.protocol.handshake import public_bytes, peer_id_of, private_bytes
 
 SWARM_KEY_ENV = "BT_SWARM_KEY"
 
@@ -56,7 +56,7 @@ def load_or_create_identity(path: str | Path) -> X25519PrivateKey:
 
 
 def peer_id(key: X25519PrivateKey) -> str:
-    return peer_id_of(_pub(key))
+    return peer_id_of(public_bytes(key))
 
 
 def new_swarm_key(path: str | Path) -> bytes:

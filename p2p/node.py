@@ -36,8 +36,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from blocktrain.protocol import (Announce, Connection, ConnectionClosed, PeerInfo, PeerList, Ping, ProtocolError, Role,
-                                 Status)
+from blocktrain.protocol import (Announce, Connection, ConnectionClosed, ErrorCode, PeerInfo, PeerList, Ping,
+                                 ProtocolError, Role, Status)
 
 from .identity import peer_id
 from .link import LinkShaper, LinkSpec
@@ -315,7 +315,7 @@ class Peer:
             return pc
         if len(self._pending) >= MAX_PENDING_HANDSHAKES:  # the oldest unauthenticated one makes room
             oldest, _ = self._pending.popitem(last=False)
-            oldest.abort("too many pending handshakes", CloseCause.REFUSED)
+            oldest.abort_with(ErrorCode.OVERLOADED, "too many pending handshakes", CloseCause.REFUSED)
         self._pending[pc] = time.monotonic()
         self.spawn(self._serve_inbound(pc), "serve inbound")
         return pc
@@ -459,7 +459,8 @@ class Peer:
                 elif client:
                     continue
                 elif isinstance(msg, Announce):
-                    self._learn(msg.peer, direct=True)
+                    if msg.peer.peer_id == pid:  # a member speaks for itself only (PROTOCOL.md 3.2)
+                        self._learn(msg.peer, direct=True)
                 elif isinstance(msg, PeerList):
                     for p in msg.peers:
                         self._learn(p)

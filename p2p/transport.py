@@ -26,10 +26,11 @@ import collections
 import enum
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
-from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, Goodbye, HandshakeComplete,
+from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
                                  Message, Ping, Pong, ProtocolError, Role)
 
 from .link import LinkShaper, LinkSpec
@@ -76,8 +77,18 @@ class Timeouts:
     client_idle_s: float = 300.0  # a client (not a member) silent this long is closed
 
 
-# Bytes read at once when no large payload is in progress.
+# Bytes read at once when no large payload is in progress. One buffer per thread serves every
+# connection (get_buffer and buffer_updated are called back to back), so a pending connection
+# costs no read buffer of its own.
 READ_BUFFER_BYTES = 256 * 1024
+_read_buffers = threading.local()
+
+
+def _shared_read_buffer() -> memoryview:
+    buf = getattr(_read_buffers, "view", None)
+    if buf is None:
+        buf = _read_buffers.view = memoryview(bytearray(READ_BUFFER_BYTES))
+    return buf
 
 
 class PeerConnection(asyncio.BufferedProtocol):
@@ -109,7 +120,6 @@ class PeerConnection(asyncio.BufferedProtocol):
         self.close_cause: CloseCause | None = None  # for code
         self.peer_addr = None
         self.auto_pong = True  # a Ping is answered by the driver at once and never queued
-        self._read_view = memoryview(bytearray(READ_BUFFER_BYTES))
         self._reading_direct = False
 
     # --- asyncio.Protocol -------------------------------------------------------------------
@@ -136,15 +146,15 @@ class PeerConnection(asyncio.BufferedProtocol):
             self._reading_direct = True
             return view
         self._reading_direct = False
-        return self._read_view
+        return _shared_read_buffer()
 
     def buffer_updated(self, nbytes):
         if self._reading_direct:
             self.last_heard = time.monotonic()
             self.conn.received_into(nbytes)
             self._process()
-        else:
-            self.data_received(bytes(self._read_view[:nbytes]))
+        else:  # the shared buffer is refilled by the next read: keep a copy
+            self.data_received(bytes(_shared_read_buffer()[:nbytes]))
 
     def data_received(self, data):
         self.last_heard = time.monotonic()
@@ -371,15 +381,18 @@ class PeerConnection(asyncio.BufferedProtocol):
                 except (asyncio.CancelledError, Exception):
                     pass
 
-    def abort_timeout(self, reason: str):
-        """Close a connection whose phase timed out, telling the peer (ERROR TIMEOUT) first."""
-        frame = getattr(self.conn, "timeout_frame", None)
-        if frame is not None and self.transport is not None and not self.transport.is_closing():
+    def abort_with(self, code: ErrorCode, reason: str, cause: CloseCause):
+        """Close, telling the peer why first (an Error frame: plain before the handshake, sealed after)."""
+        if self.transport is not None and not self.transport.is_closing():
             try:
-                self.transport.write(frame(reason))
+                self.transport.write(self.conn.close_frame(code, reason))
             except ProtocolError:
                 pass
-        self.abort(reason, CloseCause.TIMEOUT)
+        self.abort(reason, cause)
+
+    def abort_timeout(self, reason: str):
+        """Close a connection whose phase timed out, with ERROR TIMEOUT."""
+        self.abort_with(ErrorCode.TIMEOUT, reason, CloseCause.TIMEOUT)
 
     def abort(self, reason: str, cause: CloseCause = CloseCause.LOCAL):
         self._shutdown(reason, ConnectionError(reason), cause)
@@ -391,10 +404,7 @@ def make_connection(role: Role, identity, swarm_key: bytes, *, allowlist=None, i
                     seal: bool = True) -> Connection:
     """The one place p2p makes a protocol Connection: the application's traffic classifier goes in."""
     from .traffic import kind_of
-    try:
-        return Connection(role, identity, swarm_key, allowlist=allowlist, info=info, seal=seal, kind_of=kind_of)
-    except TypeError:  # a protocol core without application classifiers (it counts kinds itself)
-        return Connection(role, identity, swarm_key, allowlist=allowlist, info=info, seal=seal)
+    return Connection(role, identity, swarm_key, allowlist=allowlist, info=info, seal=seal, kind_of=kind_of)
 
 
 CLIENT_INFO = {"addr": "", "blocks": [], "role": "client"}

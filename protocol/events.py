@@ -10,6 +10,11 @@ Rules:
 - Rule 3: HANDSHAKE carries raw Noise message bytes; STREAM_CHUNK carries ``u64 offset |
   u32 raw_len | data`` (lz4 block data of raw_len bytes when the frame's COMPRESSED flag is set).
 - Rule 4: constructors raise LocalProtocolError; decoding converts to RemoteProtocolError.
+- Rule 5: metadata is canonical msgpack (PROTOCOL.md section 3): a decoded map must re-encode to
+  exactly the bytes received, so non-minimal integers and lengths, float 32, duplicate or
+  non-string map keys and ext types are MALFORMED_METADATA; keys may come in any order.
+- Rule 6: stream messages (``ON_STREAM``) use a stream id other than 0; every other message
+  uses stream 0.
 """
 
 from __future__ import annotations
@@ -23,15 +28,25 @@ import lz4.block
 import msgpack
 
 from .errors import ErrorCode, LocalProtocolError
-from .frames import Flags, MessageType
-from .tensors import WireTensor, _maybe_lz4, describe, from_description
+from .frames import COMPRESSIBLE_TYPES, MAX_FRAME_BYTES, Flags, FrameBuffer, FrameHeader, MessageType
+from .tensors import WireTensor, maybe_lz4, describe, from_description
 
 _U32 = struct.Struct(">I")
 _CHUNK = struct.Struct(">QI")
 # Bounds on metadata, so that a peer cannot make msgpack build huge objects.
 MAX_META_BYTES = 1024 * 1024
-MAX_LIST_LEN = 4096  # peers in a list, tensors in a message, hops in a route
+MAX_LIST_LEN = 4096  # peers in a list, tensors in a message
 MAX_STR_BYTES = 4096
+# Error and StreamReset reasons: a diagnostic line, not a document.
+MAX_REASON_CHARS = 4096
+# A "host:port" address: a host of up to 255 chars (RFC 1035's bound on a name), ':' and a port
+# of up to 5 digits, with one char to spare (the r0 bound, kept).
+MAX_ADDR_CHARS = 262
+# Blocks one peer record (or hello) may list: a peer holds a few blocks of a model cut into a
+# handful (3 by default); 64 bounds the list far above any cut the model code allows in practice.
+MAX_PEER_BLOCKS = 64
+# Hops of a serving route: one per block, so the same bound as a record's blocks.
+MAX_ROUTE_HOPS = MAX_PEER_BLOCKS
 
 
 def _bad(msg: str) -> LocalProtocolError:
@@ -54,11 +69,15 @@ def _is_uint(v, bits=64):
 @dataclass(frozen=True)
 class Message:
     TYPE = None  # MessageType, set by subclasses
+    ON_STREAM = False  # True: sent on a stream id other than 0; False: on stream 0 only
     stream_id: int = field(default=0, kw_only=True)  # header stream id; 0 = control stream
 
     def __post_init__(self):
         if not (type(self.stream_id) is int and 0 <= self.stream_id <= 0xFFFF_FFFF):
             raise _bad(f"stream_id {self.stream_id!r} is not a u32")
+        if (self.stream_id != 0) is not self.ON_STREAM:
+            raise _bad(f"{type(self).__name__} must use " + ("a stream id other than 0" if self.ON_STREAM
+                                                              else f"stream 0, not {self.stream_id}"))
 
 
 # --- session -------------------------------------------------------------------------------
@@ -84,7 +103,7 @@ class Error(Message):
         super().__post_init__()
         if not (_is_uint(self.code, 16)):
             raise _bad(f"error code {self.code!r} is not a u16")
-        _check(_is_str(self.reason), "error reason must be a string of <= 4096 chars")
+        _check(_is_str(self.reason, MAX_REASON_CHARS), "error reason must be a string of <= 4096 chars")
 
 
 @dataclass(frozen=True)
@@ -136,8 +155,8 @@ class PeerInfo:
         object.__setattr__(self, "blocks", tuple(self.blocks))
         _check(_is_str(self.peer_id, 64) and len(self.peer_id) == 64, "peer_id must be 64 hex chars")
         _check(all(c in "0123456789abcdef" for c in self.peer_id), "peer_id must be lowercase hex")
-        _check(_is_str(self.addr, 262), "addr must be a string 'host:port'")
-        _check(len(self.blocks) <= 64 and all(_is_uint(b, 16) for b in self.blocks), "blocks must be u16s")
+        _check(_is_str(self.addr, MAX_ADDR_CHARS), "addr must be a string 'host:port'")
+        _check(len(self.blocks) <= MAX_PEER_BLOCKS and all(_is_uint(b, 16) for b in self.blocks), "blocks must be u16s")
         if not (self.role in ROLES):
             raise _bad(f"role must be one of {ROLES}")
         _check(_is_uint(self.last_seen_ms, 32), "last_seen_ms must be a u32")
@@ -214,12 +233,17 @@ class BlockUpdate(Message):
         if not (self.codec in ("raw", "fp16", "bf16", "int8")):
             raise _bad(f"unknown update codec {self.codec!r}")
         _check_tensors(self.tensors)
+        for t in self.tensors:  # one codec per update: the map's ``codec`` is every tensor's ``c``
+            if t.codec.value != self.codec:
+                raise LocalProtocolError(f"tensor {t.name!r} uses codec {t.codec.value}, the update says {self.codec}",
+                                         ErrorCode.BAD_TENSOR)
         _check_meta(self.meta)
 
 
 @dataclass(frozen=True)
 class StreamOpen(Message):
     TYPE = MessageType.STREAM_OPEN
+    ON_STREAM = True
     kind: str = "checkpoint"  # what the bytes are: checkpoint, lower-checkpoint, update, ...
     name: str = ""
     total_size: int = 0
@@ -229,7 +253,6 @@ class StreamOpen(Message):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(self.stream_id != 0, "streams use a stream id other than 0")
         _check(_is_str(self.kind, 64) and _is_str(self.name, 1024), "kind/name too long")
         _check(_is_uint(self.total_size) and _is_uint(self.offset), "sizes must be u64s")
         if not (self.offset <= self.total_size):
@@ -241,38 +264,55 @@ class StreamOpen(Message):
 @dataclass(frozen=True)
 class StreamChunk(Message):
     TYPE = MessageType.STREAM_CHUNK
+    ON_STREAM = True
     offset: int = 0
     data: bytes = b""  # the raw (uncompressed) bytes
 
     def __post_init__(self):
         super().__post_init__()
-        _check(self.stream_id != 0, "streams use a stream id other than 0")
         _check(_is_uint(self.offset), "offset must be a u64")
 
 
 @dataclass(frozen=True)
 class StreamEnd(Message):
     TYPE = MessageType.STREAM_END
+    ON_STREAM = True
 
     def __post_init__(self):
         super().__post_init__()
-        _check(self.stream_id != 0, "streams use a stream id other than 0")
 
 
 @dataclass(frozen=True)
 class StreamRequest(Message):
     """Ask a peer to send payload (kind, name) from ``offset`` on this stream id."""
     TYPE = MessageType.STREAM_REQUEST
+    ON_STREAM = True  # the stream id names the stream the answer will use
     kind: str = "checkpoint"
     name: str = ""
     offset: int = 0
 
     def __post_init__(self):
         super().__post_init__()
-        if self.stream_id == 0:
-            raise _bad("streams use a stream id other than 0")
         if not (_is_str(self.kind, 64) and _is_str(self.name, 1024) and _is_uint(self.offset)):
             raise _bad("stream request: kind/name too long or offset not a u64")
+
+
+@dataclass(frozen=True)
+class StreamReset(Message):
+    """End one stream with an error code; the connection stays up (PROTOCOL.md section 7).
+
+    Either end may send it: the receiver when the stream fails its checks (STREAM_ERROR,
+    STREAM_INTEGRITY) or when it gives up (TIMEOUT, NO_ERROR), the sender when it cannot go on
+    (INTERNAL_ERROR). Nothing more is sent on that stream id afterwards."""
+    TYPE = MessageType.STREAM_RESET
+    ON_STREAM = True
+    code: int = int(ErrorCode.STREAM_ERROR)
+    reason: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(_is_uint(self.code, 16), f"stream reset code {self.code!r} is not a u16")
+        _check(_is_str(self.reason, MAX_REASON_CHARS), "stream reset reason must be a string of <= 4096 chars")
 
 
 @dataclass(frozen=True)
@@ -289,7 +329,8 @@ class PipelineForward(Message):
         object.__setattr__(self, "route", tuple(self.route))
         object.__setattr__(self, "tensors", tuple(self.tensors))
         _check(_is_uint(self.request_id), "request_id must be a u64")
-        _check(len(self.route) <= 64 and all(_is_str(r, 262) for r in self.route), "route must be <= 64 addrs")
+        _check(len(self.route) <= MAX_ROUTE_HOPS and all(_is_str(r, MAX_ADDR_CHARS) for r in self.route),
+               f"route must be <= {MAX_ROUTE_HOPS} addrs")
         _check(_is_uint(self.hop, 16) and (not self.route or self.hop < len(self.route)), "hop outside route")
         _check_tensors(self.tensors)
         _check_meta(self.meta)
@@ -314,7 +355,8 @@ _CONVERTED = frozenset({"tensors", "peer", "peers", "route"})  # wire forms that
 
 MESSAGES: dict[MessageType, type[Message]] = {
     cls.TYPE: cls for cls in (Handshake, Error, Goodbye, Ping, Pong, Announce, PeerList, Status, BlockUpdate,
-                              StreamOpen, StreamChunk, StreamEnd, StreamRequest, PipelineForward, PipelineResult)
+                              StreamOpen, StreamChunk, StreamEnd, StreamRequest, StreamReset, PipelineForward,
+                              PipelineResult)
 }
 
 
@@ -346,9 +388,45 @@ def _packb(obj) -> bytes:
     return p.pack(obj)
 
 
+def _map_pairs(pairs):
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ValueError("duplicate map key")
+    for k in d:
+        if type(k) is not str:
+            raise ValueError(f"map key {k!r:.40} is not a string")
+    return d
+
+
+def _no_ext(code, data):
+    raise ValueError(f"msgpack ext type {code} is not allowed")
+
+
 # msgpack bounds every string, array and map by the input's length (<= MAX_META_BYTES here);
-# list lengths that matter are checked again by the constructors (MAX_LIST_LEN).
-_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True)
+# list lengths that matter are checked again by the constructors (MAX_LIST_LEN). Every map's
+# keys are checked as it is built (strings, each once); timestamps (ext -1) decode to datetime,
+# which the canonical re-encoding refuses like any other ext.
+_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=False, object_pairs_hook=_map_pairs,
+                             ext_hook=_no_ext, timestamp=3)
+
+
+def unpack_canonical(data) -> object:
+    """Decode canonical msgpack (PROTOCOL.md section 3.1), or raise MALFORMED_METADATA.
+
+    Canonical: what msgpack's own packer (``use_bin_type=True``) gives for the decoded value:
+    every integer, string, byte string, array and map in its shortest form, floats as float 64,
+    str for text and bin for bytes, no ext types; maps with string keys, each once, in any order.
+    The check is one re-encoding and a compare (about a microsecond for a small map)."""
+    try:
+        obj = _unpackb(data)
+        again = _packb(obj)
+    except Exception as e:  # msgpack raises many types on garbage; all mean "malformed"
+        raise _bad(f"metadata is not valid msgpack: {type(e).__name__}: {e}") from None
+    if again != data:
+        raise _bad("metadata is not canonical msgpack (a value in a longer form than needed, or a float 32)")
+    return obj
+
+
 _TENSOR_MESSAGES = frozenset({MessageType.BLOCK_UPDATE, MessageType.PIPELINE_FORWARD, MessageType.PIPELINE_RESULT})
 
 
@@ -358,7 +436,7 @@ def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
         return 0, [bytes(msg.data)]
     if isinstance(msg, StreamChunk):
         raw = memoryview(msg.data).cast("B")
-        data, z = _maybe_lz4(raw, "auto" if compress else "never")
+        data, z = maybe_lz4(raw, "auto" if compress else "never")
         return (_COMPRESSED if z else 0), [_CHUNK.pack(msg.offset, len(raw)), data]
     cls = type(msg)
     if not _converted_fields(cls):  # plain fields only: the common small message
@@ -382,7 +460,7 @@ def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
             meta[name] = list(v)
         else:
             meta[name] = v
-    packed = msgpack.packb(meta, use_bin_type=True)
+    packed = _packb(meta)
     if len(packed) > MAX_META_BYTES:
         raise LocalProtocolError(f"metadata of {len(packed)} bytes > {MAX_META_BYTES}", ErrorCode.MALFORMED_METADATA)
     flags = _COMPRESSED if any(any(t.lz4) for t in getattr(msg, "tensors", ())) else 0
@@ -392,7 +470,7 @@ def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
 def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memoryview) -> Message:
     """Rebuild a message from its payload; raises LocalProtocolError (callers convert)."""
     cls = MESSAGES[mtype]
-    if flags & _COMPRESSED and cls is not StreamChunk and mtype not in _TENSOR_MESSAGES:
+    if flags & _COMPRESSED and mtype not in COMPRESSIBLE_TYPES:  # parse_header checks it too
         raise LocalProtocolError(f"COMPRESSED flag on a {cls.__name__}", ErrorCode.BAD_FLAGS)
     if cls is Handshake:
         return Handshake(bytes(payload), stream_id=stream_id)
@@ -415,10 +493,7 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
     (mlen,) = _U32.unpack_from(payload, 0)
     if not (mlen <= MAX_META_BYTES and 4 + mlen <= len(payload)):
         raise _bad(f"metadata length {mlen} does not fit the payload")
-    try:
-        meta = _unpackb(payload[4:4 + mlen])
-    except Exception as e:  # msgpack raises many types on garbage; all mean "malformed"
-        raise _bad(f"metadata is not valid msgpack: {type(e).__name__}: {e}") from None
+    meta = unpack_canonical(payload[4:4 + mlen])
     _check(isinstance(meta, dict), "metadata must be a msgpack map")
     want = _wire_keys(cls)
     if not (meta.keys() == want):
@@ -459,7 +534,7 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
 
 def frame_message(msg: Message, compress: bool = True) -> bytes:
     """One message as an unsealed frame: header + payload."""
-    from .frames import MAX_FRAME_BYTES, encode_header
+    from .frames import encode_header
 
     flags, bufs = encode_payload(msg, compress)
     payload = b"".join(bufs)
@@ -469,12 +544,21 @@ def frame_message(msg: Message, compress: bool = True) -> bytes:
 
 
 class MessageReader:
-    """Unsealed frames in, messages out; any violation is a RemoteProtocolError."""
+    """Unsealed frames outside a session in, messages out; any violation is a RemoteProtocolError.
+
+    The header rules of section 2 run as each header parses: SEALED is BAD_FLAGS here, and the
+    limit is ``MAX_FRAME_BYTES`` (no tag)."""
 
     def __init__(self, max_frame_bytes: int | None = None):
-        from .frames import MAX_FRAME_BYTES, FrameBuffer
+        self.max_frame_bytes = max_frame_bytes or MAX_FRAME_BYTES
+        self._frames = FrameBuffer(self.max_frame_bytes, self._check_header)
 
-        self._frames = FrameBuffer(max_frame_bytes or MAX_FRAME_BYTES)
+    def _check_header(self, h: FrameHeader) -> None:
+        if h.flags & Flags.SEALED:
+            raise LocalProtocolError("sealed frame outside a session", ErrorCode.BAD_FLAGS)
+        if h.length > self.max_frame_bytes:
+            raise LocalProtocolError(f"frame length {h.length} exceeds limit {self.max_frame_bytes}",
+                                     ErrorCode.FRAME_TOO_LARGE)
 
     def feed(self, data) -> None:
         self._frames.feed(data)
@@ -487,8 +571,6 @@ class MessageReader:
             if got is None:
                 return None
             h, payload = got
-            if h.flags & int(Flags.SEALED):
-                raise LocalProtocolError("sealed frame outside a session", ErrorCode.BAD_FLAGS)
             return decode_payload(h.type, h.flags, h.stream_id, payload)
         except LocalProtocolError as e:
             raise as_remote(e) from None

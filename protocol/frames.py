@@ -7,7 +7,12 @@ Rules:
   (u32), payload length (u32), crc32 of the 14 bytes before it (u32).
 - Rule 3: parsing is transactional: a frame is returned only once complete; until then the
   buffer is unchanged, so any split of the input yields the same frames.
-- Rule 4: nothing here knows about sessions or messages; the length limit is the caller's.
+- Rule 4: nothing here knows about sessions; the caller's ``check_header`` (the frame limit and
+  the flag and type rules of the connection's state) runs the moment a header parses, before
+  any byte of its payload is awaited.
+- Rule 5: what a peer makes us hold is bounded by what it sent: small fed pieces are joined
+  (``COALESCE_BYTES``), so a peer sending one byte at a time costs a few bytes of overhead per
+  byte, not a Python object per byte.
 """
 
 from __future__ import annotations
@@ -45,8 +50,20 @@ class MessageType(IntEnum):
     STREAM_CHUNK = 0x31
     STREAM_END = 0x32
     STREAM_REQUEST = 0x33
+    STREAM_RESET = 0x34
     PIPELINE_FORWARD = 0x40
     PIPELINE_RESULT = 0x41
+
+
+# Types whose payload may hold lz4 data (PROTOCOL.md section 3); COMPRESSED on any other type is
+# BAD_FLAGS, from the header alone.
+COMPRESSIBLE_TYPES = frozenset({MessageType.BLOCK_UPDATE, MessageType.STREAM_CHUNK, MessageType.PIPELINE_FORWARD,
+                                MessageType.PIPELINE_RESULT})
+
+# Types sent on a stream id other than 0 (a STREAM_REQUEST's id names the stream its answer will
+# use); every other type is sent on stream 0. A frame breaking this is MALFORMED_METADATA.
+STREAM_TYPES = frozenset({MessageType.STREAM_OPEN, MessageType.STREAM_CHUNK, MessageType.STREAM_END,
+                          MessageType.STREAM_REQUEST, MessageType.STREAM_RESET})
 
 
 class Flags(IntFlag):
@@ -56,6 +73,7 @@ class Flags(IntFlag):
 
 
 KNOWN_FLAGS = int(Flags.COMPRESSED | Flags.SEALED)
+_COMPRESSED = int(Flags.COMPRESSED)  # a plain int: IntFlag arithmetic costs a microsecond per frame
 
 
 _TYPES = {int(t): t for t in MessageType}
@@ -88,8 +106,12 @@ def encode_header(type_: MessageType, flags: int, stream_id: int, length: int) -
     return head + _CRC.pack(zlib.crc32(head))
 
 
-def parse_header(buf, max_frame_bytes: int = MAX_FRAME_BYTES) -> FrameHeader:
-    """Validate and decode an 18-byte header; raises LocalProtocolError (callers convert)."""
+def parse_header(buf, max_frame_bytes: int | None = MAX_FRAME_BYTES) -> FrameHeader:
+    """Validate and decode an 18-byte header; raises LocalProtocolError (callers convert).
+
+    Checks, in order: magic, crc, version, type, reserved bits and byte, COMPRESSED on a type that
+    never compresses, the stream id against the type, then (unless ``max_frame_bytes`` is None:
+    the caller checks it with the rest of its state's rules) the length."""
     magic, version, type_, flags, reserved, stream_id, length, crc = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise LocalProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})", ErrorCode.BAD_MAGIC)
@@ -104,7 +126,13 @@ def parse_header(buf, max_frame_bytes: int = MAX_FRAME_BYTES) -> FrameHeader:
     if flags & ~KNOWN_FLAGS or reserved != 0:
         raise LocalProtocolError(f"reserved flag bits or reserved byte set (flags 0x{flags:02x}, reserved {reserved})",
                                  ErrorCode.BAD_FLAGS)
-    if length > max_frame_bytes:
+    if flags & _COMPRESSED and mtype not in COMPRESSIBLE_TYPES:
+        raise LocalProtocolError(f"COMPRESSED flag on a {mtype.name} frame", ErrorCode.BAD_FLAGS)
+    if (stream_id != 0) is not (mtype in STREAM_TYPES):
+        raise LocalProtocolError(f"{mtype.name} on stream {stream_id}: " + (
+            "streams use a stream id other than 0" if stream_id == 0 else "only stream messages use a stream id"),
+            ErrorCode.MALFORMED_METADATA)
+    if max_frame_bytes is not None and length > max_frame_bytes:
         raise LocalProtocolError(f"frame length {length} exceeds limit {max_frame_bytes}", ErrorCode.FRAME_TOO_LARGE)
     return FrameHeader(mtype, flags, stream_id, length, version, bytes(buf[:HEADER_BYTES]))
 
@@ -113,6 +141,11 @@ def parse_header(buf, max_frame_bytes: int = MAX_FRAME_BYTES) -> FrameHeader:
 # reused buffer: fresh multi-MiB allocations cost page faults (about 2 GB/s here, against
 # 5-10 GB/s for memcpy into memory already mapped).
 REUSE_MIN_BYTES = 64 * 1024
+# Fed pieces smaller than this are joined to the piece before them while both fit in it: each
+# piece costs about 200 bytes of Python objects (a bytes and a memoryview), so a peer sending
+# one byte at a time would otherwise make us hold 200 times what it sent. 4 KiB keeps that
+# overhead under 5% and each join's copy under a page.
+COALESCE_BYTES = 4096
 
 
 class ReusableBuffer:
@@ -164,14 +197,33 @@ class FrameBuffer:
     socket reads straight into it (no copy after the kernel's).
     """
 
-    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES):
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES, check_header=None):
         self._chunks: deque[memoryview] = deque()
         self._size = 0
         self._header: FrameHeader | None = None
         self.max_frame_bytes = max_frame_bytes
+        # fn(FrameHeader) run as each header parses; raises LocalProtocolError to refuse the frame.
+        # The default checks the length against ``max_frame_bytes``.
+        self.check_header = check_header or self._check_length
         self._assembly = ReusableBuffer()
         self._direct: memoryview | None = None  # the payload being received in place
         self._direct_pos = 0
+
+    def _check_length(self, h: FrameHeader) -> None:
+        if h.length > self.max_frame_bytes:
+            raise LocalProtocolError(f"frame length {h.length} exceeds limit {self.max_frame_bytes}",
+                                     ErrorCode.FRAME_TOO_LARGE)
+
+    def _parse(self, buf) -> FrameHeader:
+        h = parse_header(buf, None)
+        self.check_header(h)
+        return h
+
+    def clear(self) -> None:
+        """Drop everything buffered (the connection is over: nothing more will be parsed)."""
+        self._chunks.clear()
+        self._size = 0
+        self._header, self._direct, self._direct_pos = None, None, 0
 
     def receive_buffer(self) -> memoryview | None:
         """Where to write the rest of the current large payload, or None (use ``feed``)."""
@@ -200,10 +252,15 @@ class FrameBuffer:
     def feed(self, data) -> None:
         if not len(data):
             return
+        n = len(data)
+        if n < COALESCE_BYTES and self._chunks and len(self._chunks[-1]) + n <= COALESCE_BYTES:
+            self._chunks[-1] = memoryview(b"".join((self._chunks[-1], data)))  # a few KiB copied at most
+            self._size += n
+            return
         if not (isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly)):
             data = bytes(data)
         self._chunks.append(memoryview(data))
-        self._size += len(data)
+        self._size += n
 
     @property
     def buffered(self) -> int:
@@ -255,7 +312,7 @@ class FrameBuffer:
             return h, payload
         if self._header is None and self._chunks and len(self._chunks[0]) >= HEADER_BYTES:
             first = self._chunks[0]  # fast path: the whole frame lies in the first piece
-            h = parse_header(first, self.max_frame_bytes)
+            h = self._parse(first)
             end = HEADER_BYTES + h.length
             if len(first) >= end:
                 if len(first) == end:
@@ -268,7 +325,7 @@ class FrameBuffer:
         if self._header is None:
             if self._size < HEADER_BYTES:
                 return None
-            self._header = parse_header(self._peek(HEADER_BYTES), self.max_frame_bytes)
+            self._header = self._parse(self._peek(HEADER_BYTES))
         h = self._header
         if self._size < HEADER_BYTES + h.length:
             return None

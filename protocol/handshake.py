@@ -153,7 +153,7 @@ class SymmetricState:
         return CipherState(k1), CipherState(k2)
 
 
-def _pub(key: X25519PrivateKey) -> bytes:
+def public_bytes(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
@@ -224,12 +224,12 @@ class NoiseHandshake:
             if tok == "e":
                 if self.e is None:
                     self.e = X25519PrivateKey.generate()
-                pub = _pub(self.e)
+                pub = public_bytes(self.e)
                 out += pub
                 self.ss.mix_hash(pub)
                 self.ss.mix_key(pub)  # psk modifier: "e" also mixes the key
             elif tok == "s":
-                out += self.ss.encrypt_and_hash(_pub(self.s))
+                out += self.ss.encrypt_and_hash(public_bytes(self.s))
             else:
                 self._dh_token(tok)
         out += self.ss.encrypt_and_hash(payload)

@@ -6,12 +6,16 @@ Rules:
   never re-encoded by msgpack.
 - Rule 2: the codec says how elements are stored: ``raw`` (the dtype's own bytes, little-endian),
   ``fp16``, ``bf16`` (2 bytes per element, from a float dtype), ``int8`` (1 byte per element,
-  value = q * scale, one float32 scale per segment). The numeric conversion lives in the torch
-  adapter (``blocktrain.p2p.tensors``); this layer moves and checks bytes.
+  value = q * scale, one scale per segment, a msgpack float 64 in ``k``). The numeric conversion
+  lives in the torch adapter (``blocktrain.p2p.tensors``); this layer moves and checks bytes.
 - Rule 3: a segment holds ``SEGMENT_ELEMS`` elements (the last one fewer). Each segment is
   lz4-block-compressed only when that makes it smaller; ``compress="auto"`` first tries a sample.
 - Rule 4: decoding checks every length against what dtype, shape and codec imply before it
   allocates or decompresses; any mismatch is a RemoteProtocolError(BAD_TENSOR).
+- Rule 5: a description that is not a map of the known keys with their msgpack types (``n``,
+  ``d``, ``c`` str; ``g`` int; ``s``, ``L`` arrays of int; ``z`` array of bool; ``k`` array of
+  float) is MALFORMED_METADATA; well-typed values that are out of range or inconsistent with
+  each other or with the body are BAD_TENSOR.
 """
 
 from __future__ import annotations
@@ -163,7 +167,7 @@ def check_description(name, dtype, shape, codec, segment_elems) -> None:
         raise LocalProtocolError(f"tensor {name!r}: bad segment size {segment_elems}", ErrorCode.BAD_TENSOR)
 
 
-def _maybe_lz4(seg: memoryview, compress: str):
+def maybe_lz4(seg: memoryview, compress: str):
     if compress == "never" or len(seg) < 64:
         return seg, False
     if compress == "auto" and len(seg) > LZ4_SAMPLE_BYTES:
@@ -196,7 +200,7 @@ def pack_tensor(name: str, dtype: str, shape, data, codec: Codec | str = Codec.R
     segs, flags = [], []
     step = segment_elems * width
     for off in range(0, len(mv), step):
-        s, z = _maybe_lz4(mv[off:off + step], compress)
+        s, z = maybe_lz4(mv[off:off + step], compress)
         segs.append(s)
         flags.append(z)
     return WireTensor(name, dtype, shape, codec, tuple(segs), tuple(flags), tuple(float(x) for x in scales),
@@ -213,28 +217,36 @@ def describe(t: WireTensor) -> dict:
 
 
 _DESC_KEYS = {"n", "d", "s", "c", "g", "L", "z", "k"}
+_REQUIRED_KEYS = _DESC_KEYS - {"k"}
+
+
+def _ints(v) -> bool:
+    return type(v) is list and all(type(x) is int for x in v)  # type() is: a bool is not an int here
 
 
 def from_description(d, body: memoryview, pos: int) -> tuple[WireTensor, int]:
     """Rebuild a WireTensor from its metadata and the body; returns it and the next body offset."""
-    if not isinstance(d, dict) or not {"n", "d", "s", "c", "g", "L", "z"} <= set(d) or set(d) - _DESC_KEYS:
+    if not (type(d) is dict and _REQUIRED_KEYS <= d.keys() and not d.keys() - _DESC_KEYS
+            and type(d["n"]) is str and type(d["d"]) is str and type(d["c"]) is str and type(d["g"]) is int
+            and _ints(d["s"]) and _ints(d["L"]) and type(d["z"]) is list and all(type(z) is bool for z in d["z"])
+            and (type(d.get("k", [])) is list and all(type(x) is float for x in d.get("k", [])))):
         raise LocalProtocolError(f"malformed tensor description {d!r:.200}", ErrorCode.MALFORMED_METADATA)
     try:
         codec = Codec(d["c"])
     except ValueError:
         raise LocalProtocolError(f"unknown tensor codec {d['c']!r}", ErrorCode.BAD_TENSOR) from None
     shape, lens, zs = d["s"], d["L"], d["z"]
-    if not (isinstance(shape, list) and all(isinstance(s, int) for s in shape)
-            and isinstance(lens, list) and all(isinstance(x, int) and x >= 0 for x in lens)
-            and isinstance(zs, list) and all(isinstance(z, bool) for z in zs)
-            and isinstance(d["g"], int) and isinstance(d["d"], str)):
-        raise LocalProtocolError(f"malformed tensor description {d!r:.200}", ErrorCode.MALFORMED_METADATA)
+    if any(x < 0 for x in lens):
+        raise LocalProtocolError(f"tensor {d['n']!r}: negative segment length", ErrorCode.BAD_TENSOR)
     check_description(d["n"], d["d"], tuple(shape), codec, d["g"])
     width = stored_width(d["d"], codec)
     numel = math.prod(shape)
     n = num_segments(numel, d["g"])
     if len(lens) != n or len(zs) != n:
         raise LocalProtocolError(f"tensor {d['n']!r}: {len(lens)} segment lengths for {n} segments",
+                                 ErrorCode.BAD_TENSOR)
+    if ("k" in d) != (codec is Codec.INT8 and n > 0):  # one encoding per tensor: no empty or stray ``k``
+        raise LocalProtocolError(f"tensor {d['n']!r}: 'k' must be present exactly for an int8 tensor with elements",
                                  ErrorCode.BAD_TENSOR)
     segs = []
     for i, (ln, z) in enumerate(zip(lens, zs)):
@@ -247,6 +259,4 @@ def from_description(d, body: memoryview, pos: int) -> tuple[WireTensor, int]:
         segs.append(body[pos:pos + ln])
         pos += ln
     scales = d.get("k", [])
-    if not isinstance(scales, list) or not all(isinstance(s, float) for s in scales):
-        raise LocalProtocolError(f"tensor {d['n']!r}: malformed scales", ErrorCode.MALFORMED_METADATA)
     return WireTensor(d["n"], d["d"], tuple(shape), codec, tuple(segs), tuple(zs), tuple(scales), d["g"]), pos

@@ -7,7 +7,7 @@ import pytest
 from blocktrain.protocol import (NEED_DATA, BlockUpdate, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
                                  LocalProtocolError, Ping, RemoteProtocolError, State, pack_tensor, peer_id_of)
 from blocktrain.protocol.frames import HEADER_BYTES
-from blocktrain.protocol.handshake import _pub
+from blocktrain.protocol.handshake import public_bytes
 
 from conftest import ConnectionPair
 
@@ -17,7 +17,7 @@ def test_handshake_succeeds_and_identifies_both_peers(pair):
     assert pair.a.state is State.ESTABLISHED and pair.b.state is State.ESTABLISHED
     (ca,), (cb,) = ev_a, ev_b
     assert isinstance(ca, HandshakeComplete) and isinstance(cb, HandshakeComplete)
-    assert ca.peer_id == peer_id_of(_pub(pair.key_b)) and cb.peer_id == peer_id_of(_pub(pair.key_a))
+    assert ca.peer_id == peer_id_of(public_bytes(pair.key_b)) and cb.peer_id == peer_id_of(public_bytes(pair.key_a))
     assert ca.info == {"who": "b"} and cb.info == {"who": "a"}
     assert ca.sealed and cb.sealed
 
@@ -72,8 +72,8 @@ def test_allowlist_rejects_unknown_identity_on_both_sides():
 
 def test_allowlist_accepts_listed_identity():
     p = ConnectionPair()
-    p.b.allowlist = {peer_id_of(_pub(p.key_a))}
-    p.a.allowlist = {peer_id_of(_pub(p.key_b))}
+    p.b.allowlist = {peer_id_of(public_bytes(p.key_a))}
+    p.a.allowlist = {peer_id_of(public_bytes(p.key_b))}
     p.handshake()
     assert p.a.state is State.ESTABLISHED and p.b.state is State.ESTABLISHED
 
@@ -135,7 +135,8 @@ def test_tampered_sealed_frame_breaks_connection(pair):
 
 def test_tampered_header_breaks_connection(pair):
     pair.handshake()
-    data = bytearray(pair.a.send(Ping(nonce=5)))
+    from blocktrain.protocol import StreamEnd
+    data = bytearray(pair.a.send(StreamEnd(stream_id=2)))
     data[6:10] = (9).to_bytes(4, "big")  # another stream id, crc fixed up: only the AEAD can tell
     import zlib
     data[14:18] = zlib.crc32(bytes(data[:14])).to_bytes(4, "big")
@@ -239,3 +240,280 @@ def test_large_payload_received_in_place_equals_fed(seal):
         pos += n
         got += p.drain(p.b)
     assert direct > 0 and got == [StreamChunk(offset=7, data=data, stream_id=2), Ping(nonce=1)]
+
+
+# --- r4: nothing unauthenticated is held beyond the handshake's own limit (issue 12, finding 1) ---
+
+def _header(mtype, flags, stream_id, length):
+    import struct
+    import zlib
+    head = struct.pack(">2sBBBBII", b"BT", 1, mtype, flags, 0, stream_id, length)
+    return head + struct.pack(">I", zlib.crc32(head))
+
+
+def _responder_after_message_1():
+    p = ConnectionPair()
+    p.b.receive_data(p.a.initiate())
+    assert p.drain(p.b) == [] and p.b.state is State.AWAIT_FINISH
+    return p
+
+
+def test_handshake_header_announcing_16_mib_is_refused_at_the_header():
+    p = ConnectionPair()
+    p.b.receive_data(_header(0x01, 0, 0, 16 * 1024 * 1024))  # 18 bytes, no payload
+    assert p.b.receive_buffer() is None
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.b.next_event()
+    assert ei.value.code is ErrorCode.FRAME_TOO_LARGE
+    assert p.b.state is State.ERROR and p.b.buffered_bytes == 0 and p.b.receive_buffer() is None
+    # the limit before ESTABLISHED is the handshake's: 65,535 passes the header, 65,536 does not
+    p = _responder_after_message_1()
+    p.b.receive_data(_header(0x01, 0, 0, 65535))
+    assert p.b.next_event() is NEED_DATA and p.b.receive_buffer() is None
+    p = _responder_after_message_1()
+    p.b.receive_data(_header(0x01, 0, 0, 65536))
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.b.next_event()
+    assert ei.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+def test_no_receive_buffer_before_established():
+    p = _responder_after_message_1()
+    p.b.receive_data(_header(0x01, 0, 0, 65535) + bytes(100))
+    assert p.b.next_event() is NEED_DATA
+    assert p.b.receive_buffer() is None  # a socket never reads into a buffer the peer sized
+    q = ConnectionPair()  # the initiator waiting for the confirmation: an unsealed ERROR may come
+    q.b.receive_data(q.a.initiate())
+    q.drain(q.b)
+    q.deliver(q.b, q.a)
+    assert q.a.state is State.AWAIT_CONFIRM
+    q.a.receive_data(_header(0x02, 0, 0, 65535) + bytes(100))
+    assert q.a.next_event() is NEED_DATA and q.a.receive_buffer() is None
+
+
+def test_unauthenticated_peer_makes_us_hold_little_even_one_byte_at_a_time():
+    """Measured: a responder fed a 65,535-byte handshake frame one byte at a time (the most an
+    unauthenticated peer may announce) holds about what it was sent, not an object per byte."""
+    import tracemalloc
+    p = _responder_after_message_1()
+    wire = _header(0x01, 0, 0, 65535) + bytes(60_000)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(len(wire)):
+            p.b.receive_data(wire[i:i + 1])
+            if i % 1000 == 0:
+                assert p.b.next_event() is NEED_DATA and p.b.receive_buffer() is None
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert p.b.buffered_bytes == len(wire)
+    assert held < 2 * len(wire), f"held {held} bytes for {len(wire)} received"
+
+
+# --- r4: frame limits and flags from the header (finding 16) -------------------------------------
+
+@pytest.mark.parametrize("seal", [True, False])
+def test_frame_limit_is_max_frame_bytes_plus_the_tag_only_when_sealed(seal):
+    from blocktrain.protocol import MAX_FRAME_BYTES
+    sealed_flag = 0x02 if seal else 0
+    limit = MAX_FRAME_BYTES + (16 if seal else 0)
+    p = ConnectionPair(seal=(seal, seal))
+    p.handshake()
+    p.b.receive_data(_header(0x31, sealed_flag, 1, limit))
+    assert p.b.next_event() is NEED_DATA  # the header is accepted; the payload may follow
+    p = ConnectionPair(seal=(seal, seal))
+    p.handshake()
+    p.b.receive_data(_header(0x31, sealed_flag, 1, limit + 1))
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.b.next_event()
+    assert ei.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+@pytest.mark.parametrize("seal,flags,code", [
+    (True, 0x03, ErrorCode.BAD_FLAGS),  # COMPRESSED on a PING
+    (True, 0x00, ErrorCode.BAD_FLAGS),  # unsealed frame in a sealed session
+    (False, 0x02, ErrorCode.BAD_FLAGS),  # sealed frame in an unsealed session
+])
+def test_flags_are_checked_when_the_header_parses(seal, flags, code):
+    p = ConnectionPair(seal=(seal, seal))
+    p.handshake()
+    p.b.receive_data(_header(0x04, flags, 0, 1000))  # the header alone, 1000 payload bytes announced
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.b.next_event()
+    assert ei.value.code is code
+
+
+def test_sealed_handshake_message_1_is_bad_flags():
+    p = ConnectionPair()
+    m1 = bytearray(p.a.initiate())
+    m1[4] = 0x02
+    import zlib
+    m1[14:18] = zlib.crc32(bytes(m1[:14])).to_bytes(4, "big")
+    p.b.receive_data(bytes(m1[:18]))  # the header is enough
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.b.next_event()
+    assert ei.value.code is ErrorCode.BAD_FLAGS
+
+
+@pytest.mark.parametrize("hello,code", [
+    ({"v": True, "seal": True, "info": {}}, ErrorCode.MALFORMED_METADATA),
+    ({"v": 1.0, "seal": True, "info": {}}, ErrorCode.MALFORMED_METADATA),
+    ({"v": 2, "seal": True, "info": {}}, ErrorCode.UNSUPPORTED_VERSION),
+    ({"v": 1, "seal": 1, "info": {}}, ErrorCode.MALFORMED_METADATA),
+    ({"v": 1, "seal": True, "info": {"role": "cat"}}, ErrorCode.MALFORMED_METADATA),
+    ({"v": 1, "seal": True, "info": {"pad": "x" * 5000}}, ErrorCode.MALFORMED_METADATA),  # over 4 KiB
+])
+def test_hello_fields_are_type_exact(hello, code):
+    import msgpack
+    p = ConnectionPair()
+    p.a._hello_payload = lambda: msgpack.packb(hello)
+    p.b.receive_data(p.a.initiate())
+    p.drain(p.b)
+    p.deliver(p.b, p.a)  # the initiator reads message 2 and writes message 3 with that hello
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.deliver(p.a, p.b)
+    assert ei.value.code is code and p.b.peer is None
+
+
+def test_info_is_checked_when_the_connection_is_made():
+    from blocktrain.protocol import Connection, Role
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    for info in ({"role": "cat"}, {"blocks": [70000]}, {"addr": 5}, {"x" * 65: 1}, {"pad": "x" * 5000}):
+        with pytest.raises(LocalProtocolError):
+            Connection(Role.INITIATOR, X25519PrivateKey.generate(), os.urandom(32), info=info)
+
+
+def test_goodbye_before_the_handshake_is_unexpected():
+    p = ConnectionPair()
+    with pytest.raises(LocalProtocolError):
+        p.a.send(Goodbye(reason="no"))  # before ESTABLISHED only an Error closes (close_frame)
+    from blocktrain.protocol.events import frame_message
+    p.b.receive_data(frame_message(Goodbye(reason="no")))
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.b.next_event()
+    assert ei.value.code is ErrorCode.UNEXPECTED_MESSAGE
+
+
+# --- r4: close_frame: ERROR TIMEOUT (and any code) from the driver, in any state ------------------
+
+def test_close_frame_before_the_handshake_is_a_plain_error():
+    from blocktrain.protocol.events import frame_message
+    from vectors import VALID
+    p = _responder_after_message_1()
+    frame = p.b.close_frame(ErrorCode.TIMEOUT, "handshake timed out")
+    assert frame == frame_message(VALID["error_timeout"])  # PROTOCOL.md's vector, unsealed
+    assert p.b.state is State.CLOSED and p.b.close_frame(ErrorCode.TIMEOUT) == b""
+    p.deliver(p.b, p.a)  # message 2 was queued before
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.deliver(p.b, p.a, frame)
+    assert ei.value.code is ErrorCode.TIMEOUT and "timed out" in str(ei.value)
+
+
+def test_close_frame_once_the_keys_exist_is_sealed():
+    p = ConnectionPair()
+    p.b.receive_data(p.a.initiate())
+    p.drain(p.b)
+    p.deliver(p.b, p.a)
+    m3 = p.a.data_to_send()
+    assert p.a.state is State.AWAIT_CONFIRM  # the initiator holds the keys from message 3 on
+    frame = p.a.close_frame(ErrorCode.TIMEOUT, "no confirmation")
+    assert frame[4] & 0x02
+    evs = p.deliver(p.a, p.b, m3 + frame)
+    assert isinstance(evs[0], HandshakeComplete) and evs[1] == ConnectionClosed(ErrorCode.TIMEOUT, "no confirmation")
+    q = ConnectionPair()
+    q.handshake()
+    assert q.deliver(q.a, q.b, q.a.close_frame(ErrorCode.TIMEOUT, "silent")) == [
+        ConnectionClosed(ErrorCode.TIMEOUT, "silent")]
+
+
+# --- r4: the session may begin in the same read as the confirmation; handshake accounting -------
+
+def test_session_frames_in_the_same_read_as_the_confirmation():
+    from blocktrain.protocol import Announce, PeerInfo
+    p = ConnectionPair()
+    p.b.receive_data(p.a.initiate())
+    p.drain(p.b)
+    p.deliver(p.b, p.a)
+    p.deliver(p.a, p.b)  # the responder is ESTABLISHED and may send at once
+    ann = Announce(peer=PeerInfo("ab" * 32, "127.0.0.1:1", (0,), "train", 0))
+    wire = p.b.data_to_send() + p.b.send(ann) + p.b.send(Ping(nonce=3))
+    evs = p.deliver(p.b, p.a, wire)
+    assert isinstance(evs[0], HandshakeComplete) and evs[1:] == [ann, Ping(nonce=3)]
+
+
+def test_handshake_byte_accounting():
+    p = ConnectionPair()
+    p.handshake()
+    a, b = p.a.counter.snapshot(), p.b.counter.snapshot()
+    hs = lambda side, d: side[d]["by_type"]["handshake"]  # noqa: E731
+    assert hs(a, "sent")["frames"] == 2 and hs(b, "sent")["frames"] == 2  # messages 1, 3 / 2, confirmation
+    assert hs(a, "sent") == hs(b, "received") and hs(b, "sent") == hs(a, "received")
+    # the confirmation: no payload bytes, header + tag on the wire
+    assert hs(b, "sent")["wire_bytes"] - hs(b, "sent")["payload_bytes"] == 2 * 18 + 16
+    assert hs(a, "sent")["wire_bytes"] - hs(a, "sent")["payload_bytes"] == 2 * 18
+
+
+# --- r4: the core knows no application kinds; the application hands it its classifier ------------
+
+def test_connection_module_names_no_application_kind():
+    import inspect
+
+    from blocktrain.protocol import connection
+    src = inspect.getsource(connection)
+    for word in ("checkpoint", "lower-checkpoint", '"update"', '"pipeline"', "join handshake", "STREAM_KINDS"):
+        assert word not in src, f"protocol/connection.py knows the application word {word}"
+
+
+def test_byte_counter_uses_the_classifier_and_remembers_stream_kinds():
+    from blocktrain.protocol import ByteCounter, StreamChunk, StreamEnd, StreamOpen, StreamRequest, StreamReset
+    from blocktrain.protocol.connection import MAX_TRACKED_STREAMS, MAX_TRAFFIC_KINDS
+    seen = []
+
+    def classify(msg):
+        seen.append(type(msg).__name__)
+        return msg.kind if isinstance(msg, (StreamOpen, StreamRequest)) else "rest"
+
+    c = ByteCounter(classify)
+    assert c.kind(StreamRequest(kind="k1", name="n", stream_id=5)) == "k1"
+    assert c.kind(StreamChunk(offset=0, data=b"x", stream_id=5)) == "k1"  # from the table, not classify
+    assert c.kind(StreamEnd(stream_id=5)) == "k1" and 5 not in c._streams
+    assert c.kind(StreamChunk(offset=0, data=b"x", stream_id=5)) == "rest"  # forgotten: classified alone
+    assert c.kind(StreamOpen(kind="k2", name="n", stream_id=6)) == "k2"
+    assert c.kind(StreamReset(stream_id=6)) == "k2" and 6 not in c._streams
+    for sid in range(1, MAX_TRACKED_STREAMS + 100):  # streams that never end: the table stays bounded
+        c.kind(StreamOpen(kind="k", name="n", stream_id=sid))
+    assert len(c._streams) == MAX_TRACKED_STREAMS
+    for i in range(MAX_TRAFFIC_KINDS + 10):  # a classifier passing peer words through: bounded too
+        c.add("received", StreamOpen.TYPE, 1, 1, f"kind{i}")
+    assert len(c.received_kinds) == MAX_TRAFFIC_KINDS + 1 and c.received_kinds["other"]["frames"] == 10
+    assert ByteCounter().kind(Ping(nonce=1)) is None  # no classifier: no counts by kind
+    p = ConnectionPair()
+    p.handshake()
+    assert p.a.counter.snapshot()["sent"]["by_kind"] == {}
+
+
+def test_application_classifier_counts_as_before():
+    """p2p.traffic.kind_of gives the r3 kinds (PROTOCOL.md section 10) through the core's table."""
+    from blocktrain.p2p.traffic import kind_of
+    from blocktrain.protocol import (Connection, PipelineForward, Role, StreamChunk, StreamEnd, StreamOpen,
+                                     StreamRequest)
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    psk = os.urandom(32)
+    p = ConnectionPair()
+    p.a = Connection(Role.INITIATOR, X25519PrivateKey.generate(), psk, kind_of=kind_of)
+    p.b = Connection(Role.RESPONDER, X25519PrivateKey.generate(), psk, kind_of=kind_of)
+    p.handshake()
+    t = pack_tensor("w", "float32", (4,), bytes(16))
+    msgs = [BlockUpdate(block=1, round=1, tensors=[t]), BlockUpdate(block=1, round=1, meta={"phase": "join"}),
+            PipelineForward(request_id=1, tensors=[t]),
+            StreamRequest(kind="lower-checkpoint", name="block1", stream_id=7),
+            StreamOpen(kind="lower-checkpoint", name="block1", total_size=3, stream_id=7),
+            StreamChunk(offset=0, data=b"abc", stream_id=7), StreamEnd(stream_id=7),
+            StreamOpen(kind="weird", name="x", total_size=0, stream_id=8), StreamEnd(stream_id=8),
+            StreamChunk(offset=0, data=b"z", stream_id=9), Ping(nonce=1)]
+    for m in msgs:
+        p.deliver(p.a, p.b, p.a.send(m))
+    kinds = p.b.counter.snapshot()["received"]["by_kind"]
+    assert {k: v["frames"] for k, v in kinds.items()} == {
+        "update": 1, "control": 1 + 1 + 2, "pipeline": 1, "lower-checkpoint": 4, "stream-other": 3}

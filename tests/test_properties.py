@@ -158,3 +158,44 @@ def test_every_state_row_is_reachable_or_terminal():
     for (role, s), row in TRANSITIONS.items():
         if s in (State.CLOSED, State.ERROR):
             assert row == {}, "terminal states accept nothing"
+
+
+# --- r4: before ESTABLISHED, any header is judged at once and little is held (finding 1) ---------
+
+PRE_STATES = ("responder START", "responder AWAIT_FINISH", "initiator AWAIT_REPLY", "initiator AWAIT_CONFIRM")
+
+
+def _pre_established(which: str):
+    p = ConnectionPair()
+    if which.startswith("initiator"):
+        p.b.receive_data(p.a.initiate())
+        p.drain(p.b)
+        if which.endswith("AWAIT_CONFIRM"):
+            p.deliver(p.b, p.a)
+            p.a.data_to_send()
+        return p.a
+    if which.endswith("AWAIT_FINISH"):
+        p.b.receive_data(p.a.initiate())
+        p.drain(p.b)
+        p.b.data_to_send()
+    return p.b
+
+
+@SETTINGS
+@given(st.sampled_from(PRE_STATES), st.integers(0, 255), st.integers(0, 3), st.sampled_from([0, 1, 9]),
+       st.integers(0, 2**32 - 1))
+def test_any_header_before_established_is_bounded(which, mtype, flags, sid, length):
+    """Every (pre-ESTABLISHED state, header): NEED_DATA with at most 65,535 bytes awaited and no
+    in-place buffer, or a RemoteProtocolError that leaves the connection in ERROR, from 18 bytes."""
+    import struct
+    import zlib
+
+    from blocktrain.protocol import MAX_HANDSHAKE_FRAME_BYTES
+    conn = _pre_established(which)
+    head = struct.pack(">2sBBBBII", b"BT", 1, mtype, flags, 0, sid, length)
+    conn.receive_data(head + struct.pack(">I", zlib.crc32(head)))
+    try:
+        assert conn.next_event() is NEED_DATA
+        assert length <= MAX_HANDSHAKE_FRAME_BYTES and conn.receive_buffer() is None
+    except RemoteProtocolError:
+        assert conn.state is State.ERROR and conn.buffered_bytes == 0

@@ -74,3 +74,51 @@ def test_oversized_stream_refused():
     rx = StreamReceiver(max_bytes=100)
     with pytest.raises(RemoteProtocolError):
         rx.on_open(StreamOpen(kind="checkpoint", name="b", total_size=101, sha256=bytes(32), stream_id=1))
+
+
+# --- r4: a failed stream reaches the wire as a StreamReset; the connection stays up -------------
+
+def test_integrity_failure_is_reset_on_the_wire_and_the_connection_stays_up():
+    from blocktrain.protocol import NEED_DATA, Ping, State, StreamFailed, StreamReset
+
+    from conftest import ConnectionPair
+    p = ConnectionPair()
+    p.handshake()
+    data = os.urandom(20_000)
+    msgs = list(stream_messages(5, "checkpoint", "b1", data, chunk_size=10_000))
+    msgs[2] = StreamChunk(offset=10_000, data=bytes(10_000), stream_id=5)  # corrupted in transit
+    rx = StreamReceiver()
+    with pytest.raises(StreamFailed) as ei:
+        for m in msgs:  # the sender (a) streams to the receiver (b)
+            (got,) = p.deliver(p.a, p.b, p.a.send(m))
+            {StreamOpen: rx.on_open, StreamChunk: rx.on_chunk, StreamEnd: rx.on_end}[type(got)](got)
+    err = ei.value
+    assert err.code is ErrorCode.STREAM_INTEGRITY and err.stream_id == 5 and not err.by_peer
+    reset = err.reset_message()
+    assert reset == StreamReset(code=int(ErrorCode.STREAM_INTEGRITY), reason=str(err), stream_id=5)
+    assert p.deliver(p.b, p.a, p.b.send(reset)) == [reset]  # the sender learns why, on that stream
+    assert p.a.state is State.ESTABLISHED and p.b.state is State.ESTABLISHED
+    assert p.deliver(p.a, p.b, p.a.send(Ping(nonce=1))) == [Ping(nonce=1)]
+    assert p.b.next_event() is NEED_DATA
+
+
+def test_reset_by_the_sender_fails_the_stream_and_keeps_the_bytes():
+    from blocktrain.protocol import StreamFailed, StreamReset
+    data = os.urandom(30_000)
+    rx = StreamReceiver()
+    msgs = list(stream_messages(4, "checkpoint", "b1", data, chunk_size=10_000))
+    feed(rx, msgs[:2])
+    with pytest.raises(StreamFailed) as ei:
+        rx.on_reset(StreamReset(code=int(ErrorCode.INTERNAL_ERROR), reason="file vanished", stream_id=4))
+    assert ei.value.by_peer and ei.value.code is ErrorCode.INTERNAL_ERROR and "file vanished" in str(ei.value)
+    assert rx.resume_offset == 10_000  # resumable from another holder
+
+
+def test_stream_errors_name_their_stream():
+    from blocktrain.protocol import StreamFailed
+    rx = StreamReceiver()
+    rx.on_open(StreamOpen(kind="checkpoint", name="b", total_size=10, sha256=bytes(32), stream_id=2))
+    with pytest.raises(StreamFailed) as ei:
+        rx.on_chunk(StreamChunk(offset=3, data=b"x", stream_id=2))
+    assert ei.value.stream_id == 2 and ei.value.code is ErrorCode.STREAM_ERROR
+    assert ei.value.reset_message().stream_id == 2

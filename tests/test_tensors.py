@@ -12,7 +12,7 @@ from blocktrain.protocol import BlockUpdate
 def roundtrip(wire):
     """Through a real frame: encode, parse, rebuild."""
     r = MessageReader()
-    r.feed(frame_message(BlockUpdate(block=0, round=0, tensors=[wire])))
+    r.feed(frame_message(BlockUpdate(block=0, round=0, codec=wire.codec.value, tensors=[wire])))
     return r.next_message().tensors[0]
 
 

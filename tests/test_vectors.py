@@ -4,18 +4,25 @@ import hashlib
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from blocktrain.protocol import ErrorCode, RemoteProtocolError
+from blocktrain.protocol import NEED_DATA, Error, ErrorCode, HandshakeComplete, Ping, Pong, RemoteProtocolError, State
 from blocktrain.protocol.connection import PROLOGUE
-from blocktrain.protocol.events import MessageReader, frame_message
+from blocktrain.protocol.events import MessageReader, encode_payload, frame_message
+from blocktrain.protocol.frames import encode_header
 from blocktrain.protocol.handshake import NoiseHandshake
 from blocktrain.protocol.statediagram import mermaid
 from blocktrain.protocol.connection import Role
 
-from vectors import PROTOCOL_MD, VALID, tables
+from vectors import (INVALID_FIRST, INVALID_HELLOS, INVALID_R4, PROTOCOL_MD, VALID, fixed_connection,
+                     message3_with_hello, session_transcript, tables)
 
 VALID_ROWS = tables("Valid frames")
 INVALID_ROWS = tables("Invalid frames")
+FIRST_ROWS = tables("Invalid first frames")
+HELLO_ROWS = tables("Invalid hellos")
+SESSION = {r[0]: bytes.fromhex(r[1]) for r in tables("Sealed session transcript")}
+TRAILING = bytes.fromhex(VALID_ROWS[0][1])  # a whole valid frame after the invalid one
 
 
 def test_every_message_type_has_a_vector():
@@ -59,12 +66,130 @@ def test_valid_vector_with_trailing_bytes(name, hexstr):
     assert r.next_message() == VALID[name]
 
 
-@pytest.mark.parametrize("name,hexstr,code", INVALID_ROWS, ids=[r[0] for r in INVALID_ROWS])
-@pytest.mark.parametrize("split", [None, 1])
-def test_invalid_vector_rejected(name, hexstr, code, split):
+@pytest.mark.parametrize("name,hexstr,code,when", INVALID_ROWS, ids=[r[0] for r in INVALID_ROWS])
+@pytest.mark.parametrize("split", [None, 1, "trailing"])
+def test_invalid_vector_rejected(name, hexstr, code, when, split):
+    data = bytes.fromhex(hexstr)
     with pytest.raises(RemoteProtocolError) as ei:
-        read_all(bytes.fromhex(hexstr), split)
+        read_all(data + TRAILING if split == "trailing" else data, 1 if split == 1 else None)
     assert ei.value.code is ErrorCode[code]
+
+
+@pytest.mark.parametrize("name,hexstr,code,when", INVALID_ROWS, ids=[r[0] for r in INVALID_ROWS])
+def test_invalid_vector_rejected_when_the_spec_says(name, hexstr, code, when):
+    """"header": the 18 header bytes alone are rejected, before any payload is awaited."""
+    assert when in ("header", "payload")
+    r = MessageReader()
+    r.feed(bytes.fromhex(hexstr)[:18])
+    if when == "header":
+        with pytest.raises(RemoteProtocolError) as ei:
+            r.next_message()
+        assert ei.value.code is ErrorCode[code]
+    else:
+        assert r.next_message() is None
+
+
+def test_invalid_vectors_of_r4_encode():
+    """The invalid frames added in r4 are made by tests/vectors.py's recipes, byte for byte."""
+    rows = {r[0]: r[1] for r in INVALID_ROWS}
+    for name, frame in INVALID_R4.items():
+        assert rows[name] == frame.hex(), name
+    assert {r[0]: r[1] for r in FIRST_ROWS} == {k: v.hex() for k, v in INVALID_FIRST.items()}
+
+
+def feed_connection(conn, data: bytes, split):
+    """Feed ``data`` whole, byte by byte (split=1) or followed by a valid frame ("trailing");
+    returns the events delivered (none may come before an error)."""
+    if split == "trailing":
+        data += TRAILING
+    events = []
+    for c in [data] if split != 1 else [data[i:i + 1] for i in range(len(data))]:
+        conn.receive_data(c)
+        while (ev := conn.next_event()) is not NEED_DATA:
+            events.append(ev)
+    return events
+
+
+def _check_refusal(conn, code):
+    """The responder failed and tells the (unauthenticated) peer why, in a plain ERROR frame."""
+    assert conn.state is State.ERROR and conn.peer is None
+    r = MessageReader()
+    r.feed(conn.data_to_send())
+    (refusal,) = [m for m in iter(r.next_message, None) if isinstance(m, Error)]
+    assert refusal.code == code
+
+
+@pytest.mark.parametrize("name,hexstr,code,when", FIRST_ROWS, ids=[r[0] for r in FIRST_ROWS])
+@pytest.mark.parametrize("split", [None, 1, "trailing"])
+def test_invalid_first_frame_rejected_by_a_responder(name, hexstr, code, when, split):
+    conn = fixed_connection(Role.RESPONDER)
+    with pytest.raises(RemoteProtocolError) as ei:
+        feed_connection(conn, bytes.fromhex(hexstr), split)
+    assert ei.value.code is ErrorCode[code]
+    _check_refusal(conn, ErrorCode[code])
+    if when == "header":
+        conn = fixed_connection(Role.RESPONDER)
+        conn.receive_data(bytes.fromhex(hexstr)[:18])
+        with pytest.raises(RemoteProtocolError):
+            conn.next_event()
+
+
+@pytest.mark.parametrize("name,hexstr,code", HELLO_ROWS, ids=[r[0] for r in HELLO_ROWS])
+def test_invalid_hello_vector_encodes(name, hexstr, code):
+    assert message3_with_hello(INVALID_HELLOS[name]).hex() == hexstr
+
+
+@pytest.mark.parametrize("name,hexstr,code", HELLO_ROWS, ids=[r[0] for r in HELLO_ROWS])
+@pytest.mark.parametrize("split", [None, 1, "trailing"])
+def test_invalid_hello_rejected_by_a_responder(name, hexstr, code, split):
+    conn = fixed_connection(Role.RESPONDER)
+    assert feed_connection(conn, SESSION["message 1"], None) == []
+    assert conn.data_to_send() == SESSION["message 2"]
+    with pytest.raises(RemoteProtocolError) as ei:
+        feed_connection(conn, bytes.fromhex(hexstr), split)
+    assert ei.value.code is ErrorCode[code]
+    _check_refusal(conn, ErrorCode[code])
+
+
+def test_every_invalid_hello_has_a_vector():
+    assert {r[0] for r in HELLO_ROWS} == set(INVALID_HELLOS)
+
+
+def test_sealed_session_vector_encodes():
+    assert session_transcript() == {k: v for k, v in SESSION.items() if k != "hello"}
+    hello = SESSION["hello"]
+    assert hello == bytes.fromhex("83a17601a47365616cc3a4696e666f80")  # {"v": 1, "seal": true, "info": {}}
+
+
+def test_sealed_session_vector_opens_with_the_handshake_keys():
+    """Independently of Connection: AES-256-GCM with the Split() keys of the Handshake vectors,
+    nonce = 4 zero bytes + the frame counter, the header as associated data."""
+    hs = _hs_table()
+    k1, k2 = AESGCM(hs["initiator-to-responder key"]), AESGCM(hs["responder-to-initiator key"])
+    nonce = lambda n: n.to_bytes(12, "big")  # noqa: E731
+    conf, ping, pong = SESSION["confirmation"], SESSION["initiator ping"], SESSION["responder pong"]
+    assert conf[:18] == encode_header(0x01, 0x02, 0, 16) and k2.decrypt(nonce(0), conf[18:], conf[:18]) == b""
+    plain = b"".join(encode_payload(Ping(nonce=7))[1])
+    assert ping[:18] == encode_header(0x04, 0x02, 0, len(plain) + 16)
+    assert k1.decrypt(nonce(0), ping[18:], ping[:18]) == plain
+    assert k2.decrypt(nonce(1), pong[18:], pong[:18]) == b"".join(encode_payload(Pong(nonce=7))[1])
+    # the Noise messages are framed as they are, in plain HANDSHAKE frames
+    assert SESSION["message 1"][18:] == hs["message 1 (payload empty)"]
+
+
+@pytest.mark.parametrize("split", [None, 1, "trailing"])
+def test_sealed_session_vector_decodes_on_both_sides(split):
+    i, r = fixed_connection(Role.INITIATOR), fixed_connection(Role.RESPONDER)
+    i.initiate()
+    assert feed_connection(r, SESSION["message 1"], split if split != "trailing" else None) == []
+    assert feed_connection(i, SESSION["message 2"], split if split != "trailing" else None) == []
+    # the session starts in the same read as the confirmation (and message 3): events in order
+    tail = b"" if split != "trailing" else SESSION["responder pong"][:10]
+    ev_i = feed_connection(i, SESSION["confirmation"] + SESSION["responder pong"] + tail, split if split == 1 else None)
+    ev_r = feed_connection(r, SESSION["message 3"] + SESSION["initiator ping"] + tail, split if split == 1 else None)
+    assert isinstance(ev_i[0], HandshakeComplete) and ev_i[1:] == [Pong(nonce=7)]
+    assert isinstance(ev_r[0], HandshakeComplete) and ev_r[1:] == [Ping(nonce=7)]
+    assert i.state is State.ESTABLISHED and r.state is State.ESTABLISHED
 
 
 def test_oversized_length_rejected_from_header_alone():
@@ -118,3 +243,25 @@ def test_protocol_md_state_diagram_is_generated_from_the_table():
     text = PROTOCOL_MD.read_text()
     for role in Role:
         assert mermaid(role) in text, f"PROTOCOL.md's {role.value} diagram is stale; regenerate it"
+
+
+def test_stream_id_rules_are_the_spec_table_s():
+    """Section 3's "stream id" column is what the code enforces, both for the message classes
+    (sending) and for frame headers (receiving); STREAM_REQUEST included (finding 16)."""
+    from blocktrain.protocol import MESSAGES, MessageType
+    from blocktrain.protocol.frames import parse_header
+
+    rows = {r[1]: r[2] for r in tables("3. Message types and flags")}
+    assert set(rows) == {t.name for t in MESSAGES}
+    for mtype, cls in MESSAGES.items():
+        want_stream = rows[mtype.name] == "not 0"
+        assert rows[mtype.name] in ("0", "not 0") and cls.ON_STREAM is want_stream, mtype.name
+        for sid in (0, 7):
+            head = encode_header(mtype, 0, sid, 0)
+            if (sid != 0) is want_stream:
+                parse_header(head)
+            else:
+                with pytest.raises(Exception) as ei:
+                    parse_header(head)
+                assert ei.value.code is ErrorCode.MALFORMED_METADATA
+    assert rows["STREAM_REQUEST"] == "not 0" and MessageType.STREAM_RESET.name in rows

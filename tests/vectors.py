@@ -1,17 +1,24 @@
 """The PROTOCOL.md test vectors: messages by name, and a parser for PROTOCOL.md's tables.
 
-PROTOCOL.md is the source of the hex; this file holds the messages the hex must equal.
+PROTOCOL.md is the source of the hex; this file holds the messages the hex must equal, and the
+recipes (fixed keys, payloads) that reproduce the handshake-dependent vectors.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import struct
 from pathlib import Path
 
-from blocktrain.protocol import (Announce, BlockUpdate, Error, Goodbye, Handshake, PeerInfo, PeerList,
-                                 PipelineForward, PipelineResult, Ping, Pong, Status, StreamChunk, StreamEnd, StreamOpen, StreamRequest,
-                                 pack_tensor)
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from blocktrain.protocol import (Announce, BlockUpdate, Connection, Error, ErrorCode, Goodbye, Handshake, PeerInfo,
+                                 PeerList, PipelineForward, PipelineResult, Ping, Pong, Role, Status, StreamChunk,
+                                 StreamEnd, StreamOpen, StreamRequest, StreamReset, pack_tensor)
+from blocktrain.protocol.connection import PROLOGUE
+from blocktrain.protocol.events import frame_message
+from blocktrain.protocol.handshake import NoiseHandshake
 
 PROTOCOL_MD = Path(__file__).resolve().parent.parent / "PROTOCOL.md"
 
@@ -47,6 +54,68 @@ VALID = {
         pack_tensor("h", "float32", (1, 2), struct.pack("<2H", 0x3F80, 0xC000), "bf16"),), meta={"n": 4}),
     "pipeline_result": PipelineResult(request_id=9, tensors=(
         pack_tensor("bytes", "uint8", (3,), b"abc"),), meta={}),
+    "stream_reset": StreamReset(code=int(ErrorCode.STREAM_INTEGRITY), reason="sha256 mismatch", stream_id=3),
+    "error_timeout": Error(code=int(ErrorCode.TIMEOUT), reason="handshake timed out"),
+}
+
+
+# --- the handshake-dependent vectors: fixed keys, as in PROTOCOL.md's Handshake table -------------
+
+def _key(text: str) -> X25519PrivateKey:
+    return X25519PrivateKey.from_private_bytes(hashlib.sha256(text.encode()).digest())
+
+
+PSK = hashlib.sha256(b"swarm key").digest()
+
+
+def fixed_connection(role: Role) -> Connection:
+    """A Connection with the fixed static and ephemeral keys of the Handshake vectors, empty info."""
+    who = "initiator" if role is Role.INITIATOR else "responder"
+    return Connection(role, _key(f"{who} static"), PSK, ephemeral=_key(f"{who} ephemeral"))
+
+
+def session_transcript() -> dict[str, bytes]:
+    """The frames of a sealed session between the two fixed Connections, in order."""
+    i, r = fixed_connection(Role.INITIATOR), fixed_connection(Role.RESPONDER)
+    out = {"message 1": i.initiate()}
+    r.receive_data(out["message 1"])
+    r.next_event()
+    out["message 2"] = r.data_to_send()
+    i.receive_data(out["message 2"])
+    i.next_event()
+    out["message 3"] = i.data_to_send()
+    r.receive_data(out["message 3"])
+    r.next_event()
+    out["confirmation"] = r.data_to_send()
+    i.receive_data(out["confirmation"])
+    i.next_event()
+    out["initiator ping"] = i.send(Ping(nonce=7))
+    out["responder pong"] = r.send(Pong(nonce=7))
+    return out
+
+
+def message3_with_hello(hello: bytes) -> bytes:
+    """Handshake message 3 (framed) of the fixed initiator, after the fixed message 2, carrying
+    ``hello`` as its payload: how the Invalid hellos vectors are made."""
+    t = session_transcript()
+    n = NoiseHandshake(True, _key("initiator static"), PSK, PROLOGUE, _key("initiator ephemeral"))
+    n.write_message(b"")
+    n.read_message(t["message 2"][18:])
+    return frame_message(Handshake(data=n.write_message(hello)))
+
+
+# name -> the hello message 3 carries (the code each is rejected with is PROTOCOL.md's)
+INVALID_HELLOS = {
+    "v is true": b"\x83\xa1v\xc3\xa4seal\xc3\xa4info\x80",
+    "v is 1.0": b"\x83\xa1v\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00\xa4seal\xc3\xa4info\x80",
+    "v is 2": b"\x83\xa1v\x02\xa4seal\xc3\xa4info\x80",
+    "v in a longer form": b"\x83\xa1v\xcc\x01\xa4seal\xc3\xa4info\x80",
+    "seal is 1": b"\x83\xa1v\x01\xa4seal\x01\xa4info\x80",
+    "seal differs": b"\x83\xa1v\x01\xa4seal\xc2\xa4info\x80",
+    "extra key": b"\x84\xa1v\x01\xa4seal\xc3\xa4info\x80\xa1x\x00",
+    "duplicate key": b"\x84\xa1v\x01\xa4seal\xc3\xa4info\x80\xa1v\x01",
+    "unknown role": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa4role\xa3cat",
+    "block not a u16": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa6blocks\x91\xd0\xff",
 }
 
 
@@ -61,3 +130,69 @@ def tables(section: str) -> list[list[str]]:
             cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
             rows.append(cells)
     return rows[1:]  # drop the header row
+
+
+# --- recipes of the invalid frames added in r4 (PROTOCOL.md's hex must equal them) ---------------
+
+def raw_header(mtype: int, flags: int, stream_id: int, length: int) -> bytes:
+    """A header with a valid crc and any field values, for invalid vectors."""
+    import zlib
+    head = struct.pack(">2sBBBBII", b"BT", 1, mtype, flags, 0, stream_id, length)
+    return head + struct.pack(">I", zlib.crc32(head))
+
+
+def raw_frame(mtype: int, meta: bytes, body: bytes = b"", stream_id: int = 0, flags: int = 0) -> bytes:
+    """A map-payload frame from raw msgpack bytes (which may be non-canonical on purpose)."""
+    payload = struct.pack(">I", len(meta)) + meta + body
+    return raw_header(mtype, flags, stream_id, len(payload)) + payload
+
+
+def _pk(obj) -> bytes:
+    import msgpack
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _result_with(**desc) -> bytes:
+    d = {"n": "b", "d": "uint8", "s": [3], "c": "raw", "g": 1 << 20, "L": [3], "z": [False], **desc}
+    return raw_frame(0x41, _pk({"request_id": 1, "tensors": [d], "meta": {}}), b"abc")
+
+
+def _int8_update(codec: str, **desc) -> bytes:
+    d = {"n": "w", "d": "float32", "s": [3], "c": "int8", "g": 1 << 20, "L": [3], "z": [False], **desc}
+    return raw_frame(0x20, _pk({"block": 0, "round": 1, "codec": codec, "tensors": [d], "meta": {}}), b"\x7f\xc0\x00")
+
+
+INVALID_R4 = {  # name in PROTOCOL.md's Invalid frames -> the frame
+    "integer in a longer form": raw_frame(0x04, b"\x81\xa5nonce\xcc\x07"),
+    "duplicate map key": raw_frame(0x04, b"\x82\xa5nonce\x07\xa5nonce\x07"),
+    "float 32 in metadata": raw_frame(0x12, b"\x81\xa6status\x81\xa1x\xca\x3f\x80\x00\x00"),
+    "ext type in metadata": raw_frame(0x12, b"\x81\xa6status\x81\xa1x\xd4\x05\x00"),
+    "map key not a string": raw_frame(0x12, b"\x81\xa6status\x81\x01\x02"),
+    "ping on a stream": raw_frame(0x04, _pk({"nonce": 7}), stream_id=5),
+    "stream request on stream 0": raw_frame(0x33, _pk({"kind": "checkpoint", "name": "block1", "offset": 0})),
+    "stream reset on stream 0": raw_frame(0x34, _pk({"code": 12, "reason": ""})),
+    "unsealed frame one byte over the limit": raw_header(0x31, 0, 1, 16 * 1024 * 1024 + 1),
+    "tensor shape holds a boolean": _result_with(s=[True]),
+    "tensor codec not a string": _result_with(c=1),
+    "unknown tensor codec": _result_with(c="zz"),
+    "int8 tensor without scales": _int8_update("int8"),
+    "scales on a raw tensor": _result_with(k=[1.0]),
+    "update codec differs from its tensor": _int8_update("raw", k=[0.5]),
+}
+
+
+def _first_frames() -> dict[str, bytes]:
+    m1 = session_transcript()["message 1"][18:]
+    return {  # name in PROTOCOL.md's Invalid first frames -> the bytes a responder in START gets
+        "handshake announcing 16 MiB": raw_header(0x01, 0, 0, 16 * 1024 * 1024),
+        "handshake one byte over the limit": raw_header(0x01, 0, 0, 65536),
+        "sealed message 1": raw_header(0x01, 0x02, 0, 48) + m1,
+        "compressed message 1": raw_header(0x01, 0x01, 0, 48) + m1,
+        "message 1 on a stream": raw_header(0x01, 0, 5, 48) + m1,
+        "message 1 one byte too long": raw_header(0x01, 0, 0, 49) + m1 + b"\0",
+        "ping before the handshake": frame_message(Ping(nonce=7)),
+        "goodbye before the handshake": frame_message(Goodbye(reason="bye")),
+    }
+
+
+INVALID_FIRST = _first_frames()
