@@ -46,24 +46,17 @@ async def _peer_child(i: int, n: int, ports: list[int], floats: int, rounds: int
     p = await Peer(X25519PrivateKey.generate(), bytes.fromhex(key_hex), "127.0.0.1", ports[i], blocks=(0,),
                    timeouts=Timeouts(heartbeat_s=5, dead_after_s=600)).start()
     if i:
-        for _ in range(100):
-            try:
-                await p.join("127.0.0.1", ports[0])
-                break
-            except ConnectionError:
-                await asyncio.sleep(0.1)
-    while len(p.members) < n - 1:
-        await asyncio.sleep(0.05)
-    members = {p.id: p.addr, **{pid: m.info.addr for pid, m in p.members.items()}}
-    for pid, addr in members.items():  # connect everyone before timing
-        if pid != p.id:
-            await p.connection_to(addr)
+        await p.join("127.0.0.1", ports[0], timeout_s=30.0)
+    await p.wait_for(lambda: len(p.members()) == n - 1, 60.0)
+    members = [p.id] + [m.peer_id for m in p.members()]
+    for pid in members[1:]:  # connect everyone before timing
+        await p.connection(pid)
     av = Averager(p, 0, codec=codec, timeout_s=600)
     x = torch.randn(floats, generator=torch.Generator().manual_seed(i))
     times, cov = [], []
     for r in range(rounds):
         t0 = time.perf_counter()
-        _, rep = await av.average(r, x, members)
+        _, rep = await av.average(r + 1, x, members)
         times.append(time.perf_counter() - t0)
         cov.append(rep.coverage)
     Path(out).write_text(json.dumps({"times": times, "coverage": cov}))

@@ -109,6 +109,7 @@ class Group:
     _asked: set = field(default_factory=set)  # joiner side: peers our JOIN went to
     _admits_due: dict = field(default_factory=dict)  # sponsor side: round -> joiners to tell READY
     _starters: dict = field(default_factory=dict)  # STARTING side: peer -> (step, digest) it starts from
+    _early_admits: dict = field(default_factory=dict)  # joiner side: admissions heard before we are in
 
     # --- views -------------------------------------------------------------------------------
     def members(self, rnd: int | None = None) -> list[str]:
@@ -138,6 +139,8 @@ class Group:
             self._replies[peer] = _Reply(phase, meta)
             if phase is Phase.STARTING:
                 self._starting(peer, meta)
+            else:  # its newest answer: it no longer starts
+                self._starters.pop(peer, None)
 
     def _starting(self, peer: str, meta: dict):
         step, digest = meta.get("step"), meta.get("digest")
@@ -188,7 +191,10 @@ class Group:
         self.state = State.TRAINING
         self.round = at + 1
         self.joined = {p: at + 1 for p in members if p != self.me}
-        self._replies, self._asked = {}, set()
+        for p, (sponsor, first) in self._early_admits.items():  # admitted after us, told before we were in
+            if sponsor in self.joined and p != self.me and first >= at + 1:
+                self.joined[p] = max(first, self.joined.get(p, 0))
+        self._replies, self._asked, self._early_admits = {}, set(), {}
 
     # --- as a member ---------------------------------------------------------------------------
     def begin_round(self, rnd: int, digest: str, block: int) -> list[str]:
@@ -222,8 +228,13 @@ class Group:
 
     def on_admit(self, sponsor: str, meta: dict) -> None:
         peer, at = meta.get("peer"), meta.get("at")
-        if (self.state is State.TRAINING and sponsor == self.sponsor() and isinstance(peer, str)
-                and isinstance(at, int) and peer != self.me):
+        if not (isinstance(peer, str) and type(at) is int and peer != self.me):
+            return
+        if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter
+            if len(self._early_admits) < 1024:
+                self._early_admits[peer] = (sponsor, at + 1)
+            return
+        if self.state is State.TRAINING and sponsor == self.sponsor():
             self._admit(peer, at)
             self._admits_due.setdefault(at, set()).add(peer)  # we write the state it takes, too
 

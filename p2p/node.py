@@ -123,6 +123,7 @@ class Peer:
         self._server = None
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+        self._heard_list = False  # a member has told us its member list
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self):
@@ -230,6 +231,11 @@ class Peer:
     def member(self, peer_id: str) -> MemberView | None:
         m = self._members.get(peer_id)
         return m.view(time.monotonic()) if m is not None else None
+
+    def settled(self) -> bool:
+        """The membership view is as complete as gossip makes it: alone, or told a member list and
+        every member learnt from it dialled (successfully or not)."""
+        return (not self._members or self._heard_list) and not self._dials
 
     def live_connection(self, peer: str) -> PeerConnection | None:
         """The live connection to a member (by id or address), or None: never dials."""
@@ -354,12 +360,14 @@ class Peer:
                                        self._link_for(addr), name=addr)
         except (OSError, ConnectionError, ValueError) as e:
             self._dials.pop(addr, None)
+            self.notify()
             fut.set_exception(PeerUnreachable("", addr, str(e)))
             fut.exception()  # retrieved: nobody may be waiting
             return
         hc = pc.established.result()
         kept = self._register(pc, hc)
         self._dials.pop(addr, None)
+        self.notify()  # settled() may hold now
         fut.set_result(self._live_conn(hc.peer_id))  # ours, or the one kept instead of a duplicate
         if kept is None:
             await pc.wait_closed()
@@ -464,6 +472,9 @@ class Peer:
                 elif isinstance(msg, PeerList):
                     for p in msg.peers:
                         self._learn(p)
+                    if not self._heard_list:
+                        self._heard_list = True
+                        self.notify()
         except (ConnectionError, ProtocolError) as e:  # the connection's end; already logged by it
             log.debug("connection to %s ended: %s", pid[:12], e)
         finally:

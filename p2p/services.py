@@ -94,6 +94,9 @@ class PeerServices(Protocol):
         """A live connection to a member (by peer id or listen address), dialling if needed;
         raises PeerUnreachable."""
 
+    def settled(self) -> bool:
+        """Whether the membership view is as complete as gossip makes it (no dial in flight)."""
+
     def live_connection(self, peer: str) -> "PeerConnection | None":
         """The live connection to a member (by id or address), or None; never dials (messages sent
         on it keep their order with everything else sent on it)."""

@@ -639,6 +639,7 @@ class SwarmTrainer:
         self._new_trainer(self.plan[0])
         resumed = self._resume_own()
         self.state = "waiting for members"
+        await self.peer.wait_for(self.peer.settled, self.scfg.join_timeout_s)  # who is there, before asking
         await self.peer.wait_for(lambda: len(self.candidates()) + 1 >= self.scfg.min_group, self.scfg.lower_timeout_s)
         if not self.relay:
             await self.refresh_lower(wait=True)

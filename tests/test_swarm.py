@@ -232,9 +232,9 @@ def _peer_cmd(tmp_path, i, port, block, bootstrap=None, steps=150, extra=()):
         cmd.append(bootstrap)
     return cmd + ["--block", str(block), "--listen", f"127.0.0.1:{port}", "--swarm-key", str(tmp_path / "swarm.key"),
                   "--identity", str(tmp_path / f"id{i}"), "--report", str(tmp_path / f"r{i}.json"),
-                  "--report-every", "0.5", "--heartbeat", "0.2", "--dead-after", "3", "--quiet",
+                  "--report-every", "0.5", "--heartbeat", "0.2", "--dead-after", "10", "--quiet",
                   "--work-dir", str(tmp_path / f"w{i}"), "--steps", str(steps), "--exit-when-done",
-                  "--set", "swarm.round_timeout_s=20", "--set", "swarm.join_timeout_s=3",
+                  "--set", "swarm.round_timeout_s=20", "--set", "swarm.join_timeout_s=10",
                   "--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "model.n_layer=3",
                   "--set", "model.n_blocks=3", "--set", "batch_size=4", "--set", "seq_len=32", "--set", "warmup=2",
                   "--set", "swarm.eval_windows=2", *extra]
