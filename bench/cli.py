@@ -222,78 +222,129 @@ def _plot_sweep(rows, path):
 
 
 @main.command()
-@click.option("--workers", default=6, show_default=True, type=click.IntRange(1, 64),
-              help="bt-peer processes; worker i trains block i mod K.")
-@click.option("--steps", default=300, show_default=True, type=click.IntRange(2, 10**6),
-              help="Optimizer steps per block in all (each of a block's workers takes its share).")
-@click.option("--every", default=25, show_default=True, type=click.IntRange(1, 10**6), help="Local steps per round.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Model/training config, as for bt-train.")
-@click.option("--schedule", type=click.Choice(["staggered", "parallel", "sequential"]), default="parallel",
-              show_default=True)
-@click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8"]), default="raw", show_default=True)
-@click.option("--outer", type=click.Choice(["sgd", "nesterov"]), default="sgd", show_default=True)
-@click.option("--outer-lr", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True))
-@click.option("--outer-momentum", default=0.0, show_default=True, type=click.FloatRange(0, 1, max_open=True))
-@click.option("--compare/--no-compare", default=True, show_default=True,
-              help="Also run one worker per block (same total steps per block) and report the CE gap.")
-@click.option("--wan", is_flag=True, help="Shape every link (--link) and report initial -> final CE with bytes moved.")
+@click.option("--workers", default="3,6", show_default=True,
+              help="Comma-separated worker counts (bt-peer processes; worker i holds block i mod K).")
+@click.option("--steps", default=1000, show_default=True, type=click.IntRange(2, 10**6),
+              help="Steps per block of each worker (equal-steps); equal-total shares steps x K among the workers.")
+@click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds (train.seed); 3 for mean and spread.")
+@click.option("--compare", default="equal-steps,equal-total", show_default=True,
+              help="equal-steps: every worker the same steps (more workers, more data); equal-total: the same total "
+                   "local steps per block, shared by the workers.")
+@click.option("--reference/--no-reference", default=True, show_default=True,
+              help="Also train the in-process sequential run of the same model and steps per block.")
+@click.option("--target-ce", type=float, default=None,
+              help="Report each run's wall time until the top head's valid CE reaches this (needs --eval-every).")
+@click.option("--eval-every", default=0, show_default=True, type=click.IntRange(0),
+              help="Steps between valid-CE points on every worker (0: none).")
+@click.option("--schedule", type=click.Choice(["relay", "parallel"]), default=None, help="Default: relay.")
+@click.option("--sync", type=click.Choice(["grads", "params"]), default=None, help="Default: grads.")
+@click.option("--every", type=click.IntRange(1), default=None, help="Steps per round (params).")
+@click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8"]), default=None)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Model/training/swarm config, as for bt-peer (model.d_model=128, ...).")
+@click.option("--wan", is_flag=True, help="Shape every link (--link) and report the communication's share.")
 @click.option("--link", default="delay=25,rate=100", show_default=True,
               help="Link for --wan: one-way delay ms, rate Mbit/s (in-process link shaper).")
 @click.option("--test-windows", default=300, show_default=True, type=click.IntRange(0, 10**6))
 @click.option("--out", default="runs/bench-swarm", show_default=True, type=click.Path(file_okay=False))
+@click.option("--resume", is_flag=True, help="Resume runs from their work directories (default: fresh ones).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
-def swarm(workers, steps, every, overrides, schedule, codec, outer, outer_lr, outer_momentum, compare, wan, link,
-          test_windows, out, json_path):
+def swarm(workers, steps, seeds, compare, reference, target_ce, eval_every, schedule, sync, every, codec, overrides,
+          wan, link, test_windows, out, resume, json_path):
     """Train a model with real bt-peer processes on loopback, assemble it from the swarm, test it.
 
-    --workers 6: two peers per block x three blocks, averaging every --every steps, against
-    one worker per block at the same total steps per block (measured after it, in this run).
-    Target: assembled test CE within 0.03 of the one-worker-per-block run. --wan: every link
-    shaped (default 50 ms RTT, 100 Mbit/s); reports initial -> final CE and the bytes moved.
+    For every seed and worker count: equal steps per worker (does adding workers, and data, help?)
+    and equal total steps per block (the same work shared), each head's test CE along the chain,
+    every worker's busy fraction, bytes by kind, wall time (and to --target-ce); beside the
+    in-process sequential run of the same model. Targets (issue 10): the K-worker relay within
+    0.02 of the in-process sequential CE, every upper block >= 0.02 better than the one below,
+    every worker busy >= 80%; more workers better at equal steps, within 0.03 at equal total.
     """
     from blocktrain.blocks.config import ConfigError, apply_overrides, parse_set
     from blocktrain.p2p.config import PeerJob
 
-    from .swarm import run
+    from . import swarm as bench_swarm
 
     try:
         ov = parse_set(overrides)
         K = apply_overrides(PeerJob(), ov).model.n_blocks
-    except ConfigError as e:
-        raise click.BadParameter(str(e), param_hint="--set")
-    results = {"benchmark": "swarm"}
-    runs = [("swarm", workers)]
-    if compare and workers != K:
-        runs.append(("one_per_block", K))
-    for name, w in runs:
-        click.echo(f"{name}: {w} bt-peer processes, {steps} steps per block"
-                   + (f", links {link}" if wan else "") + f" (logs and reports in {out}/{name})", err=True)
+        ws = [int(w) for w in workers.split(",")]
+        seed_list = [int(x) for x in seeds.split(",")]
+    except (ConfigError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--set/--workers/--seeds")
+    comps = [c.strip() for c in compare.split(",") if c.strip()]
+    if set(comps) - {"equal-steps", "equal-total"}:
+        raise click.BadParameter(f"unknown comparison in {compare!r}", param_hint="--compare")
+    sw = {k: v for k, v in (("schedule", schedule), ("sync", sync), ("every", every), ("codec", codec)) if v is not None}
+    if every and not sync:
+        sw["sync"] = "params"
+    plan = []
+    for seed in seed_list:
+        for comp in comps:
+            for w in ws:
+                if comp == "equal-total" and w == K and "equal-steps" in comps:
+                    continue  # the same run as equal-steps with K workers
+                local = steps if comp == "equal-steps" else steps * K // w
+                plan.append((comp, w, seed, local))
+    runs, refs = [], []
+    for comp, w, seed, local in plan:
+        name = f"{comp}-w{w}-seed{seed}"
+        click.echo(f"{name}: {w} bt-peer processes, {local} steps per block each" + (f", links {link}" if wan else "")
+                   + f" (logs and reports in {out}/{name})", err=True)
         with click.progressbar(length=1, label=name, file=sys.stderr) as bar:
             def progress(done, total):
-                bar.length = total
+                bar.length = max(total, 1)
                 bar.update(done - bar.pos)
             try:
-                r = run(w, steps, ov, every, Path(out) / name, test_windows, link if wan else None, schedule, codec,
-                        (outer, outer_lr, outer_momentum), progress=progress)
-            except (ValueError, RuntimeError, TimeoutError) as e:
+                r = bench_swarm.run(w, local, ov, Path(out) / name, test_windows, link if wan else None, sw, seed,
+                                    eval_every, resume, progress=progress)
+            except (ValueError, RuntimeError, TimeoutError, ConfigError) as e:
                 raise click.ClickException(f"{name}: {e}")
-        results[name] = r
-        gb = r["bytes_moved"] / 1e9
-        click.echo(f"{name}: test CE {r['initial_test_ce']:.3f} -> {r['final_test_ce']:.4f} in {r['train_seconds']:.0f} s, "
-                   f"{gb:.3f} GB moved (" + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in
-                                                      sorted(r["bytes_sent_by_kind"].items())) + ")")
-    if "one_per_block" in results:
-        gap = results["swarm"]["final_test_ce"] - results["one_per_block"]["final_test_ce"]
-        results["gap"] = gap
-        results["gap_target"] = 0.03
-        results["gap_met"] = gap <= 0.03
-        click.echo(f"gap: {workers} workers {results['swarm']['final_test_ce']:.4f} vs one per block "
-                   f"{results['one_per_block']['final_test_ce']:.4f}: {gap:+.4f} (target <= 0.03: "
-                   f"{'met' if gap <= 0.03 else 'MISSED'})")
+        r["comparison"] = comp
+        if target_ce is not None:
+            r["time_to_target_s"] = bench_swarm.time_to(r["curves"], target_ce)
+        runs.append(r)
+        click.echo(f"{name}: test CE {r['initial_test_ce']:.3f} -> heads " + " / ".join(f"{c:.4f}" for c in r["head_test_ce"])
+                   + f" in {r['train_seconds']:.0f} s; busy min {r['busy_fraction']['min']:.0%}; "
+                   f"{r['bytes_per_worker'] / 1e6:.1f} MB per worker", err=True)
+        if comp == "equal-steps" and w == K:
+            for rep in [x for x in runs if x is r]:
+                for v in rep["verdicts"]:
+                    click.echo(f"  {v}", err=True)
+    if reference:
+        for seed in seed_list:
+            click.echo(f"in-process sequential reference, seed {seed} ({steps} steps per block)...", err=True)
+            refs.append(bench_swarm.reference(steps, ov, Path(out) / "reference", seed, test_windows))
+    summary = bench_swarm.summarise(runs, K, max(ws))
+    result = {"benchmark": "swarm", "seeds": seed_list, "steps": steps, "workers": ws, "compare": comps,
+              "target_ce": target_ce, "runs": runs, "summary": summary}
+    key_k = f"equal-steps/{K}" if f"equal-steps/{K}" in summary else next(iter(summary))
+    key_w = f"equal-steps/{max(ws)}" if f"equal-steps/{max(ws)}" in summary else key_k
+    result["swarm"] = summary[key_w]
+    result["one_per_block"] = summary[key_k]
+    if refs:
+        heads = [bench_swarm.mean_sd([r["head_test_ce"][k] for r in refs])["mean"] for k in range(K)]
+        result["in_process_sequential"] = {"head_test_ce": heads, "runs": refs}
+    for line in _swarm_table(result, K):
+        click.echo(line)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(results, indent=1))
+        Path(json_path).write_text(json.dumps(result, indent=1))
         click.echo(f"wrote {json_path}")
+
+
+def _swarm_table(result: dict, K: int) -> list[str]:
+    lines = [f"{'run':<18} {'seeds':>5} " + " ".join(f"{'head ' + str(k):>14}" for k in range(K))
+             + f" {'busy min':>8} {'wall s':>8} {'MB/worker':>9}"]
+    for key, s in result["summary"].items():
+        lines.append(f"{key:<18} {len(s['seeds']):>5} " + " ".join(
+            f"{m:>7.4f}+-{sd:<5.3f}" for m, sd in zip(s["head_test_ce"], s["head_test_ce_sd"]))
+            + f" {s['busy_fraction']['min']:>8.0%} {s['train_seconds']['mean']:>8.0f} "
+            f"{s['bytes_per_worker']['mean'] / 1e6:>9.1f}")
+    if "in_process_sequential" in result:
+        lines.append(f"{'in-process seq.':<18} {len(result['seeds']):>5} " + " ".join(
+            f"{c:>14.4f}" for c in result["in_process_sequential"]["head_test_ce"]))
+    return lines
 
 
 @main.command()

@@ -1,26 +1,31 @@
 """``bt-bench swarm``: real ``bt-peer`` processes training a model together on loopback.
 
 Rules:
-- Worker i trains block i mod K on shard i div (W/K) of W/K; the first starts the swarm, the
-  others join through it. Every worker is a ``bt-peer`` process with its own identity, work
-  directory and transfer report; nothing is shared but the swarm key.
-- "The same total steps": every block gets ``steps`` optimizer steps in all, so each of the
-  W/K workers of a block takes steps / (W/K) local steps (the data seen per block is equal).
-- The assembled model is fetched from the swarm (``bt-peer assemble``'s code) once every
-  worker reports ``done``, and evaluated on test windows; the initial CE is the same blocks
-  as initialised (every worker of block k starts from the same seeded block).
-- Bytes are the peers' own counters (sent wire bytes, summed; by kind), read from their reports
-  when every one says ``done`` (the assembly's own fetches are counted apart). Only processes
-  this module started are stopped.
-- ``link``: every peer's outgoing links go through the in-process link shaper (delay, rate).
+- A run is W ``bt-peer`` processes, worker i holding block i mod K, each with its own identity,
+  work directory and report; the first starts the swarm, the others join through it, all with
+  ``--min-group W`` so they start together. Nothing is shared but the swarm key. Every run starts
+  from fresh work directories unless ``resume``.
+- Comparisons, at every seed: ``equal-steps``: every worker takes ``steps`` steps per block
+  (adding workers adds data); ``equal-total``: the workers of a run share ``steps x K`` local
+  steps per block in all (W workers take steps x K / W each). The runs with K workers are the
+  "one worker per block" baseline.
+- The model is assembled from the swarm (``bt-peer assemble``'s code) once every worker reports
+  ``done`` and evaluated on test windows: the CE of every head along the chain. Busy fraction:
+  each worker's time in training steps over its wall time. Bytes: the peers' own counters
+  (sent wire bytes, by kind), read when every one is done. Time to a target CE: the first
+  point of the workers' valid-CE curve (the top head of the chain in work) at or below it.
+- ``reference``: the in-process sequential run of the same model and steps per block
+  (blocktrain.bench.train_variant), the result the swarm should reach.
+- Only processes this module started are stopped, by pid.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -43,9 +48,10 @@ def _initial_ce(model: dict, seed: int, seq_len: int, windows: int, data) -> lis
     return eval_chain(blocks, data, seq_len, windows or None)
 
 
-def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_windows: int = 300,
-        link: str | None = None, schedule: str = "parallel", codec: str = "raw", outer: tuple = ("sgd", 1.0, 0.0),
-        timeout_s: float = 3600.0, progress=None, log=lambda s: None) -> dict:
+def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int = 300, link: str | None = None,
+        swarm: dict | None = None, seed: int = 0, eval_every: int = 0, resume: bool = False,
+        timeout_s: float = 4 * 3600.0, progress=None, log=lambda s: None) -> dict:
+    """One swarm of ``workers`` processes, ``steps`` local steps per block each."""
     from blocktrain.blocks.config import apply_overrides
     from blocktrain.blocks.data import as_tensor, read_split
     from blocktrain.blocks.evaluate import evaluate
@@ -53,20 +59,19 @@ def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_w
     from blocktrain.p2p.config import PeerJob
     from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key, new_swarm_key
 
-    job = apply_overrides(PeerJob(), overrides)
+    swarm = dict(swarm or {})
+    sets = {**overrides, "train.steps": steps, "train.seed": seed, "swarm.eval_every": eval_every,
+            **{f"swarm.{k}": v for k, v in swarm.items()}}
+    job = apply_overrides(PeerJob(), sets)
     K = job.model.n_blocks
-    if workers % K:
-        raise ValueError(f"{workers} workers do not split evenly over {K} blocks")
-    per_block = workers // K
-    if steps % per_block:
-        raise ValueError(f"{steps} steps per block do not split evenly over {per_block} workers")
-    local = steps // per_block
+    if not resume and out.exists():
+        shutil.rmtree(out)  # a fresh run: nothing resumed from an earlier one
     out.mkdir(parents=True, exist_ok=True)
     key = out / "swarm.key"
     if not key.exists():
         new_swarm_key(key)
     ports = free_ports(workers)
-    sets = [x for k, v in {**overrides, "steps": local}.items() for x in ("--set", f"{k}={v}")]
+    set_args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
     procs, logs = [], []
     t0 = time.monotonic()
 
@@ -76,37 +81,34 @@ def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_w
             c.append(f"127.0.0.1:{ports[0]}")
         c += ["--block", str(i % K), "--listen", f"127.0.0.1:{ports[i]}", "--swarm-key", str(key),
               "--identity", str(out / f"id{i}"), "--report", str(out / f"report{i}.json"), "--report-every", "2",
-              "--work-dir", str(out / f"work{i}"), "--shard", f"{i // K}/{per_block}", "--every", str(every),
-              "--schedule", schedule, "--codec", codec, "--outer", outer[0], "--outer-lr", str(outer[1]),
-              "--outer-momentum", str(outer[2]), "--threads", "1", "--quiet", "--heartbeat", "1",
-              "--dead-after", "30", "--round-timeout", "600", "--min-group", str(per_block), *sets]
+              "--work-dir", str(out / f"work{i}"), "--threads", "1", "--quiet", "--heartbeat", "1",
+              "--dead-after", "60", "--min-group", str(workers), "--set", "swarm.round_timeout_s=600",
+              "--set", "swarm.join_timeout_s=30", *set_args]
         if link:
             c += ["--link", link]
         return c
 
     def reports():
-        out_ = []
+        got = []
         for i in range(workers):
             try:
-                out_.append(json.loads((out / f"report{i}.json").read_text()))
+                got.append(json.loads((out / f"report{i}.json").read_text()))
             except (OSError, ValueError):
-                out_.append({})
-        return out_
+                got.append({})
+        return got
 
+    total = steps * (K if job.swarm.schedule == "relay" else 1)
     try:
         for i in range(workers):
             f = open(out / f"peer{i}.log", "w")
             logs.append(f)
             procs.append(subprocess.Popen(cmd(i), stdout=f, stderr=subprocess.STDOUT))
-            if i == 0:
-                time.sleep(2.0)  # let the first one listen
         while True:
             reps = reports()
-            done = sum(r.get("training", {}).get("state") == "done" for r in reps)
             if progress:
-                progress(sum(r.get("training", {}).get("step", 0) for r in reps), workers * local)
-            if done == workers:
-                break_reps = reps  # the training's bytes, before the assembly moves its own
+                progress(sum(r.get("training", {}).get("step", 0) for r in reps), workers * total)
+            if all(r.get("training", {}).get("state") == "done" for r in reps):
+                final_reps = reps  # the training's bytes, before the assembly moves its own
                 break
             dead = [i for i, p in enumerate(procs) if p.poll() is not None]
             if dead:
@@ -132,27 +134,85 @@ def run(workers: int, steps: int, overrides: dict, every: int, out: Path, test_w
             f.close()
     ev = evaluate(out / "assembled", None, test_windows)
     test = as_tensor(read_split("test"))
-    init = _initial_ce(job.model.to_dict(), job.train.seed, job.train.seq_len, test_windows, test)
-    reps = break_reps
+    init = _initial_ce(job.model.to_dict(), seed, job.train.seq_len, test_windows, test)
+    trs = [r["training"] for r in final_reps]
     kinds: dict = {}
-    for r in reps:
+    for r in final_reps:
         for k, c in r.get("by_kind", {}).get("sent", {}).items():
             kinds[k] = kinds.get(k, 0) + c["wire_bytes"]
-    total = sum(kinds.values())
-    rounds = [len(r["training"]["rounds"]) for r in reps]
-    failed = [len(r["training"]["failed_rounds"]) for r in reps]
+    moved = sum(kinds.values())
+    busy = [t["busy"]["fraction"] for t in trs]
+    walls = [t["busy"]["wall_s"] for t in trs]
     return {
-        "workers": workers, "blocks": K, "workers_per_block": per_block, "steps_per_block": steps,
-        "local_steps_per_worker": local, "every": every, "schedule": schedule, "codec": codec,
-        "outer": {"optimizer": outer[0], "lr": outer[1], "momentum": outer[2]},
-        "link": link or "loopback, unshaped", "link_emulation": "in-process link shaper (p2p/link.py)" if link else None,
-        "config": {"model": job.model.to_dict(), "train": {**job.train.to_dict(), "steps": local}},
-        "initial_test_ce": init[-1], "final_test_ce": ev["test_ce"], "head_test_ce": ev["head_ce"],
-        "test_windows": test_windows, "train_seconds": train_s,
-        "bytes_sent_by_kind": kinds, "bytes_moved": total,
-        "assembly_bytes": sum(v["bytes"] for v in res["blocks"].values()),
-        "ce_improvement_per_gb": (init[-1] - ev["test_ce"]) / (total / 1e9) if total else None,
-        "rounds_applied_per_worker": rounds, "rounds_failed_per_worker": failed,
-        "assembled_from": {str(k): v for k, v in res["blocks"].items()},
-        "pid": os.getpid(), "out": str(out),
+        "workers": workers, "blocks": K, "steps_per_block_per_worker": steps, "seed": seed,
+        "schedule": job.swarm.schedule, "sync": job.swarm.sync, "steps_per_round": job.swarm.steps_per_round,
+        "codec": job.swarm.codec, "link": link or "loopback, unshaped",
+        "link_emulation": "in-process link shaper (p2p/link.py)" if link else None,
+        "config": {"model": job.model.to_dict(), "train": job.train.to_dict(), "swarm": job.swarm.__dict__},
+        "initial_test_ce": init[-1], "head_test_ce": ev["head_ce"], "final_test_ce": ev["test_ce"],
+        "verdicts": ev["verdicts"], "test_windows": test_windows, "train_seconds": train_s,
+        "busy_fraction": {"per_worker": busy, "min": min(busy)},
+        "comm_share": {"per_worker": [round(t["averaging_seconds"] / w, 4) if w else None
+                                      for t, w in zip(trs, walls)]},
+        "peak_rss_mib": [t["memory"]["peak_rss_mib"] for t in trs],
+        "grad_optimizer_bytes": [t["memory"]["grad_optimizer_bytes"] for t in trs],
+        "bytes_sent_by_kind": kinds, "bytes_moved": moved, "bytes_per_worker": moved / workers,
+        "rounds_applied": [t["rounds_applied"] for t in trs], "rounds_failed": [len(t["failed_rounds"]) for t in trs],
+        "curves": [t["curve"] for t in trs],
+        "assembled_from": {str(k): v for k, v in res["blocks"].items()}, "out": str(out),
     }
+
+
+def time_to(curves: list, target: float) -> float | None:
+    """Seconds until the top head of the chain in work reached ``target`` valid CE on any worker
+    (relay: only once the last block is in work, so the model is whole)."""
+    best = None
+    for curve in curves:
+        for gstep, seconds, heads in curve:
+            if heads and heads[-1] <= target and (best is None or seconds < best):
+                best = seconds
+                break
+    return best
+
+
+def reference(steps: int, overrides: dict, out: Path, seed: int, test_windows: int) -> dict:
+    """The in-process sequential run of the same model and steps per block (one process)."""
+    from blocktrain.blocks.config import apply_overrides
+    from blocktrain.p2p.config import PeerJob
+
+    job = apply_overrides(PeerJob(), {**overrides, "train.steps": steps, "train.seed": seed})
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"sequential-seed{seed}.json"
+    cmd = [sys.executable, "-m", "blocktrain.bench.train_variant", "--name", f"sequential-seed{seed}",
+           "--schedule", "sequential", "--model", json.dumps(job.model.to_dict()),
+           "--train", json.dumps(job.train.to_dict()), "--out", str(path), "--threads", "1",
+           "--test-windows", str(test_windows)]
+    with open(out / f"sequential-seed{seed}.log", "w") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True)
+    r = json.loads(path.read_text())
+    return {"seed": seed, "head_test_ce": r["test_ce_heads"], "final_test_ce": r["test_ce"],
+            "train_seconds": r["train_seconds"]}
+
+
+def mean_sd(xs: list[float]) -> dict:
+    return {"mean": statistics.fmean(xs), "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0, "values": xs}
+
+
+def summarise(runs: list[dict], K: int, wide: int) -> dict:
+    """Per (comparison, workers): mean and spread over seeds of the head CEs, busy, bytes."""
+    out = {}
+    for comp in sorted({r["comparison"] for r in runs}):
+        for w in sorted({r["workers"] for r in runs if r["comparison"] == comp}):
+            sel = [r for r in runs if r["comparison"] == comp and r["workers"] == w]
+            heads = [mean_sd([r["head_test_ce"][k] for r in sel]) for k in range(K)]
+            out[f"{comp}/{w}"] = {
+                "comparison": comp, "workers": w, "seeds": [r["seed"] for r in sel],
+                "head_test_ce": [h["mean"] for h in heads], "head_test_ce_sd": [h["sd"] for h in heads],
+                "final_test_ce": mean_sd([r["final_test_ce"] for r in sel]),
+                "busy_fraction": {"per_worker": [b for r in sel for b in r["busy_fraction"]["per_worker"]],
+                                  "min": min(r["busy_fraction"]["min"] for r in sel)},
+                "train_seconds": mean_sd([r["train_seconds"] for r in sel]),
+                "bytes_per_worker": mean_sd([r["bytes_per_worker"] for r in sel]),
+                "time_to_target_s": [r.get("time_to_target_s") for r in sel],
+            }
+    return out

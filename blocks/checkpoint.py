@@ -95,7 +95,7 @@ def _data_section(blob: bytes) -> tuple[dict, memoryview]:
         raise CheckpointError(f"header length {n} does not fit a file of {len(blob)} bytes (truncated?)")
     try:
         header = json.loads(bytes(blob[8:8 + n]))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"header is not valid JSON: {e}") from None
     return header, memoryview(blob)[8 + n:]
 
@@ -122,25 +122,34 @@ def encode(ck: Checkpoint) -> bytes:
 
 
 def decode(blob: bytes, source: str = "checkpoint") -> Checkpoint:
-    """Parse and verify checkpoint bytes; raises CheckpointError on any damage."""
+    """Parse and verify checkpoint bytes; raises CheckpointError on any damage, never anything else
+    (the bytes may come from a peer: every field is checked before use)."""
     header, data = _data_section(blob)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{source}: header is not a JSON object")
     meta = header.get("__metadata__") or {}
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{source}: not a BlockTrain checkpoint (format {meta.get('format')!r})")
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{source}: not a BlockTrain checkpoint")
+    try:
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise CheckpointError(f"{source}: malformed tensor table in the header") from None
     if max(ends, default=0) != len(data):
         raise CheckpointError(f"{source}: data section is {len(data)} bytes, header says {max(ends, default=0)} (truncated?)")
     digest = hashlib.sha256(data).hexdigest()
     if digest != meta.get("sha256"):
-        raise CheckpointError(f"{source}: sha256 mismatch ({digest} != {meta.get('sha256')}): corrupted")
+        raise CheckpointError(f"{source}: sha256 mismatch: corrupted")
     try:
         tensors = st_load(bytes(blob))
         config = json.loads(meta["config"])
         block = None if meta["block"] == "e2e" else int(meta["block"])
         step, pos = int(meta["step"]), int(meta["data_position"])
         extra = json.loads(meta.get("extra", "{}"))
-    except (SafetensorError, KeyError, ValueError) as e:
+    except (SafetensorError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{source}: malformed checkpoint: {e}") from None
+    if not isinstance(config, dict) or not isinstance(extra, dict) or (block is not None and block < 0) \
+            or step < 0 or pos < 0:
+        raise CheckpointError(f"{source}: malformed checkpoint metadata")
     model = {k: v for k, v in tensors.items() if not k.startswith(OPTIM_PREFIX)}
     optim = {k[len(OPTIM_PREFIX):]: v for k, v in tensors.items() if k.startswith(OPTIM_PREFIX)}
     return Checkpoint(config, block, step, model, optim, pos, extra, digest)

@@ -41,7 +41,21 @@ def no_bar(desc: str, total: int | None):
     yield _Quiet()
 
 
+# The job's final evaluation continues 64-byte prompts by 32 bytes (one traversal and byte by byte).
+EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES = 64, 32
+
+
+def check_job(job: JobConfig):
+    """Everything the job will need, checked before any training (nothing is lost at the end)."""
+    need = max(job.train.seq_len, EVAL_PROMPT_BYTES + EVAL_CONTINUATION_BYTES)
+    if job.model.max_seq_len < need:
+        raise ValueError(f"model.max_seq_len {job.model.max_seq_len} is too short: training windows of "
+                         f"{job.train.seq_len} bytes and the final evaluation ({EVAL_PROMPT_BYTES}-byte prompts + "
+                         f"{EVAL_CONTINUATION_BYTES} bytes) need {need}; raise it or lower train.seq_len")
+
+
 def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
+    check_job(job)
     torch.set_num_threads(job.threads)
     out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +101,7 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
             "curve": bt.curve, "train_seconds": bt.seconds, "train_flops": bt.train_flops,
             "busy_fraction": bt.busy_fraction, "trainable_bytes_per_block": bt.trainable_bytes,
             "workers_per_block": bt.workers_per_block, "starts": bt.starts,
-            "continuation_one_traversal": eval_continuation(asm, test, 64, 32, 64, one_traversal=True),
+            "continuation_one_traversal": eval_continuation(asm, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=True),
         },
     }
     if job.reference:
@@ -102,7 +116,7 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
             "test_ce": ce, "test_raw_ce": eval_e2e(e2e.model, test_raw, tc.seq_len, tw) if test_raw is not None else None,
             "curve": e2e.curve, "train_seconds": e2e.seconds, "train_flops": e2e.train_flops,
             "trainable_bytes": e2e.trainable_bytes[0],
-            "continuation_teacher_forced": eval_continuation(fwd, test, 64, 32, 64, one_traversal=False),
+            "continuation_teacher_forced": eval_continuation(fwd, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=False),
         }
         result["gap_ce"] = heads[-1] - ce
         prompt = test[:64].long()[None]

@@ -26,7 +26,7 @@ from .config import PeerJob
 from .link import LinkSpec
 from .node import JoinError, Peer
 from .pipeline import PipelineServer, ServedBlocks, refuse_requests
-from .swarm import SwarmError, SwarmTrainer
+from .swarm import SwarmError, SwarmTrainer, refuse_joins
 from .transport import Timeouts
 
 __all__ = ["AddressInUse", "JoinError", "PeerOptions", "SwarmError", "Training", "TrainingFailed", "build_peer",
@@ -109,6 +109,7 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
                                training.train_data, training.valid_data, training.shard, progress=on_line)
     else:
         refuse_streams(peer)
+        refuse_joins(peer)
     task = asyncio.ensure_future(trainer.run()) if trainer is not None else None
     stopping = asyncio.ensure_future(stop.wait())
     result, failed = None, None

@@ -52,8 +52,9 @@ PIECE_FLOATS = 1 << 20
 # Rounds ahead of the one in progress whose parts are held; anything later is dropped. A member
 # can be one round ahead of us (it finished the round we are finishing), never more.
 AHEAD_ROUNDS = 2
-# Parts held per future round (each is at most one piece per member).
-MAX_EARLY_PARTS = 4096
+# Parts held for rounds not yet begun: from members only, and at most this many bytes in all. An
+# honest group sends us about one vector's worth per round (a block's: a few MiB).
+MAX_EARLY_BYTES = 64 * 1024 * 1024
 
 
 class RoundFailed(Exception):
@@ -304,6 +305,7 @@ class Averager:
         self._round: AveragingRound | None = None
         self._inbox: asyncio.Queue | None = None
         self._early: dict[int, list] = {}  # round -> (pid, msg) that came before we began it
+        self._early_bytes = 0
         self._absent_told: set = set()
         self.on_control = None  # fn(msg, pc, pid) for the group's control phases
         self.current = 0  # the round in progress, or the last one
@@ -330,9 +332,10 @@ class Averager:
         if r is not None and rnd == r.round and self._inbox is not None:
             self._inbox.put_nowait((pid, msg))
         elif self.current < rnd <= self.current + AHEAD_ROUNDS:
-            early = self._early.setdefault(rnd, [])
-            if len(early) < MAX_EARLY_PARTS:
-                early.append((pid, msg))
+            size = sum(t.stored_bytes for t in msg.tensors)
+            if self.peer.member(pid) is not None and self._early_bytes + size <= MAX_EARLY_BYTES:
+                self._early.setdefault(rnd, []).append((pid, msg))
+                self._early_bytes += size
         elif msg.tensors and msg.meta.get("group") and rnd != self.current:
             self._tell_absent(pid, rnd)  # a round we are not in at all
 
@@ -348,6 +351,7 @@ class Averager:
             for pid, msg in self._early.pop(old):
                 if msg.tensors:
                     self._tell_absent(pid, old)
+        self._early_bytes = sum(t.stored_bytes for items in self._early.values() for _, m in items for t in m.tensors)
 
     def depart(self, pid: str, why: str) -> None:
         """A member left the group (a service's own signal): it departs the round in progress."""
@@ -367,6 +371,7 @@ class Averager:
             self._inbox.put_nowait(item)
         for old in [k for k in self._early if k < rnd]:
             del self._early[old]
+        self._early_bytes = sum(t.stored_bytes for items in self._early.values() for _, m in items for t in m.tensors)
         for pid in r.ids:
             if pid != self.peer.id and self.peer.member(pid) is None:
                 r.depart(pid, "not a member")

@@ -101,9 +101,11 @@ class PipelineClient:
                                 f"(blocks {self.blocks})") from None
         if "error" in res.meta:
             b, hop = res.meta.get("block"), res.meta.get("hop")
-            raise PipelineError(f"{'block ' + str(b) if isinstance(b, int) else 'the chain'} failed "
-                                f"(reported by hop {hop}): {res.meta['error']}", b if isinstance(b, int) else None,
-                                hop if isinstance(hop, int) else None)
+            fault = "request" if res.meta.get("fault") == "request" else "hop"
+            where = f"block {b}" if isinstance(b, int) else "the chain"
+            text = (f"the request was refused by {where}: {res.meta['error']}" if fault == "request"
+                    else f"{where} failed (reported by hop {hop}): {res.meta['error']}")
+            raise PipelineError(text, b if isinstance(b, int) else None, hop if isinstance(hop, int) else None, fault)
         return res
 
     async def generate_blocktrain(self, prompt: bytes, n: int) -> tuple[bytes, dict]:
@@ -154,14 +156,15 @@ def chain(st: dict, avoid: set = frozenset()) -> list[str]:
 def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None):
     """Bad requests fail here, with the fix, before anything is sent."""
     if mode not in MODES:
-        raise PipelineError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        raise PipelineError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}", fault="request")
     if not prompt:
-        raise PipelineError("the prompt is empty: give at least one byte of text to continue")
+        raise PipelineError("the prompt is empty: give at least one byte of text to continue", fault="request")
     if n < 1:
-        raise PipelineError("ask for at least one byte")
+        raise PipelineError("ask for at least one byte", fault="request")
     if max_seq_len is not None and len(prompt) + n > max_seq_len:
         raise PipelineError(f"prompt ({len(prompt)} bytes) + {n} bytes exceeds the model's {max_seq_len} positions: "
-                            f"shorten the prompt or ask for at most {max(0, max_seq_len - len(prompt))} bytes")
+                            f"shorten the prompt or ask for at most {max(0, max_seq_len - len(prompt))} bytes",
+                            fault="request")
 
 
 async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode: str, timeout: float,
@@ -174,6 +177,7 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
     last: Exception | None = None
     for attempt in range(attempts):
         st = await query_status(host, port, ident, key, tmo)
+        check_request(prompt, n, mode, (st.get("serving") or {}).get("max_seq_len"))
         route = chain(st, avoid)
         client = PipelineClient(ident, key, route, list(range(len(route))), tmo, timeout_s=timeout)
         try:
@@ -182,6 +186,8 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
             stats["route"] = route
             return out, stats
         except (PipelineError, ConnectionError) as e:
+            if getattr(e, "fault", "hop") == "request":
+                raise  # no other chain would serve it either
             last = e
             log(f"attempt {attempt + 1} through {route} failed: {e}")
             hop = getattr(e, "hop", None)

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from blocktrain.protocol import (Announce, Connection, ConnectionClosed, ErrorCode, PeerInfo, PeerList, Ping,
-                                 ProtocolError, Role, Status)
+from blocktrain.protocol import (Announce, BlockUpdate, Connection, ConnectionClosed, ErrorCode, PeerInfo, PeerList,
+                                 Ping, ProtocolError, Role, Status)
 
 from .identity import peer_id
 from .link import LinkShaper, LinkSpec
@@ -454,6 +454,8 @@ class Peer:
                 m = None if client else self._members.get(pid)
                 if m is not None:
                     m.last_heard = time.monotonic()
+                if client and type(msg) in MEMBER_ONLY:
+                    continue  # a client asks (status, streams, requests); it takes no part in rounds
                 inline = self._inline.get(type(msg))
                 if inline is not None:  # in order, in the reader (stream chunks, round parts)
                     inline(msg, pc, pid)
@@ -648,8 +650,10 @@ class Peer:
             self.write_report()
 
 
+# Messages only members may send: a client's are dropped unread.
+MEMBER_ONLY = frozenset({BlockUpdate, Announce, PeerList})
 # Report sections that are also part of the STATUS reply (small, and useful to `bt-peer status`).
-STATUS_SECTIONS = ("work",)
+STATUS_SECTIONS = ("work", "serving")
 
 
 async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,

@@ -43,11 +43,16 @@ CLIENT_WAIT_S = 5.0
 
 
 class PipelineError(Exception):
-    """A request could not be served; ``block`` and ``hop`` say where (None: the chain as a whole)."""
+    """A request could not be served; ``block`` and ``hop`` say where (None: the chain as a whole);
+    ``fault`` says whose: "hop" (retry elsewhere) or "request" (the request itself is bad)."""
 
-    def __init__(self, msg: str, block: int | None = None, hop: int | None = None):
+    def __init__(self, msg: str, block: int | None = None, hop: int | None = None, fault: str = "hop"):
         super().__init__(msg)
-        self.block, self.hop = block, hop
+        self.block, self.hop, self.fault = block, hop, fault
+
+
+def _bad_request(msg: str, block=None, hop=None) -> PipelineError:
+    return PipelineError(msg, block, hop, fault="request")
 
 
 @dataclass
@@ -69,7 +74,14 @@ class PipelineServer:
         peer.on(PipelineForward, self.handle)
         peer.report_section("serving", lambda: {"requests": self.served_requests, "sessions": len(self.sessions),
                                                 "blocks": sorted(self.served.blocktrain),
-                                                "reference_blocks": sorted(self.served.reference)})
+                                                "reference_blocks": sorted(self.served.reference),
+                                                "max_seq_len": self.max_seq_len()})
+
+    def max_seq_len(self) -> int | None:
+        for held in (self.served.blocktrain, self.served.reference):
+            for b in held.values():
+                return b.cfg.max_seq_len
+        return None
 
     def _session(self, client: str, meta: dict, layers: int) -> dict:
         key = (client, meta["session"])
@@ -116,10 +128,10 @@ class PipelineServer:
         try:
             mode = meta.get("mode")
             if mode not in MODES:
-                raise PipelineError(f"unknown mode {mode!r}", k, msg.hop)
+                raise _bad_request(f"unknown mode {mode!r}", k, msg.hop)
             if not isinstance(k, int) or k not in self.served.held(mode):
                 raise PipelineError(f"peer {self.peer.addr} does not serve block {k} ({mode})", k, msg.hop)
-            x = _input(msg, self.served.held(mode)[k])
+            x = _input(msg, self.served.held(mode)[k], meta)
             t0 = time.perf_counter()
             out, last = await asyncio.to_thread(self._compute, mode, k, x, meta, client)
             meta["compute_s"] = float(meta.get("compute_s", 0.0)) + time.perf_counter() - t0
@@ -140,11 +152,13 @@ class PipelineServer:
         except (PipelineError, ConnectionError, KeyError, IndexError, ValueError, TypeError) as e:
             failed = e.block if isinstance(e, PipelineError) else k
             hop = e.hop if isinstance(e, PipelineError) and e.hop is not None else msg.hop
+            fault = e.fault if isinstance(e, PipelineError) else "hop"
             reply = self.peer.client_connection(client)
             if reply is not None:  # else the client's timeout reports it
                 try:
                     reply.send_nowait(PipelineResult(request_id=msg.request_id, tensors=(),
-                                                     meta={"error": str(e)[:1000], "hop": hop, "block": failed}))
+                                                     meta={"error": str(e)[:1000], "hop": hop, "block": failed,
+                                                           "fault": fault}))
                 except ConnectionError:
                     pass
 
@@ -170,20 +184,26 @@ def refuse_requests(peer: PeerServices):
     peer.on(PipelineForward, handler)
 
 
-def _input(msg: PipelineForward, b: Block) -> torch.Tensor:
+def _input(msg: PipelineForward, b: Block, meta: dict) -> torch.Tensor:
+    """The request's input, checked against the block before any compute (a bad request is the
+    request's fault: the client is told so and does not blame the hop)."""
     if len(msg.tensors) != 1:
-        raise PipelineError("expected one input tensor")
+        raise _bad_request("expected one input tensor")
     x = from_wire(msg.tensors[0])
     if x.dtype in (torch.bfloat16, torch.float16):
         x = x.float()
     elif x.dtype in (torch.int16, torch.int32, torch.uint8):
         x = x.long()
-    if x.dim() != (2 if b.is_first else 3) or x.shape[0] != 1:
-        raise PipelineError(f"input of shape {tuple(x.shape)} does not fit block {b.index}")
+    if x.dim() != (2 if b.is_first else 3) or x.shape[0] != 1 or x.shape[1] < 1:
+        raise _bad_request(f"input of shape {tuple(x.shape)} does not fit block {b.index}", b.index)
     if b.is_first and (x.min() < 0 or x.max() > MASK_ID):
-        raise PipelineError("input ids outside 0..256")
+        raise _bad_request("input ids outside 0..256", b.index)
     if not b.is_first and (x.shape[-1] != b.cfg.d_model or x.dtype != torch.float32):
-        raise PipelineError(f"hidden states of width {x.shape[-1]}, block {b.index} takes {b.cfg.d_model}")
+        raise _bad_request(f"hidden states of width {x.shape[-1]}, block {b.index} takes {b.cfg.d_model}", b.index)
+    pos = meta.get("pos", 0)
+    if type(pos) is not int or pos < 0 or pos + x.shape[1] > b.cfg.max_seq_len:
+        raise _bad_request(f"the request needs positions up to {pos + x.shape[1]}, the model has {b.cfg.max_seq_len}: "
+                           f"shorten the prompt or ask for fewer bytes", b.index)
     return x
 
 

@@ -78,6 +78,7 @@ class SwarmConfig:
     ready_timeout_s: float = 300.0  # waiting for the group's state after our admission
     lower_timeout_s: float = 3600.0  # parallel: waiting for the lower blocks' checkpoints
     eval_windows: int = 16  # valid windows for the CE at start and end (CE per GB)
+    eval_every: int = 0  # steps between valid-CE points of the chain in work (0: none; the curve, time to a CE)
     min_group: int = 1  # start only once this many peers (us included) start together or a group exists
     margin: int = 2  # rounds between a joiner's admission and its first round
 
@@ -126,6 +127,7 @@ class _Stats:
     joins: list = field(default_factory=list)  # joining the group: how, from which round, bytes
     lower: list = field(default_factory=list)  # parallel: lower-block refreshes
     phases: list = field(default_factory=list)  # relay: which block when
+    curve: list = field(default_factory=list)  # (global step, seconds since training began, head CEs)
 
 
 class SwarmTrainer:
@@ -162,6 +164,7 @@ class SwarmTrainer:
         self.state = "starting"
         self.ce: dict = {}
         self.busy_s = 0.0
+        self.eval_s = 0.0  # time spent on the curve's evaluations (not training, not waiting)
         self.last_loss = float("nan")
         self.t_start: float | None = None
         self.t_end: float | None = None
@@ -214,11 +217,11 @@ class SwarmTrainer:
         self.outer = self.scfg.outer_optimizer()
         self.memory["grad_optimizer_bytes"] = max(self.memory["grad_optimizer_bytes"], _grad_opt_bytes(tr))
 
-    def _finish_block(self):
+    async def _finish_block(self):
         """Relay: the block in work is final; keep its parameters, drop its optimizer."""
         b = self.block
         self.finals[b] = {n: t.detach().clone() for n, t in self.trainer.block.state_dict().items()}
-        self._save(final=True)
+        await asyncio.to_thread(self._save, True)
         self.stats.phases[-1]["end_step"] = self.gstep
         self.stats.phases[-1]["ended"] = time.time()
 
@@ -556,14 +559,14 @@ class SwarmTrainer:
                 if self.scfg.sync == "params":
                     unflatten_(self.params(), start)
                     self.trainer.step -= self.H
-                self._after_round(rnd, None, loss, members, time.perf_counter() - t0, failed=True)
+                await self._after_round(rnd, None, loss, members, time.perf_counter() - t0, failed=True)
                 return
         if self.scfg.sync == "grads":
             await self._timed(self.trainer.apply_grads, avg)
         else:
             unflatten_(self.params(), self.outer.step(start, avg))
         self.gstep += self.H
-        self._after_round(rnd, rep, loss, members, time.perf_counter() - t0)
+        await self._after_round(rnd, rep, loss, members, time.perf_counter() - t0)
 
     async def _timed(self, fn, *args):
         t = time.perf_counter()
@@ -572,7 +575,7 @@ class SwarmTrainer:
         finally:
             self.busy_s += time.perf_counter() - t
 
-    def _after_round(self, rnd: int, rep, loss: float, members: list, seconds: float, failed: bool = False):
+    async def _after_round(self, rnd: int, rep, loss: float, members: list, seconds: float, failed: bool = False):
         s = self.stats
         if not failed:
             s.applied += 1
@@ -601,7 +604,7 @@ class SwarmTrainer:
                 s.losses.append((self.gstep, round(loss, 5)))
         due = self.group.ready_due(rnd)
         if due:  # joiners admitted at this round take the state we have now
-            name = self._save_join_state(rnd)
+            name = await asyncio.to_thread(self._save_join_state, rnd)  # disk work off the event loop
             if self.group.sponsor() == self.peer.id:
                 self._send(self.group.ready(rnd, due, name))
         self._tell_outsiders()
@@ -666,10 +669,15 @@ class SwarmTrainer:
             if not self.relay and self.gstep and self.gstep % max(self.H, self.tcfg.refresh_every) == 0:
                 await self.refresh_lower(wait=False)
             await self._round()
+            if self.scfg.eval_every and self.gstep % self.scfg.eval_every == 0:
+                t = time.monotonic()
+                heads = await asyncio.to_thread(self.eval_heads)
+                self.eval_s += time.monotonic() - t
+                self.stats.curve.append((self.gstep, round(time.monotonic() - self.t_start - self.eval_s, 3), heads))
             if self.relay and self.gstep % self.S == 0:
-                self._finish_block()
+                await self._finish_block()
             elif time.monotonic() - self._last_save > SAVE_EVERY_S or self.gstep >= self.total_steps:
-                self._save(final=self.gstep >= self.total_steps)
+                await asyncio.to_thread(self._save, self.gstep >= self.total_steps)
             if self.gstep % max(1, self.total_steps // 20) == 0:
                 self.peer.write_report()
                 self._say(f"step {self.gstep}/{self.total_steps} (block {self.block}), loss {self.last_loss:.4f}, "
@@ -694,7 +702,7 @@ class SwarmTrainer:
         s = self.stats
         t = self.peer.traffic_totals()
         moved = t["sent"]["wire_bytes"] + t["received"]["wire_bytes"]
-        wall = ((self.t_end or time.monotonic()) - self.t_start) if self.t_start else 0.0
+        wall = ((self.t_end or time.monotonic()) - self.t_start - self.eval_s) if self.t_start else 0.0
         out = {"block": self.k, "state": self.state, "schedule": self.scfg.schedule, "sync": self.scfg.sync,
                "steps_per_round": self.H, "step": self.gstep, "steps": self.total_steps,
                "block_in_work": self.block, "round": self.group.round, "group": self.group.members(),
@@ -702,7 +710,7 @@ class SwarmTrainer:
                "rounds": s.rounds, "rounds_applied": s.applied, "failed_rounds": s.failed,
                "coverage_min": s.coverage_min, "averaging_seconds": round(s.averaging_s, 3),
                "update_bytes_sent": s.bytes_sent, "losses": s.losses, "joins": s.joins, "lower_refreshes": s.lower,
-               "phases": s.phases, "group_events": self.group.events,
+               "phases": s.phases, "curve": s.curve, "group_events": self.group.events,
                "rejected_updates": [e for e in self.averager.events if e["event"] == "rejected update"],
                "averaging_events": self.averager.events, "excluded_peers": dict(self.averager.banned),
                "excluded_by": dict(self.averager.shunned),
@@ -715,6 +723,18 @@ class SwarmTrainer:
         if "start" in self.ce and "end" in self.ce and moved:
             out["ce_improvement_per_gb"] = (self.ce["start"] - self.ce["end"]) / (moved / 1e9)
         return out
+
+
+def refuse_joins(peer: PeerServices):
+    """For a peer that trains nothing: every JOIN is answered ABSENT at once (nobody waits on it)."""
+    def handler(msg: BlockUpdate, pc, pid):
+        if msg.meta.get("phase") == Phase.JOIN.value:
+            try:
+                pc.send_nowait(BlockUpdate(block=msg.block, round=msg.round,
+                                           meta={"phase": Phase.ABSENT.value, "scope": msg.meta.get("scope")}))
+            except (ConnectionError, ProtocolError):
+                pass
+    peer.on(BlockUpdate, handler, inline=True)
 
 
 def _seed(peer_id: str, block: int) -> int:

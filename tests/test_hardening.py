@@ -1,0 +1,328 @@
+"""Issue 12's findings, one regression test each: what an attacker (with or without the swarm key),
+a fault, or bad input at the edge could do, and what the peer does now."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+import tracemalloc
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blocktrain.p2p.node import MAX_PENDING_HANDSHAKES, Peer, query_status
+from blocktrain.p2p.transport import Timeouts
+
+from conftest import mesh
+
+FAST = Timeouts(connect_s=5, handshake_s=2, heartbeat_s=0.2, dead_after_s=30, close_s=1)
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def peer_process(tmp_path):
+    """A bt-peer process (a plain member) on loopback, stopped by pid at the end."""
+    from blocktrain.p2p.identity import new_swarm_key
+    new_swarm_key(tmp_path / "key")
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "blocktrain.p2p.cli", "start", "--no-train", "--quiet",
+                          "--listen", f"127.0.0.1:{port}", "--swarm-key", str(tmp_path / "key"),
+                          "--identity", str(tmp_path / "id")], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and p.poll() is None, "the peer did not start"
+            time.sleep(0.1)
+    yield p, port, tmp_path / "key"
+    p.kill()
+    p.wait(10)
+
+
+def test_idle_sockets_past_the_pending_slots_are_closed_and_fds_come_back(peer_process):
+    """Finding 2: 3 x MAX_PENDING silent sockets; each refused one is closed at once (EOF), and
+    within the handshake timeout the peer holds no more fds than before."""
+    p, port, _ = peer_process
+    base = _fds(p.pid)
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * MAX_PENDING_HANDSHAKES)]
+    try:
+        time.sleep(1.0)
+        for s in socks[:MAX_PENDING_HANDSHAKES]:  # the oldest were evicted by the newer ones: closed
+            s.settimeout(5)
+            assert s.recv(1 << 16) is not None  # the plaintext ERROR OVERLOADED, then EOF
+        assert _fds(p.pid) <= base + MAX_PENDING_HANDSHAKES + 2
+        deadline = time.monotonic() + Timeouts().handshake_s + 10
+        while _fds(p.pid) > base + 2:
+            assert time.monotonic() < deadline, f"fds {_fds(p.pid)} > baseline {base}"
+            time.sleep(0.5)
+    finally:
+        for s in socks:
+            s.close()
+
+
+async def test_silent_sockets_do_not_lock_out_a_legitimate_caller():
+    """Finding 3: with more silent sockets than pending slots, `status` still answers (a new
+    handshake evicts the oldest silent one instead of waiting behind it)."""
+    psk = os.urandom(32)
+    slow = Timeouts(connect_s=5, handshake_s=60, heartbeat_s=1, dead_after_s=60, close_s=1)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=slow).start()
+    socks = []
+    try:
+        for _ in range(MAX_PENDING_HANDSHAKES + 6):
+            socks.append(await asyncio.open_connection("127.0.0.1", a.port))
+        await asyncio.sleep(0.2)
+        st_ = await asyncio.wait_for(query_status("127.0.0.1", a.port, X25519PrivateKey.generate(), psk, FAST), 10)
+        assert st_["peer_id"] == a.id  # answered long before the 60 s handshake timeout
+    finally:
+        for _, w in socks:
+            w.close()
+        await a.stop()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400), st.dictionaries(st.text(max_size=8), st.recursive(
+    st.none() | st.integers() | st.text(max_size=8), lambda c: st.lists(c, max_size=3) | st.dictionaries(
+        st.text(max_size=4), c, max_size=3), max_leaves=6), max_size=4))
+def test_any_crafted_checkpoint_bytes_raise_only_checkpoint_error(tail, header):
+    """Finding 5: a malformed header or table never escapes as anything but CheckpointError."""
+    import json
+    import struct
+
+    from blocktrain.blocks import checkpoint as ckpt
+    head = json.dumps({**header, "__metadata__": {"format": ckpt.CHECKPOINT_FORMAT}}).encode()
+    for blob in (tail, struct.pack("<Q", len(head)) + head + tail):
+        try:
+            ckpt.decode(blob)
+        except ckpt.CheckpointError:
+            pass
+
+
+def test_a_crafted_group_state_is_not_adopted(tmp_path):
+    """Finding 5: NaN parameters, wrong shapes, an implausible step or another block: refused."""
+    from blocktrain.blocks import checkpoint as ckpt
+    from blocktrain.blocks.data import as_tensor, read_split
+    from blocktrain.blocks.model import Block, ModelConfig
+    from blocktrain.blocks.train import TrainConfig
+    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+
+    class _Peer:  # the trainer's checks need no network
+        id = "a" * 64
+        def on(self, *a, **k): pass
+        def on_membership(self, *a): pass
+        def report_section(self, *a): pass
+
+    mc = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
+    tc = TrainConfig(steps=10, batch_size=4, seq_len=32)
+    data = as_tensor(read_split("valid"))
+    sp = SwarmTrainer(_Peer(), 1, mc, tc, SwarmConfig(), tmp_path, data, data)
+    good = ckpt.Checkpoint(mc.to_dict(), 0, 5, Block(mc, 0).state_dict(), extra={"gstep": 5})
+    sp._check_state(good, {})
+    nan = {k: torch.full_like(v, float("nan")) for k, v in good.tensors.items()}
+    wrong = {**good.tensors, "layers.0.fc.weight": torch.zeros(3, 3)}
+    for bad, why in ((ckpt.Checkpoint(mc.to_dict(), 0, 5, nan, extra={"gstep": 5}), "NaN"),
+                     (ckpt.Checkpoint(mc.to_dict(), 0, 5, wrong, extra={"gstep": 5}), "shapes"),
+                     (ckpt.Checkpoint(mc.to_dict(), 0, 10**15, good.tensors, extra={"gstep": 10**15}), "step"),
+                     (ckpt.Checkpoint({**mc.to_dict(), "d_model": 64}, 0, 5, good.tensors), "config")):
+        with pytest.raises(ValueError, match=why):
+            sp._check_state(bad, {})
+    with pytest.raises(ValueError, match="NaN"):
+        sp._check_state(good, {0: nan})
+
+
+async def test_many_stream_requests_cost_a_few_chunks_not_a_file_each(tmp_path):
+    """Finding 6: 40 requests for a 12 MiB file at once: at most MAX_STREAMS_PER_PEER run, the rest
+    are refused (busy), and the server never holds more than a chunk per stream."""
+    from blocktrain.p2p.checkpoints import MAX_STREAMS_PER_PEER, CheckpointServer
+    from blocktrain.protocol import StreamOpen, StreamRequest
+    a, b = await mesh(2, FAST)
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "block0.safetensors").write_bytes(os.urandom(12 << 20))
+    CheckpointServer(a, tmp_path)
+    opens = []
+    b.on(StreamOpen, lambda m, pc, pid: opens.append(m), inline=True)
+    try:
+        tracemalloc.start()
+        pc = await b.connection(a.id)
+        for sid in range(1, 41):
+            pc.send_nowait(StreamRequest(kind="checkpoint", name="block0", offset=0, stream_id=sid))
+        await b.wait_for(lambda: len(opens) == 40, 30)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        busy = [m for m in opens if m.meta.get("error", "").startswith("busy")]
+        assert len(busy) >= 40 - MAX_STREAMS_PER_PEER
+        assert peak < (MAX_STREAMS_PER_PEER + 8) * (4 << 20) + (16 << 20)  # chunks in flight, not 40 files
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_update_parts_from_a_client_or_for_far_rounds_are_not_held():
+    """Finding 6: BLOCK_UPDATEs from a client are dropped unread; a member's parts for rounds far
+    ahead are not queued."""
+    from blocktrain.p2p.averaging import Averager
+    from blocktrain.p2p.tensors import to_wire
+    from blocktrain.p2p.transport import CLIENT_INFO, make_connection, open_connection
+    from blocktrain.protocol import BlockUpdate, Role
+    psk = os.urandom(32)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    av = Averager(a, 0)
+    try:
+        await b.join("127.0.0.1", a.port)
+        await a.wait_for(lambda: len(a.members()) == 1, 10)
+        client = await open_connection("127.0.0.1", a.port, make_connection(Role.INITIATOR, X25519PrivateKey.generate(),
+                                                                            psk, info=CLIENT_INFO), FAST)
+        part = to_wire("part", torch.randn(1 << 18))
+        for r in range(1, 20):
+            meta = {"phase": "reduce", "part": 0, "group": "x"}
+            client.send_nowait(BlockUpdate(block=0, round=r, tensors=(part,), meta=meta))
+            (await b.connection(a.id)).send_nowait(BlockUpdate(block=0, round=1000 + r, tensors=(part,), meta=meta))
+        await asyncio.sleep(0.5)
+        assert not av._early and av._early_bytes == 0
+        await client.close()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_fetch_resumes_from_a_holder_of_the_same_bytes_under_another_name(tmp_path):
+    """Finding 10: holders are content-addressed: the second holder keeps other bytes under the
+    requested name, the first one's bytes under another; the fetch continues from where it stopped."""
+    from blocktrain.p2p.checkpoints import CheckpointFetcher, CheckpointServer
+    from blocktrain.protocol import StreamRequest, stream_messages
+
+    from conftest import crash
+    x, y = os.urandom(9 << 20), os.urandom(9 << 20)
+    for d, files in (("a", {"block0": x}), ("b", {"block0": y, "block0.r7": x})):
+        (tmp_path / d / "checkpoint").mkdir(parents=True)
+        for name, blob in files.items():
+            (tmp_path / d / "checkpoint" / f"{name}.safetensors").write_bytes(blob)
+    a, b, c = await mesh(3, FAST)
+    sb = CheckpointServer(b, tmp_path / "b")
+    asked = []
+
+    async def dies_after_one_chunk(req, pc, pid):
+        msgs = stream_messages(req.stream_id, req.kind, req.name, x, offset=req.offset)
+        await pc.send(next(msgs), bulk=True)
+        await pc.send(next(msgs), bulk=True)
+        await asyncio.sleep(0.2)
+        crash(a)
+
+    async def records(req, pc, pid):
+        asked.append((req.name, req.offset))
+        await sb.handle(req, pc, pid)
+    a.on(StreamRequest, dies_after_one_chunk)
+    b.on(StreamRequest, records)
+    try:
+        fetcher = CheckpointFetcher(c, chunk_timeout_s=5)
+        got = await asyncio.wait_for(fetcher.fetch([a.id, b.id], "checkpoint", "block0"), 60)
+        assert got == x and asked[0][1] == 4 << 20 and asked[0][0].startswith("sha-")
+        assert fetcher.received_by_kind["checkpoint"] == len(x)  # not a byte fetched twice
+    finally:
+        for p in (a, b, c):
+            await p.stop()
+
+
+async def test_a_peer_that_trains_and_serves_nothing_refuses_at_once(tmp_path):
+    """Finding 11: streams, joins and pipeline requests sent to a plain member get an answer."""
+    from blocktrain.p2p.app import Training  # noqa: F401  (the module wires the refusals)
+    from blocktrain.p2p.checkpoints import CheckpointFetcher, FetchError, refuse_streams
+    from blocktrain.p2p.pipeline import refuse_requests
+    from blocktrain.p2p.swarm import refuse_joins
+    from blocktrain.protocol import BlockUpdate
+    a, b = await mesh(2, FAST)
+    refuse_streams(a)
+    refuse_joins(a)
+    refuse_requests(a)
+    answers = []
+    b.on(BlockUpdate, lambda m, pc, pid: answers.append(m.meta.get("phase")), inline=True)
+    try:
+        with pytest.raises(FetchError, match="not served here"):
+            await asyncio.wait_for(CheckpointFetcher(b).fetch([a.id], "checkpoint", "block0"), 10)
+        (await b.connection(a.id)).send_nowait(BlockUpdate(block=0, round=1, meta={"phase": "join", "scope": "relay"}))
+        assert await b.wait_for(lambda: answers == ["absent"], 10) or answers == ["absent"]
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_concurrent_drainers_all_wake():
+    """Finding 12: a second sender waiting for drain no longer orphans the first."""
+    from blocktrain.p2p.transport import PeerConnection, make_connection
+    from blocktrain.protocol import Role
+    pc = PeerConnection(make_connection(Role.INITIATOR, X25519PrivateKey.generate(), os.urandom(32)), FAST)
+    pc.pause_writing()
+    waiters = [asyncio.ensure_future(pc.drain()) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert not any(w.done() for w in waiters)
+    pc.resume_writing()
+    await asyncio.wait_for(asyncio.gather(*waiters), 2)
+
+
+def test_a_too_short_model_is_refused_before_training():
+    """Finding 14: bt-train with a short max_seq_len fails up front, not after the training."""
+    from blocktrain.blocks.config import JobConfig, apply_overrides
+    from blocktrain.blocks.job import check_job
+    job = apply_overrides(JobConfig(), {"model.max_seq_len": 80, "train.seq_len": 64})
+    with pytest.raises(ValueError, match="max_seq_len 80 is too short"):
+        check_job(job)
+
+
+def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
+    """Finding 15: a clear one-line error for a taken port; join waits for a bootstrap that starts
+    later (bounded by --join-timeout)."""
+    from blocktrain.p2p.identity import new_swarm_key
+    new_swarm_key(tmp_path / "key")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    base = [sys.executable, "-m", "blocktrain.p2p.cli"]
+    keys = ["--swarm-key", str(tmp_path / "key"), "--quiet", "--no-train"]
+    r = subprocess.run(base + ["start", "--listen", f"127.0.0.1:{port}", "--identity", str(tmp_path / "i0"), *keys],
+                       capture_output=True, text=True, timeout=60)
+    busy.close()
+    assert r.returncode == 1 and "already in use" in r.stderr and "Traceback" not in r.stderr
+    boot = _free_port()
+    joiner = subprocess.Popen(base + ["join", f"127.0.0.1:{boot}", "--identity", str(tmp_path / "i1"), *keys],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)  # the joiner retries meanwhile
+        assert joiner.poll() is None
+        starter = subprocess.Popen(base + ["start", "--listen", f"127.0.0.1:{boot}", "--identity",
+                                           str(tmp_path / "i2"), *keys], stderr=subprocess.DEVNULL)
+        try:
+            from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    st_ = asyncio.run(query_status("127.0.0.1", boot, load_or_create_identity(tmp_path / "c"),
+                                                   load_swarm_key(str(tmp_path / "key")), FAST))
+                    if st_["members"]:
+                        break
+                except (ConnectionError, OSError):
+                    pass
+                assert time.monotonic() < deadline, "the joiner never joined"
+                time.sleep(0.5)
+        finally:
+            starter.kill()
+            starter.wait(10)
+    finally:
+        joiner.kill()
+        joiner.wait(10)
