@@ -146,7 +146,7 @@ async def test_a_restarted_peer_resumes_from_its_own_checkpoint(tmp_path, monkey
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         again = trainers(peers, tmp_path, blocks=[1])[0]
-        assert again._resume_own() and again.block == 1 and again.gstep >= TC.steps + 5
+        assert again._resume_own() and again.block == 1 and again.gstep >= TC.steps + 4  # the last save, at most a round back
         assert torch.equal(finals(again), finals(sp)[:finals(again).numel()])
         rep = await again.run()
         assert rep["step"] == 3 * TC.steps and not rep["joins"][0]["members"][1:]
