@@ -23,7 +23,18 @@ Rules:
   for a member that will not come.
 - Rule 5: coverage is, for every piece, whether every live member contributed; the fraction of
   the vector covered. Below ``min_coverage`` the result raises ``RoundFailed``: nothing applied.
-- Rule 6: lossy codecs (fp16, bf16, int8) keep the rounding error of what this peer sent and add
+- Rule 6 (``aggregate="robust"``, the default with 3 or more members): no member's aggregate is
+  taken on trust. Every member sends its part of every piece to every member, and each computes
+  every piece itself: parts whose norm exceeds RELATIVE_NORM x the median norm of the piece's
+  parts are rejected (their sender named), the rest are combined by centred clipping
+  (Karimireddy et al. 2021: around the coordinate-wise median, radius CLIP_RADIUS x the median
+  distance), which bounds what any one member can move the result. A member whose part lies
+  beyond SUSPECT_RADIUS x that median distance is reported as a suspect (the driver excludes one
+  that is a suspect SUSPECT_ROUNDS rounds in a row). Honest members compute from the same parts
+  with the same arithmetic, so they end with the same bytes; one that equivocates (sends members
+  different parts) makes their start points differ, which the next round's group identity shows.
+  With 2 members there is no majority to trust: the round is a plain mean (``robust`` False).
+- Rule 7: lossy codecs (fp16, bf16, int8) keep the rounding error of what this peer sent and add
   it to the next round's input (error feedback). An owner decodes its own average exactly as the
   others do, so every member ends the round with the same bytes.
 """
@@ -49,6 +60,21 @@ log = logging.getLogger("blocktrain.p2p")
 
 # Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
 PIECE_FLOATS = 1 << 20
+# Robust aggregation (rule 6). Honest per-step gradients of one block vary in norm by about 10x
+# between members' batches (seen at a block's first steps); 100x the median is outside anything
+# honest and far inside the absolute bound. Subtler parts are left to the clipping.
+RELATIVE_NORM = 100.0
+# Clip radius, in median distances to the coordinate-wise median: honest parts (similar
+# distances) pass unclipped, so an honest round is the plain mean.
+CLIP_RADIUS = 2.0
+# Beyond this many median distances a part is reported as a suspect.
+SUSPECT_RADIUS = 4.0
+# Centred-clipping iterations (each moves the centre toward the clipped mean).
+CLIP_ITERS = 3
+# Rounds in a row as a suspect before a member is excluded: an honest member's batch can make it
+# an outlier once or twice (a block's first steps), an attacker's update is one every round.
+SUSPECT_ROUNDS = 5
+AGGREGATES = ("robust", "mean")
 # Rounds ahead of the one in progress whose parts are held; anything later is dropped. A member
 # can be one round ahead of us (it finished the round we are finishing), never more.
 AHEAD_ROUNDS = 2
@@ -79,6 +105,8 @@ class RoundReport:
     bytes_sent: int = 0
     departed: list = field(default_factory=list)  # members that left mid-round (the others finished)
     why: dict = field(default_factory=dict)  # departed or rejected member -> why
+    robust: bool = False  # aggregated by rule 6 (no average taken on trust)
+    suspects: dict = field(default_factory=dict)  # robust: member -> its distance, in median distances
 
 
 @dataclass(frozen=True)
@@ -121,11 +149,15 @@ class AveragingRound:
 
     def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, *, codec: Codec = Codec.RAW,
                  start: str = "", bounds: Bounds = Bounds(), min_coverage: float = 1.0,
-                 residual: torch.Tensor | None = None):
+                 residual: torch.Tensor | None = None, aggregate: str = "mean"):
+        if aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate {aggregate!r}: expected one of {AGGREGATES}")
         self.me, self.block, self.round = me, block, rnd
         self.ids = sorted(set(members) | {me})
         self.codec, self.bounds, self.min_coverage = Codec(codec), bounds, min_coverage
-        self.group = group_digest(self.ids, rnd, start)
+        self.robust = aggregate == "robust" and len(self.ids) >= 3
+        self.suspects: dict[str, float] = {}  # robust: member -> its largest distance, in median distances
+        self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
         R, n = len(self.ids), vector.numel()
         self.n = n
         self.P = max(R, -(-n // PIECE_FLOATS))
@@ -141,7 +173,7 @@ class AveragingRound:
         self.departed: dict[str, str] = {}
         self.rejected: list[dict] = []  # {"peer", "reason"}, in order
         self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
-        self._sent_to: dict[int, str] = {}
+        self._sent_to: dict[int, object] = {}  # piece -> owner (mean) or the members it went to (robust)
         self._gather_sent: set[int] = set()
         self.gathered: dict[int, list] = {}  # piece -> contributors, once its average is in ``out``
         self.finished = False
@@ -184,6 +216,8 @@ class AveragingRound:
             if isinstance(d, str) and d != self.me and d != pid and d in self.live():
                 self.departed[d] = f"departed at {pid[:12]}"
         a, b = self.bounds_[j], self.bounds_[j + 1]
+        if self.robust and phase != "reduce":
+            return self._reject(pid, "sent an average in a robust round (nobody's average is taken on trust)")
         wanted = phase == "gather" and j not in self.gathered and pid == self.owner(j)
         try:  # the awaited average goes straight into the result (refilled at the end if rejected)
             t = validate_part(msg, b - a, self.bounds, self.out[a:b] if wanted else None)
@@ -223,6 +257,8 @@ class AveragingRound:
                            meta={"phase": phase, "part": j, "group": self.group, **meta})
 
     def _progress(self, final: bool) -> list[Part]:
+        if self.robust:
+            return self._progress_robust(final)
         out: list[Part] = []
         live = set(self.live())
         spans = self.spans()
@@ -257,6 +293,55 @@ class AveragingRound:
             out += [Part(p, msg, w.stored_bytes) for p in sorted(live - {self.me})]
         return out
 
+    def _progress_robust(self, final: bool) -> list[Part]:
+        """Rule 6: our part of every piece to every live member; every piece computed here."""
+        out: list[Part] = []
+        spans = self.spans()
+        for j, (a, b) in enumerate(spans):
+            sent = self._sent_to.setdefault(j, set())
+            if self.me not in sent:
+                sent.add(self.me)
+                self._received[j][self.me] = from_wire(self.wires[j]) if self.codec.lossy else self.x[a:b]
+            for p in self.live():
+                if p not in sent:
+                    sent.add(p)
+                    out.append(Part(p, self._msg("reduce", j, self.wires[j]), self.wires[j].stored_bytes))
+        progressed = True
+        while progressed:  # a rejection shrinks the live set: pieces may complete (or change) again
+            progressed = False
+            live = set(self.live())
+            for j, (a, b) in enumerate(spans):
+                if j in self.gathered:
+                    continue
+                got = {p: t for p, t in self._received[j].items() if p in live}
+                if not final and not set(got) >= live:
+                    continue
+                before = len(self.rejected)
+                self._robust_piece(j, got)
+                progressed = progressed or len(self.rejected) > before
+        if any(j in self.gathered and not set(self.gathered[j]) <= set(self.live()) for j in range(self.P)):
+            for j in list(self.gathered):  # a member was rejected after some pieces counted it: redo them
+                if not set(self.gathered[j]) <= set(self.live()):
+                    del self.gathered[j]
+            return out + self._progress_robust(final)
+        return out
+
+    def _robust_piece(self, j: int, got: dict) -> None:
+        a, b = self.bounds_[j], self.bounds_[j + 1]
+        ids = sorted(got)
+        if len(ids) >= 3:
+            norms = {p: float(torch.linalg.vector_norm(got[p])) for p in ids}
+            med = float(torch.tensor(list(norms.values())).median())
+            for p in ids:
+                if med > 0 and norms[p] > RELATIVE_NORM * med and p != self.me:
+                    self._reject(p, f"part norm {norms[p]:.3g} is over {RELATIVE_NORM:g}x the median of the "
+                                    f"round's parts ({med:.3g})")
+            ids = [p for p in ids if p in self.live()]
+        avg = self.out[a:b]
+        avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids) if len(ids) >= 3
+                  else torch.stack([got[p] for p in ids]).mean(0))
+        self.gathered[j] = ids
+
     def result(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector and the round's report; RoundFailed below ``min_coverage``."""
         live = set(self.live())
@@ -264,15 +349,16 @@ class AveragingRound:
         for j, (a, b) in enumerate(self.spans()):
             got = self.gathered.get(j)
             ok = got is not None and set(got) >= live
-            if got is None or any(r["peer"] == self.owner(j) for r in self.rejected):
+            if got is None or (not self.robust and any(r["peer"] == self.owner(j) for r in self.rejected)):
                 self.out[a:b] = self.vector[a:b]  # a piece that never came back keeps our values
                 ok = False
             if ok:
                 covered += b - a
-            parts.append({"owner": self.owner(j), "contributors": got or [], "ok": ok})
+            parts.append({"owner": "everyone" if self.robust else self.owner(j), "contributors": got or [], "ok": ok})
         rep = RoundReport(self.round, self.ids, covered / self.n if self.n else 1.0, parts, list(self.rejected),
                           departed=sorted(self.departed),
-                          why={**self.departed, **{r["peer"]: r["reason"] for r in self.rejected}})
+                          why={**self.departed, **{r["peer"]: r["reason"] for r in self.rejected}},
+                          robust=self.robust, suspects=dict(self.suspects))
         if rep.coverage < self.min_coverage:
             raise RoundFailed(self.block, self.round, rep.coverage, sum(not p["ok"] for p in parts), self.P,
                               self.min_coverage, frozenset(self.silent()))
@@ -284,7 +370,7 @@ class AveragingRound:
         live = set(self.live())
         out = set()
         for j in range(self.P):
-            if self.owner(j) == self.me:
+            if self.robust or self.owner(j) == self.me:
                 out |= live - set(self._received[j]) - {self.me}
         return out
 
@@ -293,8 +379,9 @@ class Averager:
     """Drives averaging rounds for one block over the peer's connections (the thin asyncio part)."""
 
     def __init__(self, peer: PeerServices, block: int, codec: str = "raw", min_coverage: float = 1.0,
-                 max_norm: float = 1e6, timeout_s: float = 30.0):
-        self.peer, self.block = peer, block
+                 max_norm: float = 1e6, timeout_s: float = 30.0, aggregate: str = "mean"):
+        self.peer, self.block, self.aggregate = peer, block, aggregate
+        self._suspect_streak: dict[str, int] = {}
         self.codec = Codec(codec)
         self.min_coverage, self.timeout_s = min_coverage, timeout_s
         self.bounds = Bounds(max_norm)
@@ -365,7 +452,8 @@ class Averager:
         t0 = time.perf_counter()
         ids = [p for p in members if p not in self.banned and p not in self.shunned]
         r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, codec=self.codec, start=start,
-                           bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual)
+                           bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual,
+                           aggregate=self.aggregate)
         self._round, self._inbox, self.current = r, asyncio.Queue(), rnd
         for item in self._early.pop(rnd, []):  # parts that came before we began the round
             self._inbox.put_nowait(item)
@@ -417,9 +505,25 @@ class Averager:
         finally:
             self._round, self._inbox = None, None
         self._residual = r.residual
+        self._suspicions(r, rnd)
         out, rep = r.result()
         rep.seconds, rep.bytes_sent = time.perf_counter() - t0, bytes_sent
         return out, rep
+
+    def _suspicions(self, r: AveragingRound, rnd: int):
+        """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row is excluded (named)."""
+        if not r.robust:
+            return
+        for pid in r.live():
+            if pid == self.peer.id:
+                continue
+            if pid in r.suspects:
+                self._suspect_streak[pid] = self._suspect_streak.get(pid, 0) + 1
+                if self._suspect_streak[pid] >= SUSPECT_ROUNDS:
+                    self._reject(pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row "
+                                      f"({r.suspects[pid]:.1f} median distances from the others' in round {rnd})", rnd)
+            else:
+                self._suspect_streak.pop(pid, None)
 
     def _mismatch(self, pid: str, rnd: int):
         if not any(e.get("peer") == pid and e["event"] == "group mismatch" for e in self.events):
@@ -463,6 +567,27 @@ class Averager:
         log.warning("block %d: %s rejected our update in round %d (%s) and excludes us", self.block, pid[:12], rnd, why)
         if self._inbox is not None:
             self._inbox.put_nowait((pid, "excluded us"))
+
+
+def centred_clip(x: torch.Tensor, suspects: dict, ids: list) -> torch.Tensor:
+    """Centred clipping of the rows of ``x`` (R x n): start at the coordinate-wise median, clip each
+    row's offset to CLIP_RADIUS median distances, move to the mean of the clipped offsets; rows
+    beyond SUSPECT_RADIUS median distances are recorded in ``suspects`` (id -> distance ratio)."""
+    v = x.median(dim=0).values
+    dist = torch.linalg.vector_norm(x - v, dim=1)
+    scale = float(dist.median())
+    if scale == 0.0:
+        return x.mean(0)
+    for i, p in enumerate(ids):
+        ratio = float(dist[i]) / scale
+        if ratio > SUSPECT_RADIUS:
+            suspects[p] = max(suspects.get(p, 0.0), round(ratio, 2))
+    tau = CLIP_RADIUS * scale
+    for _ in range(CLIP_ITERS):
+        d = x - v
+        n = torch.linalg.vector_norm(d, dim=1, keepdim=True).clamp_min(1e-30)
+        v = v + (d * torch.clamp(tau / n, max=1.0)).mean(0)
+    return v
 
 
 def flatten(params) -> torch.Tensor:

@@ -68,6 +68,8 @@ class SwarmConfig:
     sync: str = "grads"  # grads: average gradients every step; params: DiLoCo every `every` steps
     every: int = 0  # local steps per round; 0 = the sync's default (grads 1, params 25)
     codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8 (with error feedback)
+    aggregate: str = "robust"  # robust: every member computes every piece, centred clipping (averaging.py rule 6);
+    #                           mean: reduce-scatter, each piece's owner trusted (fewer bytes with many members)
     outer: str = "sgd"  # params only: sgd | nesterov
     outer_lr: float = 1.0  # with sgd and momentum 0: the plain average of the workers' parameters
     outer_momentum: float = 0.0
@@ -93,6 +95,8 @@ class SwarmConfig:
             raise ValueError("every must be >= 1 local step (0: the default)")
         if self.sync == "grads" and self.every not in (0, 1):
             raise ValueError("sync=grads averages every step: every must be 1")
+        if self.aggregate not in ("robust", "mean"):
+            raise ValueError(f"aggregate {self.aggregate!r}: expected robust or mean")
         if self.margin < 1 or self.min_group < 1:
             raise ValueError("margin and min_group must be >= 1")
         if not 0 <= self.min_coverage <= 1:
@@ -156,7 +160,7 @@ class SwarmTrainer:
         self.outer = scfg.outer_optimizer()
         self.group = Group(peer.id, margin=scfg.margin)
         self.averager = Averager(peer, k, codec=scfg.codec, min_coverage=scfg.min_coverage,
-                                 max_norm=scfg.max_norm, timeout_s=scfg.round_timeout_s)
+                                 max_norm=scfg.max_norm, timeout_s=scfg.round_timeout_s, aggregate=scfg.aggregate)
         self.averager.on_control = self._control
         self.server = CheckpointServer(peer, self.dir / "serve")
         self.fetcher = CheckpointFetcher(peer)
@@ -584,7 +588,8 @@ class SwarmTrainer:
                      "members": rep.members if rep else [self.peer.id],
                      "coverage": rep.coverage if rep else 1.0, "departed": rep.departed if rep else [],
                      "rejected": rep.rejected if rep else [], "seconds": round(seconds, 4),
-                     "bytes_sent": rep.bytes_sent if rep else 0,
+                     "bytes_sent": rep.bytes_sent if rep else 0, "robust": rep.robust if rep else False,
+                     "suspects": rep.suspects if rep else {},
                      "candidates_outside": sorted(cand - set(members))}
             if rep:
                 for pid in rep.departed:  # gone from the round: gone from the group (rule 5 of group.py),

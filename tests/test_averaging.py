@@ -129,7 +129,7 @@ async def test_poisoned_update_is_rejected_and_its_sender_excluded(poison):
                 for j, pid in enumerate(ids):
                     if pid != peers[2].id:
                         pc = await peers[2].connection(pid)
-                        gid = group_digest(ids, 1, "")
+                        gid = group_digest(ids, 1, "|mean")  # no start digest given; a mean round
                         pc.send_nowait(BlockUpdate(block=1, round=1, tensors=(to_wire("part", torch.randn(7)),),
                                                    meta={"phase": "reduce", "part": j, "group": gid}))
             third = poisoner()

@@ -15,9 +15,9 @@ def rounds(xs, ids=IDS, **kw):
     return {p: AveragingRound(p, 0, 1, ids, x, **kw) for p, x in zip(ids, xs)}
 
 
-def run(rs, order=None, drop=lambda part, src: False):
+def run(rs, order=None, drop=lambda part, src: False, queue=()):
     """Deliver every part until all rounds are done (or nothing is left to deliver)."""
-    queue = [(p, part) for p, r in rs.items() for part in r.start()]
+    queue = list(queue) + [(p, part) for p, r in rs.items() for part in r.start()]
     order = list(order or [])
     while queue:
         src, part = queue.pop(order.pop(0) % len(queue) if order else 0)
@@ -111,3 +111,64 @@ def test_group_identity_covers_members_round_and_start_point():
     g = av.group_digest
     assert g(IDS, 1, "s") == g(list(reversed(IDS)), 1, "s")
     assert len({g(IDS, 1, "s"), g(IDS, 2, "s"), g(IDS, 1, "t"), g(IDS[:2], 1, "s")}) == 4
+
+
+IDS4 = ["a", "b", "c", "d"]
+
+
+def test_robust_rounds_of_honest_members_are_the_plain_mean_everywhere():
+    torch.manual_seed(1)
+    g = torch.randn(300)
+    xs = [g + 0.1 * torch.randn(300) for _ in IDS4]
+    rs = run(rounds(xs, IDS4, aggregate="robust"))
+    outs = [r.result()[0] for r in rs.values()]
+    assert all(torch.equal(outs[0], o) for o in outs)
+    assert torch.allclose(outs[0], torch.stack(xs).mean(0), atol=1e-5)
+    assert rs["a"].result()[1].robust and not rs["a"].suspects
+
+
+@pytest.mark.parametrize("scale", [-3.0, -8.0, 5.0])
+def test_a_member_sending_a_flipped_or_scaled_update_moves_the_result_little_and_is_named(scale):
+    torch.manual_seed(2)
+    g = torch.randn(400)
+    honest = [g + 0.2 * torch.randn(400) for _ in IDS4[:3]]
+    xs = honest + [scale * g]  # within every absolute bound; sign-flipped and/or scaled
+    rs = run(rounds(xs, IDS4, aggregate="robust"))
+    mean_h = torch.stack(honest).mean(0)
+    spread = max(float(torch.linalg.vector_norm(h - mean_h)) for h in honest)
+    for p in IDS4[:3]:
+        out, rep = rs[p].result()
+        naive = torch.stack(xs).mean(0)
+        assert float(torch.linalg.vector_norm(out - mean_h)) < 2 * spread  # bounded by the honest spread
+        assert float(torch.linalg.vector_norm(naive - mean_h)) > 2 * spread  # which a plain mean is not
+        assert "d" in rep.suspects
+
+
+def test_a_part_far_above_the_others_is_rejected_by_the_relative_bound():
+    xs = [torch.randn(200) for _ in IDS4[:3]] + [torch.randn(200) * 1e4]
+    rs = run(rounds(xs, IDS4, aggregate="robust"))
+    out, rep = rs["a"].result()
+    assert [r["peer"] for r in rep.rejected] == ["d"] and "median" in rep.rejected[0]["reason"]
+    assert torch.allclose(out, torch.stack(xs[:3]).mean(0), atol=1e-5)
+
+
+def test_in_a_robust_round_nobody_can_substitute_an_average():
+    """The attack on reduce-scatter: an owner sends its own 'average'. Here there are no owners:
+    an average sent at all rejects its sender, and the others' results are their own."""
+    from blocktrain.p2p.tensors import to_wire
+    from blocktrain.protocol import BlockUpdate
+    xs = [torch.randn(100) for _ in IDS4]
+    rs = rounds(xs, IDS4, aggregate="robust")
+    forged = BlockUpdate(block=0, round=1, tensors=(to_wire("part", torch.full((100,), 9.0)),),
+                         meta={"phase": "gather", "part": 0, "group": rs["a"].group, "contributors": IDS4})
+    queue = [(p, part) for p in ("a", "b", "c") for part in rs[p].receive("d", forged)]
+    run({p: rs[p] for p in ("a", "b", "c")}, queue=queue)
+    for p in ("a", "b", "c"):
+        out, rep = rs[p].result()
+        assert [r["peer"] for r in rep.rejected] == ["d"]
+        assert torch.allclose(out, torch.stack(xs[:3]).mean(0), atol=1e-5)
+
+
+def test_two_members_cannot_be_robust_and_say_so():
+    rs = run(rounds([torch.randn(50), torch.randn(50)], ["a", "b"], aggregate="robust"))
+    assert not rs["a"].result()[1].robust

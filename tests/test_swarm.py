@@ -310,3 +310,39 @@ def test_relay_processes_survive_a_kill_at_a_block_change_a_restart_and_a_late_j
     lows = [[ckpt.load(tmp_path / f"w{i}" / "serve" / "lower-checkpoint" / ckpt.block_file(j)).sha256 for j in range(3)]
             for i in range(4)]
     assert all(lw == lows[0] for lw in lows)  # every peer ends with the same final blocks
+
+
+def test_a_stopped_peer_rejoins_its_group_and_ends_in_step(tmp_path, procs):
+    """Issue 12, finding 7: a peer stopped (SIGSTOP) for longer than --dead-after, then resumed: the
+    others go on without it and say so; it rejoins (taking the group's state) instead of training
+    apart for good; everyone ends with the same final blocks."""
+    from blocktrain.p2p.identity import new_swarm_key
+    new_swarm_key(tmp_path / "swarm.key")
+    ports = _ports(3)
+    boot = f"127.0.0.1:{ports[0]}"
+    deadline = time.monotonic() + 240
+    fast = ("--min-group", "3", "--dead-after", "4")
+    for i in range(3):
+        procs.append(subprocess.Popen(_peer_cmd(tmp_path, i, ports[i], i, boot if i else None, steps=500, extra=fast),
+                                      stderr=open(tmp_path / f"log{i}", "a")))
+    _until(lambda: _training(tmp_path, 2).get("step", 0) >= 100, "peer 2 at step 100", deadline, procs)
+    os.kill(procs[2].pid, signal.SIGSTOP)
+    try:
+        _until(lambda: any(_report(tmp_path, 2)["peer_id"] in r.get("departed", [])
+                           for r in _training(tmp_path, 0).get("rounds", [])), "the others noticing", deadline)
+        time.sleep(6)  # past --dead-after
+    finally:
+        os.kill(procs[2].pid, signal.SIGCONT)
+    for i, p in enumerate(procs):
+        assert p.wait(max(1, deadline - time.monotonic())) == 0, open(tmp_path / f"log{i}").read()[-3000:]
+    reps = [_training(tmp_path, i) for i in range(3)]
+    assert all(r["state"] == "done" and r["step"] == 1500 for r in reps)
+    assert any(j["how"] == "fetched the group's state" for j in reps[2]["joins"])  # it came back through a join
+    stopped = _report(tmp_path, 2)["peer_id"]
+    for r in reps[:2]:  # while it was stopped, rounds went on without it and said so
+        assert any(stopped in x.get("departed", []) for x in r["rounds"])
+        assert all(x["coverage"] == 1.0 for x in r["rounds"])
+    from blocktrain.blocks import checkpoint as ckpt
+    lows = [[ckpt.load(tmp_path / f"w{i}" / "serve" / "lower-checkpoint" / ckpt.block_file(j)).sha256 for j in range(3)]
+            for i in range(3)]
+    assert lows[0] == lows[1] == lows[2]
