@@ -56,6 +56,7 @@ class PeerOptions:
     seal: bool = True
     report_path: str | None = None
     report_every_s: float = 10.0
+    http: tuple[str, int] | None = None  # the live swarm page (page.py), None: off
 
 
 @dataclass
@@ -94,10 +95,16 @@ async def start_peer(peer: Peer, bootstrap: tuple[str, int] | None, join_timeout
 
 async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: asyncio.Event,
                    training: Training | None = None, served: ServedBlocks | None = None, exit_when_done: bool = False,
-                   on_line=lambda s: None, status_every_s: float = 5.0, join_timeout_s: float = 30.0) -> dict | None:
+                   on_line=lambda s: None, status_every_s: float = 5.0, join_timeout_s: float = 30.0,
+                   http: tuple[str, int] | None = None) -> dict | None:
     """Run a peer until ``stop`` is set (or its training is done, with ``exit_when_done``). Returns the
     training report, if it trained."""
     await start_peer(peer, bootstrap, join_timeout_s)
+    page = None
+    if http is not None:
+        from .page import SwarmPage
+        page = await SwarmPage(peer, *http).start()
+        on_line(f"swarm page: http://{page.host}:{page.port}/ (and /status.json)")
     if served is not None:
         PipelineServer(peer, served)
     else:
@@ -139,6 +146,8 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
         if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if page is not None:
+            await page.stop()
         await peer.stop("peer shutting down")
     if failed is not None:
         if isinstance(failed, SwarmError):

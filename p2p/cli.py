@@ -94,6 +94,9 @@ def _peer_options(f):
                      help="Seconds to keep trying the bootstrap while it starts."),
         click.option("--insecure-no-seal", is_flag=True,
                      help="Trusted networks only: skip frame sealing after the authenticated handshake."),
+        click.option("--http", default=None, metavar="HOST:PORT",
+                     help="Serve a live page of the swarm as this peer sees it (and /status.json), read-only; "
+                          "bind it to loopback (127.0.0.1) unless you mean to show it."),
         click.option("--quiet", is_flag=True, help="No periodic status line."),
         click.option("-v", "--verbose", count=True, help="-v: log joins and leaves; -vv: debug."),
     ]
@@ -219,7 +222,8 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
                                               exit_when_done=o.get("exit_when_done", False),
                                               on_line=_echo,
                                               status_every_s=0 if o["quiet"] else 5.0,
-                                              join_timeout_s=o["join_timeout"]))
+                                              join_timeout_s=o["join_timeout"],
+                                              http=_addr(o["http"]) if o["http"] else None))
         await _announce(peer, role, o, training)
         return await task
 

@@ -196,7 +196,8 @@ class SwarmTrainer:
         """What this peer works on now (bt-peer status, the report)."""
         return {"holds": self.k, "training_block": self.block if self.state == "training" else None,
                 "state": self.state, "schedule": self.scfg.schedule, "step": self.gstep,
-                "steps": self.total_steps, "round": self.group.round, "group": self.group.members()}
+                "steps": self.total_steps, "round": self.group.round, "group": self.group.members(),
+                "curve": self.stats.curve[-20:]}
 
     def _say(self, text: str):
         self.progress(text)

@@ -1,0 +1,197 @@
+"""The live swarm page: ``bt-peer start/join/serve --http 127.0.0.1:PORT``.
+
+Rules:
+- Read-only: GET ``/`` (one self-contained HTML page that polls the JSON) and GET
+  ``/status.json`` (the swarm as this peer sees it); anything else is 404, any other method 405.
+- Nothing secret: no keys, no identities' private parts, no file paths outside the report.
+- Bounded: a request head of at most MAX_HEAD_BYTES read within HEAD_TIMEOUT_S, at most
+  MAX_CONNECTIONS at once; bound to loopback unless the operator says otherwise.
+- The view: this peer's status (members with blocks, roles, liveness), every member's own work
+  section (what it trains, its step, round, group, recent valid CE), asked of the members every
+  POLL_S seconds over the existing connections, this peer's traffic by kind and by remote peer,
+  its training report's summary and its serving counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from blocktrain.protocol import Status
+
+log = logging.getLogger("blocktrain.p2p")
+
+MAX_HEAD_BYTES = 8192
+HEAD_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 32
+POLL_S = 3.0
+# Keys of a member's work section shown on the page (a member's reply is cut to these, bounded).
+WORK_KEYS = ("holds", "training_block", "state", "schedule", "step", "steps", "round", "group", "curve")
+
+
+class SwarmPage:
+    def __init__(self, peer, host: str = "127.0.0.1", port: int = 0):
+        self.peer, self.host, self.port = peer, host, port
+        self.member_work: dict[str, dict] = {}  # peer id -> its work section, as it last told us
+        self._server = None
+        self._open = 0
+        self._poller = None
+        peer.on(Status, self._on_status, inline=True)
+
+    async def start(self):
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._poller = self.peer.spawn(self._poll(), "swarm page poll")
+        log.info("swarm page on http://%s:%d/", self.host, self.port)
+        return self
+
+    async def stop(self):
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    # --- the members' work sections -----------------------------------------------------------
+    def _on_status(self, msg: Status, pc, pid):
+        st = msg.status
+        if not st:  # a request: answered as the node always does
+            try:
+                pc.send_nowait(Status(status=self.peer.status()))
+            except ConnectionError:
+                pass
+            return
+        work = st.get("work") if isinstance(st, dict) else None
+        if isinstance(work, dict) and self.peer.member(pid) is not None:
+            self.member_work[pid] = {k: work.get(k) for k in WORK_KEYS} | {"time": time.time()}
+
+    async def _poll(self):
+        while True:
+            for m in self.peer.members():
+                pc = self.peer.live_connection(m.peer_id)
+                if pc is not None:
+                    try:
+                        pc.send_nowait(Status(status={}))
+                    except ConnectionError:
+                        pass
+            for pid in [p for p in self.member_work if self.peer.member(p) is None]:
+                del self.member_work[pid]
+            await asyncio.sleep(POLL_S)  # the page's refresh cadence
+
+    def view(self) -> dict:
+        st = self.peer.status()
+        rep = self.peer.report()
+        tr = rep.get("training") or {}
+        traffic = {pid: {"addr": t.get("addr"), "client": t.get("client"),
+                         "sent": t["sent"]["total"]["wire_bytes"], "received": t["received"]["total"]["wire_bytes"]}
+                   for pid, t in rep["peers"].items()}
+        return {
+            "peer_id": st["peer_id"], "addr": st["addr"], "blocks": st["blocks"], "role": st["role"],
+            "time": time.time(), "members": st["members"], "work": st.get("work"),
+            "member_work": self.member_work, "by_kind": rep["by_kind"], "totals": rep["totals"],
+            "by_peer": traffic, "serving": rep.get("serving"),
+            "training": {k: tr.get(k) for k in ("block", "state", "schedule", "sync", "step", "steps", "block_in_work",
+                                                "round", "rounds_applied", "coverage_min", "ce_start", "ce_end",
+                                                "head_ce", "busy", "memory", "curve", "phases")} if tr else None,
+            "failed_rounds": len(tr.get("failed_rounds", [])) if tr else 0,
+            "rejected_updates": tr.get("rejected_updates", []) if tr else [],
+        }
+
+    # --- HTTP ------------------------------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        if self._open >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        self._open += 1
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+            if len(head) > MAX_HEAD_BYTES:
+                raise ValueError("head too large")
+            method, path, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+            if method != "GET":
+                self._reply(writer, 405, "text/plain", b"read-only: GET / or /status.json\n")
+            elif path.split("?")[0] == "/status.json":
+                self._reply(writer, 200, "application/json", json.dumps(self.view()).encode())
+            elif path.split("?")[0] == "/":
+                self._reply(writer, 200, "text/html; charset=utf-8", PAGE.encode())
+            else:
+                self._reply(writer, 404, "text/plain", b"not found: GET / or /status.json\n")
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
+                ConnectionError):
+            pass
+        finally:
+            self._open -= 1
+            writer.close()
+
+    @staticmethod
+    def _reply(writer, code: int, ctype: str, body: bytes):
+        reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}[code]
+        writer.write(f"HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                     f"Cache-Control: no-store\r\nConnection: close\r\n\r\n".encode() + body)
+
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>BlockTrain swarm</title>
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
+h1{font-size:1.3em;margin:0 0 .2em} h2{font-size:1.05em;margin:1.4em 0 .4em}
+table{border-collapse:collapse;background:#fff} td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left}
+th{background:#f0f0f0} .num{text-align:right;font-variant-numeric:tabular-nums}
+.alive{color:#1a7f37} .suspect{color:#b35900} .muted{color:#777} #err{color:#b00}
+svg{background:#fff;border:1px solid #ddd}
+</style></head><body>
+<h1>BlockTrain swarm</h1><div id="me" class="muted">loading...</div><div id="err"></div>
+<h2>Members</h2><table id="members"></table>
+<h2>Training</h2><table id="work"></table>
+<h2>Valid CE (this peer)</h2><svg id="curve" width="560" height="220"></svg>
+<h2>Bytes by kind</h2><table id="kinds"></table>
+<h2>Bytes by peer</h2><table id="peers"></table>
+<h2>Serving</h2><div id="serving" class="muted">-</div>
+<script>
+const $ = id => document.getElementById(id);
+const mb = b => (b / 1048576).toFixed(1) + " MiB";
+const esc = s => String(s).replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c]));
+function table(el, head, rows) {
+  el.innerHTML = "<tr>" + head.map(h => "<th>" + h + "</th>").join("") + "</tr>" +
+    rows.map(r => "<tr>" + r.map(c => "<td" + (typeof c === "number" ? ' class="num"' : "") + ">" + c + "</td>").join("") + "</tr>").join("");
+}
+function curve(points) {
+  const svg = $("curve"); const W = 560, H = 220, P = 36;
+  if (!points || !points.length) { svg.innerHTML = '<text x="20" y="110" fill="#777">no valid CE points yet (swarm.eval_every)</text>'; return; }
+  const xs = points.map(p => p[0]), ys = points.map(p => p[2][p[2].length - 1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs) || 1, y0 = Math.min(...ys), y1 = Math.max(...ys);
+  const X = x => P + (W - 2 * P) * (x - x0) / ((x1 - x0) || 1), Y = y => H - P - (H - 2 * P) * (y - y0) / ((y1 - y0) || 1);
+  svg.innerHTML = '<polyline fill="none" stroke="#0969da" stroke-width="2" points="' + points.map((p, i) => X(xs[i]) + "," + Y(ys[i])).join(" ") + '"/>' +
+    '<text x="' + P + '" y="' + (H - 8) + '" fill="#555">step ' + x0 + '</text><text x="' + (W - P - 60) + '" y="' + (H - 8) + '" fill="#555">step ' + x1 + '</text>' +
+    '<text x="4" y="' + (Y(y1) + 4) + '" fill="#555">' + y1.toFixed(3) + '</text><text x="4" y="' + (Y(y0) + 4) + '" fill="#555">' + y0.toFixed(3) + '</text>';
+}
+async function refresh() {
+  try {
+    const s = await (await fetch("status.json", {cache: "no-store"})).json();
+    $("err").textContent = "";
+    $("me").textContent = "peer " + s.peer_id.slice(0, 16) + " at " + s.addr + ", blocks [" + s.blocks + "], role " + s.role +
+      " - updated " + new Date(s.time * 1000).toLocaleTimeString();
+    table($("members"), ["peer", "address", "blocks", "role", "liveness", "last heard"],
+      [[s.peer_id.slice(0, 12) + " (this peer)", esc(s.addr), "[" + s.blocks + "]", s.role, '<span class="alive">alive</span>', "-"]]
+      .concat(s.members.map(m => [m.peer_id.slice(0, 12), esc(m.addr), "[" + m.blocks + "]", m.role,
+        '<span class="' + m.state + '">' + m.state + "</span>", m.last_heard_s.toFixed(1) + " s"])));
+    const works = [];
+    const row = (id, w) => w && works.push([id, w.holds, w.training_block ?? "-", w.state, w.step + " / " + w.steps,
+      w.round, (w.group || []).length, w.curve && w.curve.length ? w.curve[w.curve.length - 1][2].slice(-1)[0].toFixed(3) : "-"]);
+    row(s.peer_id.slice(0, 12) + " (this peer)", s.work);
+    for (const [pid, w] of Object.entries(s.member_work || {})) row(pid.slice(0, 12), w);
+    table($("work"), ["peer", "holds block", "training block", "state", "step", "round", "group size", "valid CE"], works);
+    curve(s.training ? s.training.curve : null);
+    const kinds = new Set([...Object.keys(s.by_kind.sent), ...Object.keys(s.by_kind.received)]);
+    table($("kinds"), ["kind", "sent", "received"], [...kinds].sort().map(k =>
+      [k, mb((s.by_kind.sent[k] || {}).wire_bytes || 0), mb((s.by_kind.received[k] || {}).wire_bytes || 0)]));
+    table($("peers"), ["remote peer", "address", "sent", "received"], Object.entries(s.by_peer).map(([p, t]) =>
+      [p.slice(0, 12) + (t.client ? " (client)" : ""), esc(t.addr || "-"), mb(t.sent), mb(t.received)]));
+    $("serving").textContent = s.serving ? ("blocks [" + s.serving.blocks + "], " + s.serving.requests + " requests served, " +
+      s.serving.sessions + " open sessions") : "not serving";
+  } catch (e) { $("err").textContent = "cannot reach the peer: " + e; }
+}
+refresh(); setInterval(refresh, 2000);
+</script></body></html>
+"""
