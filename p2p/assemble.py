@@ -25,6 +25,27 @@ class AssembleError(Exception):
     """The swarm could not deliver a complete, consistent model."""
 
 
+async def wait_until_trained(host: str, port: int, ident: X25519PrivateKey, key: bytes, timeout: float,
+                             every_s: float = 5.0, log=lambda s: None) -> dict:
+    """Ask HOST:PORT until its training is done (its work section says so); its last status."""
+    import asyncio
+    import time
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        st = await query_status(host, port, ident, key, Timeouts())
+        w = st.get("work") or {}
+        if w.get("state") == "done" or not w:
+            return st
+        if w.get("step") != last:
+            last = w.get("step")
+            log(f"training: step {w.get('step')}/{w.get('steps')}, block {w.get('training_block')}, "
+                f"group of {len(w.get('group') or [])}")
+        if time.monotonic() > deadline:
+            raise AssembleError(f"{host}:{port} has not finished training within {timeout:.0f} s")
+        await asyncio.sleep(every_s)  # polling a remote peer's status: its cadence is the behaviour
+
+
 async def assemble_from_swarm(host: str, port: int, ident: X25519PrivateKey, key: bytes, out: Path,
                               timeout: float = 30.0, log=lambda s: None) -> dict:
     """Fetch, verify and write every block; returns {"blocks": {k: {step, from, bytes, sha256, final}},

@@ -330,8 +330,10 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, timeout):
 @click.option("--test-windows", type=click.IntRange(0), default=300, show_default=True,
               help="Test windows to evaluate (0: the whole test split).")
 @click.option("--no-eval", is_flag=True, help="Only fetch and verify.")
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="First wait up to this many seconds until ADDRESS has finished training (showing its progress).")
 @click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True)
-def assemble(address, swarm_key, identity, out, data, test_windows, no_eval, timeout):
+def assemble(address, swarm_key, identity, out, data, test_windows, no_eval, wait_s, timeout):
     """Fetch every block's newest checkpoint from the swarm via ADDRESS, verify it, evaluate test CE.
 
     Writes OUT/block{k}.safetensors and OUT/assembled.json (where each block came from, its
@@ -339,12 +341,14 @@ def assemble(address, swarm_key, identity, out, data, test_windows, no_eval, tim
     from blocktrain.blocks.checkpoint import CheckpointError
     from blocktrain.blocks.evaluate import evaluate
 
-    from .assemble import AssembleError, assemble_from_swarm
+    from .assemble import AssembleError, assemble_from_swarm, wait_until_trained
 
     install_uvloop()
     host, port = _addr(address)
     key, ident = _keys(swarm_key, identity)
     try:
+        if wait_s:
+            asyncio.run(wait_until_trained(host, port, ident, key, wait_s, log=_echo))
         res = asyncio.run(assemble_from_swarm(host, port, ident, key, Path(out), timeout,
                                               log=lambda s: click.echo(s, err=True)))
     except (AssembleError, ConnectionError, OSError) as e:
@@ -400,8 +404,18 @@ def status(address, swarm_key, identity, as_json, timeout):
 
     host, port = _addr(address)
     key, ident = _keys(swarm_key, identity)
+
+    async def ask():  # a peer that is still starting is asked again until --timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await query_status(host, port, ident, key, Timeouts(connect_s=timeout, handshake_s=timeout))
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
     try:
-        st = asyncio.run(query_status(host, port, ident, key, Timeouts(connect_s=timeout, handshake_s=timeout)))
+        st = asyncio.run(ask())
     except (ConnectionError, OSError, ProtocolError) as e:
         raise click.ClickException(f"status of {address}: {e or type(e).__name__}")
     if as_json:

@@ -153,6 +153,20 @@ def chain(st: dict, avoid: set = frozenset()) -> list[str]:
     return route
 
 
+async def _chain_when_ready(host, port, ident, key, tmo, avoid, timeout: float):
+    """The swarm view and a chain through it; while the serving peers are still starting (no chain
+    yet, or the peer not yet listening), ask again until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            st = await query_status(host, port, ident, key, tmo)
+            return st, chain(st, avoid)
+        except (NoChain, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)  # serving peers join by gossip within a heartbeat or two
+
+
 def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None):
     """Bad requests fail here, with the fix, before anything is sent."""
     if mode not in MODES:
@@ -176,9 +190,8 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
     avoid: set[str] = set()
     last: Exception | None = None
     for attempt in range(attempts):
-        st = await query_status(host, port, ident, key, tmo)
+        st, route = await _chain_when_ready(host, port, ident, key, tmo, avoid, timeout)
         check_request(prompt, n, mode, (st.get("serving") or {}).get("max_seq_len"))
-        route = chain(st, avoid)
         client = PipelineClient(ident, key, route, list(range(len(route))), tmo, timeout_s=timeout)
         try:
             await client.connect()
