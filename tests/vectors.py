@@ -43,7 +43,10 @@ VALID = {
     "block_update_reduce": BlockUpdate(block=1, round=7, codec="raw", tensors=(
         pack_tensor("part", "float32", (1,), struct.pack("<f", 0.5)),),
         meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"}),
-    "block_update_join": BlockUpdate(block=1, round=8, codec="raw", meta={"phase": "join"}),
+    "block_update_join": BlockUpdate(block=1, round=8, codec="raw",
+                                     meta={"phase": "join", "step": 7, "digest": "0a1b2c3d", "scope": "relay"}),
+    "block_update_admit": BlockUpdate(block=1, round=8, codec="raw",
+                                      meta={"phase": "admit", "peer": "ab" * 32, "at": 10, "scope": "relay"}),
     "stream_open": StreamOpen(kind="checkpoint", name="block-1", total_size=5, sha256=bytes(range(32)),
                               offset=0, meta={}, stream_id=3),
     "stream_chunk": StreamChunk(offset=0, data=b"hello", stream_id=3),
