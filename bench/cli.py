@@ -291,15 +291,22 @@ def swarm(workers, steps, seeds, compare, reference, target_ce, eval_every, sche
         name = f"{comp}-w{w}-seed{seed}"
         click.echo(f"{name}: {w} bt-peer processes, {local} steps per block each" + (f", links {link}" if wan else "")
                    + f" (logs and reports in {out}/{name})", err=True)
-        with click.progressbar(length=1, label=name, file=sys.stderr) as bar:
-            def progress(done, total):
-                bar.length = max(total, 1)
-                bar.update(done - bar.pos)
+        from blocktrain.blocks.progress import bar as progress_bar
+        state = {}
+
+        def progress(done, total):
+            if "bar" not in state:
+                state["bar"] = progress_bar(name, total, unit="worker-step").__enter__()
+            state["bar"].update(done - state["bar"].n)
+        try:
             try:
                 r = bench_swarm.run(w, local, ov, Path(out) / name, test_windows, link if wan else None, sw, seed,
                                     eval_every, resume, progress=progress)
             except (ValueError, RuntimeError, TimeoutError, ConfigError) as e:
                 raise click.ClickException(f"{name}: {e}")
+        finally:
+            if "bar" in state:
+                state["bar"].__exit__(None, None, None)
         r["comparison"] = comp
         if target_ce is not None:
             r["time_to_target_s"] = bench_swarm.time_to(r["curves"], target_ce)

@@ -6,49 +6,14 @@ This module parses the command line and prints; the job itself is blocktrain.blo
 from __future__ import annotations
 
 import sys
-import time
 
 import click
 
 from . import checkpoint as ckpt
 from .config import ConfigError, JobConfig, load
 from .data import DataError
+from .progress import bar
 from .schedule import SCHEDULES
-
-
-class _LineProgress:
-    """Progress for logs (stderr not a terminal): a plain line every ``every_s`` seconds."""
-
-    def __init__(self, desc: str, total: int | None, every_s: float = 30.0):
-        self.desc, self.total, self.every_s = desc, total, every_s
-        self.n, self.postfix, self.t0, self.last = 0, "", time.monotonic(), time.monotonic()
-
-    def update(self, k: int = 1):
-        self.n += k
-        if time.monotonic() - self.last >= self.every_s:
-            self.last = time.monotonic()
-            of = f"/{self.total}" if self.total else ""
-            print(f"{self.desc}: step {self.n}{of}, {time.monotonic() - self.t0:.0f} s {self.postfix}",
-                  file=sys.stderr, flush=True)
-
-    def set_postfix_str(self, s: str):
-        self.postfix = s
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        print(f"{self.desc}: done, {self.n} steps in {time.monotonic() - self.t0:.0f} s {self.postfix}",
-              file=sys.stderr, flush=True)
-
-
-def bar(desc: str, total: int | None):
-    if not sys.stderr.isatty():
-        return _LineProgress(desc, total)
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
-
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]},

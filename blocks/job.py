@@ -25,6 +25,7 @@ from .config import JobConfig
 from .data import DataError, as_tensor, read_split
 from .model import Assembled
 from .run import train_blocktrain, train_e2e
+from .schedule import make_plans
 from .train import eval_chain, eval_continuation, eval_e2e
 
 
@@ -74,18 +75,24 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     log(f"model: d {mc.d_model}, {mc.n_layer} layers in {mc.n_blocks} blocks, head_layers {mc.head_layers}; "
         f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} bytes; schedule {job.schedule}")
 
-    def progress_for(bar):
+    plans = make_plans(job.schedule, mc.n_blocks, tc.steps, tc.decay_frac)
+    wall = max(p.end(tc.steps) for p in plans)
+
+    def progress_for(bar, starts=None):
         def cb(t, total, ces):
             bar.update(1)
-            if ces:
-                bar.set_postfix_str("valid CE " + " ".join(f"{c:.3f}" for c in ces))
+            if ces:  # only the heads of blocks that have begun training mean anything
+                shown = [f"{c:.3f}" for k, c in enumerate(ces) if starts is None or t > starts[k]]
+                bar.set_postfix_str("valid CE " + " / ".join(shown))
+            else:
+                bar.set_postfix_str("valid CE at the first evaluation")
         return cb
 
     if job.processes:
         bt = train_in_processes(job, out / "checkpoints", log, bar)
     else:
-        with bar(f"blocktrain ({job.schedule})", None) as bar:
-            bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(bar))
+        with bar(f"blocktrain ({job.schedule})", wall) as b:
+            bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(b, [p.start for p in plans]))
         for k, b in enumerate(bt.blocks):
             ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
                                       extra={"schedule": job.schedule, "final": True}),
@@ -105,8 +112,8 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
         },
     }
     if job.reference:
-        with bar("end-to-end reference", tc.steps) as bar:
-            e2e = train_e2e(mc, tc, train, valid, progress_for(bar))
+        with bar("end-to-end reference", tc.steps) as b:
+            e2e = train_e2e(mc, tc, train, valid, progress_for(b))
         for k, b in enumerate(e2e.model.blocks):  # the reference, split by the same layers, for serving
             ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), extra={"model": "end-to-end"}),
                       out / "reference" / ckpt.block_file(k))
@@ -155,7 +162,7 @@ def train_in_processes(job: JobConfig, directory: Path, log, bar=no_bar):
                    "--schedule", job.schedule, "--model", json.dumps(mc.to_dict()),
                    "--train", json.dumps(tc.to_dict()), "--ckpt-every", str(tc.refresh_every), "--threads", "1"]
             procs.append(subprocess.Popen(cmd))
-        with bar(f"blocktrain ({job.schedule}, {mc.n_blocks} processes)", mc.n_blocks * tc.steps) as bar:
+        with bar(f"blocktrain ({job.schedule}, {mc.n_blocks} processes)", mc.n_blocks * tc.steps) as b:
             done = 0
             while any(p.poll() is None for p in procs):
                 time.sleep(1.0)
@@ -165,7 +172,7 @@ def train_in_processes(job: JobConfig, directory: Path, log, bar=no_bar):
                         steps += ckpt.load(block_path(directory, k)).step
                     except ckpt.CheckpointError:
                         pass  # not written yet, or being replaced
-                bar.update(steps - done)
+                b.update(steps - done)
                 done = steps
         bad = [k for k, p in enumerate(procs) if p.returncode != 0]
         if bad:

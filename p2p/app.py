@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,8 @@ from .node import JoinError, Peer
 from .pipeline import PipelineServer, ServedBlocks, refuse_requests
 from .swarm import SwarmError, SwarmTrainer, refuse_joins
 from .transport import Timeouts
+
+log = logging.getLogger("blocktrain.p2p")
 
 __all__ = ["AddressInUse", "JoinError", "PeerOptions", "SwarmError", "Training", "TrainingFailed", "build_peer",
            "run_peer"]
@@ -96,7 +99,7 @@ async def start_peer(peer: Peer, bootstrap: tuple[str, int] | None, join_timeout
 async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: asyncio.Event,
                    training: Training | None = None, served: ServedBlocks | None = None, exit_when_done: bool = False,
                    on_line=lambda s: None, status_every_s: float = 5.0, join_timeout_s: float = 30.0,
-                   http: tuple[str, int] | None = None) -> dict | None:
+                   http: tuple[str, int] | None = None, on_step=None) -> dict | None:
     """Run a peer until ``stop`` is set (or its training is done, with ``exit_when_done``). Returns the
     training report, if it trained."""
     await start_peer(peer, bootstrap, join_timeout_s)
@@ -113,7 +116,8 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
     if training is not None:
         j = training.job
         trainer = SwarmTrainer(peer, training.block, j.model, j.train, j.swarm, training.work_dir,
-                               training.train_data, training.valid_data, training.shard, progress=on_line)
+                               training.train_data, training.valid_data, training.shard, progress=on_line,
+                               on_step=on_step)
     else:
         refuse_streams(peer)
         refuse_joins(peer)
@@ -124,7 +128,7 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
     try:
         while not stop.is_set():
             waits = {stopping} | ({task} if task is not None and not task.done() else set())
-            await asyncio.wait(waits, timeout=status_every_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=status_every_s or None, return_when=asyncio.FIRST_COMPLETED)
             if task is not None and task.done() and result is None and failed is None:
                 if task.exception() is not None:
                     failed = task.exception()
@@ -144,8 +148,13 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
     finally:
         stopping.cancel()
         if task is not None and not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            t0 = time.monotonic()
+            # Python 3.11's wait_for can swallow a cancellation that lands as the awaited thing
+            # completes (gh-86296): cancel again until the trainer has really stopped.
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.5)
+            log.info("trainer stopped in %.2f s", time.monotonic() - t0)
         if page is not None:
             await page.stop()
         await peer.stop("peer shutting down")

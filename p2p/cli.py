@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -213,6 +214,8 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
     boot = _addr(bootstrap) if bootstrap else None
     peer = build_peer(opts)
 
+    step_bar = _StepBar() if training is not None and sys.stderr.isatty() else None
+
     async def main_():
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
@@ -223,7 +226,8 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
                                               on_line=_echo,
                                               status_every_s=0 if o["quiet"] else 5.0,
                                               join_timeout_s=o["join_timeout"],
-                                              http=_addr(o["http"]) if o["http"] else None))
+                                              http=_addr(o["http"]) if o["http"] else None,
+                                              on_step=step_bar))
         await _announce(peer, role, o, training)
         return await task
 
@@ -231,8 +235,37 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
         asyncio.run(main_())
     except (AddressInUse, JoinError, SwarmError, TrainingFailed) as e:
         raise click.ClickException(str(e))
+    finally:
+        if step_bar is not None:
+            step_bar.close()
     click.echo("stopped: said goodbye to the peers" + (f", report in {o['report_path']}" if o["report_path"] else ""),
                err=True)
+    # Everything is written and closed (reports, checkpoints, goodbyes; asyncio.run waited for the
+    # worker threads). Skip the interpreter's teardown of torch and its thread pools, which takes
+    # seconds: a whole swarm stopped at once should be gone at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
+
+
+class _StepBar:
+    """A training peer's progress bar (on a terminal; otherwise the trainer prints lines)."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, step: int, total: int, loss: float, group: int):
+        if self.bar is None:
+            from blocktrain.blocks.progress import bar
+            self.bar = bar("training", total)
+            self.bar.update(step - 1)
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"loss {loss:.3f}, group of {group}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
 
 
 async def _announce(peer, role: str, o: dict, training):

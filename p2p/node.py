@@ -161,6 +161,7 @@ class Peer:
         if self._stopping:
             return
         self._stopping = True
+        t0 = time.monotonic()
         if self._server is not None:
             self._server.close()
         conns = [m.conn for m in self._members.values() if m.conn is not None] + list(self._client_conns)
@@ -176,6 +177,7 @@ class Peer:
         if self._server is not None:
             await self._server.wait_closed()
         self.write_report()
+        log.info("peer %s stopped in %.2f s", self.id[:12], time.monotonic() - t0)
 
     def spawn(self, coro, name: str) -> asyncio.Task:
         """A task owned by the peer: cancelled and awaited at stop; a failure is logged."""

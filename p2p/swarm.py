@@ -139,14 +139,16 @@ class SwarmTrainer:
     its group and averaging, checkpoints served and fetched, and the training report."""
 
     def __init__(self, peer: PeerServices, k: int, mcfg, tcfg, scfg: SwarmConfig, workdir: str | Path,
-                 data: torch.Tensor, valid: torch.Tensor, shard: tuple[int, int] | None = None, progress=None):
+                 data: torch.Tensor, valid: torch.Tensor, shard: tuple[int, int] | None = None, progress=None,
+                 on_step=None):
         self.peer, self.k, self.mcfg, self.tcfg, self.scfg = peer, k, mcfg, tcfg, scfg
         self.K, self.S, self.H = mcfg.n_blocks, tcfg.steps, scfg.steps_per_round
         if self.S % self.H:
             raise ValueError(f"{self.S} steps per block do not split into rounds of {self.H} steps")
         self.dir = Path(workdir)
         self.data, self.valid, self.shard = data, valid, shard
-        self.progress = progress or (lambda s: None)
+        self.progress = progress or (lambda s: None)  # events, as lines
+        self.on_step = on_step  # on_step(global step, total, loss, group size): a progress display
         self.relay = scfg.schedule == "relay"
         self.scope = "relay" if self.relay else f"block:{k}"
         self.plan = list(range(self.K)) if self.relay else [k]  # the blocks this peer trains, in order
@@ -571,6 +573,8 @@ class SwarmTrainer:
         else:
             unflatten_(self.params(), self.outer.step(start, avg))
         self.gstep += self.H
+        if self.on_step is not None:
+            self.on_step(self.gstep, self.total_steps, loss, len(members))
         await self._after_round(rnd, rep, loss, members, time.perf_counter() - t0)
 
     async def _timed(self, fn, *args):
@@ -686,6 +690,7 @@ class SwarmTrainer:
                 await asyncio.to_thread(self._save, self.gstep >= self.total_steps)
             if self.gstep % max(1, self.total_steps // 20) == 0:
                 self.peer.write_report()
+            if self.on_step is None and self.gstep % max(1, self.total_steps // 20) == 0:
                 self._say(f"step {self.gstep}/{self.total_steps} (block {self.block}), loss {self.last_loss:.4f}, "
                           f"group of {len(self.group.members())}")
         self._send(self.group.finish())

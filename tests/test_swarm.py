@@ -289,19 +289,19 @@ def test_relay_processes_survive_a_kill_at_a_block_change_a_restart_and_a_late_j
     boot = f"127.0.0.1:{ports[0]}"
     deadline = time.monotonic() + 240
     log = lambda i: open(tmp_path / f"log{i}", "a")  # noqa: E731
-    procs.append(subprocess.Popen(_peer_cmd(tmp_path, 0, ports[0], 0, extra=("--min-group", "3")), stderr=log(0)))
-    procs += [subprocess.Popen(_peer_cmd(tmp_path, i, ports[i], i, boot, extra=("--min-group", "3")), stderr=log(i))
+    procs.append(subprocess.Popen(_peer_cmd(tmp_path, 0, ports[0], 0, steps=500, extra=("--min-group", "3")), stderr=log(0)))
+    procs += [subprocess.Popen(_peer_cmd(tmp_path, i, ports[i], i, boot, steps=500, extra=("--min-group", "3")), stderr=log(i))
               for i in (1, 2)]
     _until(lambda: _training(tmp_path, 2).get("block_in_work") == 1, "peer 2 reaching block 1", deadline, procs)
     os.kill(procs[2].pid, signal.SIGKILL)  # at the block change: no goodbye, its sockets just close
     procs[2].wait(10)
-    procs.append(subprocess.Popen(_peer_cmd(tmp_path, 2, ports[2], 2, boot), stderr=log(2)))  # same work dir
-    procs.append(subprocess.Popen(_peer_cmd(tmp_path, 3, ports[3], 0, boot), stderr=log(3)))  # a late joiner
+    procs.append(subprocess.Popen(_peer_cmd(tmp_path, 2, ports[2], 2, boot, steps=500), stderr=log(2)))  # same work dir
+    procs.append(subprocess.Popen(_peer_cmd(tmp_path, 3, ports[3], 0, boot, steps=500), stderr=log(3)))  # a late joiner
     live = [procs[0], procs[1], procs[3], procs[4]]
     for p in live:
         assert p.wait(max(1, deadline - time.monotonic())) == 0, open(tmp_path / f"log{procs.index(p) % 4}").read()[-3000:]
     reps = [_training(tmp_path, i) for i in range(4)]
-    assert all(r["state"] == "done" and r["step"] == 450 for r in reps)
+    assert all(r["state"] == "done" and r["step"] == 1500 for r in reps)
     assert reps[2]["joins"] and reps[2]["joins"][-1]["how"] == "fetched the group's state"
     assert reps[3]["joins"][-1]["how"] == "fetched the group's state"
     victim = _report(tmp_path, 2)["peer_id"]
@@ -346,3 +346,32 @@ def test_a_stopped_peer_rejoins_its_group_and_ends_in_step(tmp_path, procs):
     lows = [[ckpt.load(tmp_path / f"w{i}" / "serve" / "lower-checkpoint" / ckpt.block_file(j)).sha256 for j in range(3)]
             for i in range(3)]
     assert lows[0] == lows[1] == lows[2]
+
+
+def test_a_whole_swarm_stopped_at_once_exits_quickly_with_its_reports(tmp_path, procs):
+    """Issue 14, item 5: SIGTERM to every training peer at once: each says goodbye, writes its
+    report and exits promptly (the figure is in the closing note; here, a generous bound)."""
+    from blocktrain.p2p.identity import new_swarm_key
+    new_swarm_key(tmp_path / "swarm.key")
+    ports = _ports(3)
+    boot = f"127.0.0.1:{ports[0]}"
+    for i in range(3):
+        cmd = [c for c in _peer_cmd(tmp_path, i, ports[i], i, boot if i else None, steps=100000,
+                                    extra=("--min-group", "3")) if c != "--exit-when-done"]
+        procs.append(subprocess.Popen(cmd, stderr=open(tmp_path / f"log{i}", "a")))
+    deadline = time.monotonic() + 120
+    _until(lambda: all(_training(tmp_path, i).get("step", 0) >= 20 for i in range(3)), "training", deadline, procs)
+    t0 = time.monotonic()
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    codes, took = [], []
+    for p in procs:
+        codes.append(p.wait(40))
+        took.append(round(time.monotonic() - t0, 1))
+    assert codes == [0, 0, 0] and max(took) < 25, (codes, took)
+    for i in range(3):
+        r = _report(tmp_path, i)
+        assert r["end_time"] >= r["start_time"] and r["training"]["step"] >= 20
+        # every link ended with a goodbye, from whichever side stopped first
+        assert all(t["sent"]["by_type"].get("goodbye") or t["received"]["by_type"].get("goodbye")
+                   for t in r["peers"].values())
