@@ -13,6 +13,19 @@ Rules:
 - Full-sequence output: input id ``MASK_ID`` marks a placeholder position; a model trained
   with masked future slots predicts, at each position, the byte after it, so a prompt of P bytes
   followed by N-1 placeholders yields N continuation bytes from one traversal.
+- One home per concept: ``Block.embed`` is the only place ids and positions become vectors (it
+  checks positions against ``max_seq_len``), ``Layer.forward(x, cache, mask)`` the only layer
+  step (with or without a KV cache), ``LocalHead`` the only readout.
+- Decoding (blocktrain.blocks.decode) gives new tokens explicit positions and an attention
+  structure over [cached prefix + new tokens]: ``parents[i]`` is the new token that token i
+  continues (-1: the cached prefix), so token i sees the whole cache, its ancestors and itself
+  (``tree_mask``); a causal chain is ``[-1, 0, 1, ...]``. A ``KVCache`` holds one layer's keys
+  and values; ``BlockCache.rollback`` keeps the accepted path only.
+- Batch-invariant decoding (``exact_rows``): the first ``exact_rows`` new tokens of a step get
+  results bitwise independent of what else shares the step and of where their visible keys sit
+  in the cache, so verifying many tokens per traversal reproduces one-token-per-step decoding
+  exactly. Their attention sums run sequentially over the keys (``_attend_sequential``), and a
+  step has at least ``MIN_ROWS`` rows (see there).
 """
 
 from __future__ import annotations
@@ -26,6 +39,13 @@ from torch.nn import functional as F
 
 VOCAB_SIZE = 256  # bytes
 MASK_ID = 256  # the placeholder input id; never an output
+# Matrix products with fewer rows than this run another MKL kernel whose per-row sums differ in
+# the last bits (measured on the 2-core box, torch 2.13 / MKL 2024.2: rows of F.linear and of
+# batched q@k^T, p@v are bitwise identical for every M >= 4, and differ for M = 1, 2, 3).
+# Batch-invariant decoding pads a step to this many rows; tests/test_decode.py checks the claim
+# on the machine it runs on. (A batched p @ v also depends on where zero weights sit among the
+# keys, which is why exact rows sum sequentially instead.)
+MIN_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -64,34 +84,158 @@ def config_from_dict(cls, d: dict):
     return cls(**d)
 
 
+class KVCache:
+    """Keys and values of one attention layer for one decoding session.
+
+    A buffer (allocated at the first write, grown by doubling) of which ``length`` entries are
+    in use: the committed positions, then the current step's new tokens (a tree may hold more
+    tokens than positions). ``write`` appends a step's keys and values; ``keep`` rolls back to
+    the accepted path.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.k: torch.Tensor | None = None  # (B, nh, capacity, hs)
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def write(self, k: torch.Tensor, v: torch.Tensor):
+        B, nh, T, hs = k.shape
+        if self.k is None or self.k.shape[0] != B or self.k.dtype != k.dtype:
+            assert self.length == 0, "cache batch or dtype changed mid-session"
+            self.k = k.new_zeros(B, nh, self.capacity, hs)
+            self.v = v.new_zeros(B, nh, self.capacity, hs)
+        end = self.length + T
+        if end > self.capacity:
+            self.capacity = max(end, 2 * self.capacity)
+            grown_k = self.k.new_zeros(B, nh, self.capacity, hs)
+            grown_v = self.v.new_zeros(B, nh, self.capacity, hs)
+            grown_k[:, :, :self.length] = self.k[:, :, :self.length]
+            grown_v[:, :, :self.length] = self.v[:, :, :self.length]
+            self.k, self.v = grown_k, grown_v
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+
+    def keep(self, base: int, keep: list[int]):
+        """Keep entries ``[0, base)`` and ``base + i`` for ``i`` in ``keep`` (ascending), compacted."""
+        if not 0 <= base <= self.length:
+            raise ValueError(f"rollback base {base} outside the cache's {self.length} entries")
+        idx = [base + i for i in keep]
+        if any(b <= a for a, b in zip(idx, idx[1:])) or (idx and (idx[0] < base or idx[-1] >= self.length)):
+            raise ValueError(f"rollback keep {keep} is not ascending within the {self.length - base} newest entries")
+        if idx and idx != list(range(base, base + len(idx))):
+            sel = torch.tensor(idx)
+            self.k[:, :, base:base + len(idx)] = self.k[:, :, sel]  # the gather copies before the write
+            self.v[:, :, base:base + len(idx)] = self.v[:, :, sel]
+        self.length = base + len(idx)
+
+
+def tree_mask(parents: list[int], past: int) -> torch.Tensor:
+    """(T, past + T) bool: new token i sees the cached prefix [0, past), its ancestors and itself.
+
+    ``parents[i]`` is the index of the new token that token i continues, -1 for the prefix;
+    a parent precedes its child. ``[-1, 0, 1, ...]`` is the causal chain.
+    """
+    T = len(parents)
+    if parents == list(range(-1, T - 1)):  # a chain: causal
+        return torch.ones(T, past + T, dtype=torch.bool).tril(diagonal=past)
+    anc = torch.zeros(T, T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if not (isinstance(p, int) and -1 <= p < i):
+            raise ValueError(f"parents[{i}] = {p!r}: a parent is -1 (the cached prefix) or an earlier new token")
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    return torch.cat([torch.ones(T, past, dtype=torch.bool), anc], dim=1)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each new token below the cached prefix (0 for children of the prefix)."""
+    depth: list[int] = []
+    for i, p in enumerate(parents):
+        if not (isinstance(p, int) and -1 <= p < i):
+            raise ValueError(f"parents[{i}] = {p!r}: a parent is -1 (the cached prefix) or an earlier new token")
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+class BlockCache:
+    """One decoding session's state in one block: a ``KVCache`` per layer, rolled back together."""
+
+    def __init__(self, block: "Block"):
+        cap = block.cfg.max_seq_len
+        self.layers = [KVCache(cap) for _ in block.layers]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def rollback(self, base: int, keep: list[int]):
+        """Keep entries ``[0, base)`` and ``base + i`` for ``i`` in ``keep``: the accepted path."""
+        for c in self.layers:
+            c.keep(base, keep)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.max_seq_len = cfg.max_seq_len
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x, cache: dict | None = None):
+    def forward(self, x, cache: KVCache | dict | None = None, mask: torch.Tensor | None = None,
+                exact_rows: int = 0):
+        """Causal self-attention, or ``mask`` (bool, True = may attend): (T, T) or (B, 1, T, T)
+        without a cache, (T, past + T) over [cache + new] with one. A ``dict`` cache (older
+        callers) holds a ``KVCache`` under "kv". The first ``exact_rows`` queries are computed
+        batch-invariantly (``_attend_sequential``; the caller gives T >= MIN_ROWS)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        if cache is not None and "k" in cache:
-            past = cache["k"].shape[2]
-            k = torch.cat([cache["k"], k], dim=2)
-            v = torch.cat([cache["v"], v], dim=2)
+        if isinstance(cache, dict):
+            cache = cache.setdefault("kv", KVCache(self.max_seq_len))
+        if cache is None:
+            if mask is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            past = 0
-        if cache is not None:
-            cache["k"], cache["v"] = k, v
-        if past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # new queries see every cached key and the new keys up to themselves
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            past = cache.length
+            cache.write(k, v)
+            if mask is None:  # new tokens see every cached key and the new keys up to themselves
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            assert mask.shape[-2:] == (T, past + T), f"mask {tuple(mask.shape)} for {T} new tokens after {past}"
+            keys, values = cache.k[:, :, :past + T], cache.v[:, :, :past + T]
+            n = exact_rows
+            if n:
+                assert T >= MIN_ROWS, f"exact rows need a step of >= {MIN_ROWS} rows, got {T}"
+                y_exact = _attend_sequential(q, keys, values, mask, n)
+            if n < T:
+                y_rest = F.scaled_dot_product_attention(q[:, :, n:], keys, values, attn_mask=mask[n:])
+            y = y_exact if n == T else y_rest if n == 0 else torch.cat([y_exact, y_rest], dim=2)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
+
+
+def _attend_sequential(q, keys, values, mask, n: int, chunk: int = 16):
+    """Attention of queries ``[0, n)``, each bitwise independent of the other queries and of
+    where its visible keys sit among masked ones: scores are per-element dot products (rows
+    >= MIN_ROWS), the softmax max is exact, and numerator and normaliser are sums accumulated in
+    key order by ``cumsum`` (a zero weight leaves a sequential sum unchanged)."""
+    m = max(n, MIN_ROWS)
+    s = (q[:, :, :m] @ keys.transpose(-2, -1))[:, :, :n] * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, n, L)
+    s = s.masked_fill(~mask[:n], float("-inf"))
+    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    vz = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # (B, nh, L, hs + 1): weights' sum last
+    out = []
+    for i in range(0, n, chunk):  # bounded memory: (B, nh, chunk, L, hs + 1)
+        acc = torch.cumsum(e[:, :, i:i + chunk, :, None] * vz[:, :, None], dim=3)[:, :, :, -1]
+        out.append(acc[..., :-1] / acc[..., -1:])
+    return torch.cat(out, dim=2)
 
 
 class Layer(nn.Module):
@@ -105,8 +249,9 @@ class Layer(nn.Module):
         self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
         self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
-    def forward(self, x, cache: dict | None = None):
-        x = x + self.attn(self.ln1(x), cache)
+    def forward(self, x, cache: KVCache | dict | None = None, mask: torch.Tensor | None = None,
+                exact_rows: int = 0):
+        x = x + self.attn(self.ln1(x), cache, mask, exact_rows)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
     def zero_output(self):
@@ -153,18 +298,56 @@ class Block(nn.Module):
     def is_first(self) -> bool:
         return self.index == 0
 
-    def embed(self, idx):
+    def embed(self, idx, positions=None):
+        """Ids (B, T) at ``positions`` ((T,) or (B, T); default 0..T-1) -> (B, T, C)."""
         B, T = idx.shape
-        assert T <= self.cfg.max_seq_len, f"sequence of {T} > max_seq_len {self.cfg.max_seq_len}"
-        pos = torch.arange(T, device=idx.device)
-        return self.tok(idx) + self.pos(pos)[None]  # (B, T, C)
+        if positions is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {T} bytes > max_seq_len {self.cfg.max_seq_len}")
+            positions = torch.arange(T, device=idx.device)
+        else:
+            positions = torch.as_tensor(positions, dtype=torch.long, device=idx.device)
+            assert positions.shape[-1] == T, f"{positions.shape[-1]} positions for {T} tokens"
+            if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.cfg.max_seq_len):
+                raise ValueError(f"positions {int(positions.min())}..{int(positions.max())} outside the "
+                                 f"embedding's [0, {self.cfg.max_seq_len}) (max_seq_len)")
+        pe = self.pos(positions)
+        return self.tok(idx) + (pe[None] if pe.dim() == 2 else pe)  # (B, T, C)
 
-    def trunk(self, x, caches: list | None = None):
-        """Input (ids for block 0, else a residual stream) -> this block's residual stream."""
-        h = self.embed(x) if self.is_first else x
+    def trunk(self, x, caches: list | None = None, positions=None, mask: torch.Tensor | None = None,
+              exact_rows: int = 0):
+        """Input (ids for block 0, else a residual stream) -> this block's residual stream.
+
+        ``caches``: one KV cache per layer (decoding); ``positions``: of the input tokens;
+        ``mask``: attention structure; ``exact_rows``: see ``Attention.forward``."""
+        h = self.embed(x, positions) if self.is_first else x
         for i, layer in enumerate(self.layers):
-            h = layer(h, None if caches is None else caches[i])
+            h = layer(h, None if caches is None else caches[i], mask, exact_rows)
         return h
+
+    def extend(self, x, cache: BlockCache, positions, mask: torch.Tensor, exact_rows: int = 0):
+        """Decoding step: new tokens (ids for block 0, else hidden (B, T, C)) at ``positions``
+        through this block's layers, attending over [cache + new] under ``mask`` (T, past + T);
+        their keys and values are appended to ``cache``. The first ``exact_rows`` tokens are
+        computed batch-invariantly (the step is padded to ``MIN_ROWS`` rows for them)."""
+        T = x.shape[1]
+        assert 0 <= exact_rows <= T, f"exact_rows {exact_rows} of {T} tokens"
+        pad = max(0, MIN_ROWS - T) if exact_rows else 0
+        if pad:  # dummy rows that see only themselves; their cache entries are dropped below
+            positions = torch.as_tensor(positions, dtype=torch.long)
+            positions = torch.cat([positions, positions[-1:].expand(pad)])
+            filler = torch.zeros(x.shape[0], pad, *x.shape[2:], dtype=x.dtype, device=x.device)
+            x = torch.cat([x, filler], dim=1)
+            past = mask.shape[1] - T
+            m = torch.zeros(T + pad, past + T + pad, dtype=torch.bool, device=mask.device)
+            m[:T, :past + T] = mask
+            m[T:, past + T:] = torch.eye(pad, dtype=torch.bool)
+            mask = m
+        h = self.trunk(x, cache.layers, positions, mask, exact_rows)
+        if pad:
+            for c in cache.layers:
+                c.length -= pad
+        return h[:, :T]
 
     def forward(self, x, targets=None):
         """``(hidden, loss)``: loss is the local objective when targets are given."""
@@ -253,8 +436,7 @@ class EndToEnd(nn.Module):
         """Forward ``idx`` at positions ``start..`` using and extending ``caches`` (KV per layer)."""
         b0 = self.blocks[0]
         T = idx.shape[1]
-        assert start + T <= self.cfg.max_seq_len, "KV cache past max_seq_len"
-        h = b0.tok(idx) + b0.pos(torch.arange(start, start + T))[None]
+        h = b0.embed(idx, torch.arange(start, start + T))
         for k, b in enumerate(self.blocks):
             for i, layer in enumerate(b.layers):
                 h = layer(h, caches[k][i])

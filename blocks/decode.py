@@ -1,0 +1,368 @@
+"""Decoding an assembled BlockTrain chain: autoregressive, and exact (draft, then verify).
+
+Rules:
+- Three parts, kept apart so that the network runs this code unchanged:
+  1. ``hop_step(block, cache, x, spec)``: one block's share of one traversal, a pure function of
+     the block, that block's ``BlockCache`` for the session, its input and the plain-data
+     ``spec``. In process, ``run_chain`` calls it block after block; over the network, hop k
+     calls it on the peer holding block k and forwards what it returns.
+  2. ``Session`` (sans-IO, no torch modules): ``next_spec()`` says what the next traversal feeds
+     the chain; ``feed(logits, drafts)`` takes the last hop's output for it and returns the bytes
+     accepted. It holds the bytes, the draft tree in flight and the sampling generator.
+  3. Drivers (``generate``): a session plus ``run_chain`` until the session is done.
+- Exact mode: every traversal verifies the drafts proposed by the previous one and proposes the
+  next. Greedy output is the argmax chain of the last head, byte for byte the autoregressive
+  output (``draft_len=0`` is autoregressive decoding: the same session, one byte per traversal).
+  With a temperature, drafts are verified by speculative sampling (Leviathan et al. 2023, Chen
+  et al. 2023; deterministic drafts, so q is one-hot: accept draft byte d with probability p(d),
+  else remove d from p, renormalise, and try the next sibling or sample): the output is
+  distributed as autoregressive sampling.
+- Numerics: a verifying traversal computes a position together with others (and tree branches
+  put its keys elsewhere in the cache), autoregressive decoding alone. ``invariant=True``
+  (default) makes the result of every non-slot token bitwise independent of that
+  (``Block.extend`` with ``exact_rows``), so greedy exact output is autoregressive output
+  exactly, also when hidden states are rounded between hops, provided both modes run this code
+  on the same hardware.
+
+A traversal's spec: a dict of ints, lists of ints and bools (msgpack-able), the same for every
+hop; each hop reads what it needs.
+
+| key | type | meaning |
+| --- | --- | --- |
+| ``base``, ``keep`` | int, list[int] | rollback first: keep cache entries ``[0, base)`` and ``base + i`` for each ``i`` in ``keep`` (ascending), compacted. A new session: 0, []. |
+| ``start`` | int | cache length after the rollback (``base + len(keep)``); a hop whose cache differs raises ``SessionMismatch`` (stale or lost session: rebuild it from the bytes). |
+| ``ids`` | list[int] | the new tokens: bytes, ``MASK_ID`` (256) for placeholders. Hop 0 embeds them; the others receive hidden states of ``len(ids)`` positions. |
+| ``positions`` | list[int] | absolute position of each new token (< ``max_seq_len``). |
+| ``parents`` | list[int] | attention structure: token i sees the cache, its ancestors and itself; ``parents[i]`` is the earlier new token it continues, -1 for the cached prefix (``tree_mask``). |
+| ``logits`` | list[int] | new tokens whose next-byte logits the last hop returns (the verified nodes). |
+| ``slots`` | list[list[int]] | per entry of ``logits``, the placeholder tokens of the slot branch after it (maybe none); the last hop returns their argmax bytes as that node's draft. |
+| ``invariant`` | bool | batch-invariant numerics (see above); the same for the whole session. |
+
+The last hop returns ``{"logits": (B, len(logits), 256) float, "drafts": (B, len(logits), S) long}``
+(-1 pads shorter branches; S = 0 when no slots). The session's ``feed`` takes exactly these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .model import MASK_ID, VOCAB_SIZE, Block, BlockCache, tree_mask
+
+
+class SessionMismatch(Exception):
+    """A hop's cache does not hold what the spec says it should (stale, lost or reordered)."""
+
+    def __init__(self, block: int, have: int, want: int):
+        super().__init__(f"block {block}: cache holds {have} positions after rollback, spec expects {want}")
+        self.block, self.have, self.want = block, have, want
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. One hop
+
+
+@torch.no_grad()
+def hop_step(block: Block, cache: BlockCache, x: torch.Tensor | None, spec: dict):
+    """Block ``block``'s share of one traversal; returns hidden states (B, T, C), or for the last
+    block of the chain ``{"logits", "drafts"}``. ``x``: hidden states from the hop below; for
+    block 0, None (ids from ``spec``) or an id tensor (B, T) for a batch of equal sessions."""
+    base, keep = spec["base"], spec["keep"]
+    if cache.length < base + (keep[-1] + 1 if keep else 0):  # it never held what the rollback keeps
+        raise SessionMismatch(block.index, cache.length, spec["start"])
+    cache.rollback(base, keep)
+    if cache.length != spec["start"]:
+        raise SessionMismatch(block.index, cache.length, spec["start"])
+    ids = spec["ids"]
+    if block.is_first and x is None:
+        x = torch.tensor([ids], dtype=torch.long)
+    assert x.shape[1] == len(ids), f"block {block.index}: input of {x.shape[1]} positions for {len(ids)} tokens"
+    mask = tree_mask(spec["parents"], cache.length)
+    exact = 0
+    if spec.get("invariant"):  # every token but the slot branches, which the session lays out last
+        exact = len(ids) - sum(len(s) for s in spec.get("slots") or [])
+        assert all(i >= exact for s in spec.get("slots") or [] for i in s), "slot tokens must come last"
+    h = block.extend(x, cache, spec["positions"], mask, exact_rows=exact)
+    if block.index < block.cfg.n_blocks - 1:
+        return h
+    return readout(block, h, spec)
+
+
+def readout(block: Block, h: torch.Tensor, spec: dict) -> dict:
+    """The last hop's answer: logits at ``spec["logits"]``, argmax bytes of the slot branches."""
+    logits = block.logits(h[:, spec["logits"]])
+    slots = spec.get("slots") or []
+    S = max((len(s) for s in slots), default=0)
+    drafts = torch.full((h.shape[0], len(spec["logits"]), S), -1, dtype=torch.long)
+    if S:
+        flat = [i for s in slots for i in s]
+        best = block.logits(h[:, flat]).argmax(-1)  # (B, total slots)
+        j = 0
+        for n, s in enumerate(slots):
+            drafts[:, n, :len(s)] = best[:, j:j + len(s)]
+            j += len(s)
+    return {"logits": logits, "drafts": drafts}
+
+
+def new_caches(blocks: list[Block]) -> list[BlockCache]:
+    return [BlockCache(b) for b in blocks]
+
+
+def run_chain(blocks: list[Block], caches: list[BlockCache], spec: dict, ids: torch.Tensor | None = None,
+              between=None) -> dict:
+    """One traversal in process. ``between(h)``: applied to the hidden states sent from a hop to
+    the next (e.g. the network's bf16 rounding)."""
+    x = ids
+    for k, (b, c) in enumerate(zip(blocks, caches)):
+        x = hop_step(b, c, x, spec)
+        if between is not None and k < len(blocks) - 1:
+            x = between(x)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The session (sans-IO)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_k: int = 0  # sample among the k most likely bytes; 0: all 256
+    seed: int = 0
+
+    def probs(self, logits) -> np.ndarray:
+        """The autoregressive sampling distribution for one position's logits (float64)."""
+        z = torch.as_tensor(logits, dtype=torch.float64) / self.temperature
+        if 0 < self.top_k < z.numel():
+            kth = torch.topk(z, self.top_k).values[-1]
+            z = torch.where(z < kth, torch.full_like(z, float("-inf")), z)
+        return torch.softmax(z, dim=-1).numpy()
+
+
+@dataclass
+class SessionStats:
+    traversals: int = 0
+    drafted: int = 0  # draft bytes sent for verification
+    accepted: int = 0  # of which accepted
+    new_tokens: int = 0  # positions computed by every hop, all traversals
+    accepted_by_source: dict = field(default_factory=dict)  # "model" / "lookup" -> accepted bytes
+    drafted_by_source: dict = field(default_factory=dict)
+
+    def bytes_per_traversal(self, n: int) -> float:
+        return n / max(1, self.traversals)
+
+
+class Session:
+    """Draft-and-verify decoding of ``n_bytes`` after ``prompt``, as plain data in and out.
+
+    ``draft_len``: bytes drafted per traversal (0: autoregressive, one byte per traversal).
+    ``slots``: placeholders after every verified node, whose argmax drafts the next traversal
+    (the chain's own draft; at most ``draft_len`` are used). ``lookup``: also draft by prompt
+    lookup (the longest earlier match of the last ``lookup`` bytes, then what followed it), as a
+    second branch of the draft tree. States: ``"spec"`` (call ``next_spec``), ``"output"`` (call
+    ``feed``), ``"done"``.
+    """
+
+    def __init__(self, prompt: bytes | list[int], n_bytes: int, max_seq_len: int, *, draft_len: int = 0,
+                 slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(), invariant: bool = True):
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("the prompt must hold at least one byte")
+        if n_bytes < 1:
+            raise ValueError("n_bytes must be >= 1")
+        if any(not 0 <= b < VOCAB_SIZE for b in prompt):
+            raise ValueError("prompt bytes must be in [0, 256)")
+        if len(prompt) + n_bytes - 1 > max_seq_len:
+            raise ValueError(f"prompt {len(prompt)} + {n_bytes} bytes needs {len(prompt) + n_bytes - 1} positions "
+                             f"> max_seq_len {max_seq_len}")
+        if sampling.temperature < 0 or sampling.top_k < 0:
+            raise ValueError("temperature and top_k must be >= 0")
+        self.tokens = prompt
+        self.n_prompt, self.n_bytes, self.max_seq_len = len(prompt), n_bytes, max_seq_len
+        self.draft_len, self.slots, self.lookup, self.sampling = draft_len, slots, lookup, sampling
+        self.invariant = invariant
+        self.rng = np.random.default_rng(sampling.seed)
+        self.cached = 0  # tokens whose keys are in every hop's cache once the next rollback is done
+        self.base, self.keep = 0, []  # rollback of the next spec
+        self.model_draft: list[int] = []  # from the last traversal's slots / draft module
+        self.state = "spec"
+        self.stats = SessionStats()
+        self._pending: dict | None = None
+
+    @property
+    def output(self) -> bytes:
+        return bytes(self.tokens[self.n_prompt:self.n_prompt + self.n_bytes])
+
+    def _left(self) -> int:
+        return self.n_bytes - (len(self.tokens) - self.n_prompt)
+
+    def _lookup_draft(self, n: int) -> list[int]:
+        t, m = self.tokens, self.lookup
+        for size in range(min(m, len(t) - 1), 0, -1):
+            key = t[-size:]
+            for s in range(len(t) - size - 1, -1, -1):  # the latest earlier occurrence
+                if t[s:s + size] == key:
+                    return t[s + size:s + size + n]
+        return []
+
+    def _draft_tree(self, budget: int) -> tuple[list[int], list[int], list[str]]:
+        """Draft nodes (ids, parents relative to the root's last token = -1, source)."""
+        branches = []
+        if budget > 0 and self.draft_len > 0:
+            if self.model_draft:
+                branches.append(("model", self.model_draft[:min(budget, self.draft_len)]))
+            if self.lookup:
+                branches.append(("lookup", self._lookup_draft(min(budget, self.draft_len))))
+        ids, parents, source = [], [], []
+        children: dict[tuple[int, int], int] = {}  # (parent, byte) -> node: branches share prefixes
+        for src, seq in branches:
+            parent = -1
+            for b in seq:
+                node = children.get((parent, b))
+                if node is None:
+                    node = len(ids)
+                    children[(parent, b)] = node
+                    ids.append(b)
+                    parents.append(parent)
+                    source.append(src)
+                parent = node
+        return ids, parents, source
+
+    def next_spec(self) -> dict:
+        assert self.state == "spec", f"next_spec() in state {self.state!r}"
+        root = self.tokens[self.cached:]  # committed bytes not in the caches yet (prompt, or the last byte)
+        R, start = len(root), self.cached
+        left = self._left()
+        # positions: root at start.., drafts below; the last verified node's slots go one further
+        room = self.max_seq_len - (start + R)  # positions free after the root
+        budget = min(left - 1, room)
+        d_ids, d_par, d_src = self._draft_tree(budget)
+        ids = list(root)
+        parents = [-1] + list(range(R - 1))
+        depth = list(range(R))
+        for b, p in zip(d_ids, d_par):
+            parents.append(R - 1 if p < 0 else R + p)
+            depth.append(depth[parents[-1]] + 1)
+            ids.append(b)
+        verify = [R - 1] + [R + i for i in range(len(d_ids))]
+        slot_lists = []
+        for v in verify:
+            s = min(self.slots, self.draft_len, left - 1 - (depth[v] - (R - 1)) - 1,
+                    self.max_seq_len - 1 - (start + depth[v]))
+            branch, parent = [], v
+            for j in range(max(0, s)):
+                ids.append(MASK_ID)
+                parents.append(parent)
+                depth.append(depth[parent] + 1)
+                parent = len(ids) - 1
+                branch.append(parent)
+            slot_lists.append(branch)
+        spec = {"base": self.base, "keep": list(self.keep), "start": start, "ids": ids,
+                "positions": [start + d for d in depth], "parents": parents, "logits": verify,
+                "slots": slot_lists, "invariant": self.invariant}
+        self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src}
+        self.stats.traversals += 1
+        self.stats.new_tokens += len(ids)
+        self.stats.drafted += len(d_ids)
+        for s in d_src:
+            self.stats.drafted_by_source[s] = self.stats.drafted_by_source.get(s, 0) + 1
+        self.state = "output"
+        return spec
+
+    def feed(self, logits, drafts=None) -> list[int]:
+        """The last hop's output for the spec just issued -> the bytes accepted (drafts + one)."""
+        assert self.state == "output", f"feed() in state {self.state!r}"
+        pend = self._pending
+        logits = torch.as_tensor(logits)
+        if logits.dim() == 3:
+            logits = logits[0]
+        d_ids, d_par, d_src = pend["d_ids"], pend["d_par"], pend["d_src"]
+        assert logits.shape == (1 + len(d_ids), VOCAB_SIZE), f"logits {tuple(logits.shape)} for {1 + len(d_ids)} nodes"
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(d_par):
+            children.setdefault(p, []).append(i)
+        node, path, out = -1, [], []
+        while True:
+            row = logits[node + 1]
+            kids = children.get(node, [])
+            nxt, byte = self._choose(row, [(k, d_ids[k]) for k in kids])
+            if nxt is None:
+                out.append(byte)  # the model's own byte: correction, or the bonus after a full match
+                break
+            path.append(nxt)
+            out.append(d_ids[nxt])
+            self.stats.accepted += 1
+            src = d_src[nxt]
+            self.stats.accepted_by_source[src] = self.stats.accepted_by_source.get(src, 0) + 1
+            node = nxt
+        R, start = pend["R"], pend["start"]
+        self.base = start
+        self.keep = list(range(R)) + [R + i for i in path]
+        self.cached = start + len(self.keep)
+        out = out[:self._left()]
+        self.tokens.extend(out)
+        if drafts is not None and torch.as_tensor(drafts).numel():
+            d = torch.as_tensor(drafts)
+            d = d[0] if d.dim() == 3 else d
+            row = d[node + 1].tolist()
+            self.model_draft = [b for b in row if b >= 0]
+        else:
+            self.model_draft = []
+        self._pending = None
+        self.state = "done" if self._left() <= 0 else "spec"
+        return out
+
+    def _choose(self, logits: torch.Tensor, kids: list[tuple[int, int]]) -> tuple[int | None, int]:
+        """(child accepted or None, its byte or the byte emitted instead)."""
+        if self.sampling.temperature == 0:
+            best = int(torch.argmax(logits))
+            for k, b in kids:
+                if b == best:
+                    return k, b
+            return None, best
+        p = self.sampling.probs(logits)
+        for k, b in kids:  # speculative sampling, one deterministic draft byte at a time
+            if p[b] > 0 and self.rng.random() < p[b]:
+                return k, b
+            p[b] = 0.0
+            total = p.sum()
+            if total <= 0:  # every possible byte was drafted and rejected: cannot happen for p summing to 1
+                raise AssertionError("speculative sampling exhausted the distribution")
+            p = p / total
+        return None, int(self.rng.choice(VOCAB_SIZE, p=p))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. In-process drivers
+
+
+def drive(session: Session, step) -> bytes:
+    """Run ``session`` to the end; ``step(spec) -> {"logits", "drafts"}`` is one traversal."""
+    while session.state != "done":
+        out = step(session.next_spec())
+        session.feed(out["logits"], out.get("drafts"))
+    return session.output
+
+
+@torch.no_grad()
+def generate(blocks: list[Block], prompt: bytes | list[int], n_bytes: int, *, draft_len: int = 0, slots: int = 0,
+             lookup: int = 0, sampling: Sampling = Sampling(), invariant: bool = True,
+             between=None) -> tuple[bytes, SessionStats]:
+    """Decode ``n_bytes`` after ``prompt`` with the chain ``blocks`` in process.
+
+    ``draft_len=0``: autoregressive (one traversal per byte). Otherwise exact mode with the
+    given drafts. ``between``: applied to hidden states between hops (network codec)."""
+    for b in blocks:
+        b.eval()
+    s = Session(prompt, n_bytes, blocks[0].cfg.max_seq_len, draft_len=draft_len, slots=slots, lookup=lookup,
+                sampling=sampling, invariant=invariant)
+    caches = new_caches(blocks)
+    drive(s, lambda spec: run_chain(blocks, caches, spec, between=between))
+    return s.output, s.stats
+
+
+def bf16_round(h: torch.Tensor) -> torch.Tensor:
+    """What the network's default codec does to hidden states between hops."""
+    return h.to(torch.bfloat16).to(h.dtype)
