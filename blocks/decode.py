@@ -36,6 +36,7 @@ hop; each hop reads what it needs.
 | ``parents`` | list[int] | attention structure: token i sees the cache, its ancestors and itself; ``parents[i]`` is the earlier new token it continues, -1 for the cached prefix (``tree_mask``). |
 | ``logits`` | list[int] | new tokens whose next-byte logits the last hop returns (the verified nodes). |
 | ``slots`` | list[list[int]] | per entry of ``logits``, the placeholder tokens of the slot branch after it (maybe none); the last hop returns their argmax bytes as that node's draft. |
+| ``draft`` | int | bytes the last block's draft model drafts after each entry of ``logits`` (0: none; then the slots draft). |
 | ``invariant`` | bool | batch-invariant numerics (see above); the same for the whole session. |
 
 The last hop returns ``{"logits": (B, len(logits), 256) float, "drafts": (B, len(logits), S) long}``
@@ -87,13 +88,19 @@ def hop_step(block: Block, cache: BlockCache, x: torch.Tensor | None, spec: dict
     h = block.extend(x, cache, spec["positions"], mask, exact_rows=exact)
     if block.index < block.cfg.n_blocks - 1:
         return h
-    return readout(block, h, spec)
+    return readout(block, cache, h, spec)
 
 
-def readout(block: Block, h: torch.Tensor, spec: dict) -> dict:
-    """The last hop's answer: logits at ``spec["logits"]``, argmax bytes of the slot branches."""
+def readout(block: Block, cache: BlockCache, h: torch.Tensor, spec: dict) -> dict:
+    """The last hop's answer: logits at ``spec["logits"]``; drafts from the draft model
+    (``spec["draft"]`` bytes per verified node) or else from the slot branches' argmax."""
     logits = block.logits(h[:, spec["logits"]])
     slots = spec.get("slots") or []
+    n_tokens = len(spec["ids"]) - sum(len(s) for s in slots)  # slot tokens come last
+    if block.drafter is not None:
+        drafts = drafter_step(block, cache, h[:, :n_tokens], spec, logits, spec.get("draft", 0))
+        if spec.get("draft", 0):
+            return {"logits": logits, "drafts": drafts}
     S = max((len(s) for s in slots), default=0)
     drafts = torch.full((h.shape[0], len(spec["logits"]), S), -1, dtype=torch.long)
     if S:
@@ -104,6 +111,44 @@ def readout(block: Block, h: torch.Tensor, spec: dict) -> dict:
             drafts[:, n, :len(s)] = best[:, j:j + len(s)]
             j += len(s)
     return {"logits": logits, "drafts": drafts}
+
+
+def drafter_step(block: Block, cache: BlockCache, f: torch.Tensor, spec: dict, logits: torch.Tensor,
+                 steps: int) -> torch.Tensor:
+    """The draft model's share of a traversal at the last hop.
+
+    Entries for the new (non-slot) tokens join its cache: token i pairs the feature of its
+    parent (the last cached token for the root) with its byte. Then, from every verified node v
+    at once, ``steps`` drafting steps: the first pairs v's feature with v's argmax byte (the
+    byte that will follow v if v is the last accepted node, under greedy decoding), each next
+    one the predicted feature with the byte just drafted. Returns (B, len(logits), steps)."""
+    d = block.drafter
+    B, n, C = f.shape
+    start = cache.features.length
+    parents = spec["parents"][:n]
+    if start:
+        last = cache.features.view()[:, start - 1:start]
+    else:
+        last = f.new_zeros(B, 1, C)
+    f_prev = torch.cat([last, f], dim=1)[:, [p + 1 for p in parents]]  # parent -1 -> the last cached
+    ids = torch.tensor([spec["ids"][:n]], dtype=torch.long).expand(B, n)
+    tree = tree_mask(parents, start)  # (n, start + n)
+    d(f_prev, ids, cache.drafter, tree)
+    cache.features.append(f)
+    verify = spec["logits"]
+    V = len(verify)
+    drafts = torch.full((B, V, steps), -1, dtype=torch.long)
+    if steps == 0 or V == 0:
+        return drafts
+    base = tree[verify]  # (V, start + n): what each verified node sees
+    own = torch.eye(V, dtype=torch.bool)
+    u, byte = f[:, verify], logits.argmax(-1)  # (B, V, C), (B, V)
+    for s in range(steps):
+        mask = torch.cat([base] + [own] * (s + 1), dim=1)  # + this node's previous steps and itself
+        u = d(u, byte, cache.drafter, mask)
+        byte = block.logits(u).argmax(-1)
+        drafts[:, :, s] = byte
+    return drafts
 
 
 def new_caches(blocks: list[Block]) -> list[BlockCache]:
@@ -158,15 +203,16 @@ class Session:
     """Draft-and-verify decoding of ``n_bytes`` after ``prompt``, as plain data in and out.
 
     ``draft_len``: bytes drafted per traversal (0: autoregressive, one byte per traversal).
-    ``slots``: placeholders after every verified node, whose argmax drafts the next traversal
-    (the chain's own draft; at most ``draft_len`` are used). ``lookup``: also draft by prompt
+    ``drafter``: the last block's draft model drafts them. ``slots``: placeholders after every
+    verified node, whose argmax drafts the next traversal (at most ``draft_len`` are used). ``lookup``: also draft by prompt
     lookup (the longest earlier match of the last ``lookup`` bytes, then what followed it), as a
     second branch of the draft tree. States: ``"spec"`` (call ``next_spec``), ``"output"`` (call
     ``feed``), ``"done"``.
     """
 
     def __init__(self, prompt: bytes | list[int], n_bytes: int, max_seq_len: int, *, draft_len: int = 0,
-                 slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(), invariant: bool = True):
+                 drafter: bool = False, slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(),
+                 invariant: bool = True):
         prompt = list(prompt)
         if not prompt:
             raise ValueError("the prompt must hold at least one byte")
@@ -179,9 +225,12 @@ class Session:
                              f"> max_seq_len {max_seq_len}")
         if sampling.temperature < 0 or sampling.top_k < 0:
             raise ValueError("temperature and top_k must be >= 0")
+        if drafter and slots:
+            raise ValueError("drafts come from the draft model or from slots, not both")
         self.tokens = prompt
         self.n_prompt, self.n_bytes, self.max_seq_len = len(prompt), n_bytes, max_seq_len
         self.draft_len, self.slots, self.lookup, self.sampling = draft_len, slots, lookup, sampling
+        self.drafter = drafter
         self.invariant = invariant
         self.rng = np.random.default_rng(sampling.seed)
         self.cached = 0  # tokens whose keys are in every hop's cache once the next rollback is done
@@ -261,7 +310,8 @@ class Session:
             slot_lists.append(branch)
         spec = {"base": self.base, "keep": list(self.keep), "start": start, "ids": ids,
                 "positions": [start + d for d in depth], "parents": parents, "logits": verify,
-                "slots": slot_lists, "invariant": self.invariant}
+                "slots": slot_lists, "draft": min(self.draft_len, max(0, left - 2)) if self.drafter else 0,
+                "invariant": self.invariant}
         self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src}
         self.stats.traversals += 1
         self.stats.new_tokens += len(ids)
@@ -347,17 +397,17 @@ def drive(session: Session, step) -> bytes:
 
 
 @torch.no_grad()
-def generate(blocks: list[Block], prompt: bytes | list[int], n_bytes: int, *, draft_len: int = 0, slots: int = 0,
-             lookup: int = 0, sampling: Sampling = Sampling(), invariant: bool = True,
-             between=None) -> tuple[bytes, SessionStats]:
+def generate(blocks: list[Block], prompt: bytes | list[int], n_bytes: int, *, draft_len: int = 0,
+             drafter: bool = False, slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(),
+             invariant: bool = True, between=None) -> tuple[bytes, SessionStats]:
     """Decode ``n_bytes`` after ``prompt`` with the chain ``blocks`` in process.
 
     ``draft_len=0``: autoregressive (one traversal per byte). Otherwise exact mode with the
     given drafts. ``between``: applied to hidden states between hops (network codec)."""
     for b in blocks:
         b.eval()
-    s = Session(prompt, n_bytes, blocks[0].cfg.max_seq_len, draft_len=draft_len, slots=slots, lookup=lookup,
-                sampling=sampling, invariant=invariant)
+    s = Session(prompt, n_bytes, blocks[0].cfg.max_seq_len, draft_len=draft_len, drafter=drafter, slots=slots,
+                lookup=lookup, sampling=sampling, invariant=invariant)
     caches = new_caches(blocks)
     drive(s, lambda spec: run_chain(blocks, caches, spec, between=between))
     return s.output, s.stats

@@ -58,11 +58,13 @@ class ModelConfig:
     mlp_ratio: int = 4  # MLP hidden = mlp_ratio * d_model
     head_layers: int = 1  # extra Transformer layers in the local heads of blocks 0..K-2
     identity_init: bool = True  # blocks 1..K-1 start as the identity (zeroed output projections)
+    draft_layers: int = 1  # layers of the last block's draft model (exact-mode drafts, ``Drafter``); 0: none
 
     def __post_init__(self):
         assert self.d_model % self.n_head == 0, f"d_model {self.d_model} % n_head {self.n_head} != 0"
         assert self.n_layer % self.n_blocks == 0, f"n_layer {self.n_layer} % n_blocks {self.n_blocks} != 0"
         assert self.head_layers >= 0, "head_layers must be >= 0"
+        assert self.draft_layers >= 0, "draft_layers must be >= 0"
 
     @property
     def layers_per_block(self) -> int:
@@ -73,7 +75,16 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        """Missing keys take their defaults, except in a complete config saved before a field
+        existed, which takes the value that reproduces the model it describes (``LEGACY``)."""
+        older = {f.name for f in fields(cls)} - set(LEGACY)
+        if older <= set(d):
+            d = {**{k: v for k, v in LEGACY.items() if k not in d}, **d}
         return config_from_dict(cls, d)
+
+
+# Fields added after the first checkpoints, with the value a config saved before them means.
+LEGACY = {"draft_layers": 0}
 
 
 def config_from_dict(cls, d: dict):
@@ -84,38 +95,38 @@ def config_from_dict(cls, d: dict):
     return cls(**d)
 
 
-class KVCache:
-    """Keys and values of one attention layer for one decoding session.
+class Entries:
+    """A growable buffer of per-token entries along dim -2 (keys (B, nh, L, hs), features (B, L, C)).
 
-    A buffer (allocated at the first write, grown by doubling) of which ``length`` entries are
-    in use: the committed positions, then the current step's new tokens (a tree may hold more
-    tokens than positions). ``write`` appends a step's keys and values; ``keep`` rolls back to
-    the accepted path.
+    Allocated at the first ``append`` (zeros), grown by doubling; ``length`` entries in use.
+    ``keep`` rolls back to an accepted path.
     """
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.k: torch.Tensor | None = None  # (B, nh, capacity, hs)
-        self.v: torch.Tensor | None = None
+        self.buf: torch.Tensor | None = None
         self.length = 0
 
-    def write(self, k: torch.Tensor, v: torch.Tensor):
-        B, nh, T, hs = k.shape
-        if self.k is None or self.k.shape[0] != B or self.k.dtype != k.dtype:
-            assert self.length == 0, "cache batch or dtype changed mid-session"
-            self.k = k.new_zeros(B, nh, self.capacity, hs)
-            self.v = v.new_zeros(B, nh, self.capacity, hs)
+    def append(self, x: torch.Tensor):
+        T = x.shape[-2]
+        if x.requires_grad and torch.is_grad_enabled():  # training through the cache: no in-place writes
+            self.buf = x if self.buf is None else torch.cat([self.buf[..., :self.length, :], x], dim=-2)
+            self.length = self.capacity = self.buf.shape[-2]
+            return
+        if self.buf is None or self.buf.shape[:-2] != x.shape[:-2] or self.buf.dtype != x.dtype:
+            assert self.length == 0, "cache batch, shape or dtype changed mid-session"
+            self.buf = x.new_zeros(*x.shape[:-2], self.capacity, x.shape[-1])
         end = self.length + T
         if end > self.capacity:
             self.capacity = max(end, 2 * self.capacity)
-            grown_k = self.k.new_zeros(B, nh, self.capacity, hs)
-            grown_v = self.v.new_zeros(B, nh, self.capacity, hs)
-            grown_k[:, :, :self.length] = self.k[:, :, :self.length]
-            grown_v[:, :, :self.length] = self.v[:, :, :self.length]
-            self.k, self.v = grown_k, grown_v
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
+            grown = self.buf.new_zeros(*self.buf.shape[:-2], self.capacity, self.buf.shape[-1])
+            grown[..., :self.length, :] = self.buf[..., :self.length, :]
+            self.buf = grown
+        self.buf[..., self.length:end, :] = x
         self.length = end
+
+    def view(self) -> torch.Tensor:
+        return self.buf[..., :self.length, :]
 
     def keep(self, base: int, keep: list[int]):
         """Keep entries ``[0, base)`` and ``base + i`` for ``i`` in ``keep`` (ascending), compacted."""
@@ -125,10 +136,41 @@ class KVCache:
         if any(b <= a for a, b in zip(idx, idx[1:])) or (idx and (idx[0] < base or idx[-1] >= self.length)):
             raise ValueError(f"rollback keep {keep} is not ascending within the {self.length - base} newest entries")
         if idx and idx != list(range(base, base + len(idx))):
-            sel = torch.tensor(idx)
-            self.k[:, :, base:base + len(idx)] = self.k[:, :, sel]  # the gather copies before the write
-            self.v[:, :, base:base + len(idx)] = self.v[:, :, sel]
+            self.buf[..., base:base + len(idx), :] = self.buf[..., idx, :]  # the gather copies before the write
         self.length = base + len(idx)
+
+
+class KVCache:
+    """Keys and values of one attention layer for one decoding session: the committed
+    positions, then the current step's new tokens (a tree may hold more tokens than positions)."""
+
+    def __init__(self, capacity: int):
+        self.keys, self.values = Entries(capacity), Entries(capacity)
+
+    @property
+    def length(self) -> int:
+        return self.keys.length
+
+    @length.setter
+    def length(self, n: int):
+        assert 0 <= n <= self.keys.length, f"cannot grow a cache by setting its length to {n}"
+        self.keys.length = self.values.length = n
+
+    @property
+    def k(self) -> torch.Tensor:  # (B, nh, L, hs), all allocated entries
+        return self.keys.buf
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.values.buf
+
+    def write(self, k: torch.Tensor, v: torch.Tensor):
+        self.keys.append(k)
+        self.values.append(v)
+
+    def keep(self, base: int, keep: list[int]):
+        self.keys.keep(base, keep)
+        self.values.keep(base, keep)
 
 
 def tree_mask(parents: list[int], past: int) -> torch.Tensor:
@@ -161,11 +203,17 @@ def tree_depths(parents: list[int]) -> list[int]:
 
 
 class BlockCache:
-    """One decoding session's state in one block: a ``KVCache`` per layer, rolled back together."""
+    """One decoding session's state in one block: a ``KVCache`` per layer; with a draft model,
+    also its layers' caches and the block's output feature of every cached token. Entry i of
+    each is the session's i-th token (the draft model's cache also holds the drafting steps of
+    the current traversal, past the tokens); all roll back together."""
 
     def __init__(self, block: "Block"):
         cap = block.cfg.max_seq_len
         self.layers = [KVCache(cap) for _ in block.layers]
+        d = block.drafter
+        self.drafter = [KVCache(cap) for _ in d.layers] if d is not None else []
+        self.features = Entries(cap) if d is not None else None  # (B, L, C)
 
     @property
     def length(self) -> int:
@@ -173,8 +221,10 @@ class BlockCache:
 
     def rollback(self, base: int, keep: list[int]):
         """Keep entries ``[0, base)`` and ``base + i`` for ``i`` in ``keep``: the accepted path."""
-        for c in self.layers:
+        for c in self.layers + self.drafter:
             c.keep(base, keep)
+        if self.features is not None:
+            self.features.keep(base, keep)
 
 
 class Attention(nn.Module):
@@ -276,6 +326,31 @@ class LocalHead(nn.Module):
         return self.lm(self.ln(h))  # (B, T, 256)
 
 
+class Drafter(nn.Module):
+    """Exact mode's draft model on the last block (EAGLE-style, Li et al. 2024).
+
+    Entry t pairs the block's output feature at t-1 with the byte at t and predicts the
+    feature at t; read out through the block's own head, it drafts the byte at t+1. Fed its own
+    prediction and draft byte, it drafts further. It attends over the entries of the session
+    (its own KV cache). Trained with the chain frozen (``TrainConfig.draft_steps``): the
+    chain's next-byte predictions are untouched.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB_SIZE + 1, cfg.d_model)  # + MASK_ID (a placeholder fed as a token)
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.inp = nn.Linear(2 * cfg.d_model, cfg.d_model)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.draft_layers))
+
+    def forward(self, f_prev, ids, caches: list | None = None, mask: torch.Tensor | None = None):
+        """(B, T, C) features of the previous tokens, (B, T) bytes -> (B, T, C) predicted features."""
+        u = self.inp(torch.cat([self.ln(f_prev), self.tok(ids)], dim=-1))
+        for i, layer in enumerate(self.layers):
+            u = layer(u, None if caches is None else caches[i], mask)
+        return u
+
+
 class Block(nn.Module):
     """Block ``index`` of the model: [embeddings] + layers + [local head]."""
 
@@ -289,6 +364,7 @@ class Block(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.layers_per_block))
         top = index == cfg.n_blocks - 1
         self.head = LocalHead(cfg, 0 if top else cfg.head_layers) if with_head else None
+        self.drafter = Drafter(cfg) if (top and with_head and cfg.draft_layers > 0) else None
         self.apply(_init_weights)
         if index > 0 and cfg.identity_init:
             for layer in self.layers:
@@ -480,6 +556,15 @@ def train_flops_per_token(cfg: ModelConfig, block: int | None, seq_len: int) -> 
     head = 0 if block == cfg.n_blocks - 1 else cfg.head_layers
     frozen = matmul_flops_per_token(cfg, block * L, 0, seq_len) - 2 * cfg.d_model * VOCAB_SIZE
     return 3 * matmul_flops_per_token(cfg, L, head, seq_len) + frozen
+
+
+def draft_flops_per_token(cfg: ModelConfig, seq_len: int, unroll: int) -> int:
+    """Draft-phase FLOPs per token: the frozen chain forward once, the draft model (input
+    projection, layers, readout) trained (3x forward) at every unrolled step."""
+    d = cfg.d_model
+    chain = matmul_flops_per_token(cfg, cfg.n_layer, 0, seq_len)
+    draft = matmul_flops_per_token(cfg, cfg.draft_layers, 0, unroll * seq_len) + 2 * 2 * d * d
+    return chain + 3 * unroll * draft
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, decay_start: int, decay_end: int, floor: float) -> float:

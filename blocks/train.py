@@ -8,6 +8,9 @@ Rules:
   step s continues with exactly the batches s, s+1, ...
 - A schedule says, per block, when (in wall steps) it trains and with which learning rates; all
   schedules give every block the same number of optimizer steps on the same number of bytes.
+- Draft phase: after its steps, the last block's draft model (``model.Drafter``) trains for
+  ``draft_steps`` more steps with everything else frozen (its own optimizer), on the chain's
+  own next-byte distributions (self-distillation, ``draft_loss``): next-byte CE is unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch.nn import functional as F
 
 from . import checkpoint as ckpt
 from .data import ByteBatches, eval_windows
-from .model import MASK_ID, Block, EndToEnd, ModelConfig, config_from_dict, lr_at
+from .model import MASK_ID, Block, EndToEnd, KVCache, ModelConfig, config_from_dict, lr_at
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class TrainConfig:
     eval_every: int = 100  # steps between curve points (valid CE on eval_windows windows)
     eval_windows: int = 32
     grad_clip: float = 1.0
+    draft_steps: int = 600  # draft phase of the last block's draft model (0: none), on top of ``steps``
+    draft_unroll: int = 3  # drafting steps unrolled in training (the draft model reads its own predictions)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -62,6 +67,47 @@ def mask_tail(x: torch.Tensor, frac: float, step: int, seed: int) -> torch.Tenso
     pos = torch.arange(T)[None, :]
     masked = rows[:, None] & (pos >= (T - length)[:, None])
     return torch.where(masked, torch.full_like(x, MASK_ID), x)
+
+
+def draft_masks(T: int, unroll: int) -> list[torch.Tensor]:
+    """Attention of unrolled drafting step s (1-based) over the entries of steps 1..s, (T, s*T).
+
+    Step 1 is teacher-forced (entry q: feature q-1, byte q; causal). Entry q of step s >= 2 reads
+    step s-1's prediction at q-1 and byte q, as drafting s bytes past the last accepted token
+    does: it sees step-1 entries up to q-s+1, the entry of step j at q-s+j (1 < j < s) and itself.
+    """
+    q = torch.arange(T)[:, None]
+    k = torch.arange(T)[None, :]
+    masks = [k <= q]
+    for s in range(2, unroll + 1):
+        blocks = [k <= q - s + 1] + [k == q - s + j for j in range(2, s)] + [k == q]
+        masks.append(torch.cat(blocks, dim=1))
+    return masks
+
+
+def draft_loss(block: Block, f: torch.Tensor, x: torch.Tensor, unroll: int = 1) -> tuple[torch.Tensor, list[float]]:
+    """The draft model's objective on one batch: ``f`` (B, T, C) the block's output features
+    (no gradient), ``x`` (B, T) the input bytes. At every unrolled step, KL from the block's own
+    next-byte distribution to the draft's, plus a smooth-L1 pull of the predicted feature to the
+    true one (EAGLE). Returns the loss and the KL per step (for logs)."""
+    d = block.drafter
+    assert d is not None, "this block has no draft model"
+    B, T, C = f.shape
+    with torch.no_grad():
+        teacher = F.log_softmax(block.logits(f), dim=-1)  # (B, T, 256)
+    caches = [KVCache(unroll * T) for _ in d.layers]
+    prev = torch.cat([f.new_zeros(B, 1, C), f[:, :-1]], dim=1)  # entry q pairs feature q-1 with byte q
+    total, kls = 0.0, []
+    for s, mask in enumerate(draft_masks(T, unroll), start=1):
+        u = d(prev, x, caches, mask)
+        valid = slice(s - 1, T)  # entries q < s-1 have no step-(s-1) prediction before them
+        logq = F.log_softmax(block.logits(u[:, valid]), dim=-1)
+        kl = F.kl_div(logq, teacher[:, valid], log_target=True, reduction="batchmean") / (T - s + 1)
+        reg = F.smooth_l1_loss(u[:, valid], f[:, valid])
+        total = total + kl + reg
+        kls.append(kl.item())
+        prev = torch.cat([f.new_zeros(B, 1, C), u[:, :-1]], dim=1)
+    return total / unroll, kls
 
 
 def _adamw(params, cfg: TrainConfig):
@@ -140,6 +186,31 @@ class BlockTrainer:
         self.opt.step()
         self.step += 1
         return total
+
+    def draft_step(self) -> list[float]:
+        """One step of the draft phase (last block only): the draft model learns the chain's
+        next-byte distributions with every other parameter frozen. Returns the KL per step."""
+        t = self.tcfg
+        assert self.block.drafter is not None, f"block {self.k} has no draft model"
+        if not hasattr(self, "draft_opt"):
+            self.draft_opt = _adamw(list(self.block.drafter.parameters()), t)
+            self.draft_done = 0
+        x, _ = self.batches.batch(t.steps + self.draft_done)  # the batches after the block's own
+        decay = int(t.draft_steps * (1 - t.decay_frac))
+        for g in self.draft_opt.param_groups:
+            g["lr"] = lr_at(self.draft_done, t.draft_steps, t.lr, t.warmup, decay, t.draft_steps, t.lr_floor)
+        self.block.eval()  # the trunk and head run frozen
+        self.block.drafter.train()
+        with torch.no_grad():
+            f = self.block.trunk(self.lower_hidden(x) if self.k > 0 else x)
+        loss, kls = draft_loss(self.block, f, x, t.draft_unroll)
+        self.draft_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.block.drafter.parameters(), t.grad_clip)
+        self.draft_opt.step()
+        self.block.zero_grad(set_to_none=True)  # the frozen head saw gradients pass through it
+        self.draft_done += 1
+        return kls
 
     def checkpoint(self) -> ckpt.Checkpoint:
         names = {p: n for n, p in self.block.named_parameters()}

@@ -130,6 +130,29 @@ def test_one_traversal_generation_returns_n_bytes():
         asm.generate_one_traversal(prompt, 60)  # past max_seq_len
 
 
+def test_draft_phase_trains_the_draft_model_only(valid):
+    tc = TrainConfig(**{**TCFG.to_dict(), "draft_steps": 25, "draft_unroll": 2})
+    t = BlockTrainer(TINY, tc, 2, valid)
+    t.set_lower([snapshot(Block(TINY, 0)), snapshot(Block(TINY, 1))])
+    for _ in range(10):
+        t.train_step()
+    before = {n: p.detach().clone() for n, p in t.block.named_parameters() if not n.startswith("drafter.")}
+    first = t.draft_step()
+    for _ in range(24):
+        kls = t.draft_step()
+    assert len(kls) == 2 and kls[0] < first[0] * 0.7, (first, kls)
+    for n, p in t.block.named_parameters():
+        if not n.startswith("drafter."):
+            assert torch.equal(p, before[n]), f"{n} changed in the draft phase"
+
+
+def test_configs_saved_before_draft_models_still_load():
+    old = {k: v for k, v in TINY.to_dict().items() if k != "draft_layers"}  # a checkpoint's complete config
+    assert ModelConfig.from_dict(old).draft_layers == 0
+    assert Block(ModelConfig.from_dict(old), 2).drafter is None
+    assert ModelConfig.from_dict({"d_model": 64, "n_head": 2}).draft_layers == ModelConfig().draft_layers
+
+
 def test_mask_tail_keeps_targets_and_marks_suffix():
     x = torch.randint(0, 256, (64, 20))
     m = mask_tail(x, 1.0, 3, 0)

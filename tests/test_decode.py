@@ -77,7 +77,7 @@ def test_exact_greedy_equals_autoregressive(n_blocks, invariant):
         if i < 2:
             assert ar == ar_reference(blocks, prompt, n)
         for kw in ({"draft_len": 5, "slots": 5}, {"draft_len": 6, "lookup": 3},
-                   {"draft_len": 4, "slots": 4, "lookup": 2}):
+                   {"draft_len": 4, "slots": 4, "lookup": 2}, {"draft_len": 4, "drafter": True, "lookup": 2}):
             out, st = generate(blocks, prompt, n, invariant=invariant, **kw)
             assert out == ar, (prompt, kw)
         # drafts that are mostly right: many accepted bytes per traversal, rollback at every depth
@@ -123,6 +123,45 @@ def test_tree_attention_equals_separate_causal_forwards():
                 j = parents[j]
             want = asm(torch.tensor([prefix + path[::-1]]))[0, -1]
             assert torch.allclose(got[i], want, atol=1e-4), (invariant, i)
+
+
+def test_drafter_drafts_equal_a_reference_run():
+    """The draft model's drafts from every verified node of a tree equal a from-scratch run:
+    features of the node's whole prefix, entries (feature t-1, byte t), then drafting steps."""
+    blocks = tiny_chain(2, seed=4)
+    last = blocks[-1]
+    prefix = list(b"drafting ahead")
+    ids, parents = [ord("a"), ord("b"), ord("c"), ord("x")], [-1, 0, 1, 0]
+    P, steps = len(prefix), 3
+    caches = new_caches(blocks)
+    run_chain(blocks, caches, {"base": 0, "keep": [], "start": 0, "ids": prefix, "positions": list(range(P)),
+                               "parents": list(range(-1, P - 1)), "logits": [P - 1], "slots": []})
+    depth = [0, 1, 2, 1]
+    spec = {"base": P, "keep": [], "start": P, "ids": ids, "positions": [P + d for d in depth], "parents": parents,
+            "logits": [0, 1, 2, 3], "slots": [], "draft": steps}
+    out = run_chain(blocks, caches, spec)
+    for v in range(4):
+        path, j = [], v
+        while j >= 0:
+            path.append(ids[j])
+            j = parents[j]
+        seq = torch.tensor([prefix + path[::-1]])
+        h = seq
+        for b in blocks:
+            h = b.trunk(h)
+        f = h  # (1, n, C)
+        prev = torch.cat([torch.zeros(1, 1, f.shape[-1]), f[:, :-1]], 1)
+        byte = int(last.logits(f)[0, -1].argmax())
+        feats, toks, want = prev, seq, []
+        cur = f[:, -1:]
+        for _ in range(steps):
+            feats = torch.cat([feats, cur], 1)
+            toks = torch.cat([toks, torch.tensor([[byte]])], 1)
+            u = last.drafter(feats, toks)  # causal, no cache
+            cur = u[:, -1:]
+            byte = int(last.logits(cur)[0, -1].argmax())
+            want.append(byte)
+        assert out["drafts"][0, v].tolist() == want, v
 
 
 def test_tree_mask_shape_and_errors():
