@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .model import MASK_ID, VOCAB_SIZE, Block, BlockCache, tree_mask
+from .model import MASK_ID, VOCAB_SIZE, Block, BlockCache, tree_mask, tree_offsets
 
 
 class SessionMismatch(Exception):
@@ -85,7 +85,8 @@ def hop_step(block: Block, cache: BlockCache, x: torch.Tensor | None, spec: dict
     if spec.get("invariant"):  # every token but the slot branches, which the session lays out last
         exact = len(ids) - sum(len(s) for s in spec.get("slots") or [])
         assert all(i >= exact for s in spec.get("slots") or [] for i in s), "slot tokens must come last"
-    h = block.extend(x, cache, spec["positions"], mask, exact_rows=exact)
+    offsets = tree_offsets(ids, spec["parents"]) if block.is_first else None
+    h = block.extend(x, cache, spec["positions"], mask, exact_rows=exact, offsets=offsets)
     if block.index < block.cfg.n_blocks - 1:
         return h
     return readout(block, cache, h, spec)
@@ -194,6 +195,7 @@ class SessionStats:
     new_tokens: int = 0  # positions computed by every hop, all traversals
     accepted_by_source: dict = field(default_factory=dict)  # "model" / "lookup" -> accepted bytes
     drafted_by_source: dict = field(default_factory=dict)
+    accept_hist: dict = field(default_factory=dict)  # draft bytes accepted in a traversal -> traversals
 
     def bytes_per_traversal(self, n: int) -> float:
         return n / max(1, self.traversals)
@@ -347,6 +349,7 @@ class Session:
             src = d_src[nxt]
             self.stats.accepted_by_source[src] = self.stats.accepted_by_source.get(src, 0) + 1
             node = nxt
+        self.stats.accept_hist[len(path)] = self.stats.accept_hist.get(len(path), 0) + 1
         R, start = pend["R"], pend["start"]
         self.base = start
         self.keep = list(range(R)) + [R + i for i in path]

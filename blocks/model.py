@@ -59,12 +59,14 @@ class ModelConfig:
     head_layers: int = 1  # extra Transformer layers in the local heads of blocks 0..K-2
     identity_init: bool = True  # blocks 1..K-1 start as the identity (zeroed output projections)
     draft_layers: int = 1  # layers of the last block's draft model (exact-mode drafts, ``Drafter``); 0: none
+    slot_offsets: int = 16  # learned embeddings of a placeholder's offset after the last byte (clamped); 0: none
 
     def __post_init__(self):
         assert self.d_model % self.n_head == 0, f"d_model {self.d_model} % n_head {self.n_head} != 0"
         assert self.n_layer % self.n_blocks == 0, f"n_layer {self.n_layer} % n_blocks {self.n_blocks} != 0"
         assert self.head_layers >= 0, "head_layers must be >= 0"
         assert self.draft_layers >= 0, "draft_layers must be >= 0"
+        assert self.slot_offsets >= 0, "slot_offsets must be >= 0"
 
     @property
     def layers_per_block(self) -> int:
@@ -84,7 +86,7 @@ class ModelConfig:
 
 
 # Fields added after the first checkpoints, with the value a config saved before them means.
-LEGACY = {"draft_layers": 0}
+LEGACY = {"draft_layers": 0, "slot_offsets": 0}
 
 
 def config_from_dict(cls, d: dict):
@@ -190,6 +192,15 @@ def tree_mask(parents: list[int], past: int) -> torch.Tensor:
             anc[i] = anc[p]
         anc[i, i] = True
     return torch.cat([torch.ones(T, past, dtype=torch.bool), anc], dim=1)
+
+
+def tree_offsets(ids: list[int], parents: list[int]) -> list[int]:
+    """Per new token: 0 for a byte, else 1 + its parent's offset (placeholders after the last
+    byte; the cached prefix holds bytes only)."""
+    off: list[int] = []
+    for i, p in zip(ids, parents):
+        off.append(0 if i != MASK_ID else 1 + (off[p] if p >= 0 else 0))
+    return off
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -361,6 +372,8 @@ class Block(nn.Module):
         if index == 0:
             self.tok = nn.Embedding(VOCAB_SIZE + 1, cfg.d_model)  # + MASK_ID
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            if cfg.slot_offsets:
+                self.slot_off = nn.Embedding(cfg.slot_offsets, cfg.d_model)  # placeholder j bytes after the last byte
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.layers_per_block))
         top = index == cfg.n_blocks - 1
         self.head = LocalHead(cfg, 0 if top else cfg.head_layers) if with_head else None
@@ -374,8 +387,12 @@ class Block(nn.Module):
     def is_first(self) -> bool:
         return self.index == 0
 
-    def embed(self, idx, positions=None):
-        """Ids (B, T) at ``positions`` ((T,) or (B, T); default 0..T-1) -> (B, T, C)."""
+    def embed(self, idx, positions=None, offsets=None):
+        """Ids (B, T) at ``positions`` ((T,) or (B, T); default 0..T-1) -> (B, T, C).
+
+        A placeholder (``MASK_ID``) also gets the embedding of its offset: how many tokens after
+        the last byte it continues (``offsets`` (B, T) or (T,); default: counted along the
+        sequence, ``slot_offsets``)."""
         B, T = idx.shape
         if positions is None:
             if T > self.cfg.max_seq_len:
@@ -388,20 +405,28 @@ class Block(nn.Module):
                 raise ValueError(f"positions {int(positions.min())}..{int(positions.max())} outside the "
                                  f"embedding's [0, {self.cfg.max_seq_len}) (max_seq_len)")
         pe = self.pos(positions)
-        return self.tok(idx) + (pe[None] if pe.dim() == 2 else pe)  # (B, T, C)
+        x = self.tok(idx) + (pe[None] if pe.dim() == 2 else pe)  # (B, T, C)
+        if self.cfg.slot_offsets:
+            is_slot = idx == MASK_ID
+            if offsets is None:
+                offsets = placeholder_offsets(idx)
+            off = torch.as_tensor(offsets, dtype=torch.long, device=idx.device).expand(B, T)
+            slot = self.slot_off((off.clamp(1, self.cfg.slot_offsets) - 1))
+            x = x + torch.where(is_slot[..., None], slot, torch.zeros_like(slot))
+        return x
 
     def trunk(self, x, caches: list | None = None, positions=None, mask: torch.Tensor | None = None,
-              exact_rows: int = 0):
+              exact_rows: int = 0, offsets=None):
         """Input (ids for block 0, else a residual stream) -> this block's residual stream.
 
-        ``caches``: one KV cache per layer (decoding); ``positions``: of the input tokens;
-        ``mask``: attention structure; ``exact_rows``: see ``Attention.forward``."""
-        h = self.embed(x, positions) if self.is_first else x
+        ``caches``: one KV cache per layer (decoding); ``positions``, ``offsets``: of the input
+        tokens (``embed``); ``mask``: attention structure; ``exact_rows``: see ``Attention.forward``."""
+        h = self.embed(x, positions, offsets) if self.is_first else x
         for i, layer in enumerate(self.layers):
             h = layer(h, None if caches is None else caches[i], mask, exact_rows)
         return h
 
-    def extend(self, x, cache: BlockCache, positions, mask: torch.Tensor, exact_rows: int = 0):
+    def extend(self, x, cache: BlockCache, positions, mask: torch.Tensor, exact_rows: int = 0, offsets=None):
         """Decoding step: new tokens (ids for block 0, else hidden (B, T, C)) at ``positions``
         through this block's layers, attending over [cache + new] under ``mask`` (T, past + T);
         their keys and values are appended to ``cache``. The first ``exact_rows`` tokens are
@@ -412,6 +437,8 @@ class Block(nn.Module):
         if pad:  # dummy rows that see only themselves; their cache entries are dropped below
             positions = torch.as_tensor(positions, dtype=torch.long)
             positions = torch.cat([positions, positions[-1:].expand(pad)])
+            if offsets is not None:
+                offsets = torch.cat([torch.as_tensor(offsets, dtype=torch.long), torch.zeros(pad, dtype=torch.long)])
             filler = torch.zeros(x.shape[0], pad, *x.shape[2:], dtype=x.dtype, device=x.device)
             x = torch.cat([x, filler], dim=1)
             past = mask.shape[1] - T
@@ -419,19 +446,22 @@ class Block(nn.Module):
             m[:T, :past + T] = mask
             m[T:, past + T:] = torch.eye(pad, dtype=torch.bool)
             mask = m
-        h = self.trunk(x, cache.layers, positions, mask, exact_rows)
+        h = self.trunk(x, cache.layers, positions, mask, exact_rows, offsets)
         if pad:
             for c in cache.layers:
                 c.length -= pad
         return h[:, :T]
 
-    def forward(self, x, targets=None):
-        """``(hidden, loss)``: loss is the local objective when targets are given."""
-        h = self.trunk(x)
+    def forward(self, x, targets=None, layout: dict | None = None, weights=None):
+        """``(hidden, loss)``: loss is the local objective when targets are given: CE of the
+        head against ``targets`` (-100: none), averaged, or summed with per-token ``weights``.
+        ``layout``: positions, mask and offsets of tokens that are not a plain causal sequence
+        (slot branches, see ``train.slot_batch``)."""
+        h = self.trunk(x, **(layout or {}))
         if targets is None:
             return h, None
         assert self.head is not None, "this block has no local head"
-        return h, F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return h, local_loss(self.head(h), targets, weights)
 
     def logits(self, h):
         assert self.head is not None, "this block has no local head"
@@ -439,6 +469,23 @@ class Block(nn.Module):
 
     def param_count(self, include_head: bool = True) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if include_head or not n.startswith("head."))
+
+
+def local_loss(logits, targets, weights=None):
+    """CE of ``logits`` (B, T, 256) against ``targets`` (B, T; -100: none): the mean, or the sum
+    weighted by ``weights`` (B, T)."""
+    if weights is None:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+    return (ce * weights.flatten()).sum()
+
+
+def placeholder_offsets(idx: torch.Tensor) -> torch.Tensor:
+    """(B, T): for a placeholder, its distance to the last byte before it in the row; else 0."""
+    T = idx.shape[-1]
+    t = torch.arange(T, device=idx.device).expand_as(idx)
+    last_byte = torch.where(idx != MASK_ID, t, torch.full_like(t, -1)).cummax(dim=-1).values
+    return torch.where(idx == MASK_ID, t - last_byte, torch.zeros_like(t))
 
 
 def _init_weights(m):
@@ -495,14 +542,14 @@ class EndToEnd(nn.Module):
         self.cfg = cfg
         self.blocks = nn.ModuleList(Block(cfg, k, with_head=(k == cfg.n_blocks - 1)) for k in range(cfg.n_blocks))
 
-    def forward(self, idx, targets=None, caches: list | None = None):
+    def forward(self, idx, targets=None, caches: list | None = None, layout: dict | None = None, weights=None):
         h = idx
         for k, b in enumerate(self.blocks):
-            h = b.trunk(h, None if caches is None else caches[k])
+            h = b.trunk(h, None if caches is None else caches[k], **(layout or {}))
         logits = self.blocks[-1].logits(h)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits, local_loss(logits, targets, weights)
 
     def new_caches(self) -> list:
         return [[{} for _ in b.layers] for b in self.blocks]
