@@ -343,7 +343,7 @@ class Drafter(nn.Module):
     Entry t pairs the block's output feature at t-1 with the byte at t and predicts the
     feature at t; read out through the block's own head, it drafts the byte at t+1. Fed its own
     prediction and draft byte, it drafts further. It attends over the entries of the session
-    (its own KV cache). Trained with the chain frozen (``TrainConfig.draft_steps``): the
+    (its own KV cache). Trained with the chain frozen (``TrainConfig.draft_frac``): the
     chain's next-byte predictions are untouched.
     """
 

@@ -9,7 +9,7 @@ Rules:
 - A schedule says, per block, when (in wall steps) it trains and with which learning rates; all
   schedules give every block the same number of optimizer steps on the same number of bytes.
 - Draft phase: after its steps, the last block's draft model (``model.Drafter``) trains for
-  ``draft_steps`` more steps with everything else frozen (its own optimizer), on the chain's
+  ``draft_frac`` x ``steps`` more steps with everything else frozen (its own optimizer), on the chain's
   own next-byte distributions (self-distillation, ``draft_loss``): next-byte CE is unchanged.
 """
 
@@ -39,13 +39,18 @@ class TrainConfig:
     slot_len: int = 15  # placeholders per branch: one traversal predicts slot_len + 1 bytes
     slot_weight: float = 1.0  # weight of the placeholders' mean CE beside the next-byte mean CE
     mask_frac: float = 0.25  # slot_branches == 0 only: fraction of rows whose tail is placeholders
+    position_shift: bool = False  # each row at a random absolute offset, so positions past seq_len train too
     refresh_every: int = 25  # wall steps between refreshes of the lower-block checkpoints
     seed: int = 0
     eval_every: int = 100  # steps between curve points (valid CE on eval_windows windows)
     eval_windows: int = 32
     grad_clip: float = 1.0
-    draft_steps: int = 600  # draft phase of the last block's draft model (0: none), on top of ``steps``
+    draft_frac: float = 0.6  # draft phase of the last block's draft model, in ``steps`` (0: none), on top of them
     draft_unroll: int = 3  # drafting steps unrolled in training (the draft model reads its own predictions)
+
+    @property
+    def draft_steps(self) -> int:
+        return round(self.draft_frac * self.steps)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -113,7 +118,7 @@ def draft_loss(block: Block, f: torch.Tensor, x: torch.Tensor, unroll: int = 1) 
     return total / unroll, kls
 
 
-def slot_batch(x: torch.Tensor, y: torch.Tensor, tcfg: TrainConfig, step: int):
+def slot_batch(x: torch.Tensor, y: torch.Tensor, tcfg: TrainConfig, step: int, max_seq_len: int = 0):
     """The block objective's input for batch ``(x, y)``: ``(ids, targets, layout, weights)``.
 
     ``slot_branches`` > 0: every row keeps all its bytes (each predicts the next byte with its
@@ -122,10 +127,19 @@ def slot_batch(x: torch.Tensor, y: torch.Tensor, tcfg: TrainConfig, step: int):
     before it in its branch (nothing else sees it), and predicts byte a + j + 1, as prompt + N-1
     placeholders do in one traversal. Loss: next-byte mean CE + ``slot_weight`` x placeholder
     mean CE (``weights``). ``slot_branches`` == 0: the older masked tails (``mask_tail``), plain mean.
+    ``position_shift``: row r's positions start at a random offset (all of them within
+    ``max_seq_len``), so that every position embedding is trained.
     """
-    if tcfg.slot_branches <= 0:
-        return mask_tail(x, tcfg.mask_frac, step, tcfg.seed), y, None, None
     B, T = x.shape
+    shift = torch.zeros(B, 1, dtype=torch.long)
+    if tcfg.position_shift:
+        room = max_seq_len - T - (tcfg.slot_len if tcfg.slot_branches > 0 else 0)
+        assert room >= 0, f"rows of {T} bytes (+ placeholders) do not fit in max_seq_len {max_seq_len}"
+        gs = torch.Generator().manual_seed((tcfg.seed * 1_000_003 + step * 7919 + 31) % (1 << 62))
+        shift = torch.randint(0, room + 1, (B, 1), generator=gs)
+    if tcfg.slot_branches <= 0:
+        layout = {"positions": torch.arange(T)[None] + shift} if tcfg.position_shift else None
+        return mask_tail(x, tcfg.mask_frac, step, tcfg.seed), y, layout, None
     A, S = tcfg.slot_branches, tcfg.slot_len
     g = torch.Generator().manual_seed((tcfg.seed * 1_000_003 + step * 7919 + 29) % (1 << 62))
     anchor = torch.randint(0, T - 1, (B, A), generator=g).repeat_interleave(S, dim=1)  # (B, A*S)
@@ -133,7 +147,7 @@ def slot_batch(x: torch.Tensor, y: torch.Tensor, tcfg: TrainConfig, step: int):
     branch = torch.arange(A).repeat_interleave(S)
     slot_pos = anchor + j
     ids = torch.cat([x, torch.full((B, A * S), MASK_ID, dtype=x.dtype)], dim=1)
-    positions = torch.cat([torch.arange(T).expand(B, T), slot_pos], dim=1)
+    positions = torch.cat([torch.arange(T).expand(B, T), slot_pos], dim=1) + shift
     offsets = torch.cat([torch.zeros(B, T, dtype=torch.long), j.expand(B, A * S)], dim=1)
     valid = slot_pos <= T - 1  # byte a + j + 1 = y[a + j] exists in this window
     slot_tgt = torch.where(valid, y.gather(1, slot_pos.clamp(max=T - 1)), torch.full_like(slot_pos, -100))
@@ -215,7 +229,7 @@ class BlockTrainer:
         batch and their gradients are averaged before the step (synchronous same-block averaging,
         computed here in one process: the optimization is the same as one worker on the batch)."""
         x, y = self.batches.batch(self.step)
-        x, y, layout, weights = slot_batch(x, y, self.tcfg, self.step)
+        x, y, layout, weights = slot_batch(x, y, self.tcfg, self.step, self.mcfg.max_seq_len)
         for g in self.opt.param_groups:
             g["lr"] = self.lr()
         self.block.train()
@@ -285,7 +299,7 @@ class EndToEndTrainer:
 
     def train_step(self) -> float:
         x, y = self.batches.batch(self.step)
-        x, y, layout, weights = slot_batch(x, y, self.tcfg, self.step)
+        x, y, layout, weights = slot_batch(x, y, self.tcfg, self.step, self.mcfg.max_seq_len)
         for g in self.opt.param_groups:
             g["lr"] = self.lr()
         self.model.train()

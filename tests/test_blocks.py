@@ -131,7 +131,7 @@ def test_one_traversal_generation_returns_n_bytes():
 
 
 def test_draft_phase_trains_the_draft_model_only(valid):
-    tc = TrainConfig(**{**TCFG.to_dict(), "draft_steps": 25, "draft_unroll": 2})
+    tc = TrainConfig(**{**TCFG.to_dict(), "draft_frac": 25 / TCFG.steps, "draft_unroll": 2})
     t = BlockTrainer(TINY, tc, 2, valid)
     t.set_lower([snapshot(Block(TINY, 0)), snapshot(Block(TINY, 1))])
     for _ in range(10):
@@ -184,6 +184,12 @@ def test_slot_branches_compute_what_one_traversal_serves():
             for j, c in enumerate(cols, start=1):
                 assert targets[r, c] == (y[r, a + j] if a + j < 20 else -100)
     assert weights[:, :20].sum() == pytest.approx(1.0) and weights[:, 20:].sum() == pytest.approx(tc.slot_weight)
+    # shifted rows: the same tokens and branches, positions moved, all inside the embedding
+    shifted = TrainConfig(**{**tc.to_dict(), "position_shift": True})
+    ids2, targets2, layout2, _ = slot_batch(x, y, shifted, step=4, max_seq_len=TINY.max_seq_len)
+    assert torch.equal(ids2, ids) and torch.equal(targets2, targets)
+    d = layout2["positions"] - layout["positions"]
+    assert (d == d[:, :1]).all() and int(layout2["positions"].max()) < TINY.max_seq_len and d.any()
 
 
 def test_mask_tail_keeps_targets_and_marks_suffix():
