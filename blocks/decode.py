@@ -242,6 +242,17 @@ class Session:
         self.stats = SessionStats()
         self._pending: dict | None = None
 
+    def reset_caches(self):
+        """The chain lost this session's caches (a hop failed, or a new one took its block): the
+        next spec starts every hop from an empty cache and re-sends every committed byte. A
+        traversal in flight is abandoned; its drafts are proposed again. Batch-invariant
+        numerics make the rebuilt caches, and so the output, the same as without the fault."""
+        assert self.state != "done", "the session is over"
+        if self.state == "output":  # drop the traversal in flight; its counts stay (it was sent)
+            self._pending = None
+        self.cached, self.base, self.keep = 0, 0, []
+        self.state = "spec"
+
     @property
     def output(self) -> bytes:
         return bytes(self.tokens[self.n_prompt:self.n_prompt + self.n_bytes])

@@ -206,6 +206,30 @@ def test_rollback_equals_recomputation(invariant):
                     assert torch.allclose(x, y, atol=1e-5)
 
 
+def test_session_survives_lost_caches():
+    """A hop loses its cache mid-session (a peer replaced): every hop starts afresh from the
+    committed bytes, and the output is still the autoregressive one."""
+    blocks = tiny_chain(3, seed=8)
+    prompt = b"faults happen"
+    ar, _ = generate(blocks, prompt, 30)
+    s = Session(prompt, 30, blocks[0].cfg.max_seq_len, draft_len=4, slots=4, lookup=2)
+    caches = new_caches(blocks)
+    for i in range(6):
+        spec = s.next_spec()
+        if i == 3:  # block 1's peer died after the spec went out: no answer; a fresh peer takes over
+            caches[1] = BlockCache(blocks[1])
+            with pytest.raises(SessionMismatch):
+                run_chain(blocks, caches, spec)
+            s.reset_caches()
+            for k in (0, 2):  # the others drop theirs too: the next spec rebuilds every hop
+                caches[k] = BlockCache(blocks[k])
+            spec = s.next_spec()
+            assert spec["base"] == 0 and spec["start"] == 0 and len(spec["ids"]) > len(prompt)
+        out = run_chain(blocks, caches, spec)
+        s.feed(out["logits"], out["drafts"])
+    assert drive(s, lambda spec: run_chain(blocks, caches, spec)) == ar
+
+
 def test_stale_cache_is_detected():
     blocks = tiny_chain(2)
     caches = new_caches(blocks)
