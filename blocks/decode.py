@@ -35,12 +35,14 @@ hop; each hop reads what it needs.
 | ``positions`` | list[int] | absolute position of each new token (< ``max_seq_len``). |
 | ``parents`` | list[int] | attention structure: token i sees the cache, its ancestors and itself; ``parents[i]`` is the earlier new token it continues, -1 for the cached prefix (``tree_mask``). |
 | ``logits`` | list[int] | new tokens whose next-byte logits the last hop returns (the verified nodes). |
-| ``slots`` | list[list[int]] | per entry of ``logits``, the placeholder tokens of the slot branch after it (maybe none); the last hop returns their argmax bytes as that node's draft. |
+| ``slots`` | list[list[int]] | per entry of ``logits``, the placeholder tokens of the slot branch after it (maybe none); the last hop returns their argmax bytes as that node's draft. Placeholders come after every other new token; hop 0 derives their offsets from ``parents``. |
 | ``draft`` | int | bytes the last block's draft model drafts after each entry of ``logits`` (0: none; then the slots draft). |
 | ``invariant`` | bool | batch-invariant numerics (see above); the same for the whole session. |
 
 The last hop returns ``{"logits": (B, len(logits), 256) float, "drafts": (B, len(logits), S) long}``
-(-1 pads shorter branches; S = 0 when no slots). The session's ``feed`` takes exactly these.
+(S: ``draft``, else the longest slot branch; -1 pads). The session's ``feed`` takes exactly these.
+A fault (``SessionMismatch``, a hop replaced): ``Session.reset_caches()``, then the next spec
+rebuilds every hop's cache from the committed bytes (``base`` 0, ``keep`` []).
 """
 
 from __future__ import annotations
