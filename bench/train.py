@@ -2,12 +2,14 @@
 
 Every variant trains in its own process (one torch thread each, ``--jobs`` at a time) and writes
 its own JSON into the results directory; a finished variant whose JSON is there, with the same
-settings, is not trained again, so an interrupted benchmark resumes where it stopped.
+settings and code (``code_version``), is not trained again, so an interrupted benchmark resumes
+where it stopped.
 Budgets are counted in optimizer steps, never wall time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -48,6 +50,8 @@ def default_variants(base_model: dict) -> list[Variant]:
         Variant("sequential-shallow-heads", "sequential", h0, what="sequential, local heads LayerNorm+linear only"),
         Variant("sequential-no-mask", "sequential", h1, {"mask_frac": 0.0},
                 what="sequential without the masked-future-slot loss (next-byte loss only)"),
+        Variant("e2e-no-mask", None, h1, {"mask_frac": 0.0},
+                what="end-to-end reference without the masked-future-slot loss (pairs with sequential-no-mask)"),
         Variant("e2e-equal-flops", None, h1, steps_scale=ratio,
                 what=f"end-to-end reference trained {ratio:.2f}x the steps: equal total training FLOPs"),
     ]
@@ -67,6 +71,17 @@ def _settings(v: Variant, steps: int, base_train: dict) -> tuple[dict, dict]:
     return v.model, train
 
 
+def code_version() -> str:
+    """Hash of the code a variant's figures depend on (blocks/*.py and the variant runner)."""
+    import blocktrain.blocks as blocks_pkg
+
+    h = hashlib.sha256()
+    files = sorted(Path(blocks_pkg.__file__).parent.glob("*.py")) + [Path(__file__).with_name("train_variant.py")]
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _cached(path: Path, model: dict, train: dict) -> dict | None:
     if not path.exists():
         return None
@@ -76,7 +91,8 @@ def _cached(path: Path, model: dict, train: dict) -> dict | None:
         return None
     want_m = ModelConfig.from_dict(model).to_dict()
     want_t = TrainConfig.from_dict(train).to_dict()
-    return r if (r.get("model") == want_m and r.get("train") == want_t) else None
+    same = r.get("model") == want_m and r.get("train") == want_t and r.get("code") == code_version()
+    return r if same else None
 
 
 def run_variants(variants: list[Variant], steps: int, base_train: dict, out_dir: Path, jobs: int = 2,

@@ -15,6 +15,8 @@ from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.run import train_blocktrain, train_e2e
 from blocktrain.blocks.train import TrainConfig, eval_chain, eval_continuation, eval_e2e, eval_generation
 
+from .train import code_version
+
 
 def run_variant(name: str, mcfg: ModelConfig, tcfg: TrainConfig, schedule: str | None, data_dir=None,
                 test_windows: int | None = None, progress=None, save_dir: str | None = None) -> dict:
@@ -59,6 +61,7 @@ def run_variant(name: str, mcfg: ModelConfig, tcfg: TrainConfig, schedule: str |
         "curve": res.curve, "wall_steps": res.wall_steps, "busy_fraction": res.busy_fraction,
         "workers_per_block": getattr(res, "workers_per_block", 1),
         "train_flops": res.train_flops, "train_seconds": res.seconds, "total_seconds": time.perf_counter() - t0,
+        "draft_flops": res.draft_flops, "draft_curve": res.draft_curve, "code": code_version(),
         "trainable_bytes": res.trainable_bytes, "continuation": cont,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }

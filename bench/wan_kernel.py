@@ -25,7 +25,7 @@ def _write_random_model(directory: Path, hops: int, n_bytes: int, d_model: int, 
     from blocktrain.blocks.model import Block, EndToEnd, ModelConfig
 
     cfg = ModelConfig(d_model=d_model, n_head=max(1, d_model // 32), n_layer=hops * layers_per_block, n_blocks=hops,
-                      max_seq_len=64 + n_bytes, head_layers=0)
+                      max_seq_len=64 + n_bytes, head_layers=0, draft_layers=0)
     torch.manual_seed(0)
     e2e = EndToEnd(cfg)
     for k in range(hops):
@@ -126,7 +126,8 @@ async def _client(spec: dict) -> dict:
     prompt = bytes(range(32, 96))
     out = {}
     try:
-        for mode, gen in (("blocktrain", client.generate_blocktrain), ("autoregressive", client.generate_autoregressive)):
+        for mode in ("blocktrain", "autoregressive"):
+            gen = lambda prompt, n, mode=mode: client.generate(prompt, n, mode)  # noqa: E731
             n = spec["n"] if mode == "blocktrain" or not spec.get("measure_ar") else min(spec["n"], spec["measure_ar"])
             await gen(prompt, 2)  # warm-up: connections between hops, thread pools
             runs = []

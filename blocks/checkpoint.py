@@ -37,6 +37,9 @@ MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 
 SUFFIX = ".safetensors"
+# The small trained model the package ships (see its MODEL.md): the default of `bt-peer serve` and
+# `bt-bench wan`, so that a fresh clone can demo and measure without training first.
+SHIPPED_MODEL = Path(__file__).parent / "data" / "model"
 
 
 class CheckpointError(Exception):

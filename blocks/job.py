@@ -26,6 +26,7 @@ from .data import DataError, as_tensor, read_split
 from .model import Assembled
 from .run import train_blocktrain, train_e2e
 from .schedule import make_plans
+from . import decode
 from .train import eval_chain, eval_continuation, eval_e2e
 
 
@@ -95,7 +96,8 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
             bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(b, [p.start for p in plans]))
         for k, b in enumerate(bt.blocks):
             ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
-                                      extra={"schedule": job.schedule, "final": True}),
+                                      extra={"schedule": job.schedule, "final": True,
+                                             **({"drafter_steps": tc.draft_steps} if b.drafter is not None else {})}),
                       out / "checkpoints" / ckpt.block_file(k))
     heads = eval_chain(bt.blocks, test, tc.seq_len, tw)
     heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
@@ -126,12 +128,18 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
             "continuation_teacher_forced": eval_continuation(fwd, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=False),
         }
         result["gap_ce"] = heads[-1] - ce
-        prompt = test[:64].long()[None]
-        result["samples"] = {
-            "prompt": bytes(prompt[0].tolist()).decode("utf-8", "replace"),
-            "blocktrain_one_traversal": bytes(asm.generate_one_traversal(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
-            "reference_autoregressive": bytes(e2e.model.generate(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
-        }
+    prompt = test[:64].long()[None]
+    exact, st = decode.generate(bt.blocks, prompt[0].tolist(), 64, draft_len=16,
+                                drafter=bt.blocks[-1].drafter is not None, slots=0 if bt.blocks[-1].drafter else 16)
+    result["samples"] = {
+        "prompt": bytes(prompt[0].tolist()).decode("utf-8", "replace"),
+        "blocktrain_exact": exact.decode("utf-8", "replace"),  # the chain's own greedy output
+        "exact_bytes_per_traversal": st.bytes_per_traversal(len(exact)),
+        "blocktrain_one_traversal": bytes(asm.generate_one_traversal(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
+    }
+    if job.reference:
+        result["samples"]["reference_autoregressive"] = bytes(e2e.model.generate(prompt, 64)[0].tolist()).decode(
+            "utf-8", "replace")
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["wall_seconds"] = time.perf_counter() - t0
     (out / "results.json").write_text(json.dumps(result, indent=1))
@@ -239,6 +247,11 @@ def summary(r: dict) -> str:
         lines.append(f"  32-byte continuation: one traversal CE {c1['ce']:.3f} acc {c1['byte_accuracy']:.1%}; "
                      f"byte-by-byte (teacher-forced) CE {c2['ce']:.3f} acc {c2['byte_accuracy']:.1%}")
     lines.append(f"  wall time {r['wall_seconds']:.0f} s, peak RSS {r['peak_rss_mib']:.0f} MiB")
+    smp = r.get("samples")
+    if smp:
+        lines.append(f"the chain's own greedy output after a test prompt (exact mode, "
+                     f"{smp['exact_bytes_per_traversal']:.1f} bytes per traversal):")
+        lines.append(f"  {smp['prompt']!r} -> {smp['blocktrain_exact']!r}")
     return "\n".join(lines)
 
 

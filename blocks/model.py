@@ -13,6 +13,19 @@ Rules:
 - Full-sequence output: input id ``MASK_ID`` marks a placeholder position; a model trained
   with masked future slots predicts, at each position, the byte after it, so a prompt of P bytes
   followed by N-1 placeholders yields N continuation bytes from one traversal.
+- One home per concept: ``Block.embed`` is the only place ids and positions become vectors (it
+  checks positions against ``max_seq_len``), ``Layer.forward(x, cache, mask)`` the only layer
+  step (with or without a KV cache), ``LocalHead`` the only readout.
+- Decoding (blocktrain.blocks.decode) gives new tokens explicit positions and an attention
+  structure over [cached prefix + new tokens]: ``parents[i]`` is the new token that token i
+  continues (-1: the cached prefix), so token i sees the whole cache, its ancestors and itself
+  (``tree_mask``); a causal chain is ``[-1, 0, 1, ...]``. A ``KVCache`` holds one layer's keys
+  and values; ``BlockCache.rollback`` keeps the accepted path only.
+- Batch-invariant decoding (``exact_rows``): the first ``exact_rows`` new tokens of a step get
+  results bitwise independent of what else shares the step and of where their visible keys sit
+  in the cache, so verifying many tokens per traversal reproduces one-token-per-step decoding
+  exactly. Their attention sums run sequentially over the keys (``_attend_sequential``), and a
+  step has at least ``MIN_ROWS`` rows (see there).
 """
 
 from __future__ import annotations
@@ -26,6 +39,13 @@ from torch.nn import functional as F
 
 VOCAB_SIZE = 256  # bytes
 MASK_ID = 256  # the placeholder input id; never an output
+# Matrix products with fewer rows than this run another MKL kernel whose per-row sums differ in
+# the last bits (measured on the 2-core box, torch 2.13 / MKL 2024.2: rows of F.linear and of
+# batched q@k^T, p@v are bitwise identical for every M >= 4, and differ for M = 1, 2, 3).
+# Batch-invariant decoding pads a step to this many rows; tests/test_decode.py checks the claim
+# on the machine it runs on. (A batched p @ v also depends on where zero weights sit among the
+# keys, which is why exact rows sum sequentially instead.)
+MIN_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -38,6 +58,8 @@ class ModelConfig:
     mlp_ratio: int = 4  # MLP hidden = mlp_ratio * d_model
     head_layers: int = 1  # extra Transformer layers in the local heads of blocks 0..K-2
     identity_init: bool = True  # blocks 1..K-1 start as the identity (zeroed output projections)
+    draft_layers: int = 1  # layers of the last block's draft model (exact-mode drafts, ``Drafter``); 0: none
+    slot_offsets: int = 16  # learned embeddings of a placeholder's offset after the last byte (clamped); 0: none
 
     def __post_init__(self):
         if min(self.d_model, self.n_head, self.n_layer, self.n_blocks, self.max_seq_len, self.mlp_ratio) < 1:
@@ -48,6 +70,8 @@ class ModelConfig:
             raise ValueError(f"n_layer {self.n_layer} does not split into {self.n_blocks} blocks")
         if self.head_layers < 0:
             raise ValueError("head_layers must be >= 0")
+        if self.draft_layers < 0 or self.slot_offsets < 0:
+            raise ValueError("draft_layers and slot_offsets must be >= 0")
 
     @property
     def layers_per_block(self) -> int:
@@ -58,7 +82,16 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        """Missing keys take their defaults, except in a complete config saved before a field
+        existed, which takes the value that reproduces the model it describes (``LEGACY``)."""
+        older = {f.name for f in fields(cls)} - set(LEGACY)
+        if older <= set(d):
+            d = {**{k: v for k, v in LEGACY.items() if k not in d}, **d}
         return config_from_dict(cls, d)
+
+
+# Fields added after the first checkpoints, with the value a config saved before them means.
+LEGACY = {"draft_layers": 0, "slot_offsets": 0}
 
 
 def config_from_dict(cls, d: dict):
@@ -69,34 +102,206 @@ def config_from_dict(cls, d: dict):
     return cls(**d)
 
 
+class Entries:
+    """A growable buffer of per-token entries along dim -2 (keys (B, nh, L, hs), features (B, L, C)).
+
+    Allocated at the first ``append`` (zeros), grown by doubling; ``length`` entries in use.
+    ``keep`` rolls back to an accepted path.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buf: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, x: torch.Tensor):
+        T = x.shape[-2]
+        if x.requires_grad and torch.is_grad_enabled():  # training through the cache: no in-place writes
+            self.buf = x if self.buf is None else torch.cat([self.buf[..., :self.length, :], x], dim=-2)
+            self.length = self.capacity = self.buf.shape[-2]
+            return
+        if self.buf is None or self.buf.shape[:-2] != x.shape[:-2] or self.buf.dtype != x.dtype:
+            assert self.length == 0, "cache batch, shape or dtype changed mid-session"
+            self.buf = x.new_zeros(*x.shape[:-2], self.capacity, x.shape[-1])
+        end = self.length + T
+        if end > self.capacity:
+            self.capacity = max(end, 2 * self.capacity)
+            grown = self.buf.new_zeros(*self.buf.shape[:-2], self.capacity, self.buf.shape[-1])
+            grown[..., :self.length, :] = self.buf[..., :self.length, :]
+            self.buf = grown
+        self.buf[..., self.length:end, :] = x
+        self.length = end
+
+    def view(self) -> torch.Tensor:
+        return self.buf[..., :self.length, :]
+
+    def keep(self, base: int, keep: list[int]):
+        """Keep entries ``[0, base)`` and ``base + i`` for ``i`` in ``keep`` (ascending), compacted."""
+        if not 0 <= base <= self.length:
+            raise ValueError(f"rollback base {base} outside the cache's {self.length} entries")
+        idx = [base + i for i in keep]
+        if any(b <= a for a, b in zip(idx, idx[1:])) or (idx and (idx[0] < base or idx[-1] >= self.length)):
+            raise ValueError(f"rollback keep {keep} is not ascending within the {self.length - base} newest entries")
+        if idx and idx != list(range(base, base + len(idx))):
+            self.buf[..., base:base + len(idx), :] = self.buf[..., idx, :]  # the gather copies before the write
+        self.length = base + len(idx)
+
+
+class KVCache:
+    """Keys and values of one attention layer for one decoding session: the committed
+    positions, then the current step's new tokens (a tree may hold more tokens than positions)."""
+
+    def __init__(self, capacity: int):
+        self.keys, self.values = Entries(capacity), Entries(capacity)
+
+    @property
+    def length(self) -> int:
+        return self.keys.length
+
+    @length.setter
+    def length(self, n: int):
+        assert 0 <= n <= self.keys.length, f"cannot grow a cache by setting its length to {n}"
+        self.keys.length = self.values.length = n
+
+    @property
+    def k(self) -> torch.Tensor:  # (B, nh, L, hs), all allocated entries
+        return self.keys.buf
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.values.buf
+
+    def write(self, k: torch.Tensor, v: torch.Tensor):
+        self.keys.append(k)
+        self.values.append(v)
+
+    def keep(self, base: int, keep: list[int]):
+        self.keys.keep(base, keep)
+        self.values.keep(base, keep)
+
+
+def tree_mask(parents: list[int], past: int) -> torch.Tensor:
+    """(T, past + T) bool: new token i sees the cached prefix [0, past), its ancestors and itself.
+
+    ``parents[i]`` is the index of the new token that token i continues, -1 for the prefix;
+    a parent precedes its child. ``[-1, 0, 1, ...]`` is the causal chain.
+    """
+    T = len(parents)
+    if parents == list(range(-1, T - 1)):  # a chain: causal
+        return torch.ones(T, past + T, dtype=torch.bool).tril(diagonal=past)
+    anc = torch.zeros(T, T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if not (isinstance(p, int) and -1 <= p < i):
+            raise ValueError(f"parents[{i}] = {p!r}: a parent is -1 (the cached prefix) or an earlier new token")
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    return torch.cat([torch.ones(T, past, dtype=torch.bool), anc], dim=1)
+
+
+def tree_offsets(ids: list[int], parents: list[int]) -> list[int]:
+    """Per new token: 0 for a byte, else 1 + its parent's offset (placeholders after the last
+    byte; the cached prefix holds bytes only)."""
+    off: list[int] = []
+    for i, p in zip(ids, parents):
+        off.append(0 if i != MASK_ID else 1 + (off[p] if p >= 0 else 0))
+    return off
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each new token below the cached prefix (0 for children of the prefix)."""
+    depth: list[int] = []
+    for i, p in enumerate(parents):
+        if not (isinstance(p, int) and -1 <= p < i):
+            raise ValueError(f"parents[{i}] = {p!r}: a parent is -1 (the cached prefix) or an earlier new token")
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+class BlockCache:
+    """One decoding session's state in one block: a ``KVCache`` per layer; with a draft model,
+    also its layers' caches and the block's output feature of every cached token. Entry i of
+    each is the session's i-th token (the draft model's cache also holds the drafting steps of
+    the current traversal, past the tokens); all roll back together."""
+
+    def __init__(self, block: "Block"):
+        cap = block.cfg.max_seq_len
+        self.layers = [KVCache(cap) for _ in block.layers]
+        d = block.drafter
+        self.drafter = [KVCache(cap) for _ in d.layers] if d is not None else []
+        self.features = Entries(cap) if d is not None else None  # (B, L, C)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def rollback(self, base: int, keep: list[int]):
+        """Keep entries ``[0, base)`` and ``base + i`` for ``i`` in ``keep``: the accepted path."""
+        for c in self.layers + self.drafter:
+            c.keep(base, keep)
+        if self.features is not None:
+            self.features.keep(base, keep)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.max_seq_len = cfg.max_seq_len
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x, cache: dict | None = None):
+    def forward(self, x, cache: KVCache | dict | None = None, mask: torch.Tensor | None = None,
+                exact_rows: int = 0):
+        """Causal self-attention, or ``mask`` (bool, True = may attend): (T, T) or (B, 1, T, T)
+        without a cache, (T, past + T) over [cache + new] with one. A ``dict`` cache (older
+        callers) holds a ``KVCache`` under "kv". The first ``exact_rows`` queries are computed
+        batch-invariantly (``_attend_sequential``; the caller gives T >= MIN_ROWS)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        if cache is not None and "k" in cache:
-            past = cache["k"].shape[2]
-            k = torch.cat([cache["k"], k], dim=2)
-            v = torch.cat([cache["v"], v], dim=2)
+        if isinstance(cache, dict):
+            cache = cache.setdefault("kv", KVCache(self.max_seq_len))
+        if cache is None:
+            if mask is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            past = 0
-        if cache is not None:
-            cache["k"], cache["v"] = k, v
-        if past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # new queries see every cached key and the new keys up to themselves
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            past = cache.length
+            cache.write(k, v)
+            if mask is None:  # new tokens see every cached key and the new keys up to themselves
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            assert mask.shape[-2:] == (T, past + T), f"mask {tuple(mask.shape)} for {T} new tokens after {past}"
+            keys, values = cache.k[:, :, :past + T], cache.v[:, :, :past + T]
+            n = exact_rows
+            if n:
+                assert T >= MIN_ROWS, f"exact rows need a step of >= {MIN_ROWS} rows, got {T}"
+                y_exact = _attend_sequential(q, keys, values, mask, n)
+            if n < T:
+                y_rest = F.scaled_dot_product_attention(q[:, :, n:], keys, values, attn_mask=mask[n:])
+            y = y_exact if n == T else y_rest if n == 0 else torch.cat([y_exact, y_rest], dim=2)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
+
+
+def _attend_sequential(q, keys, values, mask, n: int, chunk: int = 16):
+    """Attention of queries ``[0, n)``, each bitwise independent of the other queries and of
+    where its visible keys sit among masked ones: scores are per-element dot products (rows
+    >= MIN_ROWS), the softmax max is exact, and numerator and normaliser are sums accumulated in
+    key order by ``cumsum`` (a zero weight leaves a sequential sum unchanged)."""
+    m = max(n, MIN_ROWS)
+    s = (q[:, :, :m] @ keys.transpose(-2, -1))[:, :, :n] * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, n, L)
+    s = s.masked_fill(~mask[:n], float("-inf"))
+    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    vz = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # (B, nh, L, hs + 1): weights' sum last
+    out = []
+    for i in range(0, n, chunk):  # bounded memory: (B, nh, chunk, L, hs + 1)
+        acc = torch.cumsum(e[:, :, i:i + chunk, :, None] * vz[:, :, None], dim=3)[:, :, :, -1]
+        out.append(acc[..., :-1] / acc[..., -1:])
+    return torch.cat(out, dim=2)
 
 
 class Layer(nn.Module):
@@ -110,8 +315,9 @@ class Layer(nn.Module):
         self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
         self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
-    def forward(self, x, cache: dict | None = None):
-        x = x + self.attn(self.ln1(x), cache)
+    def forward(self, x, cache: KVCache | dict | None = None, mask: torch.Tensor | None = None,
+                exact_rows: int = 0):
+        x = x + self.attn(self.ln1(x), cache, mask, exact_rows)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
     def zero_output(self):
@@ -136,6 +342,31 @@ class LocalHead(nn.Module):
         return self.lm(self.ln(h))  # (B, T, 256)
 
 
+class Drafter(nn.Module):
+    """Exact mode's draft model on the last block (EAGLE-style, Li et al. 2024).
+
+    Entry t pairs the block's output feature at t-1 with the byte at t and predicts the
+    feature at t; read out through the block's own head, it drafts the byte at t+1. Fed its own
+    prediction and draft byte, it drafts further. It attends over the entries of the session
+    (its own KV cache). Trained with the chain frozen (``TrainConfig.draft_frac``): the
+    chain's next-byte predictions are untouched.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB_SIZE + 1, cfg.d_model)  # + MASK_ID (a placeholder fed as a token)
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.inp = nn.Linear(2 * cfg.d_model, cfg.d_model)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.draft_layers))
+
+    def forward(self, f_prev, ids, caches: list | None = None, mask: torch.Tensor | None = None):
+        """(B, T, C) features of the previous tokens, (B, T) bytes -> (B, T, C) predicted features."""
+        u = self.inp(torch.cat([self.ln(f_prev), self.tok(ids)], dim=-1))
+        for i, layer in enumerate(self.layers):
+            u = layer(u, None if caches is None else caches[i], mask)
+        return u
+
+
 class Block(nn.Module):
     """Block ``index`` of the model: [embeddings] + layers + [local head]."""
 
@@ -146,9 +377,12 @@ class Block(nn.Module):
         if index == 0:
             self.tok = nn.Embedding(VOCAB_SIZE + 1, cfg.d_model)  # + MASK_ID
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            if cfg.slot_offsets:
+                self.slot_off = nn.Embedding(cfg.slot_offsets, cfg.d_model)  # placeholder j bytes after the last byte
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.layers_per_block))
         top = index == cfg.n_blocks - 1
         self.head = LocalHead(cfg, 0 if top else cfg.head_layers) if with_head else None
+        self.drafter = Drafter(cfg) if (top and with_head and cfg.draft_layers > 0) else None
         self.apply(_init_weights)
         if index > 0 and cfg.identity_init:
             for layer in self.layers:
@@ -158,28 +392,81 @@ class Block(nn.Module):
     def is_first(self) -> bool:
         return self.index == 0
 
-    def embed(self, idx, start: int = 0):
-        """Byte ids at positions start..start+T-1 -> the residual stream: the one embedding site."""
-        B, T = idx.shape
-        if start < 0 or start + T > self.cfg.max_seq_len:
-            raise ValueError(f"positions {start}..{start + T - 1} exceed max_seq_len {self.cfg.max_seq_len}")
-        pos = torch.arange(start, start + T, device=idx.device)
-        return self.tok(idx) + self.pos(pos)[None]  # (B, T, C)
+    def embed(self, idx, positions=None, offsets=None):
+        """Ids (B, T) at ``positions`` ((T,) or (B, T); default 0..T-1) -> (B, T, C).
 
-    def trunk(self, x, caches: list | None = None):
-        """Input (ids for block 0, else a residual stream) -> this block's residual stream."""
-        h = self.embed(x) if self.is_first else x
+        A placeholder (``MASK_ID``) also gets the embedding of its offset: how many tokens after
+        the last byte it continues (``offsets`` (B, T) or (T,); default: counted along the
+        sequence, ``slot_offsets``)."""
+        B, T = idx.shape
+        if positions is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {T} bytes > max_seq_len {self.cfg.max_seq_len}")
+            positions = torch.arange(T, device=idx.device)
+        else:
+            positions = torch.as_tensor(positions, dtype=torch.long, device=idx.device)
+            assert positions.shape[-1] == T, f"{positions.shape[-1]} positions for {T} tokens"
+            if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.cfg.max_seq_len):
+                raise ValueError(f"positions {int(positions.min())}..{int(positions.max())} outside the "
+                                 f"embedding's [0, {self.cfg.max_seq_len}) (max_seq_len)")
+        pe = self.pos(positions)
+        x = self.tok(idx) + (pe[None] if pe.dim() == 2 else pe)  # (B, T, C)
+        if self.cfg.slot_offsets:
+            is_slot = idx == MASK_ID
+            if offsets is None:
+                offsets = placeholder_offsets(idx)
+            off = torch.as_tensor(offsets, dtype=torch.long, device=idx.device).expand(B, T)
+            slot = self.slot_off((off.clamp(1, self.cfg.slot_offsets) - 1))
+            x = x + torch.where(is_slot[..., None], slot, torch.zeros_like(slot))
+        return x
+
+    def trunk(self, x, caches: list | None = None, positions=None, mask: torch.Tensor | None = None,
+              exact_rows: int = 0, offsets=None):
+        """Input (ids for block 0, else a residual stream) -> this block's residual stream.
+
+        ``caches``: one KV cache per layer (decoding); ``positions``, ``offsets``: of the input
+        tokens (``embed``); ``mask``: attention structure; ``exact_rows``: see ``Attention.forward``."""
+        h = self.embed(x, positions, offsets) if self.is_first else x
         for i, layer in enumerate(self.layers):
-            h = layer(h, None if caches is None else caches[i])
+            h = layer(h, None if caches is None else caches[i], mask, exact_rows)
         return h
 
-    def forward(self, x, targets=None):
-        """``(hidden, loss)``: loss is the local objective when targets are given."""
-        h = self.trunk(x)
+    def extend(self, x, cache: BlockCache, positions, mask: torch.Tensor, exact_rows: int = 0, offsets=None):
+        """Decoding step: new tokens (ids for block 0, else hidden (B, T, C)) at ``positions``
+        through this block's layers, attending over [cache + new] under ``mask`` (T, past + T);
+        their keys and values are appended to ``cache``. The first ``exact_rows`` tokens are
+        computed batch-invariantly (the step is padded to ``MIN_ROWS`` rows for them)."""
+        T = x.shape[1]
+        assert 0 <= exact_rows <= T, f"exact_rows {exact_rows} of {T} tokens"
+        pad = max(0, MIN_ROWS - T) if exact_rows else 0
+        if pad:  # dummy rows that see only themselves; their cache entries are dropped below
+            positions = torch.as_tensor(positions, dtype=torch.long)
+            positions = torch.cat([positions, positions[-1:].expand(pad)])
+            if offsets is not None:
+                offsets = torch.cat([torch.as_tensor(offsets, dtype=torch.long), torch.zeros(pad, dtype=torch.long)])
+            filler = torch.zeros(x.shape[0], pad, *x.shape[2:], dtype=x.dtype, device=x.device)
+            x = torch.cat([x, filler], dim=1)
+            past = mask.shape[1] - T
+            m = torch.zeros(T + pad, past + T + pad, dtype=torch.bool, device=mask.device)
+            m[:T, :past + T] = mask
+            m[T:, past + T:] = torch.eye(pad, dtype=torch.bool)
+            mask = m
+        h = self.trunk(x, cache.layers, positions, mask, exact_rows, offsets)
+        if pad:
+            for c in cache.layers:
+                c.length -= pad
+        return h[:, :T]
+
+    def forward(self, x, targets=None, layout: dict | None = None, weights=None):
+        """``(hidden, loss)``: loss is the local objective when targets are given: CE of the
+        head against ``targets`` (-100: none), averaged, or summed with per-token ``weights``.
+        ``layout``: positions, mask and offsets of tokens that are not a plain causal sequence
+        (slot branches, see ``train.slot_batch``)."""
+        h = self.trunk(x, **(layout or {}))
         if targets is None:
             return h, None
         assert self.head is not None, "this block has no local head"
-        return h, F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return h, local_loss(self.head(h), targets, weights)
 
     def logits(self, h):
         assert self.head is not None, "this block has no local head"
@@ -187,6 +474,23 @@ class Block(nn.Module):
 
     def param_count(self, include_head: bool = True) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if include_head or not n.startswith("head."))
+
+
+def local_loss(logits, targets, weights=None):
+    """CE of ``logits`` (B, T, 256) against ``targets`` (B, T; -100: none): the mean, or the sum
+    weighted by ``weights`` (B, T)."""
+    if weights is None:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+    return (ce * weights.flatten()).sum()
+
+
+def placeholder_offsets(idx: torch.Tensor) -> torch.Tensor:
+    """(B, T): for a placeholder, its distance to the last byte before it in the row; else 0."""
+    T = idx.shape[-1]
+    t = torch.arange(T, device=idx.device).expand_as(idx)
+    last_byte = torch.where(idx != MASK_ID, t, torch.full_like(t, -1)).cummax(dim=-1).values
+    return torch.where(idx == MASK_ID, t - last_byte, torch.zeros_like(t))
 
 
 def _init_weights(m):
@@ -243,14 +547,14 @@ class EndToEnd(nn.Module):
         self.cfg = cfg
         self.blocks = nn.ModuleList(Block(cfg, k, with_head=(k == cfg.n_blocks - 1)) for k in range(cfg.n_blocks))
 
-    def forward(self, idx, targets=None, caches: list | None = None):
+    def forward(self, idx, targets=None, caches: list | None = None, layout: dict | None = None, weights=None):
         h = idx
         for k, b in enumerate(self.blocks):
-            h = b.trunk(h, None if caches is None else caches[k])
+            h = b.trunk(h, None if caches is None else caches[k], **(layout or {}))
         logits = self.blocks[-1].logits(h)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits, local_loss(logits, targets, weights)
 
     def new_caches(self) -> list:
         return [[{} for _ in b.layers] for b in self.blocks]
@@ -258,7 +562,9 @@ class EndToEnd(nn.Module):
     @torch.no_grad()
     def forward_cached(self, idx, caches: list, start: int):
         """Forward ``idx`` at positions ``start..`` using and extending ``caches`` (KV per layer)."""
-        h = self.blocks[0].embed(idx, start)
+        b0 = self.blocks[0]
+        T = idx.shape[1]
+        h = b0.embed(idx, torch.arange(start, start + T))
         for k, b in enumerate(self.blocks):
             for i, layer in enumerate(b.layers):
                 h = layer(h, caches[k][i])
@@ -302,6 +608,15 @@ def train_flops_per_token(cfg: ModelConfig, block: int | None, seq_len: int) -> 
     head = 0 if block == cfg.n_blocks - 1 else cfg.head_layers
     frozen = matmul_flops_per_token(cfg, block * L, 0, seq_len) - 2 * cfg.d_model * VOCAB_SIZE
     return 3 * matmul_flops_per_token(cfg, L, head, seq_len) + frozen
+
+
+def draft_flops_per_token(cfg: ModelConfig, seq_len: int, unroll: int) -> int:
+    """Draft-phase FLOPs per token: the frozen chain forward once, the draft model (input
+    projection, layers, readout) trained (3x forward) at every unrolled step."""
+    d = cfg.d_model
+    chain = matmul_flops_per_token(cfg, cfg.n_layer, 0, seq_len)
+    draft = matmul_flops_per_token(cfg, cfg.draft_layers, 0, unroll * seq_len) + 2 * 2 * d * d
+    return chain + 3 * unroll * draft
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, decay_start: int, decay_end: int, floor: float) -> float:

@@ -6,6 +6,8 @@ Rules:
   ``refresh_every`` wall steps (and when a block starts or finishes), as workers exchanging
   checkpoint files would.
 - Curves record valid CE of every head of the current chain; the final figures are test CE.
+- After the schedule, the last block's draft model trains for ``draft_steps`` (``train.DraftPhase``)
+  on the final lower blocks; its FLOPs are reported apart (``draft_flops``).
 - Progress goes to a callback so that CLIs choose how to show it; this module prints nothing.
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import ModelConfig, train_flops_per_token
+from .model import ModelConfig, draft_flops_per_token, train_flops_per_token
 from .schedule import BlockPlan, make_plans
 from .train import BlockTrainer, EndToEndTrainer, TrainConfig, eval_chain, eval_e2e, snapshot
 
@@ -28,6 +30,8 @@ class RunResult:
     wall_steps: int = 0
     seconds: float = 0.0
     train_flops: float = 0.0
+    draft_flops: float = 0.0  # the draft phase of the last block's draft model (not in train_flops)
+    draft_curve: list = field(default_factory=list)  # [(draft step, [KL per unrolled step])]
     busy_fraction: float = 1.0  # share of worker-steps spent training (K workers x wall steps)
     workers_per_block: int = 1  # workers training each block at once (relay: K, same-block averaging)
     starts: list = field(default_factory=list)  # wall step at which each block starts training
@@ -74,6 +78,11 @@ def train_blocktrain(mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, train:
             res.curve.append((t + 1, ces))
         if progress:
             progress(t + 1, wall, res.curve[-1][1] if res.curve else None)
+    last = trainers[-1]
+    if tcfg.draft_steps and last.block.drafter is not None:
+        if K > 1:
+            last.set_lower([published[j] for j in range(K - 1)], pub_step[:K - 1])
+        _draft_phase(last.draft_phase(), mcfg, tcfg, res, progress, wall)
     res.seconds = time.perf_counter() - t0
     res.wall_steps = wall
     tokens = S * tcfg.batch_size * tcfg.seq_len
@@ -100,9 +109,22 @@ def train_e2e(mcfg: ModelConfig, tcfg: TrainConfig, train: torch.Tensor, valid: 
             res.curve.append((t + 1, [eval_e2e(tr.model, valid, tcfg.seq_len, tcfg.eval_windows)]))
         if progress:
             progress(t + 1, tcfg.steps, res.curve[-1][1] if res.curve else None)
+    if tcfg.draft_steps and tr.model.blocks[-1].drafter is not None:
+        _draft_phase(tr.draft_phase(), mcfg, tcfg, res, progress, tcfg.steps)
     res.seconds = time.perf_counter() - t0
     res.wall_steps = tcfg.steps
     res.train_flops = float(train_flops_per_token(mcfg, None, tcfg.seq_len) * tcfg.steps * tcfg.batch_size * tcfg.seq_len)
     res.trainable_bytes = [tr.trainable_bytes()]
     res.model = tr.model
     return res
+
+
+def _draft_phase(phase, mcfg: ModelConfig, tcfg: TrainConfig, res: RunResult, progress, done: int):
+    for i in range(tcfg.draft_steps):
+        kls = phase.train_step()
+        if (i + 1) % tcfg.eval_every == 0 or i + 1 == tcfg.draft_steps:
+            res.draft_curve.append((i + 1, kls))
+        if progress:
+            progress(done + i + 1, done + tcfg.draft_steps, res.curve[-1][1] if res.curve else None)
+    res.draft_flops = float(draft_flops_per_token(mcfg, tcfg.seq_len, tcfg.draft_unroll)
+                            * tcfg.draft_steps * tcfg.batch_size * tcfg.seq_len)

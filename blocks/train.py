@@ -8,6 +8,9 @@ Rules:
   step s continues with exactly the batches s, s+1, ...
 - A schedule says, per block, when (in wall steps) it trains and with which learning rates; all
   schedules give every block the same number of optimizer steps on the same number of bytes.
+- Draft phase: after its steps, the last block's draft model (``model.Drafter``) trains for
+  ``draft_frac`` x ``steps`` more steps with everything else frozen (its own optimizer), on the chain's
+  own next-byte distributions (self-distillation, ``draft_loss``): next-byte CE is unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch.nn import functional as F
 
 from . import checkpoint as ckpt
 from .data import ByteBatches, eval_windows
-from .model import MASK_ID, Block, EndToEnd, ModelConfig, config_from_dict, lr_at
+from .model import MASK_ID, Block, EndToEnd, KVCache, ModelConfig, config_from_dict, lr_at
 
 
 @dataclass(frozen=True)
@@ -32,12 +35,22 @@ class TrainConfig:
     warmup: int = 30  # linear warmup steps
     decay_frac: float = 0.3  # WSD: fraction of a block's steps spent in the final decay
     lr_floor: float = 0.05  # LR after the decay, as a fraction of peak
-    mask_frac: float = 0.25  # fraction of sequences whose tail is placeholders (one-traversal output)
+    slot_branches: int = 4  # per row: branches of placeholders after random bytes (tree attention); 0: masked tails
+    slot_len: int = 15  # placeholders per branch: one traversal predicts slot_len + 1 bytes
+    slot_weight: float = 1.0  # weight of the placeholders' mean CE beside the next-byte mean CE
+    mask_frac: float = 0.25  # slot_branches == 0 only: fraction of rows whose tail is placeholders
+    position_shift: bool = False  # each row at a random absolute offset, so positions past seq_len train too
     refresh_every: int = 25  # wall steps between refreshes of the lower-block checkpoints
     seed: int = 0
     eval_every: int = 50  # steps between curve points (valid CE on eval_windows windows)
     eval_windows: int = 32
     grad_clip: float = 1.0
+    draft_frac: float = 0.6  # draft phase of the last block's draft model, in ``steps`` (0: none), on top of them
+    draft_unroll: int = 3  # drafting steps unrolled in training (the draft model reads its own predictions)
+
+    @property
+    def draft_steps(self) -> int:
+        return round(self.draft_frac * self.steps)
 
     def __post_init__(self):
         if min(self.steps, self.batch_size, self.seq_len, self.eval_every, self.eval_windows, self.refresh_every) < 1:
@@ -75,6 +88,99 @@ def mask_tail(x: torch.Tensor, frac: float, step: int, seed: int) -> torch.Tenso
     pos = torch.arange(T)[None, :]
     masked = rows[:, None] & (pos >= (T - length)[:, None])
     return torch.where(masked, torch.full_like(x, MASK_ID), x)
+
+
+def draft_masks(T: int, unroll: int) -> list[torch.Tensor]:
+    """Attention of unrolled drafting step s (1-based) over the entries of steps 1..s, (T, s*T).
+
+    Step 1 is teacher-forced (entry q: feature q-1, byte q; causal). Entry q of step s >= 2 reads
+    step s-1's prediction at q-1 and byte q, as drafting s bytes past the last accepted token
+    does: it sees step-1 entries up to q-s+1, the entry of step j at q-s+j (1 < j < s) and itself.
+    """
+    q = torch.arange(T)[:, None]
+    k = torch.arange(T)[None, :]
+    masks = [k <= q]
+    for s in range(2, unroll + 1):
+        blocks = [k <= q - s + 1] + [k == q - s + j for j in range(2, s)] + [k == q]
+        masks.append(torch.cat(blocks, dim=1))
+    return masks
+
+
+def draft_loss(block: Block, f: torch.Tensor, x: torch.Tensor, unroll: int = 1) -> tuple[torch.Tensor, list[float]]:
+    """The draft model's objective on one batch: ``f`` (B, T, C) the block's output features
+    (no gradient), ``x`` (B, T) the input bytes. At every unrolled step, KL from the block's own
+    next-byte distribution to the draft's, plus a smooth-L1 pull of the predicted feature to the
+    true one (EAGLE). Returns the loss and the KL per step (for logs)."""
+    d = block.drafter
+    assert d is not None, "this block has no draft model"
+    B, T, C = f.shape
+    with torch.no_grad():
+        teacher = F.log_softmax(block.logits(f), dim=-1)  # (B, T, 256)
+    caches = [KVCache(unroll * T) for _ in d.layers]
+    prev = torch.cat([f.new_zeros(B, 1, C), f[:, :-1]], dim=1)  # entry q pairs feature q-1 with byte q
+    total, kls = 0.0, []
+    for s, mask in enumerate(draft_masks(T, unroll), start=1):
+        u = d(prev, x, caches, mask)
+        valid = slice(s - 1, T)  # entries q < s-1 have no step-(s-1) prediction before them
+        logq = F.log_softmax(block.logits(u[:, valid]), dim=-1)
+        kl = F.kl_div(logq, teacher[:, valid], log_target=True, reduction="batchmean") / (T - s + 1)
+        reg = F.smooth_l1_loss(u[:, valid], f[:, valid])
+        total = total + kl + reg
+        kls.append(kl.item())
+        prev = torch.cat([f.new_zeros(B, 1, C), u[:, :-1]], dim=1)
+    return total / unroll, kls
+
+
+def slot_batch(x: torch.Tensor, y: torch.Tensor, tcfg: TrainConfig, step: int, max_seq_len: int = 0):
+    """The block objective's input for batch ``(x, y)``: ``(ids, targets, layout, weights)``.
+
+    ``slot_branches`` > 0: every row keeps all its bytes (each predicts the next byte with its
+    whole context) and gains that many branches of ``slot_len`` placeholders, each after a random
+    byte a of the row: placeholder j sits at position a + j, sees bytes 0..a and the placeholders
+    before it in its branch (nothing else sees it), and predicts byte a + j + 1, as prompt + N-1
+    placeholders do in one traversal. Loss: next-byte mean CE + ``slot_weight`` x placeholder
+    mean CE (``weights``). ``slot_branches`` == 0: the older masked tails (``mask_tail``), plain mean.
+    ``position_shift``: row r's positions start at a random offset (all of them within
+    ``max_seq_len``), so that every position embedding is trained.
+    """
+    B, T = x.shape
+    shift = torch.zeros(B, 1, dtype=torch.long)
+    if tcfg.position_shift:
+        room = max_seq_len - T - (tcfg.slot_len if tcfg.slot_branches > 0 else 0)
+        assert room >= 0, f"rows of {T} bytes (+ placeholders) do not fit in max_seq_len {max_seq_len}"
+        gs = torch.Generator().manual_seed((tcfg.seed * 1_000_003 + step * 7919 + 31) % (1 << 62))
+        shift = torch.randint(0, room + 1, (B, 1), generator=gs)
+    if tcfg.slot_branches <= 0:
+        layout = {"positions": torch.arange(T)[None] + shift} if tcfg.position_shift else None
+        return mask_tail(x, tcfg.mask_frac, step, tcfg.seed), y, layout, None
+    A, S = tcfg.slot_branches, tcfg.slot_len
+    g = torch.Generator().manual_seed((tcfg.seed * 1_000_003 + step * 7919 + 29) % (1 << 62))
+    anchor = torch.randint(0, T - 1, (B, A), generator=g).repeat_interleave(S, dim=1)  # (B, A*S)
+    j = torch.arange(1, S + 1).repeat(A)  # offset of each placeholder
+    branch = torch.arange(A).repeat_interleave(S)
+    slot_pos = anchor + j
+    ids = torch.cat([x, torch.full((B, A * S), MASK_ID, dtype=x.dtype)], dim=1)
+    positions = torch.cat([torch.arange(T).expand(B, T), slot_pos], dim=1) + shift
+    offsets = torch.cat([torch.zeros(B, T, dtype=torch.long), j.expand(B, A * S)], dim=1)
+    valid = slot_pos <= T - 1  # byte a + j + 1 = y[a + j] exists in this window
+    slot_tgt = torch.where(valid, y.gather(1, slot_pos.clamp(max=T - 1)), torch.full_like(slot_pos, -100))
+    targets = torch.cat([y, slot_tgt], dim=1)
+    n = T + A * S
+    mask = torch.zeros(B, n, n, dtype=torch.bool)
+    mask[:, :T, :T] = torch.ones(T, T, dtype=torch.bool).tril()
+    mask[:, T:, :T] = torch.arange(T)[None, None, :] <= anchor[:, :, None]
+    mask[:, T:, T:] = (branch[:, None] == branch[None, :]) & (j[None, :] <= j[:, None])
+    n_slots = int(valid.sum())
+    weights = torch.cat([torch.full((B, T), 1.0 / (B * T)),
+                         valid.float() * (tcfg.slot_weight / max(1, n_slots))], dim=1)
+    return ids, targets, {"positions": positions, "mask": mask[:, None], "offsets": offsets}, weights
+
+
+def _split_layout(layout: dict | None, parts: int) -> list[dict | None]:
+    if layout is None:
+        return [None] * parts
+    split = {k: v.tensor_split(parts) for k, v in layout.items()}
+    return [{k: v[i] for k, v in split.items()} for i in range(parts)]
 
 
 def _adamw(params, cfg: TrainConfig):
@@ -120,10 +226,10 @@ class BlockTrainer:
         self.block.head.lm.load_state_dict(src.lm.state_dict())
 
     @torch.no_grad()
-    def lower_hidden(self, x: torch.Tensor) -> torch.Tensor:
+    def lower_hidden(self, x: torch.Tensor, layout: dict | None = None) -> torch.Tensor:
         h = x
         for b in self.lower:
-            h = b.trunk(h)
+            h = b.trunk(h, **(layout or {}))
         return h.detach()
 
     def lr(self) -> float:
@@ -142,15 +248,17 @@ class BlockTrainer:
     def compute_grads(self, replicas: int = 1) -> float:
         """Forward and backward on this step's batch: the gradients are left in ``.grad``."""
         x, y = self.batches.batch(self.step)
-        x = mask_tail(x, self.tcfg.mask_frac, self.step, self.tcfg.seed)
+        x, y, layout, weights = slot_batch(x, y, self.tcfg, self.step, self.mcfg.max_seq_len)
         self.block.train()
         self.opt.zero_grad(set_to_none=True)
         assert 1 <= replicas <= x.shape[0], f"{replicas} workers for a batch of {x.shape[0]} rows"
         total = 0.0
-        for xs, ys in zip(x.tensor_split(replicas), y.tensor_split(replicas)):  # worker r's rows
-            inp = self.lower_hidden(xs) if self.k > 0 else xs
-            _, loss = self.block(inp, ys)
-            share = xs.shape[0] / x.shape[0]  # the rows' share of the batch: a weighted average of gradients
+        ws = weights.tensor_split(replicas) if weights is not None else [None] * replicas
+        for xs, ys, ls, w in zip(x.tensor_split(replicas), y.tensor_split(replicas), _split_layout(layout, replicas), ws):
+            inp = self.lower_hidden(xs, ls) if self.k > 0 else xs  # worker r's rows
+            _, loss = self.block(inp, ys, ls, w)
+            # weighted: the rows' terms of the batch's loss; mean: the rows' share of the batch
+            share = 1.0 if w is not None else xs.shape[0] / x.shape[0]
             (loss * share).backward()
             total += loss.item() * share
         return total
@@ -178,6 +286,14 @@ class BlockTrainer:
         self.opt.step()
         self.step += 1
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's output on input bytes ``x`` (no gradient): what its draft model reads."""
+        with torch.no_grad():
+            return self.block.trunk(self.lower_hidden(x) if self.k > 0 else x)
+
+    def draft_phase(self) -> "DraftPhase":
+        return DraftPhase(self.block, self.tcfg, self.batches, self.features)
+
     def checkpoint(self) -> ckpt.Checkpoint:
         names = {p: n for n, p in self.block.named_parameters()}
         return ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.step,
@@ -202,6 +318,9 @@ class BlockTrainer:
 
 
 class EndToEndTrainer:
+    """The reference, on the blocks' objective: the same masked-slot inputs (``mask_tail``) and,
+    after its steps, the same draft phase for its last block's draft model."""
+
     def __init__(self, mcfg: ModelConfig, tcfg: TrainConfig, data: torch.Tensor):
         self.mcfg, self.tcfg = mcfg, tcfg
         torch.manual_seed(tcfg.seed * 100 + 99)
@@ -217,10 +336,11 @@ class EndToEndTrainer:
 
     def train_step(self) -> float:
         x, y = self.batches.batch(self.step)
+        x, y, layout, weights = slot_batch(x, y, self.tcfg, self.step, self.mcfg.max_seq_len)
         for g in self.opt.param_groups:
             g["lr"] = self.lr()
         self.model.train()
-        _, loss = self.model(x, y)
+        _, loss = self.model(x, y, layout=layout, weights=weights)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
@@ -228,9 +348,48 @@ class EndToEndTrainer:
         self.step += 1
         return loss.item()
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for b in self.model.blocks:
+                x = b.trunk(x)
+        return x
+
+    def draft_phase(self) -> "DraftPhase":
+        return DraftPhase(self.model.blocks[-1], self.tcfg, self.batches, self.features)
+
     def trainable_bytes(self) -> dict:
         p = sum(t.numel() * t.element_size() for t in self.model.parameters())
         return {"params": p, "grads": p, "optim_state": 2 * p, "frozen_params": 0}
+
+
+class DraftPhase:
+    """The draft phase of ``block``'s draft model: ``tcfg.draft_steps`` steps with its own
+    optimizer, on the batches after the block's own ``tcfg.steps`` (``features(x)``: the
+    block's frozen output), every other parameter untouched."""
+
+    def __init__(self, block: Block, tcfg: TrainConfig, batches: ByteBatches, features):
+        assert block.drafter is not None, f"block {block.index} has no draft model"
+        self.block, self.tcfg, self.batches, self.features = block, tcfg, batches, features
+        self.opt = _adamw(list(block.drafter.parameters()), tcfg)
+        self.step = 0
+
+    def train_step(self) -> list[float]:
+        """One step; returns the KL per unrolled drafting step."""
+        t = self.tcfg
+        x, _ = self.batches.batch(t.steps + self.step)
+        decay = int(t.draft_steps * (1 - t.decay_frac))
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, t.draft_steps, t.lr, t.warmup, decay, t.draft_steps, t.lr_floor)
+        self.block.eval()  # the trunk and head run frozen
+        self.block.drafter.train()
+        loss, kls = draft_loss(self.block, self.features(x), x, t.draft_unroll)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.block.drafter.parameters(), t.grad_clip)
+        self.opt.step()
+        self.block.zero_grad(set_to_none=True)  # gradients passed through the frozen head
+        self.step += 1
+        return kls
 
 
 # ---------------------------------------------------------------------------------------------

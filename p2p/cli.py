@@ -311,7 +311,8 @@ def join(bootstrap, **o):
 @_peer_options
 @click.option("--checkpoints", type=click.Path(file_okay=False, exists=True), default=None,
               help="Directory of BlockTrain block checkpoints (bt-train's OUT/checkpoints, or bt-peer assemble's "
-                   "OUT): serves the blocktrain and autoregressive modes.")
+                   "OUT): serves the exact, autoregressive and blocktrain modes. Default: the small trained model "
+                   "the package ships (without --reference).")
 @click.option("--reference", type=click.Path(file_okay=False, exists=True), default=None,
               help="Directory of the end-to-end model's blocks (bt-train's OUT/reference): the reference mode.")
 def serve(bootstrap, checkpoints, reference, **o):
@@ -332,25 +333,41 @@ def serve(bootstrap, checkpoints, reference, **o):
 @_key_options
 @click.option("--prompt", required=True, help="Prompt text (UTF-8, at least one byte).")
 @click.option("--bytes", "n_bytes", default=64, show_default=True, type=click.IntRange(1, 4096))
-@click.option("--mode", type=click.Choice(["blocktrain", "autoregressive", "reference"]), default="autoregressive",
-              show_default=True, help="blocktrain: all bytes in one traversal; autoregressive: one traversal per "
-                                      "byte (the model's own greedy output); reference: the end-to-end model.")
+@click.option("--mode", type=click.Choice(["exact", "autoregressive", "blocktrain", "reference"]), default="exact",
+              show_default=True,
+              help="exact: the model's own output (as autoregressive, byte for byte when greedy) in a few traversals, "
+                   "each verifying the last one's draft; autoregressive: one traversal per byte; blocktrain: all "
+                   "bytes from one traversal (fast, lower quality); reference: the end-to-end model, per byte.")
+@click.option("--temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,
+              help="0: greedy. Otherwise sample (exact mode by speculative sampling: distributed as autoregressive "
+                   "sampling).")
+@click.option("--top-k", type=click.IntRange(0, 256), default=0, show_default=True,
+              help="Sample among the K most likely bytes (0: all).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (same seed, same output).")
+@click.option("--draft-len", type=click.IntRange(0, 32), default=16, show_default=True,
+              help="exact mode: bytes drafted per traversal.")
 @click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True)
-def generate(address, swarm_key, identity, prompt, n_bytes, mode, timeout):
+def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, top_k, seed, draft_len, timeout):
     """Continue --prompt by N bytes through a chain of serving peers found via ADDRESS."""
+    from blocktrain.blocks.decode import Sampling
+
     from .client import generate as run_generate
     from .pipeline import PipelineError
 
     install_uvloop()
     host, port = _addr(address)
     key, ident = _keys(swarm_key, identity)
+    sampling = Sampling(temperature=temperature, top_k=top_k, seed=seed)
     try:
         out, st = asyncio.run(run_generate(host, port, ident, key, prompt.encode(), n_bytes, mode, timeout,
-                                           log=lambda s: click.echo(s, err=True)))
+                                           log=lambda s: click.echo(s, err=True), sampling=sampling,
+                                           draft_len=draft_len))
     except (PipelineError, ConnectionError, OSError) as e:
         raise click.ClickException(f"generate via {address}: {e}")
     click.echo(out.decode("utf-8", "replace"))
-    click.echo(f"[{mode}: {st['traversals']} traversal(s), {st['seconds']:.3f} s, route {st['route']}]", err=True)
+    click.echo(f"[{mode}: {len(out)} bytes in {st['traversals']} traversal(s) "
+               f"({len(out) / max(1, st['traversals']):.1f} bytes each), {st['seconds']:.3f} s, route {st['route']}]",
+               err=True)
 
 
 @main.command()

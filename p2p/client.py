@@ -1,10 +1,18 @@
-"""The serving client: pick a chain of serving peers from the swarm view, push requests through
+"""The serving client: pick a chain of serving peers from the swarm view, push traversals through
 it, collect the answers, and retry through other holders when a hop fails.
 
 Rules:
 - The client keeps a connection to the first hop (requests) and the last (answers); it is a
   client, never a member. Answers are matched to requests by id; a connection that closes fails
   every request waiting on it.
+- Decoding is ``blocks/decode.Session`` (sans-IO): the client sends its specs and feeds it the
+  last hop's logits and drafts. ``exact`` (the default): the last block drafts, the next
+  traversal verifies; greedy output is the autoregressive output byte for byte, sampled output
+  is distributed as autoregressive sampling. ``autoregressive`` and ``reference``: one byte per
+  traversal (the BlockTrain blocks, or the end-to-end reference model). ``blocktrain``: one
+  traversal for the whole output (prompt + placeholders, greedy), the paper's one-shot mode.
+- A hop that lost the session's caches (fault "session") costs one rebuild on the same chain;
+  a failed hop costs a new chain: ``generate`` keeps the session and rebuilds the caches there.
 - ``generate`` asks a member for its view (STATUS), builds a chain (one live serving peer per
   block, smallest peer id first, avoiding peers that failed), and on a failure that names a block
   avoids that hop the next time; a request that gets no answer lets the swarm notice the silent
@@ -19,7 +27,7 @@ import time
 
 import torch
 
-from blocktrain.blocks.model import MASK_ID
+from blocktrain.blocks.decode import Sampling, Session, one_traversal_spec
 from blocktrain.protocol import ConnectionClosed, PipelineForward, PipelineResult, Role
 
 from .checkpoints import holders, status_members
@@ -28,6 +36,9 @@ from .node import query_status
 from .pipeline import MODES, PipelineError
 from .tensors import from_wire, to_wire
 from .transport import CLIENT_INFO, Timeouts, make_connection, open_connection
+
+
+DRAFT_LEN = 16  # bytes drafted per traversal in exact mode
 
 
 class NoChain(PipelineError):
@@ -51,6 +62,7 @@ class PipelineClient:
         self._ids = itertools.count(1)
         self._readers: list[asyncio.Task] = []
         self.id = peer_id(identity)
+        self._drafter = True  # the last hop says whether its block has a draft model
 
     async def connect(self):
         for addr in dict.fromkeys([self.route[0], self.route[-1]]):
@@ -86,13 +98,14 @@ class PipelineClient:
     def sent_wire_bytes(self) -> int:
         return sum(pc.conn.counter.snapshot()["sent"]["total"]["wire_bytes"] for pc in self.conns.values())
 
-    async def _request(self, x: torch.Tensor, meta: dict, codec: str) -> PipelineResult:
+    async def _request(self, meta: dict, x: torch.Tensor | None = None) -> PipelineResult:
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
         meta = {**meta, "blocks": self.blocks, "reply_to": self.id, "codec": self.codec}
-        self.conns[self.route[0]].send_nowait(PipelineForward(
-            request_id=rid, route=self.route, hop=0, tensors=(to_wire("x", x, codec, "never"),), meta=meta))
+        tensors = () if x is None else (to_wire("x", x, self.codec, "never"),)
+        self.conns[self.route[0]].send_nowait(PipelineForward(request_id=rid, route=self.route, hop=0,
+                                                              tensors=tensors, meta=meta))
         try:
             res = await asyncio.wait_for(fut, self.timeout_s)
         except asyncio.TimeoutError:
@@ -101,41 +114,92 @@ class PipelineClient:
                                 f"(blocks {self.blocks})") from None
         if "error" in res.meta:
             b, hop = res.meta.get("block"), res.meta.get("hop")
-            fault = "request" if res.meta.get("fault") == "request" else "hop"
+            fault = res.meta.get("fault") if res.meta.get("fault") in ("request", "session") else "hop"
             where = f"block {b}" if isinstance(b, int) else "the chain"
             text = (f"the request was refused by {where}: {res.meta['error']}" if fault == "request"
                     else f"{where} failed (reported by hop {hop}): {res.meta['error']}")
             raise PipelineError(text, b if isinstance(b, int) else None, hop if isinstance(hop, int) else None, fault)
         return res
 
-    async def generate_blocktrain(self, prompt: bytes, n: int) -> tuple[bytes, dict]:
-        """N bytes from one traversal of the chain."""
-        ids = torch.tensor([list(prompt) + [MASK_ID] * (n - 1)], dtype=torch.int16)  # 257 ids: 2 bytes each
-        t0 = time.perf_counter()
-        res = await self._request(ids, {"mode": "blocktrain", "prompt_len": len(prompt), "n": n}, "raw")
-        out = bytes(from_wire(res.tensors[0])[0].tolist())
-        return out, {"seconds": time.perf_counter() - t0, "traversals": 1, "compute_s": res.meta["compute_s"]}
+    def _end(self, session: int, mode: str):
+        """Free the session's caches along the chain (no answer comes back)."""
+        try:
+            self.conns[self.route[0]].send_nowait(PipelineForward(
+                request_id=next(self._ids), route=self.route, hop=0,
+                meta={"mode": mode, "session": session, "end": True, "blocks": self.blocks, "reply_to": self.id}))
+        except ConnectionError:
+            pass  # the hops free it when it idles
 
-    async def generate_autoregressive(self, prompt: bytes, n: int, mode: str = "autoregressive") -> tuple[bytes, dict]:
-        """N bytes, one traversal each, KV caches on the peers (the prompt is sent once)."""
-        session = next(self._ids)
-        t0 = time.perf_counter()
-        x = torch.tensor([list(prompt)], dtype=torch.int16)
-        pos, out, compute = 0, [], 0.0
-        for i in range(n):
-            res = await self._request(x, {"mode": mode, "session": session, "pos": pos, "n": 1,
-                                          "prompt_len": len(prompt), "end": i == n - 1}, "raw")
-            compute += res.meta["compute_s"]
-            b = int(from_wire(res.tensors[0]).reshape(-1)[0])
-            out.append(b)
-            pos += x.shape[1]
-            x = torch.tensor([[b]], dtype=torch.int16)
-        return bytes(out), {"seconds": time.perf_counter() - t0, "traversals": n, "compute_s": compute}
+    async def traverse(self, session: int, mode: str, spec: dict, end: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One traversal of ``spec``: (logits (V, 256), drafts (V, S), compute seconds)."""
+        res = await self._request({"mode": mode, "session": session, "spec": spec, "end": end})
+        if len(res.tensors) != 2:
+            raise PipelineError(f"the last hop answered {len(res.tensors)} tensors, expected logits and drafts")
+        logits, drafts = from_wire(res.tensors[0]), from_wire(res.tensors[1])
+        V = len(spec["logits"])
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != (1, V) or logits.shape[2] != 256 or drafts.dim() != 3 \
+                or tuple(drafts.shape[:2]) != (1, V) or not torch.isfinite(logits).all():
+            raise PipelineError(f"the last hop answered logits {tuple(logits.shape)} and drafts {tuple(drafts.shape)} "
+                                f"for {V} verified tokens")
+        self._drafter = bool(res.meta.get("drafter", True))
+        return logits[0].float(), drafts[0].long(), float(res.meta.get("compute_s", 0.0))
 
-    async def generate(self, prompt: bytes, n: int, mode: str) -> tuple[bytes, dict]:
+    async def run(self, s: Session, mode: str, session: int | None = None, rebuilds: int = 2) -> dict:
+        """Drive ``s`` to its end through this chain; a hop that lost the caches ("session" fault)
+        gets them rebuilt from the committed bytes, at most ``rebuilds`` times."""
+        session = next(self._ids) if session is None else session
+        compute, ended = 0.0, False
+        t0 = time.perf_counter()
+        try:
+            while s.state != "done":
+                spec = s.next_spec()
+                ended = s._left() <= 1  # this traversal surely finishes the output
+                try:
+                    logits, drafts, c = await self.traverse(session, mode, spec, end=ended)
+                except PipelineError as e:
+                    if e.fault != "session" or rebuilds <= 0:
+                        raise
+                    rebuilds -= 1
+                    s.reset_caches()
+                    continue
+                compute += c
+                if not self._drafter and s.drafter:  # no draft model at the last hop: draft by slots
+                    s.drafter, s.slots = False, s.draft_len
+                s.feed(logits, drafts)
+        finally:
+            if not ended:
+                self._end(session, mode)
+        return {"seconds": time.perf_counter() - t0, "traversals": s.stats.traversals, "compute_s": compute,
+                "bytes_per_traversal": s.stats.bytes_per_traversal(len(s.output)),
+                "drafted": s.stats.drafted, "accepted": s.stats.accepted}
+
+    async def generate_blocktrain(self, prompt: bytes, n: int, sampling: Sampling = Sampling()) -> tuple[bytes, dict]:
+        """N bytes from one traversal of the chain (prompt + N-1 placeholders)."""
+        t0 = time.perf_counter()
+        logits, _, compute = await self.traverse(next(self._ids), "blocktrain", one_traversal_spec(prompt, n), end=True)
+        if sampling.temperature == 0:
+            out = logits.argmax(-1).tolist()
+        else:
+            import numpy as np
+            rng = np.random.default_rng(sampling.seed)
+            out = [int(rng.choice(256, p=sampling.probs(row))) for row in logits]
+        return bytes(out), {"seconds": time.perf_counter() - t0, "traversals": 1, "compute_s": compute,
+                            "bytes_per_traversal": float(n)}
+
+    async def generate(self, prompt: bytes, n: int, mode: str = "exact", sampling: Sampling = Sampling(),
+                       draft_len: int = DRAFT_LEN, max_seq_len: int | None = None) -> tuple[bytes, dict]:
         if mode == "blocktrain":
-            return await self.generate_blocktrain(prompt, n)
-        return await self.generate_autoregressive(prompt, n, mode)
+            return await self.generate_blocktrain(prompt, n, sampling)
+        s = new_session(prompt, n, mode, sampling, draft_len, max_seq_len)
+        stats = await self.run(s, mode)
+        return s.output, stats
+
+
+def new_session(prompt: bytes, n: int, mode: str, sampling: Sampling = Sampling(), draft_len: int = DRAFT_LEN,
+                max_seq_len: int | None = None) -> Session:
+    exact = mode == "exact"
+    return Session(prompt, n, max_seq_len or len(prompt) + n, draft_len=draft_len if exact else 0, drafter=exact,
+                   sampling=sampling, invariant=True)
 
 
 def chain(st: dict, avoid: set = frozenset()) -> list[str]:
@@ -167,7 +231,8 @@ async def _chain_when_ready(host, port, ident, key, tmo, avoid, timeout: float):
             await asyncio.sleep(0.5)  # serving peers join by gossip within a heartbeat or two
 
 
-def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None):
+def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None, sampling: Sampling = Sampling(),
+                  draft_len: int = DRAFT_LEN):
     """Bad requests fail here, with the fix, before anything is sent."""
     if mode not in MODES:
         raise PipelineError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}", fault="request")
@@ -175,27 +240,43 @@ def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = No
         raise PipelineError("the prompt is empty: give at least one byte of text to continue", fault="request")
     if n < 1:
         raise PipelineError("ask for at least one byte", fault="request")
-    if max_seq_len is not None and len(prompt) + n > max_seq_len:
+    if sampling.temperature < 0 or sampling.top_k < 0 or not 0 <= sampling.top_k <= 256:
+        raise PipelineError("temperature must be >= 0 and top-k in 0..256", fault="request")
+    if not 0 <= draft_len <= 32:
+        raise PipelineError("draft length must be in 0..32", fault="request")
+    if max_seq_len is not None and len(prompt) + n - 1 > max_seq_len:
         raise PipelineError(f"prompt ({len(prompt)} bytes) + {n} bytes exceeds the model's {max_seq_len} positions: "
-                            f"shorten the prompt or ask for at most {max(0, max_seq_len - len(prompt))} bytes",
+                            f"shorten the prompt or ask for at most {max(0, max_seq_len - len(prompt) + 1)} bytes",
                             fault="request")
 
 
 async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode: str, timeout: float,
-                   attempts: int = 3, log=lambda s: None) -> tuple[bytes, dict]:
+                   attempts: int = 3, log=lambda s: None, sampling: Sampling = Sampling(),
+                   draft_len: int = DRAFT_LEN) -> tuple[bytes, dict]:
     """Pick a chain from the swarm view via HOST:PORT and run the request; when a hop fails, retry
-    through another peer holding that block."""
-    check_request(prompt, n, mode)
+    through another peer holding that block (a session goes on where it was: the new chain
+    rebuilds its caches from the bytes committed so far)."""
+    check_request(prompt, n, mode, sampling=sampling, draft_len=draft_len)
     tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
     avoid: set[str] = set()
     last: Exception | None = None
+    s: Session | None = None
     for attempt in range(attempts):
         st, route = await _chain_when_ready(host, port, ident, key, tmo, avoid, timeout)
-        check_request(prompt, n, mode, (st.get("serving") or {}).get("max_seq_len"))
+        msl = (st.get("serving") or {}).get("max_seq_len")
+        check_request(prompt, n, mode, msl, sampling, draft_len)
         client = PipelineClient(ident, key, route, list(range(len(route))), tmo, timeout_s=timeout)
         try:
             await client.connect()
-            out, stats = await client.generate(prompt, n, mode)
+            if mode == "blocktrain":
+                out, stats = await client.generate_blocktrain(prompt, n, sampling)
+            else:
+                if s is None:
+                    s = new_session(prompt, n, mode, sampling, draft_len, msl)
+                else:
+                    s.reset_caches()  # a new chain: its hops hold nothing of this session
+                stats = await client.run(s, mode)
+                out, stats["traversals"] = s.output, s.stats.traversals
             stats["route"] = route
             return out, stats
         except (PipelineError, ConnectionError) as e:

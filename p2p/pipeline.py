@@ -2,19 +2,24 @@
 
 Rules:
 - A request is a PipelineForward with ``route`` (the hops' addresses), ``hop`` (the receiver's
-  index) and meta: ``mode``, ``blocks`` (the block each hop runs), ``reply_to`` (the client's peer
-  id: the last hop answers on the client's own connection), ``prompt_len`` and ``n`` (bytes
-  wanted), ``codec`` (of the hidden states between hops); session modes also carry ``session``,
-  ``pos`` and ``end``. PROTOCOL.md section 7.3 lists the fields.
-- Modes. ``blocktrain``: prompt + N-1 placeholders cross the chain once; the last block's head
-  gives all N bytes. ``autoregressive``: one traversal per byte through the same blocks, a KV
-  cache per hop and session. ``reference``: the same, through the end-to-end reference model
-  split by the same layers (when the peer serves it).
-- A KV cache belongs to (client, session); it is freed at the session's end or after
-  SESSION_IDLE_S, and a hop holds at most MAX_SESSIONS of them (the least recently used goes).
+  index) and meta: ``mode`` (what the client runs: exact, autoregressive, blocktrain or
+  reference), ``blocks`` (the block each hop runs), ``reply_to`` (the client's peer id: the last
+  hop answers on the client's own connection), ``session`` (the client's decoding session),
+  ``spec`` (one traversal, ``blocks/decode.py``), ``codec`` (of the hidden states between hops),
+  ``end`` (free the session's caches afterwards). PROTOCOL.md section 7.3 lists the fields.
+- Every mode is the same traversal: hop k runs ``decode.hop_step`` on its block, its cache for
+  the session and the spec; hop 0 takes the token ids from the spec (no tensor), the others the
+  hidden states from the hop below. The last hop answers with the spec's logits (float32) and
+  drafts (int16). ``reference`` runs the end-to-end reference model split by the same layers
+  (when the peer serves it); every other mode runs the BlockTrain blocks.
+- The spec is checked (``decode.check_spec``: types and bounds) before any compute. A spec that
+  does not fit this hop's cache (``SessionMismatch``: a new hop, an expired or evicted session)
+  is answered with fault "session": the client rebuilds the caches from its committed bytes.
+- A session's caches are freed at its end, after SESSION_IDLE_S unused, or when the hop holds
+  MAX_SESSIONS (the least recently used goes). ``end`` without a spec only frees them, hop by hop.
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
-  "hop", "block"}) on the client's connection; the client raises ``PipelineError`` carrying the
-  block and hop, never a string to parse.
+  "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
+  carrying the block, hop and fault, never a string to parse.
 - Compute runs off the event loop; every hop adds its compute time to meta ``compute_s``.
 """
 
@@ -28,15 +33,16 @@ from pathlib import Path
 
 import torch
 
-from blocktrain.blocks.model import MASK_ID, Block
+from blocktrain.blocks.decode import BadSpec, SessionMismatch, check_spec, hop_step
+from blocktrain.blocks.model import Block, BlockCache
 from blocktrain.protocol import PipelineForward, PipelineResult
 
 from .services import PeerServices, PeerUnreachable
 from .tensors import from_wire, to_wire
 
-MODES = ("blocktrain", "autoregressive", "reference")
-SESSION_IDLE_S = 60.0  # a KV cache unused this long is freed
-# KV caches one hop holds at once: each is a few MiB for the default model and 256 bytes.
+MODES = ("exact", "autoregressive", "blocktrain", "reference")
+SESSION_IDLE_S = 60.0  # caches unused this long are freed
+# Sessions one hop holds at once: each is at most a few MiB for the default model.
 MAX_SESSIONS = 64
 # Seconds the last hop waits for the client's own connection to register (it dialled us at once).
 CLIENT_WAIT_S = 5.0
@@ -69,7 +75,8 @@ class ServedBlocks:
 class PipelineServer:
     def __init__(self, peer: PeerServices, served: ServedBlocks):
         self.peer, self.served = peer, served
-        self.sessions: collections.OrderedDict[tuple, dict] = collections.OrderedDict()
+        self.sessions: collections.OrderedDict[tuple, BlockCache] = collections.OrderedDict()
+        self._used: dict[tuple, float] = {}
         self.served_requests = 0
         peer.on(PipelineForward, self.handle)
         peer.report_section("serving", lambda: {"requests": self.served_requests, "sessions": len(self.sessions),
@@ -83,84 +90,113 @@ class PipelineServer:
                 return b.cfg.max_seq_len
         return None
 
-    def _session(self, client: str, meta: dict, layers: int) -> dict:
-        key = (client, meta["session"])
-        sess = self.sessions.pop(key, None)
-        if sess is None:
-            if meta.get("pos", 0) != 0:
-                raise PipelineError("session unknown here (expired, or this hop restarted): start it again")
-            sess = {"caches": [{} for _ in range(layers)]}
-        sess["used"] = time.monotonic()
-        self.sessions[key] = sess
+    def _cache(self, client: str, meta: dict, b: Block) -> BlockCache:
+        key = (client, meta.get("session"), meta.get("mode") == "reference")
+        cache = self.sessions.pop(key, None)
+        if cache is None:
+            cache = BlockCache(b)
+        self.sessions[key] = cache  # most recently used last
+        self._used[key] = time.monotonic()
         while len(self.sessions) > MAX_SESSIONS:
-            self.sessions.popitem(last=False)
-        return sess
+            old, _ = self.sessions.popitem(last=False)
+            self._used.pop(old, None)
+        return cache
 
-    def _compute(self, mode: str, k: int, x: torch.Tensor, meta: dict, client: str):
-        b: Block = self.served.held(mode)[k]
-        with torch.no_grad():
-            if mode == "blocktrain":
-                h = b.trunk(x)
-                if k == b.cfg.n_blocks - 1:
-                    p = meta["prompt_len"]
-                    return b.logits(h)[:, p - 1:].argmax(-1).to(torch.uint8), True
-                return h, False
-            sess = self._session(client, meta, len(b.layers))
-            pos = meta["pos"]
-            h = b.embed(x, start=pos) if b.is_first else x
-            for layer, cache in zip(b.layers, sess["caches"]):
-                h = layer(h, cache)
-            if meta.get("end"):
-                self.sessions.pop((client, meta["session"]), None)
-            if b.head is not None and k == b.cfg.n_blocks - 1:
-                return b.logits(h)[:, -1:].argmax(-1).to(torch.uint8), True
-            return h, False
+    def _drop(self, client: str, meta: dict):
+        key = (client, meta.get("session"), meta.get("mode") == "reference")
+        self.sessions.pop(key, None)
+        self._used.pop(key, None)
 
     def _expire(self):
         now = time.monotonic()
-        for key in [k for k, s in self.sessions.items() if now - s["used"] > SESSION_IDLE_S]:
-            del self.sessions[key]
+        for key in [key for key, t in self._used.items() if now - t > SESSION_IDLE_S]:
+            self.sessions.pop(key, None)
+            del self._used[key]
 
     async def handle(self, msg: PipelineForward, pc, pid):
         meta = dict(msg.meta)
         client = meta.get("reply_to", pid)
         k = _block_at(meta, msg.hop)
+        if "error" in meta:  # a hop without the client's connection reports through the last hop
+            if msg.hop + 1 == len(msg.route) and isinstance(client, str):
+                self._tell_client(client, msg.request_id, meta)
+            return
         try:
             mode = meta.get("mode")
             if mode not in MODES:
                 raise _bad_request(f"unknown mode {mode!r}", k, msg.hop)
             if not isinstance(k, int) or k not in self.served.held(mode):
                 raise PipelineError(f"peer {self.peer.addr} does not serve block {k} ({mode})", k, msg.hop)
-            x = _input(msg, self.served.held(mode)[k], meta)
+            if not isinstance(client, str) or type(meta.get("session")) is not int:
+                raise _bad_request("reply_to (a peer id) and session (an int) are required", k, msg.hop)
+            b = self.served.held(mode)[k]
+            if meta.get("spec") is None:  # the session is over: free its caches along the chain
+                if not meta.get("end"):
+                    raise _bad_request("a request needs a spec (or end, to free a session)", k, msg.hop)
+                self._drop(client, meta)
+                if msg.hop + 1 < len(msg.route):
+                    await self._forward(msg, meta, None)
+                return
+            try:
+                spec = check_spec(meta["spec"], b.cfg.max_seq_len)
+            except BadSpec as e:
+                raise _bad_request(f"bad spec: {e}", k, msg.hop) from None
+            x = _input(msg, b, spec)
+            cache = self._cache(client, meta, b)  # one traversal at a time per session: the client waits
             t0 = time.perf_counter()
-            out, last = await asyncio.to_thread(self._compute, mode, k, x, meta, client)
+            try:
+                out = await asyncio.to_thread(hop_step, b, cache, x, spec)
+            except SessionMismatch as e:
+                self._drop(client, meta)
+                raise PipelineError(str(e), k, msg.hop, fault="session") from None
+            finally:
+                if meta.get("end"):
+                    self._drop(client, meta)
             meta["compute_s"] = float(meta.get("compute_s", 0.0)) + time.perf_counter() - t0
             self._expire()
             self.served_requests += 1
-            if last:
+            if isinstance(out, dict):  # the last block: the answer
+                if msg.hop + 1 != len(msg.route):
+                    raise _bad_request(f"block {k} is the last block, but the route goes on", k, msg.hop)
                 reply = await self._client(client)
-                reply.send_nowait(PipelineResult(request_id=msg.request_id, tensors=(to_wire("bytes", out),), meta=meta))
+                meta.pop("spec", None)  # the client has it
+                meta["drafter"] = b.drafter is not None
+                reply.send_nowait(PipelineResult(request_id=msg.request_id, meta=meta, tensors=(
+                    to_wire("logits", out["logits"].float()), to_wire("drafts", out["drafts"].to(torch.int16)))))
                 return
-            nxt_block = _block_at(meta, msg.hop + 1)
-            try:
-                nxt = await self.peer.connection(msg.route[msg.hop + 1])
-            except (PeerUnreachable, IndexError) as e:
-                raise PipelineError(f"block {nxt_block} is unreachable: {e}", nxt_block, msg.hop + 1) from None
-            nxt.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route, hop=msg.hop + 1,
-                                            tensors=(to_wire("x", out, meta.get("codec", "bf16"), "never"),),
-                                            meta=meta))
+            await self._forward(msg, meta, to_wire("x", out, meta.get("codec", "bf16"), "never"))
         except (PipelineError, ConnectionError, KeyError, IndexError, ValueError, TypeError) as e:
             failed = e.block if isinstance(e, PipelineError) else k
             hop = e.hop if isinstance(e, PipelineError) and e.hop is not None else msg.hop
             fault = e.fault if isinstance(e, PipelineError) else "hop"
-            reply = self.peer.client_connection(client)
-            if reply is not None:  # else the client's timeout reports it
+            err = {"error": str(e)[:1000], "hop": hop, "block": failed, "fault": fault}
+            if isinstance(client, str) and self.peer.client_connection(client) is not None:
+                self._tell_client(client, msg.request_id, err)
+            elif msg.hop + 1 < len(msg.route):  # the client dialled the first and last hops only
                 try:
-                    reply.send_nowait(PipelineResult(request_id=msg.request_id, tensors=(),
-                                                     meta={"error": str(e)[:1000], "hop": hop, "block": failed,
-                                                           "fault": fault}))
-                except ConnectionError:
-                    pass
+                    last = await self.peer.connection(msg.route[-1])
+                    last.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route,
+                                                     hop=len(msg.route) - 1, meta={**err, "reply_to": client}))
+                except (PeerUnreachable, ConnectionError):
+                    pass  # the client's timeout reports it
+
+    def _tell_client(self, client: str, request_id: int, meta: dict):
+        reply = self.peer.client_connection(client)
+        if reply is not None:
+            try:
+                reply.send_nowait(PipelineResult(request_id=request_id, tensors=(), meta={
+                    "error": str(meta.get("error"))[:1000], **{k: meta.get(k) for k in ("hop", "block", "fault")}}))
+            except ConnectionError:
+                pass
+
+    async def _forward(self, msg: PipelineForward, meta: dict, tensor):
+        nxt_block = _block_at(meta, msg.hop + 1)
+        try:
+            nxt = await self.peer.connection(msg.route[msg.hop + 1])
+        except (PeerUnreachable, IndexError) as e:
+            raise PipelineError(f"block {nxt_block} is unreachable: {e}", nxt_block, msg.hop + 1) from None
+        nxt.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route, hop=msg.hop + 1,
+                                        tensors=() if tensor is None else (tensor,), meta=meta))
 
     async def _client(self, client: str):
         if not await self.peer.wait_for(lambda: self.peer.client_connection(client) is not None, CLIENT_WAIT_S):
@@ -184,26 +220,24 @@ def refuse_requests(peer: PeerServices):
     peer.on(PipelineForward, handler)
 
 
-def _input(msg: PipelineForward, b: Block, meta: dict) -> torch.Tensor:
-    """The request's input, checked against the block before any compute (a bad request is the
-    request's fault: the client is told so and does not blame the hop)."""
+def _input(msg: PipelineForward, b: Block, spec: dict) -> torch.Tensor | None:
+    """The hidden states from the hop below, checked against the block and the spec before any
+    compute (a bad request is the request's fault: the client is told so and does not blame the
+    hop). Hop 0 takes its ids from the spec: no tensor."""
+    if b.is_first:
+        if msg.tensors:
+            raise _bad_request("block 0 takes its token ids from the spec, not a tensor", b.index)
+        return None
     if len(msg.tensors) != 1:
-        raise _bad_request("expected one input tensor")
+        raise _bad_request("expected one tensor of hidden states", b.index)
     x = from_wire(msg.tensors[0])
     if x.dtype in (torch.bfloat16, torch.float16):
         x = x.float()
-    elif x.dtype in (torch.int16, torch.int32, torch.uint8):
-        x = x.long()
-    if x.dim() != (2 if b.is_first else 3) or x.shape[0] != 1 or x.shape[1] < 1:
-        raise _bad_request(f"input of shape {tuple(x.shape)} does not fit block {b.index}", b.index)
-    if b.is_first and (x.min() < 0 or x.max() > MASK_ID):
-        raise _bad_request("input ids outside 0..256", b.index)
-    if not b.is_first and (x.shape[-1] != b.cfg.d_model or x.dtype != torch.float32):
-        raise _bad_request(f"hidden states of width {x.shape[-1]}, block {b.index} takes {b.cfg.d_model}", b.index)
-    pos = meta.get("pos", 0)
-    if type(pos) is not int or pos < 0 or pos + x.shape[1] > b.cfg.max_seq_len:
-        raise _bad_request(f"the request needs positions up to {pos + x.shape[1]}, the model has {b.cfg.max_seq_len}: "
-                           f"shorten the prompt or ask for fewer bytes", b.index)
+    if x.dim() != 3 or tuple(x.shape) != (1, len(spec["ids"]), b.cfg.d_model) or x.dtype != torch.float32:
+        raise _bad_request(f"hidden states of shape {tuple(x.shape)} ({x.dtype}); block {b.index} takes "
+                           f"(1, {len(spec['ids'])}, {b.cfg.d_model}) floats for this spec", b.index)
+    if not torch.isfinite(x).all():
+        raise _bad_request("hidden states hold NaN or infinity", b.index)
     return x
 
 
@@ -224,6 +258,8 @@ def load_served(blocks, checkpoints: str | Path | None = None, reference: str | 
     from blocktrain.blocks import checkpoint as ckpt
     from blocktrain.blocks.model import ModelConfig
 
+    if not checkpoints and not reference and ckpt.SHIPPED_MODEL.is_dir():
+        checkpoints = ckpt.SHIPPED_MODEL  # the small trained model the package ships
     if not checkpoints and not reference:
         raise ServeError("nothing to serve: give --checkpoints DIR (bt-train's OUT/checkpoints, or bt-peer "
                          "assemble's OUT) and/or --reference DIR (bt-train's OUT/reference)")
@@ -249,6 +285,8 @@ def load_served(blocks, checkpoints: str | Path | None = None, reference: str | 
                 b.load_state_dict(c.tensors)
             except RuntimeError as e:
                 raise ServeError(f"{path}: its tensors do not fit the model config: {e}") from None
+            if b.drafter is not None and not c.extra.get("drafter_steps"):
+                b.drafter = None  # never trained (its phase did not run): drafts come from the slots instead
             b.eval()
             target[k] = b
     return served

@@ -132,6 +132,7 @@ class _Stats:
     lower: list = field(default_factory=list)  # parallel: lower-block refreshes
     phases: list = field(default_factory=list)  # relay: which block when
     curve: list = field(default_factory=list)  # (global step, seconds since training began, head CEs)
+    draft_curve: list = field(default_factory=list)  # (draft step, KL per drafted byte): the last block's draft phase
 
 
 class SwarmTrainer:
@@ -171,6 +172,7 @@ class SwarmTrainer:
         self.ce: dict = {}
         self.busy_s = 0.0
         self.eval_s = 0.0  # time spent on the curve's evaluations (not training, not waiting)
+        self.draft_seconds = 0.0  # the last block's draft phase (after the schedule; not in the busy fraction)
         self.last_loss = float("nan")
         self.t_start: float | None = None
         self.t_end: float | None = None
@@ -697,11 +699,37 @@ class SwarmTrainer:
         self.t_end = time.monotonic()
         if self.relay and self.block != self.k:  # serve our own block
             self._restore_final_own()
+        if self.k == self.mcfg.n_blocks - 1 and self.tcfg.draft_steps and self.trainer.block.drafter is not None:
+            await self._draft_phase()
         heads = await asyncio.to_thread(self.eval_heads)
         self.ce["end"], self.ce["heads"] = heads[-1], heads
         self.state = "done"
         self.peer.write_report()
         return self.training_report()
+
+    async def _draft_phase(self):
+        """The last block's draft model (what exact-mode serving drafts with) trains on this peer's
+        own data with the chain frozen: local work, no averaging; its checkpoint says so."""
+        path = self.dir / "serve" / CHECKPOINT / ckpt.block_file(self.k)
+        if path.exists() and ckpt.load(path).extra.get("drafter_steps"):
+            return  # done before a restart
+        phase = self.trainer.draft_phase()
+        n = self.tcfg.draft_steps
+        self.state = "draft phase"
+        self._say(f"training the draft model of block {self.k} for {n} steps (local, the chain frozen)")
+        t0 = time.monotonic()
+        while phase.step < n:
+            chunk = min(25, n - phase.step)
+            kls = await asyncio.to_thread(lambda: [phase.train_step() for _ in range(chunk)][-1])
+            self.stats.draft_curve.append((phase.step, [round(k, 4) for k in kls]))
+            if self.on_step is None and phase.step % max(1, n // 4) < chunk:
+                self._say(f"draft step {phase.step}/{n}, KL per drafted byte {', '.join(f'{k:.3f}' for k in kls)}")
+        self.draft_seconds = time.monotonic() - t0
+        tensors = {k: v.detach().clone() for k, v in self.trainer.block.state_dict().items()}
+        c = ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.S, tensors,
+                            extra={"final": True, "gstep": self.total_steps, "drafter_steps": n,
+                                   "train": self.tcfg.to_dict()})
+        await asyncio.to_thread(ckpt.save, c, path)
 
     def _restore_final_own(self):
         c = ckpt.load(self.dir / "serve" / CHECKPOINT / ckpt.block_file(self.k))
@@ -722,6 +750,7 @@ class SwarmTrainer:
                "coverage_min": s.coverage_min, "averaging_seconds": round(s.averaging_s, 3),
                "update_bytes_sent": s.bytes_sent, "losses": s.losses, "joins": s.joins, "lower_refreshes": s.lower,
                "phases": s.phases, "curve": s.curve, "group_events": self.group.events,
+               "draft_phase": {"curve": s.draft_curve, "seconds": self.draft_seconds},
                "rejected_updates": [e for e in self.averager.events if e["event"] == "rejected update"],
                "averaging_events": self.averager.events, "excluded_peers": dict(self.averager.banned),
                "excluded_by": dict(self.averager.shunned),

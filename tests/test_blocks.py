@@ -14,7 +14,7 @@ import torch
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.data import ByteBatches, DataError, as_tensor, read_split
 from blocktrain.blocks.model import MASK_ID, Assembled, Block, EndToEnd, ModelConfig
-from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain, mask_tail, snapshot
+from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain, mask_tail, slot_batch, snapshot
 from blocktrain.blocks.worker import LowerWatcher, block_path
 
 TINY = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64, head_layers=1)
@@ -128,6 +128,68 @@ def test_one_traversal_generation_returns_n_bytes():
     assert n_trunk == [0, 1, 2]  # one pass through each block, whatever N
     with pytest.raises(ValueError):
         asm.generate_one_traversal(prompt, 60)  # past max_seq_len
+
+
+def test_draft_phase_trains_the_draft_model_only(valid):
+    tc = TrainConfig(**{**TCFG.to_dict(), "draft_frac": 25 / TCFG.steps, "draft_unroll": 2})
+    t = BlockTrainer(TINY, tc, 2, valid)
+    t.set_lower([snapshot(Block(TINY, 0)), snapshot(Block(TINY, 1))])
+    for _ in range(10):
+        t.train_step()
+    before = {n: p.detach().clone() for n, p in t.block.named_parameters() if not n.startswith("drafter.")}
+    phase = t.draft_phase()
+    first = phase.train_step()
+    for _ in range(24):
+        kls = phase.train_step()
+    assert len(kls) == 2 and kls[0] < first[0] * 0.7, (first, kls)
+    for n, p in t.block.named_parameters():
+        if not n.startswith("drafter."):
+            assert torch.equal(p, before[n]), f"{n} changed in the draft phase"
+
+
+def test_configs_saved_before_draft_models_still_load():
+    old = {k: v for k, v in TINY.to_dict().items() if k not in ("draft_layers", "slot_offsets")}  # a checkpoint's complete config
+    assert ModelConfig.from_dict(old).draft_layers == 0 and ModelConfig.from_dict(old).slot_offsets == 0
+    assert Block(ModelConfig.from_dict(old), 2).drafter is None
+    assert ModelConfig.from_dict({"d_model": 64, "n_head": 2}).draft_layers == ModelConfig().draft_layers
+
+
+def test_slot_branches_compute_what_one_traversal_serves():
+    """A placeholder branch in training sees what prompt + placeholders see in serving: its
+    logits equal one traversal's on the row's bytes up to the anchor."""
+    torch.manual_seed(0)
+    blocks = [Block(TINY, k) for k in range(3)]
+    with torch.no_grad():
+        for b in blocks:
+            for p in b.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+    asm = Assembled(blocks)
+    tc = TrainConfig(**{**TCFG.to_dict(), "slot_branches": 2, "slot_len": 5})
+    x = torch.randint(0, 256, (3, 20))
+    y = torch.roll(x, -1, 1)
+    ids, targets, layout, weights = slot_batch(x, y, tc, step=4)
+    assert ids.shape == targets.shape == weights.shape == (3, 30)
+    h = ids
+    for b in blocks:
+        h = b.trunk(h, **layout)
+    logits = blocks[-1].logits(h)
+    assert torch.allclose(logits[:, :20], asm(x), atol=1e-5)  # the bytes never see placeholders
+    for r in range(3):
+        for br in range(2):
+            cols = list(range(20 + 5 * br, 25 + 5 * br))
+            a = int(layout["positions"][r, cols[0]]) - 1
+            prompt = x[r:r + 1, :a + 1]
+            want = asm(torch.cat([prompt, torch.full((1, 5), MASK_ID)], 1))[0, a + 1:]
+            assert torch.allclose(logits[r, cols], want, atol=1e-5), (r, br)
+            for j, c in enumerate(cols, start=1):
+                assert targets[r, c] == (y[r, a + j] if a + j < 20 else -100)
+    assert weights[:, :20].sum() == pytest.approx(1.0) and weights[:, 20:].sum() == pytest.approx(tc.slot_weight)
+    # shifted rows: the same tokens and branches, positions moved, all inside the embedding
+    shifted = TrainConfig(**{**tc.to_dict(), "position_shift": True})
+    ids2, targets2, layout2, _ = slot_batch(x, y, shifted, step=4, max_seq_len=TINY.max_seq_len)
+    assert torch.equal(ids2, ids) and torch.equal(targets2, targets)
+    d = layout2["positions"] - layout["positions"]
+    assert (d == d[:, :1]).all() and int(layout2["positions"].max()) < TINY.max_seq_len and d.any()
 
 
 def test_mask_tail_keeps_targets_and_marks_suffix():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from blocktrain.blocks.model import Assembled, Block, EndToEnd, ModelConfig
+from blocktrain.blocks.model import Block, EndToEnd, ModelConfig
 from blocktrain.p2p.node import Peer
 from blocktrain.p2p.client import PipelineClient
 from blocktrain.p2p.pipeline import PipelineError, PipelineServer, ServedBlocks
@@ -58,26 +58,110 @@ async def served_chain(bt, e2e, route=None, blocks=(0, 1, 2), **client_kw):
             await p.stop()
 
 
-async def test_pipeline_equals_in_process_models(models):
+def in_process(blocks, prompt, n, draft_len=0, sampling=None):
+    from blocktrain.blocks.decode import Sampling, bf16_round, generate
+    out, _ = generate(blocks, prompt, n, draft_len=draft_len, drafter=draft_len > 0,
+                      sampling=sampling or Sampling(), between=bf16_round)
+    return out
+
+
+@pytest.mark.parametrize("prompt", [b"The history of ", b"a", bytes(range(65, 65 + 40))])
+async def test_exact_output_is_the_autoregressive_output_byte_for_byte(models, prompt):
+    """Greedy exact mode over the network (bf16 hidden states between hops) emits exactly what
+    autoregressive decoding emits, over the network and in one process."""
+    bt, e2e = models
+    async with served_chain(bt, e2e, timeout_s=20) as (peers, servers, client):
+        exact, st = await client.generate(prompt, 24, "exact")
+        ar, st_ar = await client.generate(prompt, 24, "autoregressive")
+        assert exact == ar == in_process(bt, prompt, 24) and len(exact) == 24
+        assert st_ar["traversals"] == 24 and st["traversals"] <= 24
+        for _ in range(50):  # the sessions' caches are freed at their end (the last frees travel on)
+            if not any(srv.sessions for srv in servers):
+                break
+            await asyncio.sleep(0.05)
+        assert not any(srv.sessions for srv in servers)
+
+
+async def test_a_two_block_chain_decodes_exactly_too():
+    cfg = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64, head_layers=0)
+    torch.manual_seed(1)
+    bt = [Block(cfg, k) for k in range(2)]
+    for p in bt[1].parameters():
+        p.data.add_(torch.randn_like(p) * 0.05)
+    psk = os.urandom(32)
+    peers = []
+    for k in range(2):
+        p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=(k,), role="serve",
+                       timeouts=FAST).start()
+        PipelineServer(p, ServedBlocks({k: bt[k]}))
+        peers.append(p)
+    client = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], [0, 1], FAST, timeout_s=20)
+    try:
+        await client.connect()
+        for prompt in (b"xy", b"hello, world"):
+            out, _ = await client.generate(prompt, 16, "exact", max_seq_len=64)
+            assert out == in_process(bt, prompt, 16)
+    finally:
+        await client.close()
+        for p in peers:
+            await p.stop()
+
+
+async def test_one_traversal_and_reference_modes_equal_in_process_runs(models):
+    from blocktrain.blocks.decode import new_caches, one_traversal_spec, run_chain
     bt, e2e = models
     async with served_chain(bt, e2e, codec="raw", timeout_s=20) as (peers, servers, client):
         prompt = bytes(range(65, 65 + 20))
         got, stats = await client.generate_blocktrain(prompt, 12)
-        want = Assembled(bt).generate_one_traversal(torch.tensor([list(prompt)]), 12)[0]
+        want = run_chain(bt, new_caches(bt), one_traversal_spec(prompt, 12))["logits"][0].argmax(-1)
         assert got == bytes(want.tolist()) and stats["traversals"] == 1
-        got, stats = await client.generate_autoregressive(prompt, 10, mode="reference")
-        want = e2e.generate(torch.tensor([list(prompt)]), 10)[0]
-        assert got == bytes(want.tolist()) and stats["traversals"] == 10
-        assert all(not s.sessions for s in servers)  # KV caches freed at the session's end
+        got, stats = await client.generate(prompt, 10, "reference")
+        from blocktrain.blocks.decode import generate
+        assert got == generate(list(e2e.blocks), prompt, 10)[0] and stats["traversals"] == 10
 
 
-async def test_bf16_hidden_states_stay_close(models):
+async def test_sampled_exact_output_is_reproducible_and_matches_one_process(models):
+    from blocktrain.blocks.decode import Sampling
     bt, e2e = models
-    async with served_chain(bt, e2e, codec="bf16", timeout_s=20) as (_, _, client):
-        prompt = bytes(range(70, 100))
-        got, _ = await client.generate_blocktrain(prompt, 8)
-        want = bytes(Assembled(bt).generate_one_traversal(torch.tensor([list(prompt)]), 8)[0].tolist())
-        assert sum(a == b for a, b in zip(got, want)) >= 6  # bf16 may flip a near-tie
+    sampling = Sampling(temperature=1.0, top_k=0, seed=7)
+    async with served_chain(bt, e2e, timeout_s=20) as (_, _, client):
+        a, _ = await client.generate(b"sample ", 20, "exact", sampling)
+        b, _ = await client.generate(b"sample ", 20, "exact", sampling)
+    assert a == b == in_process(bt, b"sample ", 20, draft_len=16, sampling=sampling)
+
+
+async def test_a_hop_that_lost_the_session_gets_it_rebuilt_and_the_output_is_unchanged(models):
+    bt, e2e = models
+    async with served_chain(bt, e2e, timeout_s=20) as (_, servers, client):
+        calls = []
+        real = client.traverse
+
+        async def forgetful(*a, **kw):  # hop 1 restarts (its caches gone) before the 3rd traversal
+            calls.append(1)
+            if len(calls) == 3:
+                servers[1].sessions.clear()
+            return await real(*a, **kw)
+
+        client.traverse = forgetful
+        out, st = await client.generate(b"The history of ", 30, "autoregressive")
+        assert out == in_process(bt, b"The history of ", 30) and len(calls) == 31  # one rebuild
+
+
+async def test_bad_specs_are_the_requests_fault_and_cost_nothing(models):
+    from blocktrain.blocks.decode import one_traversal_spec
+    bt, e2e = models
+    good = one_traversal_spec(b"hello", 4)
+    bad = [{**good, "positions": [0, 1, 2, 3, 10 ** 6, 5, 6, 7]}, {**good, "parents": [-1, 5, 1, 2, 3, 4, 5, 6]},
+           {**good, "draft": 10 ** 9}, {**good, "ids": [300] * 8}, {**good, "logits": list(range(500))},
+           {**good, "keep": [3, 1], "start": 2}, "not a map", {**good, "base": 1.5}]
+    async with served_chain(bt, e2e, timeout_s=10) as (_, servers, client):
+        for spec in bad:
+            with pytest.raises(PipelineError) as ei:
+                await client.traverse(1, "exact", spec)
+            assert ei.value.fault == "request" and ei.value.block == 0 and "spec" in str(ei.value)
+        assert not any(srv.sessions for srv in servers) and servers[0].served_requests == 0
+        out, _ = await client.generate(b"hello", 4, "exact")  # the chain still serves
+        assert len(out) == 4
 
 
 async def test_dead_hop_fails_within_timeout_naming_the_block(models):
@@ -85,7 +169,7 @@ async def test_dead_hop_fails_within_timeout_naming_the_block(models):
     async with served_chain(bt, e2e, timeout_s=5) as (peers, _, client):
         await peers[1].stop("crash")  # the middle hop is gone
         with pytest.raises(PipelineError, match="block 1|no answer") as ei:
-            await asyncio.wait_for(client.generate_blocktrain(b"hello world", 4), 15)
+            await asyncio.wait_for(client.generate(b"hello world", 4), 15)
         assert "block" in str(ei.value)
 
 
@@ -93,7 +177,7 @@ async def test_wrong_block_is_a_clear_error(models):
     bt, e2e = models
     async with served_chain(bt, e2e, route=(0, 2), blocks=(0, 1), timeout_s=5) as (_, _, client):
         with pytest.raises(PipelineError, match="does not serve block 1") as ei:
-            await client.generate_blocktrain(b"hello", 3)
+            await client.generate(b"hello", 3)
         assert ei.value.block == 1 and ei.value.hop == 1  # typed: the client knows where, without parsing
 
 
@@ -121,8 +205,8 @@ async def test_client_retries_through_another_holder_of_the_block(models):
         victim.on(PipelineForward, die)
         prompt = b"retry me please"
         out, stats = await generate("127.0.0.1", peers[0].port, X25519PrivateKey.generate(), psk, prompt, 6,
-                                    "blocktrain", 3)
-        want = bytes(Assembled(bt).generate_one_traversal(torch.tensor([list(prompt)]), 6)[0].tolist())
+                                    "exact", 3)
+        want = in_process(bt, prompt, 6)
         assert died and out == want and victim.addr not in stats["route"]
     finally:
         for p in peers + [spare]:

@@ -44,4 +44,4 @@ def test_readme_walkthrough_runs_as_printed(tmp_path):
     assert "assembled model: test CE" in r.stdout and (tmp_path / "model" / "assembled.json").exists()
     out = r.stdout.split("wrote model/assembled.json", 1)[1]
     assert len(out.strip("\n")) >= 16, "generate printed no continuation"  # a 6-step model: any bytes
-    assert "[autoregressive: 64 traversal(s)" in r.stderr
+    assert "[exact: 64 bytes in" in r.stderr

@@ -265,3 +265,15 @@ def test_stream_id_rules_are_the_spec_table_s():
                     parse_header(head)
                 assert ei.value.code is ErrorCode.MALFORMED_METADATA
     assert rows["STREAM_REQUEST"] == "not 0" and MessageType.STREAM_RESET.name in rows
+
+
+def test_the_serving_vector_holds_a_spec_that_a_hop_accepts_and_bad_ones_it_refuses():
+    """Section 7.3: the vector's spec passes a hop's checks; each rule of the checks refuses."""
+    from blocktrain.blocks.decode import BadSpec, check_spec
+    spec = VALID["pipeline_forward_exact"].meta["spec"]
+    assert check_spec(spec, 64) == spec
+    for bad in ({**spec, "start": 5}, {**spec, "keep": [1, 0]}, {**spec, "positions": [4, 5, 64]},
+                {**spec, "parents": [-1, 2, 1]}, {**spec, "ids": [104, 105, 257]}, {**spec, "draft": 33},
+                {**spec, "invariant": 1}, {**spec, "logits": []}, {**spec, "slots": [[0], [], []]}):
+        with pytest.raises(BadSpec):
+            check_spec(bad, 64)

@@ -55,6 +55,10 @@ VALID = {
     "stream_request": StreamRequest(kind="checkpoint", name="block1", offset=1024, stream_id=3),
     "pipeline_forward": PipelineForward(request_id=9, route=("127.0.0.1:4001", "127.0.0.1:4002"), hop=1, tensors=(
         pack_tensor("h", "float32", (1, 2), struct.pack("<2H", 0x3F80, 0xC000), "bf16"),), meta={"n": 4}),
+    "pipeline_forward_exact": PipelineForward(request_id=10, route=("127.0.0.1:4001", "127.0.0.1:4002"), hop=0, meta={
+        "mode": "exact", "session": 3, "blocks": [0, 1], "reply_to": "ab" * 32, "codec": "bf16", "end": False,
+        "spec": {"base": 2, "keep": [0, 1], "start": 4, "ids": [104, 105, 33], "positions": [4, 5, 6],
+                 "parents": [-1, 0, 1], "logits": [0, 1, 2], "slots": [], "draft": 2, "invariant": True}}),
     "pipeline_result": PipelineResult(request_id=9, tensors=(
         pack_tensor("bytes", "uint8", (3,), b"abc"),), meta={}),
     "stream_reset": StreamReset(code=int(ErrorCode.STREAM_INTEGRITY), reason="sha256 mismatch", stream_id=3),

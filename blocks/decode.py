@@ -1,0 +1,509 @@
+"""Decoding an assembled BlockTrain chain: autoregressive, and exact (draft, then verify).
+
+Rules:
+- Three parts, kept apart so that the network runs this code unchanged:
+  1. ``hop_step(block, cache, x, spec)``: one block's share of one traversal, a pure function of
+     the block, that block's ``BlockCache`` for the session, its input and the plain-data
+     ``spec``. In process, ``run_chain`` calls it block after block; over the network, hop k
+     calls it on the peer holding block k and forwards what it returns.
+  2. ``Session`` (sans-IO, no torch modules): ``next_spec()`` says what the next traversal feeds
+     the chain; ``feed(logits, drafts)`` takes the last hop's output for it and returns the bytes
+     accepted. It holds the bytes, the draft tree in flight and the sampling generator.
+  3. Drivers (``generate``): a session plus ``run_chain`` until the session is done.
+- Exact mode: every traversal verifies the drafts proposed by the previous one and proposes the
+  next. Greedy output is the argmax chain of the last head, byte for byte the autoregressive
+  output (``draft_len=0`` is autoregressive decoding: the same session, one byte per traversal).
+  With a temperature, drafts are verified by speculative sampling (Leviathan et al. 2023, Chen
+  et al. 2023; deterministic drafts, so q is one-hot: accept draft byte d with probability p(d),
+  else remove d from p, renormalise, and try the next sibling or sample): the output is
+  distributed as autoregressive sampling.
+- Numerics: a verifying traversal computes a position together with others (and tree branches
+  put its keys elsewhere in the cache), autoregressive decoding alone. ``invariant=True``
+  (default) makes the result of every non-slot token bitwise independent of that
+  (``Block.extend`` with ``exact_rows``), so greedy exact output is autoregressive output
+  exactly, also when hidden states are rounded between hops, provided both modes run this code
+  on the same hardware.
+
+A traversal's spec: a dict of ints, lists of ints and bools (msgpack-able), the same for every
+hop; each hop reads what it needs.
+
+| key | type | meaning |
+| --- | --- | --- |
+| ``base``, ``keep`` | int, list[int] | rollback first: keep cache entries ``[0, base)`` and ``base + i`` for each ``i`` in ``keep`` (ascending), compacted. A new session: 0, []. |
+| ``start`` | int | cache length after the rollback (``base + len(keep)``); a hop whose cache differs raises ``SessionMismatch`` (stale or lost session: rebuild it from the bytes). |
+| ``ids`` | list[int] | the new tokens: bytes, ``MASK_ID`` (256) for placeholders. Hop 0 embeds them; the others receive hidden states of ``len(ids)`` positions. |
+| ``positions`` | list[int] | absolute position of each new token (< ``max_seq_len``). |
+| ``parents`` | list[int] | attention structure: token i sees the cache, its ancestors and itself; ``parents[i]`` is the earlier new token it continues, -1 for the cached prefix (``tree_mask``). |
+| ``logits`` | list[int] | new tokens whose next-byte logits the last hop returns (the verified nodes). |
+| ``slots`` | list[list[int]] | per entry of ``logits``, the placeholder tokens of the slot branch after it (maybe none); the last hop returns their argmax bytes as that node's draft. Placeholders come after every other new token; hop 0 derives their offsets from ``parents``. |
+| ``draft`` | int | bytes the last block's draft model drafts after each entry of ``logits`` (0: none; then the slots draft). |
+| ``invariant`` | bool | batch-invariant numerics (see above); the same for the whole session. |
+
+The last hop returns ``{"logits": (B, len(logits), 256) float, "drafts": (B, len(logits), S) long}``
+(S: ``draft``, else the longest slot branch; -1 pads). The session's ``feed`` takes exactly these.
+A fault (``SessionMismatch``, a hop replaced): ``Session.reset_caches()``, then the next spec
+rebuilds every hop's cache from the committed bytes (``base`` 0, ``keep`` []).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .model import MASK_ID, VOCAB_SIZE, Block, BlockCache, tree_mask, tree_offsets
+
+
+class SessionMismatch(Exception):
+    """A hop's cache does not hold what the spec says it should (stale, lost or reordered)."""
+
+    def __init__(self, block: int, have: int, want: int):
+        super().__init__(f"block {block}: cache holds {have} positions after rollback, spec expects {want}")
+        self.block, self.have, self.want = block, have, want
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. One hop
+
+
+@torch.no_grad()
+def hop_step(block: Block, cache: BlockCache, x: torch.Tensor | None, spec: dict):
+    """Block ``block``'s share of one traversal; returns hidden states (B, T, C), or for the last
+    block of the chain ``{"logits", "drafts"}``. ``x``: hidden states from the hop below; for
+    block 0, None (ids from ``spec``) or an id tensor (B, T) for a batch of equal sessions."""
+    base, keep = spec["base"], spec["keep"]
+    if cache.length < base + (keep[-1] + 1 if keep else 0):  # it never held what the rollback keeps
+        raise SessionMismatch(block.index, cache.length, spec["start"])
+    cache.rollback(base, keep)
+    if cache.length != spec["start"]:
+        raise SessionMismatch(block.index, cache.length, spec["start"])
+    ids = spec["ids"]
+    if block.is_first and x is None:
+        x = torch.tensor([ids], dtype=torch.long)
+    assert x.shape[1] == len(ids), f"block {block.index}: input of {x.shape[1]} positions for {len(ids)} tokens"
+    mask = tree_mask(spec["parents"], cache.length)
+    exact = 0
+    if spec.get("invariant"):  # every token but the slot branches, which the session lays out last
+        exact = len(ids) - sum(len(s) for s in spec.get("slots") or [])
+        assert all(i >= exact for s in spec.get("slots") or [] for i in s), "slot tokens must come last"
+    offsets = tree_offsets(ids, spec["parents"]) if block.is_first else None
+    h = block.extend(x, cache, spec["positions"], mask, exact_rows=exact, offsets=offsets)
+    if block.index < block.cfg.n_blocks - 1:
+        return h
+    return readout(block, cache, h, spec)
+
+
+def readout(block: Block, cache: BlockCache, h: torch.Tensor, spec: dict) -> dict:
+    """The last hop's answer: logits at ``spec["logits"]``; drafts from the draft model
+    (``spec["draft"]`` bytes per verified node) or else from the slot branches' argmax."""
+    logits = block.logits(h[:, spec["logits"]])
+    slots = spec.get("slots") or []
+    n_tokens = len(spec["ids"]) - sum(len(s) for s in slots)  # slot tokens come last
+    if block.drafter is not None:
+        drafts = drafter_step(block, cache, h[:, :n_tokens], spec, logits, spec.get("draft", 0))
+        if spec.get("draft", 0):
+            return {"logits": logits, "drafts": drafts}
+    S = max((len(s) for s in slots), default=0)
+    drafts = torch.full((h.shape[0], len(spec["logits"]), S), -1, dtype=torch.long)
+    if S:
+        flat = [i for s in slots for i in s]
+        best = block.logits(h[:, flat]).argmax(-1)  # (B, total slots)
+        j = 0
+        for n, s in enumerate(slots):
+            drafts[:, n, :len(s)] = best[:, j:j + len(s)]
+            j += len(s)
+    return {"logits": logits, "drafts": drafts}
+
+
+def drafter_step(block: Block, cache: BlockCache, f: torch.Tensor, spec: dict, logits: torch.Tensor,
+                 steps: int) -> torch.Tensor:
+    """The draft model's share of a traversal at the last hop.
+
+    Entries for the new (non-slot) tokens join its cache: token i pairs the feature of its
+    parent (the last cached token for the root) with its byte. Then, from every verified node v
+    at once, ``steps`` drafting steps: the first pairs v's feature with v's argmax byte (the
+    byte that will follow v if v is the last accepted node, under greedy decoding), each next
+    one the predicted feature with the byte just drafted. Returns (B, len(logits), steps)."""
+    d = block.drafter
+    B, n, C = f.shape
+    start = cache.features.length
+    parents = spec["parents"][:n]
+    if start:
+        last = cache.features.view()[:, start - 1:start]
+    else:
+        last = f.new_zeros(B, 1, C)
+    f_prev = torch.cat([last, f], dim=1)[:, [p + 1 for p in parents]]  # parent -1 -> the last cached
+    ids = torch.tensor([spec["ids"][:n]], dtype=torch.long).expand(B, n)
+    tree = tree_mask(parents, start)  # (n, start + n)
+    d(f_prev, ids, cache.drafter, tree)
+    cache.features.append(f)
+    verify = spec["logits"]
+    V = len(verify)
+    drafts = torch.full((B, V, steps), -1, dtype=torch.long)
+    if steps == 0 or V == 0:
+        return drafts
+    base = tree[verify]  # (V, start + n): what each verified node sees
+    own = torch.eye(V, dtype=torch.bool)
+    u, byte = f[:, verify], logits.argmax(-1)  # (B, V, C), (B, V)
+    for s in range(steps):
+        mask = torch.cat([base] + [own] * (s + 1), dim=1)  # + this node's previous steps and itself
+        u = d(u, byte, cache.drafter, mask)
+        byte = block.logits(u).argmax(-1)
+        drafts[:, :, s] = byte
+    return drafts
+
+
+def new_caches(blocks: list[Block]) -> list[BlockCache]:
+    return [BlockCache(b) for b in blocks]
+
+
+def run_chain(blocks: list[Block], caches: list[BlockCache], spec: dict, ids: torch.Tensor | None = None,
+              between=None) -> dict:
+    """One traversal in process. ``between(h)``: applied to the hidden states sent from a hop to
+    the next (e.g. the network's bf16 rounding)."""
+    x = ids
+    for k, (b, c) in enumerate(zip(blocks, caches)):
+        x = hop_step(b, c, x, spec)
+        if between is not None and k < len(blocks) - 1:
+            x = between(x)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The session (sans-IO)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_k: int = 0  # sample among the k most likely bytes; 0: all 256
+    seed: int = 0
+
+    def probs(self, logits) -> np.ndarray:
+        """The autoregressive sampling distribution for one position's logits (float64)."""
+        z = torch.as_tensor(logits, dtype=torch.float64) / self.temperature
+        if 0 < self.top_k < z.numel():
+            kth = torch.topk(z, self.top_k).values[-1]
+            z = torch.where(z < kth, torch.full_like(z, float("-inf")), z)
+        return torch.softmax(z, dim=-1).numpy()
+
+
+@dataclass
+class SessionStats:
+    traversals: int = 0
+    drafted: int = 0  # draft bytes sent for verification
+    accepted: int = 0  # of which accepted
+    new_tokens: int = 0  # positions computed by every hop, all traversals
+    accepted_by_source: dict = field(default_factory=dict)  # "model" / "lookup" -> accepted bytes
+    drafted_by_source: dict = field(default_factory=dict)
+    accept_hist: dict = field(default_factory=dict)  # draft bytes accepted in a traversal -> traversals
+
+    def bytes_per_traversal(self, n: int) -> float:
+        return n / max(1, self.traversals)
+
+
+class Session:
+    """Draft-and-verify decoding of ``n_bytes`` after ``prompt``, as plain data in and out.
+
+    ``draft_len``: bytes drafted per traversal (0: autoregressive, one byte per traversal).
+    ``drafter``: the last block's draft model drafts them. ``slots``: placeholders after every
+    verified node, whose argmax drafts the next traversal (at most ``draft_len`` are used). ``lookup``: also draft by prompt
+    lookup (the longest earlier match of the last ``lookup`` bytes, then what followed it), as a
+    second branch of the draft tree. States: ``"spec"`` (call ``next_spec``), ``"output"`` (call
+    ``feed``), ``"done"``.
+    """
+
+    def __init__(self, prompt: bytes | list[int], n_bytes: int, max_seq_len: int, *, draft_len: int = 0,
+                 drafter: bool = False, slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(),
+                 invariant: bool = True):
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("the prompt must hold at least one byte")
+        if n_bytes < 1:
+            raise ValueError("n_bytes must be >= 1")
+        if any(not 0 <= b < VOCAB_SIZE for b in prompt):
+            raise ValueError("prompt bytes must be in [0, 256)")
+        if len(prompt) + n_bytes - 1 > max_seq_len:
+            raise ValueError(f"prompt {len(prompt)} + {n_bytes} bytes needs {len(prompt) + n_bytes - 1} positions "
+                             f"> max_seq_len {max_seq_len}")
+        if sampling.temperature < 0 or sampling.top_k < 0:
+            raise ValueError("temperature and top_k must be >= 0")
+        if drafter and slots:
+            raise ValueError("drafts come from the draft model or from slots, not both")
+        self.tokens = prompt
+        self.n_prompt, self.n_bytes, self.max_seq_len = len(prompt), n_bytes, max_seq_len
+        self.draft_len, self.slots, self.lookup, self.sampling = draft_len, slots, lookup, sampling
+        self.drafter = drafter
+        self.invariant = invariant
+        self.rng = np.random.default_rng(sampling.seed)
+        self.cached = 0  # tokens whose keys are in every hop's cache once the next rollback is done
+        self.base, self.keep = 0, []  # rollback of the next spec
+        self.model_draft: list[int] = []  # from the last traversal's slots / draft module
+        self.state = "spec"
+        self.stats = SessionStats()
+        self._pending: dict | None = None
+
+    def reset_caches(self):
+        """The chain lost this session's caches (a hop failed, or a new one took its block): the
+        next spec starts every hop from an empty cache and re-sends every committed byte. A
+        traversal in flight is abandoned; its drafts are proposed again. Batch-invariant
+        numerics make the rebuilt caches, and so the output, the same as without the fault."""
+        assert self.state != "done", "the session is over"
+        if self.state == "output":  # drop the traversal in flight; its counts stay (it was sent)
+            self._pending = None
+        self.cached, self.base, self.keep = 0, 0, []
+        self.state = "spec"
+
+    @property
+    def output(self) -> bytes:
+        return bytes(self.tokens[self.n_prompt:self.n_prompt + self.n_bytes])
+
+    def _left(self) -> int:
+        return self.n_bytes - (len(self.tokens) - self.n_prompt)
+
+    def _lookup_draft(self, n: int) -> list[int]:
+        t, m = self.tokens, self.lookup
+        for size in range(min(m, len(t) - 1), 0, -1):
+            key = t[-size:]
+            for s in range(len(t) - size - 1, -1, -1):  # the latest earlier occurrence
+                if t[s:s + size] == key:
+                    return t[s + size:s + size + n]
+        return []
+
+    def _draft_tree(self, budget: int) -> tuple[list[int], list[int], list[str]]:
+        """Draft nodes (ids, parents relative to the root's last token = -1, source)."""
+        branches = []
+        if budget > 0 and self.draft_len > 0:
+            if self.model_draft:
+                branches.append(("model", self.model_draft[:min(budget, self.draft_len)]))
+            if self.lookup:
+                branches.append(("lookup", self._lookup_draft(min(budget, self.draft_len))))
+        ids, parents, source = [], [], []
+        children: dict[tuple[int, int], int] = {}  # (parent, byte) -> node: branches share prefixes
+        for src, seq in branches:
+            parent = -1
+            for b in seq:
+                node = children.get((parent, b))
+                if node is None:
+                    node = len(ids)
+                    children[(parent, b)] = node
+                    ids.append(b)
+                    parents.append(parent)
+                    source.append(src)
+                parent = node
+        return ids, parents, source
+
+    def next_spec(self) -> dict:
+        assert self.state == "spec", f"next_spec() in state {self.state!r}"
+        root = self.tokens[self.cached:]  # committed bytes not in the caches yet (prompt, or the last byte)
+        R, start = len(root), self.cached
+        left = self._left()
+        # positions: root at start.., drafts below; the last verified node's slots go one further
+        room = self.max_seq_len - (start + R)  # positions free after the root
+        budget = min(left - 1, room)
+        d_ids, d_par, d_src = self._draft_tree(budget)
+        ids = list(root)
+        parents = [-1] + list(range(R - 1))
+        depth = list(range(R))
+        for b, p in zip(d_ids, d_par):
+            parents.append(R - 1 if p < 0 else R + p)
+            depth.append(depth[parents[-1]] + 1)
+            ids.append(b)
+        verify = [R - 1] + [R + i for i in range(len(d_ids))]
+        slot_lists = []
+        for v in verify:
+            s = min(self.slots, self.draft_len, left - 1 - (depth[v] - (R - 1)) - 1,
+                    self.max_seq_len - 1 - (start + depth[v]))
+            branch, parent = [], v
+            for j in range(max(0, s)):
+                ids.append(MASK_ID)
+                parents.append(parent)
+                depth.append(depth[parent] + 1)
+                parent = len(ids) - 1
+                branch.append(parent)
+            slot_lists.append(branch)
+        spec = {"base": self.base, "keep": list(self.keep), "start": start, "ids": ids,
+                "positions": [start + d for d in depth], "parents": parents, "logits": verify,
+                "slots": slot_lists, "draft": min(self.draft_len, max(0, left - 2)) if self.drafter else 0,
+                "invariant": self.invariant}
+        self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src}
+        self.stats.traversals += 1
+        self.stats.new_tokens += len(ids)
+        self.stats.drafted += len(d_ids)
+        for s in d_src:
+            self.stats.drafted_by_source[s] = self.stats.drafted_by_source.get(s, 0) + 1
+        self.state = "output"
+        return spec
+
+    def feed(self, logits, drafts=None) -> list[int]:
+        """The last hop's output for the spec just issued -> the bytes accepted (drafts + one)."""
+        assert self.state == "output", f"feed() in state {self.state!r}"
+        pend = self._pending
+        logits = torch.as_tensor(logits)
+        if logits.dim() == 3:
+            logits = logits[0]
+        d_ids, d_par, d_src = pend["d_ids"], pend["d_par"], pend["d_src"]
+        assert logits.shape == (1 + len(d_ids), VOCAB_SIZE), f"logits {tuple(logits.shape)} for {1 + len(d_ids)} nodes"
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(d_par):
+            children.setdefault(p, []).append(i)
+        node, path, out = -1, [], []
+        while True:
+            row = logits[node + 1]
+            kids = children.get(node, [])
+            nxt, byte = self._choose(row, [(k, d_ids[k]) for k in kids])
+            if nxt is None:
+                out.append(byte)  # the model's own byte: correction, or the bonus after a full match
+                break
+            path.append(nxt)
+            out.append(d_ids[nxt])
+            self.stats.accepted += 1
+            src = d_src[nxt]
+            self.stats.accepted_by_source[src] = self.stats.accepted_by_source.get(src, 0) + 1
+            node = nxt
+        self.stats.accept_hist[len(path)] = self.stats.accept_hist.get(len(path), 0) + 1
+        R, start = pend["R"], pend["start"]
+        self.base = start
+        self.keep = list(range(R)) + [R + i for i in path]
+        self.cached = start + len(self.keep)
+        out = out[:self._left()]
+        self.tokens.extend(out)
+        if drafts is not None and torch.as_tensor(drafts).numel():
+            d = torch.as_tensor(drafts)
+            d = d[0] if d.dim() == 3 else d
+            row = d[node + 1].tolist()
+            self.model_draft = [b for b in row if b >= 0]
+        else:
+            self.model_draft = []
+        self._pending = None
+        self.state = "done" if self._left() <= 0 else "spec"
+        return out
+
+    def _choose(self, logits: torch.Tensor, kids: list[tuple[int, int]]) -> tuple[int | None, int]:
+        """(child accepted or None, its byte or the byte emitted instead)."""
+        if self.sampling.temperature == 0:
+            best = int(torch.argmax(logits))
+            for k, b in kids:
+                if b == best:
+                    return k, b
+            return None, best
+        p = self.sampling.probs(logits)
+        for k, b in kids:  # speculative sampling, one deterministic draft byte at a time
+            if p[b] > 0 and self.rng.random() < p[b]:
+                return k, b
+            p[b] = 0.0
+            total = p.sum()
+            if total <= 0:  # every possible byte was drafted and rejected: cannot happen for p summing to 1
+                raise AssertionError("speculative sampling exhausted the distribution")
+            p = p / total
+        return None, int(self.rng.choice(VOCAB_SIZE, p=p))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. In-process drivers
+
+
+def drive(session: Session, step) -> bytes:
+    """Run ``session`` to the end; ``step(spec) -> {"logits", "drafts"}`` is one traversal."""
+    while session.state != "done":
+        out = step(session.next_spec())
+        session.feed(out["logits"], out.get("drafts"))
+    return session.output
+
+
+@torch.no_grad()
+def generate(blocks: list[Block], prompt: bytes | list[int], n_bytes: int, *, draft_len: int = 0,
+             drafter: bool = False, slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(),
+             invariant: bool = True, between=None) -> tuple[bytes, SessionStats]:
+    """Decode ``n_bytes`` after ``prompt`` with the chain ``blocks`` in process.
+
+    ``draft_len=0``: autoregressive (one traversal per byte). Otherwise exact mode with the
+    given drafts. ``between``: applied to hidden states between hops (network codec)."""
+    for b in blocks:
+        b.eval()
+    s = Session(prompt, n_bytes, blocks[0].cfg.max_seq_len, draft_len=draft_len, drafter=drafter, slots=slots,
+                lookup=lookup, sampling=sampling, invariant=invariant)
+    caches = new_caches(blocks)
+    drive(s, lambda spec: run_chain(blocks, caches, spec, between=between))
+    return s.output, s.stats
+
+
+def bf16_round(h: torch.Tensor) -> torch.Tensor:
+    """What the network's default codec does to hidden states between hops."""
+    return h.to(torch.bfloat16).to(h.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Specs from elsewhere (the network): checked before any compute
+
+MAX_TREE = 256  # new tokens of one traversal beyond max_seq_len (draft tree and slot branches)
+MAX_VERIFY = 128  # verified nodes (logits rows) per traversal
+MAX_DRAFT = 32  # draft-model bytes per verified node
+
+
+class BadSpec(ValueError):
+    """A spec that this code would not issue: wrong types, or numbers outside their bounds."""
+
+
+def _ints(v, lo: int, hi: int, what: str, max_len: int) -> list[int]:
+    if not isinstance(v, (list, tuple)) or len(v) > max_len:
+        raise BadSpec(f"{what}: expected a list of at most {max_len} ints")
+    if not all(type(x) is int and lo <= x < hi for x in v):
+        raise BadSpec(f"{what}: every entry must be an int in [{lo}, {hi})")
+    return list(v)
+
+
+def check_spec(spec, max_seq_len: int) -> dict:
+    """``spec`` as ``hop_step`` takes it, or ``BadSpec`` naming the field: every number from a
+    peer is bounded before use (cache growth, compute and reply size follow from these bounds)."""
+    if not isinstance(spec, dict):
+        raise BadSpec("the spec must be a map")
+    cap = max_seq_len + MAX_TREE
+    out = {}
+    for key in ("base", "start"):
+        v = spec.get(key)
+        if type(v) is not int or not 0 <= v <= max_seq_len:
+            raise BadSpec(f"{key}: an int in [0, {max_seq_len}]")
+        out[key] = v
+    out["keep"] = _ints(spec.get("keep", []), 0, cap, "keep", cap)
+    if any(b <= a for a, b in zip(out["keep"], out["keep"][1:])) or out["base"] + len(out["keep"]) != out["start"]:
+        raise BadSpec("keep must ascend, and base + len(keep) must equal start")
+    ids = out["ids"] = _ints(spec.get("ids"), 0, MASK_ID + 1, "ids", cap)
+    if not ids:
+        raise BadSpec("ids: at least one token")
+    T = len(ids)
+    out["positions"] = _ints(spec.get("positions"), 0, max_seq_len, "positions", T)
+    out["parents"] = _ints(spec.get("parents"), -1, T, "parents", T)
+    if len(out["positions"]) != T or len(out["parents"]) != T or any(p >= i for i, p in enumerate(out["parents"])):
+        raise BadSpec("positions and parents: one per token; a parent is -1 or an earlier token")
+    out["logits"] = _ints(spec.get("logits"), 0, T, "logits", MAX_VERIFY)
+    if not out["logits"]:
+        raise BadSpec("logits: at least one token")
+    slots = spec.get("slots") or []
+    if not isinstance(slots, (list, tuple)) or (slots and len(slots) != len(out["logits"])):
+        raise BadSpec("slots: none, or one list per entry of logits")
+    out["slots"] = [_ints(s, 0, T, "slots", T) for s in slots]
+    flat = [i for s in out["slots"] for i in s]
+    if flat and (sorted(flat) != list(range(T - len(flat), T)) or any(ids[i] != MASK_ID for i in flat)):
+        raise BadSpec("slot tokens are distinct placeholders, after every other token")
+    draft = spec.get("draft", 0)
+    if type(draft) is not int or not 0 <= draft <= MAX_DRAFT:
+        raise BadSpec(f"draft: an int in [0, {MAX_DRAFT}]")
+    out["draft"] = draft
+    inv = spec.get("invariant", False)
+    if type(inv) is not bool:
+        raise BadSpec("invariant: a bool")
+    out["invariant"] = inv
+    return out
+
+
+def one_traversal_spec(prompt: bytes | list[int], n_bytes: int) -> dict:
+    """The spec of BlockTrain's one-traversal output: the prompt, then ``n_bytes - 1``
+    placeholders in one causal chain; the last hop returns the logits of the prompt's last byte
+    and of every placeholder (greedy: their argmax is the output)."""
+    P = len(prompt)
+    T = P + n_bytes - 1
+    return {"base": 0, "keep": [], "start": 0, "ids": list(prompt) + [MASK_ID] * (n_bytes - 1),
+            "positions": list(range(T)), "parents": list(range(-1, T - 1)), "logits": list(range(P - 1, T)),
+            "slots": [], "draft": 0, "invariant": False}

@@ -1,0 +1,372 @@
+"""Decoding: exact mode equals autoregressive output, tree attention, rollback, speculative sampling."""
+
+import math
+import random
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from blocktrain.blocks.decode import (Sampling, Session, SessionMismatch, bf16_round, drive, generate, hop_step,
+                                      new_caches, run_chain)
+from blocktrain.blocks.model import MASK_ID, MIN_ROWS, Assembled, Block, BlockCache, ModelConfig, tree_mask
+
+
+def tiny_chain(n_blocks: int, seed: int = 0, layers_per_block: int = 1, max_seq_len: int = 128) -> list[Block]:
+    """A tiny chain perturbed away from its identity init, so that outputs are non-trivial."""
+    cfg = ModelConfig(d_model=32, n_head=2, n_layer=n_blocks * layers_per_block, n_blocks=n_blocks,
+                      max_seq_len=max_seq_len, head_layers=1)
+    torch.manual_seed(seed)
+    blocks = [Block(cfg, k) for k in range(n_blocks)]
+    with torch.no_grad():
+        for b in blocks:
+            for p in b.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+            b.eval()
+    return blocks
+
+
+def prompts(n: int, seed: int, max_len: int = 24) -> list[bytes]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 3 == 2:  # repetitive text, so that prompt lookup drafts get accepted
+            out.append((b"abcab" * 10)[:rng.randint(3, max_len)])
+        else:
+            out.append(bytes(rng.randrange(256) for _ in range(rng.randint(1, max_len))))
+    return out
+
+
+def ar_reference(blocks, prompt: bytes, n: int) -> bytes:
+    """Greedy decoding by full recomputation (no cache at all)."""
+    asm = Assembled(blocks) if len(blocks) == blocks[0].cfg.n_blocks else None
+    ids = torch.tensor([list(prompt)])
+    for _ in range(n):
+        nxt = asm(ids)[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], 1)
+    return bytes(ids[0, len(prompt):].tolist())
+
+
+def oracle_step(blocks, caches, truth: bytes, session: Session, rng: random.Random, corrupt: float = 0.3):
+    """One traversal whose drafts are the true greedy continuation, each byte corrupted with
+    probability ``corrupt``: long accepted runs and rejections at every depth."""
+    def step(spec):
+        out = run_chain(blocks, caches, spec)
+        rows = []
+        for node in spec["logits"]:
+            pos = spec["positions"][node]  # this node's byte sits at pos; its draft starts at pos + 2
+            first = pos + 2 - session.n_prompt
+            seq = list(truth[max(0, first):first + session.draft_len]) if first >= 0 else []
+            rows.append([b if rng.random() > corrupt else (b + 1) % 256 for b in seq])
+        width = max((len(r) for r in rows), default=0)
+        drafts = torch.full((1, len(rows), width), -1, dtype=torch.long)
+        for i, r in enumerate(rows):
+            drafts[0, i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        return {"logits": out["logits"], "drafts": drafts}
+    return step
+
+
+@pytest.mark.parametrize("n_blocks", [1, 2, 3, 4])
+@pytest.mark.parametrize("invariant", [True, False])
+def test_exact_greedy_equals_autoregressive(n_blocks, invariant):
+    blocks = tiny_chain(n_blocks, seed=n_blocks)
+    n = 40
+    for i, prompt in enumerate(prompts(6, seed=n_blocks)):
+        ar, ar_stats = generate(blocks, prompt, n, invariant=invariant)
+        assert ar_stats.traversals == n
+        if i < 2:
+            assert ar == ar_reference(blocks, prompt, n)
+        for kw in ({"draft_len": 5, "slots": 5}, {"draft_len": 6, "lookup": 3},
+                   {"draft_len": 4, "slots": 4, "lookup": 2}, {"draft_len": 4, "drafter": True, "lookup": 2}):
+            out, st = generate(blocks, prompt, n, invariant=invariant, **kw)
+            assert out == ar, (prompt, kw)
+        # drafts that are mostly right: many accepted bytes per traversal, rollback at every depth
+        s = Session(prompt, n, blocks[0].cfg.max_seq_len, draft_len=7, invariant=invariant)
+        out = drive(s, oracle_step(blocks, new_caches(blocks), ar, s, random.Random(i)))
+        assert out == ar
+        assert s.stats.traversals < n / 2 and s.stats.accepted < s.stats.drafted
+
+
+def test_exact_equals_autoregressive_through_bf16_hops():
+    """Both modes round hidden states between hops (the network codec): still identical."""
+    blocks = tiny_chain(3, seed=7)
+    for i, prompt in enumerate(prompts(4, seed=11)):
+        ar, _ = generate(blocks, prompt, 40, between=bf16_round)
+        ex, _ = generate(blocks, prompt, 40, draft_len=5, slots=5, lookup=3, between=bf16_round)
+        assert ex == ar
+
+
+def test_tree_attention_equals_separate_causal_forwards():
+    blocks = tiny_chain(3, seed=3)
+    asm = Assembled(blocks)
+    prefix = list(b"tree attention!")
+    # a tree below the prefix: two branches sharing a first byte, a third from the prefix, a slot
+    ids = [ord("a"), ord("b"), ord("c"), ord("x"), ord("y"), MASK_ID, ord("z")]
+    parents = [-1, 0, 1, 0, 3, 4, -1]
+    for invariant in (False, True):
+        caches = new_caches(blocks)
+        pre = {"base": 0, "keep": [], "start": 0, "ids": prefix, "positions": list(range(len(prefix))),
+               "parents": list(range(-1, len(prefix) - 1)), "logits": [len(prefix) - 1], "slots": [],
+               "invariant": invariant}
+        run_chain(blocks, caches, pre)
+        depth = []
+        for p in parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        P = len(prefix)
+        spec = {"base": P, "keep": [], "start": P, "ids": ids, "positions": [P + d for d in depth],
+                "parents": parents, "logits": list(range(len(ids))), "slots": [], "invariant": invariant}
+        got = run_chain(blocks, caches, spec)["logits"][0]
+        for i in range(len(ids)):
+            path, j = [], i
+            while j >= 0:
+                path.append(ids[j])
+                j = parents[j]
+            want = asm(torch.tensor([prefix + path[::-1]]))[0, -1]
+            assert torch.allclose(got[i], want, atol=1e-4), (invariant, i)
+
+
+def test_drafter_drafts_equal_a_reference_run():
+    """The draft model's drafts from every verified node of a tree equal a from-scratch run:
+    features of the node's whole prefix, entries (feature t-1, byte t), then drafting steps."""
+    blocks = tiny_chain(2, seed=4)
+    last = blocks[-1]
+    prefix = list(b"drafting ahead")
+    ids, parents = [ord("a"), ord("b"), ord("c"), ord("x")], [-1, 0, 1, 0]
+    P, steps = len(prefix), 3
+    caches = new_caches(blocks)
+    run_chain(blocks, caches, {"base": 0, "keep": [], "start": 0, "ids": prefix, "positions": list(range(P)),
+                               "parents": list(range(-1, P - 1)), "logits": [P - 1], "slots": []})
+    depth = [0, 1, 2, 1]
+    spec = {"base": P, "keep": [], "start": P, "ids": ids, "positions": [P + d for d in depth], "parents": parents,
+            "logits": [0, 1, 2, 3], "slots": [], "draft": steps}
+    out = run_chain(blocks, caches, spec)
+    for v in range(4):
+        path, j = [], v
+        while j >= 0:
+            path.append(ids[j])
+            j = parents[j]
+        seq = torch.tensor([prefix + path[::-1]])
+        h = seq
+        for b in blocks:
+            h = b.trunk(h)
+        f = h  # (1, n, C)
+        prev = torch.cat([torch.zeros(1, 1, f.shape[-1]), f[:, :-1]], 1)
+        byte = int(last.logits(f)[0, -1].argmax())
+        feats, toks, want = prev, seq, []
+        cur = f[:, -1:]
+        for _ in range(steps):
+            feats = torch.cat([feats, cur], 1)
+            toks = torch.cat([toks, torch.tensor([[byte]])], 1)
+            u = last.drafter(feats, toks)  # causal, no cache
+            cur = u[:, -1:]
+            byte = int(last.logits(cur)[0, -1].argmax())
+            want.append(byte)
+        assert out["drafts"][0, v].tolist() == want, v
+
+
+def test_tree_mask_shape_and_errors():
+    m = tree_mask([-1, 0, 0, 2], past=2)
+    assert m.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 1]]
+    assert torch.equal(tree_mask([-1, 0, 1], 3), torch.ones(3, 6, dtype=torch.bool).tril(3))
+    with pytest.raises(ValueError, match="parent"):
+        tree_mask([-1, 1], 0)  # a parent must come first
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_rollback_equals_recomputation(invariant):
+    """After traversals with rejected drafts and slots, every hop's cache holds exactly what a
+    fresh prefill of the committed bytes computes."""
+    blocks = tiny_chain(2, seed=5)
+    prompt = b"rollback me, please"
+    truth, _ = generate(blocks, prompt, 30, invariant=invariant)
+    s = Session(prompt, 30, blocks[0].cfg.max_seq_len, draft_len=6, slots=3, invariant=invariant)
+    caches = new_caches(blocks)
+    step = oracle_step(blocks, caches, truth, s, random.Random(0), corrupt=0.4)
+    for _ in range(5):
+        spec = s.next_spec()
+        out = step(spec)
+        s.feed(out["logits"], out["drafts"])
+    # roll back as the next traversal would, then compare with a prefill of the committed bytes
+    base, keep = s.base, s.keep
+    for c in caches:
+        c.rollback(base, keep)
+    committed = s.tokens[:s.cached]
+    fresh = new_caches(blocks)
+    spec = {"base": 0, "keep": [], "start": 0, "ids": committed, "positions": list(range(len(committed))),
+            "parents": list(range(-1, len(committed) - 1)), "logits": [0], "slots": [], "invariant": invariant}
+    run_chain(blocks, fresh, spec)
+    for a, b in zip(caches, fresh):
+        assert a.length == b.length == len(committed)
+        for la, lb in zip(a.layers, b.layers):
+            for x, y in ((la.k, lb.k), (la.v, lb.v)):
+                x, y = x[:, :, :la.length], y[:, :, :lb.length]
+                if invariant:
+                    assert torch.equal(x, y)
+                else:
+                    assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_session_survives_lost_caches():
+    """A hop loses its cache mid-session (a peer replaced): every hop starts afresh from the
+    committed bytes, and the output is still the autoregressive one."""
+    blocks = tiny_chain(3, seed=8)
+    prompt = b"faults happen"
+    ar, _ = generate(blocks, prompt, 30)
+    s = Session(prompt, 30, blocks[0].cfg.max_seq_len, draft_len=4, slots=4, lookup=2)
+    caches = new_caches(blocks)
+    for i in range(6):
+        spec = s.next_spec()
+        if i == 3:  # block 1's peer died after the spec went out: no answer; a fresh peer takes over
+            caches[1] = BlockCache(blocks[1])
+            with pytest.raises(SessionMismatch):
+                run_chain(blocks, caches, spec)
+            s.reset_caches()
+            for k in (0, 2):  # the others drop theirs too: the next spec rebuilds every hop
+                caches[k] = BlockCache(blocks[k])
+            spec = s.next_spec()
+            assert spec["base"] == 0 and spec["start"] == 0 and len(spec["ids"]) > len(prompt)
+        out = run_chain(blocks, caches, spec)
+        s.feed(out["logits"], out["drafts"])
+    assert drive(s, lambda spec: run_chain(blocks, caches, spec)) == ar
+
+
+def test_stale_cache_is_detected():
+    blocks = tiny_chain(2)
+    caches = new_caches(blocks)
+    s = Session(b"hello", 5, blocks[0].cfg.max_seq_len, draft_len=2, slots=2)
+    spec = s.next_spec()
+    out = run_chain(blocks, caches, spec)
+    s.feed(out["logits"], out["drafts"])
+    spec = s.next_spec()
+    with pytest.raises(SessionMismatch) as e:
+        hop_step(blocks[1], BlockCache(blocks[1]), torch.zeros(1, len(spec["ids"]), 32), spec)  # a hop that lost it
+    assert e.value.block == 1 and e.value.want == spec["start"]
+
+
+def test_positions_beyond_max_seq_len_raise():
+    blocks = tiny_chain(2, max_seq_len=16)
+    b0 = blocks[0]
+    with pytest.raises(ValueError, match="max_seq_len"):
+        b0.embed(torch.zeros(1, 2, dtype=torch.long), torch.tensor([15, 16]))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        b0.embed(torch.zeros(1, 2, dtype=torch.long), torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        b0.embed(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        Session(b"x" * 10, 8, 16)  # 10 + 8 - 1 positions
+    with pytest.raises(ValueError):
+        Session(b"", 4, 16)
+    spec = {"base": 0, "keep": [], "start": 0, "ids": [1, 2], "positions": [15, 16], "parents": [-1, 0],
+            "logits": [1], "slots": []}
+    with pytest.raises(ValueError, match="max_seq_len"):
+        hop_step(b0, BlockCache(b0), None, spec)
+    # the session never asks for a position past the end, even with long drafts and slots
+    out, _ = generate(blocks, b"x" * 8, 9, draft_len=8, slots=8, lookup=2)
+    assert len(out) == 9
+
+
+def test_rows_are_batch_invariant_above_min_rows():
+    """The claim MIN_ROWS rests on, on the machine the tests run on."""
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 32) * 0.1, torch.randn(96) * 0.1
+    x = torch.randn(40, 32)
+    ref = F.linear(x, w, b)
+    for m in range(MIN_ROWS, 40):
+        assert torch.equal(F.linear(x[:m], w, b), ref[:m]), m
+        assert torch.equal(F.linear(x[40 - m:], w, b), ref[40 - m:]), m
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative sampling
+
+
+def _chi2_critical(df: int, z: float = 3.719) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.719: p = 1e-4)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+class MemoModel:
+    """Last-head logits of a chain for a byte prefix, by full recomputation, memoised."""
+
+    def __init__(self, blocks):
+        self.asm, self.memo = Assembled(blocks), {}
+
+    def __call__(self, prefix: tuple) -> torch.Tensor:
+        if prefix not in self.memo:
+            self.memo[prefix] = self.asm(torch.tensor([list(prefix)]))[0, -1].double()
+        return self.memo[prefix]
+
+
+def fake_chain(model: MemoModel, session: Session, draft_len: int):
+    """A traversal computed from byte prefixes; drafts after each verified node's argmax: the
+    most likely byte, then the second, alternately (deterministic, often right, often wrong)."""
+    def step(spec):
+        base = tuple(session.tokens[:spec["start"]])
+        logits, drafts = [], []
+        for node in spec["logits"]:
+            path, j = [], node
+            while j >= 0:
+                path.append(spec["ids"][j])
+                j = spec["parents"][j]
+            prefix = base + tuple(path[::-1])
+            logits.append(model(prefix))
+            d, p = [], prefix + (int(model(prefix).argmax()),)
+            for k in range(draft_len):
+                d.append(int(model(p).topk(2).indices[k % 2]))
+                p = p + (d[-1],)
+            drafts.append(d)
+        return {"logits": torch.stack(logits)[None], "drafts": torch.tensor([drafts]).reshape(1, len(drafts), -1)}
+    return step
+
+
+def test_speculative_sampling_matches_autoregressive_distribution():
+    blocks = tiny_chain(2, seed=9)
+    model = MemoModel(blocks)
+    prompt = b"sample"
+    samp = Sampling(temperature=2.0, top_k=3, seed=1234)
+    n_bytes, n_samples = 3, 4000
+    # exact distribution of the first 3 bytes under autoregressive sampling
+    exact = {}
+
+    def expand(prefix, prob, depth):
+        if depth == n_bytes:
+            exact[prefix[len(prompt):]] = prob
+            return
+        p = samp.probs(model(prefix))
+        for b in range(256):
+            if p[b] > 0:
+                expand(prefix + (b,), prob * p[b], depth + 1)
+    expand(tuple(prompt), 1.0, 0)
+    assert len(exact) == 27 and abs(sum(exact.values()) - 1) < 1e-9
+    counts = {"ar": {}, "exact": {}}
+    accepted = drafted = 0
+    for mode, draft_len in (("ar", 0), ("exact", 2)):
+        for i in range(n_samples):
+            s = Session(prompt, n_bytes, 64, draft_len=draft_len,
+                        sampling=Sampling(samp.temperature, samp.top_k, seed=i + (0 if mode == "ar" else 10**6)))
+            out = tuple(drive(s, fake_chain(model, s, draft_len)))
+            counts[mode][out] = counts[mode].get(out, 0) + 1
+            accepted += s.stats.accepted
+            drafted += s.stats.drafted
+    assert 0.2 * drafted < accepted < 0.8 * drafted, (accepted, drafted)  # drafts often accepted, often not
+    for mode in ("ar", "exact"):
+        assert set(counts[mode]) <= set(exact)
+        chi2 = sum((counts[mode].get(k, 0) - n_samples * p) ** 2 / (n_samples * p) for k, p in exact.items())
+        assert chi2 < _chi2_critical(len(exact) - 1), (mode, chi2)
+
+
+def test_sampling_through_the_chain_is_reproducible_and_valid():
+    blocks = tiny_chain(3, seed=2)
+    samp = Sampling(temperature=0.8, top_k=5, seed=7)
+    a, _ = generate(blocks, b"seeded", 30, draft_len=4, slots=4, lookup=2, sampling=samp)
+    b, _ = generate(blocks, b"seeded", 30, draft_len=4, slots=4, lookup=2, sampling=samp)
+    assert a == b and len(a) == 30
+
+
+def test_session_is_a_state_machine():
+    s = Session(b"ab", 3, 32)
+    with pytest.raises(AssertionError):
+        s.feed(torch.zeros(1, 256))
+    s.next_spec()
+    with pytest.raises(AssertionError):
+        s.next_spec()
