@@ -263,7 +263,7 @@ def plot(results: dict[str, dict], path: Path):
         c = r["curve"]
         # the chain's best head so far: upper heads mean nothing before their block trains
         ax.plot([p[0] for p in c], [min(p[1]) for p in c], label=f"{name} (test {r['test_ce']:.3f})")
-    ax.set_xlabel("wall step (relay: K workers share each block's steps)")
+    ax.set_xlabel("wall step (one worker's optimizer steps)")
     ax.set_ylabel("valid CE, best head of the chain (nats/byte)")
     ax.set_title("BlockTrain variants vs end-to-end, WikiText-2 bytes")
     ax.grid(alpha=0.3)

@@ -87,7 +87,9 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
     pairs = test_prompts(prompts, n_bytes)
     out: dict = {"n_bytes": n_bytes, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "hops": hops, "prompts": len(pairs),
                  "repeats": repeats, "model": cfg.to_dict(), "checkpoints": str(checkpoints or "shipped model"),
-                 "links": "in-process link shaper (per-frame serialization at the rate, then one-way delay)"}
+                 "links": "in-process link shaper (per-frame serialization at the rate, then one-way delay)",
+                 "numerics": "exact and autoregressive both batch-invariant (what makes their output identical); "
+                             "the one-traversal mode plain"}
     try:
         await client.connect()
         for p in peers:  # warm the connections between hops (handshakes are not part of a request)
@@ -122,9 +124,13 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
         if "exact" in outputs and "autoregressive" in outputs:
             n_cmp = min(len(outputs["autoregressive"][0]), n_bytes)
             same = sum(e[:n_cmp] == a[:n_cmp] for e, a in zip(outputs["exact"], outputs["autoregressive"]))
-            out["exact"]["identical_to_autoregressive"] = same == len(pairs)
+            if n_cmp == n_bytes:  # every byte compared
+                out["exact"]["identical_to_autoregressive"] = same == len(pairs)
+            else:  # the autoregressive run was shortened: only its prefix can be compared
+                out["exact"]["identical_prefix_bytes"] = n_cmp if same == len(pairs) else 0
             out["exact"]["identical_prompts"] = f"{same}/{len(pairs)} (first {n_cmp} bytes)"
             out["speedup_exact_vs_autoregressive"] = out["autoregressive"]["seconds"] / out["exact"]["seconds"]
+            out["speedup_extrapolated"] = out["autoregressive"]["extrapolated"]
         if "blocktrain" in outputs:
             out["blocktrain"]["quality"] = await _one_traversal_quality(client, pairs, n_bytes)
             if "autoregressive" in outputs:
@@ -159,7 +165,8 @@ def compare(checkpoints, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts:
 
     r = uvloop.run(run(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats, log=log, ar_bytes=ar_bytes))
     r["within_bound"] = {m: r[m]["vs_bound"] <= 1.25 for m in MODES if m in r}
-    r["targets"] = {"speedup_exact_vs_autoregressive >= 3": r.get("speedup_exact_vs_autoregressive", 0) >= 3,
+    r["targets"] = {"speedup_exact_vs_autoregressive >= 3": r.get("speedup_exact_vs_autoregressive", 0) >= 3
+                    and not r.get("speedup_extrapolated"),
                     "exact identical to autoregressive": bool(r["exact"].get("identical_to_autoregressive")),
                     "every mode within 1.25x of its bound": all(r["within_bound"].values())}
     return r

@@ -373,7 +373,7 @@ class Session:
             d = torch.as_tensor(drafts)
             d = d[0] if d.dim() == 3 else d
             row = d[node + 1].tolist()
-            self.model_draft = [b for b in row if b >= 0]
+            self.model_draft = [b for b in row if 0 <= b < VOCAB_SIZE]
         else:
             self.model_draft = []
         self._pending = None
@@ -438,7 +438,7 @@ def bf16_round(h: torch.Tensor) -> torch.Tensor:
 # 4. Specs from elsewhere (the network): checked before any compute
 
 MAX_TREE = 256  # new tokens of one traversal beyond max_seq_len (draft tree and slot branches)
-MAX_VERIFY = 128  # verified nodes (logits rows) per traversal
+MAX_VERIFY = 65  # verified nodes (logits rows) per traversal: the root and two draft branches of 32
 MAX_DRAFT = 32  # draft-model bytes per verified node
 
 
@@ -487,6 +487,8 @@ def check_spec(spec, max_seq_len: int) -> dict:
     flat = [i for s in out["slots"] for i in s]
     if flat and (sorted(flat) != list(range(T - len(flat), T)) or any(ids[i] != MASK_ID for i in flat)):
         raise BadSpec("slot tokens are distinct placeholders, after every other token")
+    if any(i >= T - len(flat) for i in out["logits"]):
+        raise BadSpec("logits: verified tokens come before the slot tokens")
     draft = spec.get("draft", 0)
     if type(draft) is not int or not 0 <= draft <= MAX_DRAFT:
         raise BadSpec(f"draft: an int in [0, {MAX_DRAFT}]")

@@ -223,7 +223,7 @@ def plot_curves(result: dict, path: Path):
     if "reference" in result:
         ref = result["reference"]["curve"]
         ax.plot([c[0] for c in ref], [c[1][0] for c in ref], "k--", label="end-to-end reference")
-    ax.set_xlabel("wall time, in optimizer steps of one worker (relay: the K workers share each block's steps)")
+    ax.set_xlabel("wall step (one worker's optimizer steps)")
     ax.set_ylabel("valid CE (nats/byte)")
     ax.set_title(f"BlockTrain ({result['job']['schedule']}) vs end-to-end, WikiText-2 bytes")
     ax.grid(alpha=0.3)

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 
 import torch
 
-from blocktrain.blocks.decode import Sampling, Session, one_traversal_spec
+from blocktrain.blocks.decode import MAX_TREE, Sampling, Session, one_traversal_spec
 from blocktrain.protocol import ConnectionClosed, PipelineForward, PipelineResult, Role
 
 from .checkpoints import holders, status_members
@@ -147,7 +148,7 @@ class PipelineClient:
     async def run(self, s: Session, mode: str, session: int | None = None, rebuilds: int = 2) -> dict:
         """Drive ``s`` to its end through this chain; a hop that lost the caches ("session" fault)
         gets them rebuilt from the committed bytes, at most ``rebuilds`` times."""
-        session = next(self._ids) if session is None else session
+        session = secrets.randbits(62) if session is None else session  # unguessable, new per run
         compute, ended = 0.0, False
         t0 = time.perf_counter()
         try:
@@ -163,8 +164,9 @@ class PipelineClient:
                     s.reset_caches()
                     continue
                 compute += c
-                if not self._drafter and s.drafter:  # no draft model at the last hop: draft by slots
-                    s.drafter, s.slots = False, s.draft_len
+                if not self._drafter and s.drafter:  # no draft model at the last hop: draft by slots,
+                    # as many after each verified node as keep the tree within a hop's bounds
+                    s.drafter, s.slots = False, min(s.draft_len, max(0, MAX_TREE // (1 + s.draft_len) - 1))
                 s.feed(logits, drafts)
         finally:
             if not ended:
@@ -176,7 +178,8 @@ class PipelineClient:
     async def generate_blocktrain(self, prompt: bytes, n: int, sampling: Sampling = Sampling()) -> tuple[bytes, dict]:
         """N bytes from one traversal of the chain (prompt + N-1 placeholders)."""
         t0 = time.perf_counter()
-        logits, _, compute = await self.traverse(next(self._ids), "blocktrain", one_traversal_spec(prompt, n), end=True)
+        logits, _, compute = await self.traverse(secrets.randbits(62), "blocktrain", one_traversal_spec(prompt, n),
+                                                 end=True)
         if sampling.temperature == 0:
             out = logits.argmax(-1).tolist()
         else:
@@ -261,6 +264,7 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
     avoid: set[str] = set()
     last: Exception | None = None
     s: Session | None = None
+    t0 = time.perf_counter()
     for attempt in range(attempts):
         st, route = await _chain_when_ready(host, port, ident, key, tmo, avoid, timeout)
         msl = (st.get("serving") or {}).get("max_seq_len")
@@ -277,7 +281,7 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
                     s.reset_caches()  # a new chain: its hops hold nothing of this session
                 stats = await client.run(s, mode)
                 out, stats["traversals"] = s.output, s.stats.traversals
-            stats["route"] = route
+            stats["route"], stats["seconds"], stats["attempts"] = route, time.perf_counter() - t0, attempt + 1
             return out, stats
         except (PipelineError, ConnectionError) as e:
             if getattr(e, "fault", "hop") == "request":

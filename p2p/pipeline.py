@@ -35,15 +35,22 @@ import torch
 
 from blocktrain.blocks.decode import BadSpec, SessionMismatch, check_spec, hop_step
 from blocktrain.blocks.model import Block, BlockCache
-from blocktrain.protocol import PipelineForward, PipelineResult
+from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
 
 from .services import PeerServices, PeerUnreachable
 from .tensors import from_wire, to_wire
 
 MODES = ("exact", "autoregressive", "blocktrain", "reference")
 SESSION_IDLE_S = 60.0  # caches unused this long are freed
-# Sessions one hop holds at once: each is at most a few MiB for the default model.
+# Sessions one hop holds at once (the least recently used goes), and per client. A session's
+# caches are at most (max_seq_len + 256) tokens per layer plus the draft model's drafting steps:
+# about 13 MiB for the d 128 model at the spec bounds, 1.5 MiB for 256 bytes of d 192.
 MAX_SESSIONS = 64
+MAX_SESSIONS_PER_CLIENT = 8
+MAX_INFLIGHT_PER_CLIENT = 8  # requests of one client computing or waiting at one hop
+COMPUTE_SLOTS = 2  # traversals computed at once by one hop (the rest wait their turn)
+# The meta keys a hop reads and passes on (anything else a client sends is dropped).
+FORWARDED = ("mode", "blocks", "reply_to", "session", "spec", "end", "codec", "compute_s")
 # Seconds the last hop waits for the client's own connection to register (it dialled us at once).
 CLIENT_WAIT_S = 5.0
 
@@ -77,6 +84,9 @@ class PipelineServer:
         self.peer, self.served = peer, served
         self.sessions: collections.OrderedDict[tuple, BlockCache] = collections.OrderedDict()
         self._used: dict[tuple, float] = {}
+        self._busy: set[tuple] = set()  # sessions with a traversal running here
+        self._inflight: dict[str, int] = {}  # client -> requests being computed or waiting here
+        self._compute = asyncio.Semaphore(COMPUTE_SLOTS)
         self.served_requests = 0
         peer.on(PipelineForward, self.handle)
         peer.report_section("serving", lambda: {"requests": self.served_requests, "sessions": len(self.sessions),
@@ -90,50 +100,76 @@ class PipelineServer:
                 return b.cfg.max_seq_len
         return None
 
-    def _cache(self, client: str, meta: dict, b: Block) -> BlockCache:
-        key = (client, meta.get("session"), meta.get("mode") == "reference")
+    def _key(self, client: str, meta: dict, k: int) -> tuple:
+        return (client, meta["session"], meta["mode"] == "reference", k)
+
+    def _cache(self, key: tuple, b: Block, start: int) -> BlockCache:
+        """The session's cache at this hop; a new one only for a session's first traversal
+        (``start`` 0), so a request naming an unknown session costs no slot."""
         cache = self.sessions.pop(key, None)
         if cache is None:
+            if start != 0:
+                raise PipelineError(f"block {b.index}: no caches for this session here (expired, evicted, or this "
+                                    f"hop restarted): send it again from the start", b.index, fault="session")
+            mine = [k for k in self.sessions if k[0] == key[0]]
+            if len(mine) >= MAX_SESSIONS_PER_CLIENT:  # a client's own oldest session goes first
+                self._drop(mine[0])
             cache = BlockCache(b)
         self.sessions[key] = cache  # most recently used last
         self._used[key] = time.monotonic()
         while len(self.sessions) > MAX_SESSIONS:
-            old, _ = self.sessions.popitem(last=False)
-            self._used.pop(old, None)
+            self._drop(next(iter(self.sessions)))
         return cache
 
-    def _drop(self, client: str, meta: dict):
-        key = (client, meta.get("session"), meta.get("mode") == "reference")
+    def _drop(self, key: tuple):
         self.sessions.pop(key, None)
         self._used.pop(key, None)
 
     def _expire(self):
         now = time.monotonic()
-        for key in [key for key, t in self._used.items() if now - t > SESSION_IDLE_S]:
-            self.sessions.pop(key, None)
-            del self._used[key]
+        for key in [key for key, t in self._used.items() if now - t > SESSION_IDLE_S and key not in self._busy]:
+            self._drop(key)
+
+    def _check_route(self, msg: PipelineForward, meta: dict, pid: str, k, mode: str):
+        """Who may send this, and where it may go: hop 0 takes requests from the client itself;
+        later hops only from members. The route is one hop per block 0..K-1 of this model."""
+        if msg.hop == 0 and meta.get("reply_to") != pid:
+            raise _bad_request("reply_to must be the sender's own peer id", k, msg.hop)
+        if msg.hop > 0 and self.peer.member(pid) is None:
+            raise _bad_request("only a member forwards a request past hop 0", k, msg.hop)
+        if not isinstance(k, int) or k not in self.served.held(mode):
+            raise PipelineError(f"peer {self.peer.addr} does not serve block {k} ({mode})", k, msg.hop)
+        n = self.served.held(mode)[k].cfg.n_blocks
+        if len(msg.route) != n or meta.get("blocks") != list(range(n)):
+            raise _bad_request(f"a route is one hop per block 0..{n - 1}, in order", k, msg.hop)
+        if msg.hop + 1 < n:  # before any compute: the next hop must be a member serving the next block
+            nxt = msg.route[msg.hop + 1]
+            if not any(m.addr == nxt for m in self.peer.members(block=k + 1, role="serve")):
+                raise PipelineError(f"the route's hop {nxt} is not a live member serving block {k + 1}", k + 1,
+                                    msg.hop + 1)
 
     async def handle(self, msg: PipelineForward, pc, pid):
-        meta = dict(msg.meta)
+        meta = {key: msg.meta[key] for key in FORWARDED if key in msg.meta}
         client = meta.get("reply_to", pid)
         k = _block_at(meta, msg.hop)
-        if "error" in meta:  # a hop without the client's connection reports through the last hop
-            if msg.hop + 1 == len(msg.route) and isinstance(client, str):
-                self._tell_client(client, msg.request_id, meta)
+        if "error" in msg.meta:  # a hop without the client's connection reports through the last hop
+            if msg.hop + 1 == len(msg.route) and self.peer.member(pid) is not None and isinstance(client, str):
+                self._tell_client(client, msg.request_id, dict(msg.meta))
             return
+        key = None
         try:
             mode = meta.get("mode")
             if mode not in MODES:
                 raise _bad_request(f"unknown mode {mode!r}", k, msg.hop)
-            if not isinstance(k, int) or k not in self.served.held(mode):
-                raise PipelineError(f"peer {self.peer.addr} does not serve block {k} ({mode})", k, msg.hop)
             if not isinstance(client, str) or type(meta.get("session")) is not int:
                 raise _bad_request("reply_to (a peer id) and session (an int) are required", k, msg.hop)
+            self._check_route(msg, meta, pid, k, mode)
             b = self.served.held(mode)[k]
+            self._expire()
             if meta.get("spec") is None:  # the session is over: free its caches along the chain
                 if not meta.get("end"):
                     raise _bad_request("a request needs a spec (or end, to free a session)", k, msg.hop)
-                self._drop(client, meta)
+                self._drop(self._key(client, meta, k))
                 if msg.hop + 1 < len(msg.route):
                     await self._forward(msg, meta, None)
                 return
@@ -141,19 +177,32 @@ class PipelineServer:
                 spec = check_spec(meta["spec"], b.cfg.max_seq_len)
             except BadSpec as e:
                 raise _bad_request(f"bad spec: {e}", k, msg.hop) from None
+            if self._inflight.get(client, 0) >= MAX_INFLIGHT_PER_CLIENT:
+                raise _bad_request(f"more than {MAX_INFLIGHT_PER_CLIENT} requests in flight at this hop", k, msg.hop)
+            key = self._key(client, meta, k)
+            if key in self._busy:  # one traversal at a time per session
+                raise PipelineError("this session's previous traversal is still running here", k, msg.hop,
+                                    fault="session")
             x = _input(msg, b, spec)
-            cache = self._cache(client, meta, b)  # one traversal at a time per session: the client waits
+            cache = self._cache(key, b, spec["start"])
+            self._busy.add(key)
+            self._inflight[client] = self._inflight.get(client, 0) + 1
             t0 = time.perf_counter()
             try:
-                out = await asyncio.to_thread(hop_step, b, cache, x, spec)
+                async with self._compute:
+                    out = await asyncio.to_thread(hop_step, b, cache, x, spec)
             except SessionMismatch as e:
-                self._drop(client, meta)
+                self._drop(key)
                 raise PipelineError(str(e), k, msg.hop, fault="session") from None
             finally:
+                self._busy.discard(key)
+                self._inflight[client] -= 1
+                if not self._inflight[client]:
+                    del self._inflight[client]
                 if meta.get("end"):
-                    self._drop(client, meta)
-            meta["compute_s"] = float(meta.get("compute_s", 0.0)) + time.perf_counter() - t0
-            self._expire()
+                    self._drop(key)
+            compute = meta.get("compute_s", 0.0)
+            meta["compute_s"] = (float(compute) if isinstance(compute, (int, float)) else 0.0) + time.perf_counter() - t0
             self.served_requests += 1
             if isinstance(out, dict):  # the last block: the answer
                 if msg.hop + 1 != len(msg.route):
@@ -165,20 +214,45 @@ class PipelineServer:
                     to_wire("logits", out["logits"].float()), to_wire("drafts", out["drafts"].to(torch.int16)))))
                 return
             await self._forward(msg, meta, to_wire("x", out, meta.get("codec", "bf16"), "never"))
-        except (PipelineError, ConnectionError, KeyError, IndexError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - every failure is answered; a hop's state stays consistent
+            if key is not None and not isinstance(e, PipelineError):
+                self._drop(key)  # a cache half-way through a traversal is not trusted again
             failed = e.block if isinstance(e, PipelineError) else k
             hop = e.hop if isinstance(e, PipelineError) and e.hop is not None else msg.hop
             fault = e.fault if isinstance(e, PipelineError) else "hop"
-            err = {"error": str(e)[:1000], "hop": hop, "block": failed, "fault": fault}
+            text = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
+            err = {"error": text[:1000], "hop": hop, "block": failed, "fault": fault}
             if isinstance(client, str) and self.peer.client_connection(client) is not None:
                 self._tell_client(client, msg.request_id, err)
-            elif msg.hop + 1 < len(msg.route):  # the client dialled the first and last hops only
+            elif msg.hop + 1 < len(msg.route) and msg.hop > 0:  # the client dialled the first and last hops only
                 try:
-                    last = await self.peer.connection(msg.route[-1])
+                    last = await self._member_connection(msg.route[-1], _block_at(meta, len(msg.route) - 1),
+                                                         len(msg.route) - 1)
                     last.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route,
                                                      hop=len(msg.route) - 1, meta={**err, "reply_to": client}))
-                except (PeerUnreachable, ConnectionError):
+                except (PipelineError, ConnectionError):
                     pass  # the client's timeout reports it
+
+    async def _member_connection(self, addr: str, block: int | None, hop: int | None):
+        """The connection to the live member at ``addr`` serving ``block``: a hop forwards only to
+        members it knows, never to an address a request merely names."""
+        if not any(m.addr == addr for m in self.peer.members(block=block, role="serve")):
+            raise PipelineError(f"the route's hop {addr} is not a live member serving block {block}", block, hop)
+        try:
+            return await self.peer.connection(addr)
+        except PeerUnreachable:
+            raise PipelineError(f"block {block} is unreachable", block, hop) from None
+
+    async def _forward(self, msg: PipelineForward, meta: dict, tensor):
+        nxt_block = _block_at(meta, msg.hop + 1)
+        nxt = await self._member_connection(msg.route[msg.hop + 1], nxt_block, msg.hop + 1)
+        nxt.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route, hop=msg.hop + 1,
+                                        tensors=() if tensor is None else (tensor,), meta=meta))
+
+    async def _client(self, client: str):
+        if not await self.peer.wait_for(lambda: self.peer.client_connection(client) is not None, CLIENT_WAIT_S):
+            raise PipelineError(f"client {client[:12]} is not connected to the last hop {self.peer.addr}")
+        return self.peer.client_connection(client)
 
     def _tell_client(self, client: str, request_id: int, meta: dict):
         reply = self.peer.client_connection(client)
@@ -188,20 +262,6 @@ class PipelineServer:
                     "error": str(meta.get("error"))[:1000], **{k: meta.get(k) for k in ("hop", "block", "fault")}}))
             except ConnectionError:
                 pass
-
-    async def _forward(self, msg: PipelineForward, meta: dict, tensor):
-        nxt_block = _block_at(meta, msg.hop + 1)
-        try:
-            nxt = await self.peer.connection(msg.route[msg.hop + 1])
-        except (PeerUnreachable, IndexError) as e:
-            raise PipelineError(f"block {nxt_block} is unreachable: {e}", nxt_block, msg.hop + 1) from None
-        nxt.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route, hop=msg.hop + 1,
-                                        tensors=() if tensor is None else (tensor,), meta=meta))
-
-    async def _client(self, client: str):
-        if not await self.peer.wait_for(lambda: self.peer.client_connection(client) is not None, CLIENT_WAIT_S):
-            raise PipelineError(f"client {client[:12]} is not connected to the last hop {self.peer.addr}")
-        return self.peer.client_connection(client)
 
 
 def refuse_requests(peer: PeerServices):
@@ -230,12 +290,15 @@ def _input(msg: PipelineForward, b: Block, spec: dict) -> torch.Tensor | None:
         return None
     if len(msg.tensors) != 1:
         raise _bad_request("expected one tensor of hidden states", b.index)
-    x = from_wire(msg.tensors[0])
-    if x.dtype in (torch.bfloat16, torch.float16):
-        x = x.float()
-    if x.dim() != 3 or tuple(x.shape) != (1, len(spec["ids"]), b.cfg.d_model) or x.dtype != torch.float32:
-        raise _bad_request(f"hidden states of shape {tuple(x.shape)} ({x.dtype}); block {b.index} takes "
-                           f"(1, {len(spec['ids'])}, {b.cfg.d_model}) floats for this spec", b.index)
+    w = msg.tensors[0]
+    want = (1, len(spec["ids"]), b.cfg.d_model)
+    if tuple(w.shape) != want or w.dtype != "float32":  # checked before anything is decompressed
+        raise _bad_request(f"hidden states of shape {tuple(w.shape)} ({w.dtype}); block {b.index} takes "
+                           f"{want} float32 for this spec", b.index)
+    try:
+        x = from_wire(w).float()
+    except (ProtocolError, ValueError) as e:
+        raise _bad_request(f"hidden states do not decode: {e}", b.index) from None
     if not torch.isfinite(x).all():
         raise _bad_request("hidden states hold NaN or infinity", b.index)
     return x

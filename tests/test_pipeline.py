@@ -93,8 +93,11 @@ async def test_a_two_block_chain_decodes_exactly_too():
     for k in range(2):
         p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=(k,), role="serve",
                        timeouts=FAST).start()
+        if peers:
+            await p.join("127.0.0.1", peers[0].port)
         PipelineServer(p, ServedBlocks({k: bt[k]}))
         peers.append(p)
+    await peers[0].wait_for(lambda: len(peers[0].members()) == 1, 10.0)
     client = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], [0, 1], FAST, timeout_s=20)
     try:
         await client.connect()
@@ -175,8 +178,8 @@ async def test_dead_hop_fails_within_timeout_naming_the_block(models):
 
 async def test_wrong_block_is_a_clear_error(models):
     bt, e2e = models
-    async with served_chain(bt, e2e, route=(0, 2), blocks=(0, 1), timeout_s=5) as (_, _, client):
-        with pytest.raises(PipelineError, match="does not serve block 1") as ei:
+    async with served_chain(bt, e2e, route=(0, 2, 2), blocks=(0, 1, 2), timeout_s=5) as (_, _, client):
+        with pytest.raises(PipelineError, match="not a live member serving block 1") as ei:  # seen at hop 0
             await client.generate(b"hello", 3)
         assert ei.value.block == 1 and ei.value.hop == 1  # typed: the client knows where, without parsing
 
@@ -211,3 +214,37 @@ async def test_client_retries_through_another_holder_of_the_block(models):
     finally:
         for p in peers + [spare]:
             await p.stop()
+
+
+async def test_forged_senders_foreign_routes_and_unknown_sessions_cost_a_hop_nothing(models):
+    """Issue 12 for serving: hop 0 serves only the client that sent the request (reply_to is the
+    sender); a hop forwards only to a live member serving the next block, never to an address a
+    request names; a session a hop does not hold takes no slot; one traversal per session at once."""
+    from blocktrain.blocks.decode import one_traversal_spec
+    from blocktrain.protocol import PipelineForward
+    bt, e2e = models
+    async with served_chain(bt, e2e, timeout_s=5) as (peers, servers, client):
+        spec = one_traversal_spec(b"hello", 4)
+        base = {"mode": "exact", "session": 5, "blocks": [0, 1, 2], "codec": "bf16", "spec": spec}
+        # a forged reply_to: refused at hop 0, nothing computed, no cache kept
+        client.conns[client.route[0]].send_nowait(PipelineForward(
+            request_id=99, route=client.route, hop=0, meta={**base, "reply_to": "ab" * 32}))
+        # a route whose next hop is not a member: refused at hop 0, nothing dialled
+        with pytest.raises(PipelineError, match="not a live member serving block 1"):
+            await _raw(client, {**base, "session": 6}, ["127.0.0.1:9", client.route[2]])
+        # an unknown session that claims cached tokens: a "session" fault, no slot taken
+        with pytest.raises(PipelineError) as ei:
+            await client.traverse(7, "exact", {**spec, "base": 3, "keep": [0], "start": 4})
+        assert ei.value.fault == "session"
+        await asyncio.sleep(0.3)
+        assert servers[0].served_requests == 0 and not any(srv.sessions for srv in servers)
+
+
+async def _raw(client, meta, tail):
+    """A request whose route after hop 0 is ``tail`` (the client dials hop 0 and the last hop)."""
+    route = client.route
+    client.route = [route[0], *tail]
+    try:
+        return await client._request(meta)
+    finally:
+        client.route = route
