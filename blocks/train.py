@@ -37,7 +37,7 @@ class TrainConfig:
     lr_floor: float = 0.05  # LR after the decay, as a fraction of peak
     slot_branches: int = 4  # per row: branches of placeholders after random bytes (tree attention); 0: masked tails
     slot_len: int = 15  # placeholders per branch: one traversal predicts slot_len + 1 bytes
-    slot_weight: float = 1.0  # weight of the placeholders' mean CE beside the next-byte mean CE
+    slot_weight: float = 0.2  # weight of the placeholders' mean CE beside the next-byte mean CE
     mask_frac: float = 0.25  # slot_branches == 0 only: fraction of rows whose tail is placeholders
     position_shift: bool = False  # each row at a random absolute offset, so positions past seq_len train too
     refresh_every: int = 25  # wall steps between refreshes of the lower-block checkpoints
