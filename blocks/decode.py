@@ -477,7 +477,7 @@ def check_spec(spec, max_seq_len: int) -> dict:
     out["parents"] = _ints(spec.get("parents"), -1, T, "parents", T)
     if len(out["positions"]) != T or len(out["parents"]) != T or any(p >= i for i, p in enumerate(out["parents"])):
         raise BadSpec("positions and parents: one per token; a parent is -1 or an earlier token")
-    out["logits"] = _ints(spec.get("logits"), 0, T, "logits", MAX_VERIFY)
+    out["logits"] = _ints(spec.get("logits"), 0, T, "logits", T)
     if not out["logits"]:
         raise BadSpec("logits: at least one token")
     slots = spec.get("slots") or []
@@ -493,6 +493,8 @@ def check_spec(spec, max_seq_len: int) -> dict:
     if type(draft) is not int or not 0 <= draft <= MAX_DRAFT:
         raise BadSpec(f"draft: an int in [0, {MAX_DRAFT}]")
     out["draft"] = draft
+    if draft and len(out["logits"]) > MAX_VERIFY:  # the draft model runs ``draft`` steps from every one
+        raise BadSpec(f"logits: at most {MAX_VERIFY} tokens when the draft model drafts")
     inv = spec.get("invariant", False)
     if type(inv) is not bool:
         raise BadSpec("invariant: a bool")

@@ -370,3 +370,21 @@ def test_session_is_a_state_machine():
     s.next_spec()
     with pytest.raises(AssertionError):
         s.next_spec()
+
+
+def test_the_shipped_model_is_served_by_default_and_decodes_exactly_in_few_traversals():
+    """The small trained model in the package (blocks/data/model): `bt-peer serve` without
+    --checkpoints serves it, its draft model is trained (more than 2 bytes per traversal), its
+    exact output is its autoregressive output, and that output is words."""
+    import re
+
+    from blocktrain.blocks.decode import generate
+    from blocktrain.p2p.pipeline import load_served
+    served = load_served([0, 1, 2])
+    blocks = [served.blocktrain[k] for k in range(3)]
+    assert blocks[-1].drafter is not None
+    prompt = b" The game was released in Japan in 2011 , and the "
+    exact, st = generate(blocks, prompt, 48, draft_len=16, drafter=True)
+    ar, _ = generate(blocks, prompt, 48)
+    assert exact == ar and st.bytes_per_traversal(48) > 2
+    assert len(set(re.findall(rb"[A-Za-z]{3,}", exact))) >= 4, exact
