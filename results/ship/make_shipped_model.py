@@ -1,6 +1,6 @@
 """Make the small trained model the package ships (blocks/data/model/) from a bt-train run.
 
-    .venv/bin/bt-train --steps 1000 --set model.d_model=192 --set model.n_head=6 --set train.position_shift=true \
+    .venv/bin/bt-train --steps 1000 --set model.d_model=192 --set model.n_head=6 \
         --schedule sequential --no-reference --out runs/ship-d192
     .venv/bin/python results/ship/make_shipped_model.py runs/ship-d192
 
@@ -50,7 +50,7 @@ for i in range(n):
         ar, _ = decode.generate(blocks, prompt, 64)
         same += ar == exact
 data_sha = {s: hashlib.sha256(read_split(s)).hexdigest() for s in ("train", "valid", "test")}
-meta = {"command": "bt-train --steps 1000 --set model.d_model=192 --set model.n_head=6 --set train.position_shift=true "
+meta = {"command": "bt-train --steps 1000 --set model.d_model=192 --set model.n_head=6 "
                    "--schedule sequential "
                    "--no-reference --out runs/ship-d192; python results/ship/make_shipped_model.py runs/ship-d192",
         "model": res["job"]["model"], "train": res["job"]["train"],
