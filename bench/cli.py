@@ -135,7 +135,7 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, sweep, kernel
     """
     from pathlib import Path
 
-    from .wan import compare
+    from .wan import MODES, compare
 
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     if kernel:
@@ -163,7 +163,15 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, sweep, kernel
         _plot_sweep(rows, Path(out) / "sweep.png")
         result = {"benchmark": "wan-sweep", "rate_mbit": rate_mbit, "rows": rows, "plot": str(Path(out) / "sweep.png")}
     else:
-        result = {"benchmark": "wan", **compare(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats, log=log)}
+        from blocktrain.blocks.progress import bar as progress_bar
+
+        with progress_bar("bt-bench wan", len(MODES) * prompts * repeats, unit="request") as pbar:
+            def progress(what):
+                pbar.set_postfix_str(what)
+                pbar.update(1)
+
+            result = {"benchmark": "wan", **compare(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats,
+                                                    log=log, progress=progress)}
         for m in ("exact", "autoregressive", "blocktrain"):
             r = result[m]
             extra = ""
@@ -434,8 +442,15 @@ def train(json_path, steps, d_model, n_head, variants, jobs, results_dir, test_w
             raise click.BadParameter(f"unknown variants {sorted(unknown)}; known: {[v.name for v in vs]}")
         vs = [v for v in vs if v.name in want]
     out = Path(results_dir)
-    results = run_variants(vs, steps, base_train, out, jobs, test_windows or None,
-                           log=lambda s: click.echo(s, err=True))
+    from blocktrain.blocks.progress import bar as progress_bar
+
+    with progress_bar("bt-bench train", len(vs), unit="variant") as pbar:
+        def progress(done, total, running):
+            pbar.update(done - pbar.n)
+            pbar.set_postfix_str(", ".join(f"{name} {at} steps" for name, at in running.items()))
+
+        results = run_variants(vs, steps, base_train, out, jobs, test_windows or None,
+                               log=lambda s: click.echo(s, err=True), progress=progress)
     click.echo("measuring memory of each trainer alone...", err=True)
     memory = measure_memory({**base_model, "head_layers": 1}, {**base_train, "steps": 5})
     summary = summarize(results, memory, steps, vs)

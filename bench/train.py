@@ -95,8 +95,25 @@ def _cached(path: Path, model: dict, train: dict) -> dict | None:
     return r if same else None
 
 
+def _log_progress(path: Path) -> str | None:
+    """A running variant's last progress line (``NAME t/total ...``) as ``t/total``, or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        parts = line.split()
+        if len(parts) >= 2 and "/" in parts[1] and parts[1].replace("/", "").isdigit():
+            return parts[1]
+    return None
+
+
 def run_variants(variants: list[Variant], steps: int, base_train: dict, out_dir: Path, jobs: int = 2,
-                 test_windows: int | None = None, log=print) -> dict[str, dict]:
+                 test_windows: int | None = None, log=print, progress=None) -> dict[str, dict]:
+    """Train the variants not cached yet, ``jobs`` at once; ``progress(done, total, running)``
+    after each poll: variants finished, variants in all, and each running one's ``t/total`` steps."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results, queue, running = {}, [], []
     for v in variants:
@@ -124,6 +141,9 @@ def run_variants(variants: list[Variant], steps: int, base_train: dict, out_dir:
                 running.append((v, path, subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env), logf))
                 log(f"{v.name}: started ({train['steps']} steps), log {out_dir / (v.name + '.log')}")
             time.sleep(1.0)
+            if progress:
+                progress(len(results), len(variants),
+                         {v.name: _log_progress(out_dir / f"{v.name}.log") or "starting" for v, *_ in running})
             for item in list(running):
                 v, path, proc, logf = item
                 if proc.poll() is None:

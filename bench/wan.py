@@ -57,7 +57,8 @@ def _bound(traversals: float, hops: int, link: LinkSpec, moved: float, compute: 
 
 
 async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts: int = 3,
-              repeats: int = 1, modes=MODES, threads: int = 1, log=lambda s: None, ar_bytes: int | None = None) -> dict:
+              repeats: int = 1, modes=MODES, threads: int = 1, log=lambda s: None, ar_bytes: int | None = None,
+              progress=lambda s: None) -> dict:
     """Every mode on the same chain, prompts and links; medians over prompts x repeats.
 
     ``ar_bytes``: time autoregressive decoding on this many bytes and scale to ``n_bytes``
@@ -109,8 +110,8 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
                     runs.append(st)
                     if r == 0:
                         texts.append(text)
-                log(f"{mode}: prompt {i + 1}/{len(pairs)}: {runs[-1]['seconds']:.2f} s, "
-                    f"{runs[-1]['traversals']} traversal(s)")
+                    progress(f"{mode}, prompt {i + 1}/{len(pairs)}: {runs[-1]['seconds']:.2f} s, "
+                             f"{runs[-1]['traversals']} traversal(s)")
             outputs[mode] = texts
             med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
             scale = n_bytes / n_run
@@ -160,10 +161,12 @@ async def _one_traversal_quality(client: PipelineClient, pairs, n_bytes: int) ->
 
 
 def compare(checkpoints, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts: int = 3, repeats: int = 1,
-            log=lambda s: None, ar_bytes: int | None = None) -> dict:
+            log=lambda s: None, ar_bytes: int | None = None, progress=lambda s: None) -> dict:
+    """``progress(what)`` after each request (modes x prompts x repeats of them)."""
     import uvloop
 
-    r = uvloop.run(run(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats, log=log, ar_bytes=ar_bytes))
+    r = uvloop.run(run(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats, log=log, ar_bytes=ar_bytes,
+                       progress=progress))
     r["within_bound"] = {m: r[m]["vs_bound"] <= 1.25 for m in MODES if m in r}
     r["targets"] = {"speedup_exact_vs_autoregressive >= 3": r.get("speedup_exact_vs_autoregressive", 0) >= 3
                     and not r.get("speedup_extrapolated"),

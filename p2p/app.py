@@ -106,7 +106,14 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
     page = None
     if http is not None:
         from .page import SwarmPage
-        page = await SwarmPage(peer, *http).start()
+        try:
+            page = await SwarmPage(peer, *http).start()
+        except OSError as e:
+            await peer.stop("the swarm page could not start")
+            if e.errno == errno.EADDRINUSE:
+                raise AddressInUse(e.errno, f"{http[0]}:{http[1]} is already in use: pick another --http port "
+                                            f"(or :0 for any free one)") from None
+            raise AddressInUse(e.errno, f"cannot serve the swarm page on {http[0]}:{http[1]}: {e.strerror}") from None
         on_line(f"swarm page: http://{page.host}:{page.port}/ (and /status.json)")
     if served is not None:
         PipelineServer(peer, served)
@@ -135,7 +142,8 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
                     break
                 result = task.result()
                 on_line(f"training done: block {result['block']} at step {result['step']}, "
-                        f"valid CE {_f(result['ce_start'])} -> {_f(result['ce_end'])}, "
+                        f"valid CE {_f(result['ce_start'])} (at step {result.get('ce_start_step')}) -> "
+                        f"{_f(result['ce_end'])}, "
                         f"{result['rounds_applied']} rounds applied, {len(result['failed_rounds'])} failed"
                         + ("" if exit_when_done else "; serving the checkpoint until stopped"))
                 if exit_when_done:

@@ -550,6 +550,10 @@ class Averager:
             pass
 
     def _reject(self, pid: str, why: str, rnd: int):
+        self.reject(pid, why, rnd)
+
+    def reject(self, pid: str, why: str, rnd: int):
+        """Exclude ``pid`` from our rounds from now on, tell it, and report why."""
         if pid in self.banned:
             return
         self.banned[pid] = why

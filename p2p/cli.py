@@ -224,11 +224,14 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
         task = asyncio.ensure_future(run_peer(peer, boot, stop=stop, training=training, served=served,
                                               exit_when_done=o.get("exit_when_done", False),
                                               on_line=_echo,
-                                              status_every_s=0 if o["quiet"] else 5.0,
+                                              status_every_s=0 if o["quiet"] else 5.0 if sys.stderr.isatty() else 30.0,
                                               join_timeout_s=o["join_timeout"],
                                               http=_addr(o["http"]) if o["http"] else None,
                                               on_step=step_bar))
-        await _announce(peer, role, o, training)
+        announce = asyncio.ensure_future(_announce(peer, role, o, training))
+        await asyncio.wait({task, announce}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():  # e.g. the port is taken: say so now, not after the announcement's wait
+            announce.cancel()
         return await task
 
     try:
@@ -331,7 +334,7 @@ def serve(bootstrap, checkpoints, reference, **o):
 @main.command()
 @click.argument("address")
 @_key_options
-@click.option("--prompt", required=True, help="Prompt text (UTF-8, at least one byte).")
+@click.option("--prompt", required=True, help="Prompt text, at least one byte (sent as the bytes given: UTF-8 or not).")
 @click.option("--bytes", "n_bytes", default=64, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--mode", type=click.Choice(["exact", "autoregressive", "blocktrain", "reference"]), default="exact",
               show_default=True,
@@ -359,7 +362,7 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
     key, ident = _keys(swarm_key, identity)
     sampling = Sampling(temperature=temperature, top_k=top_k, seed=seed)
     try:
-        out, st = asyncio.run(run_generate(host, port, ident, key, prompt.encode(), n_bytes, mode, timeout,
+        out, st = asyncio.run(run_generate(host, port, ident, key, os.fsencode(prompt), n_bytes, mode, timeout,
                                            log=lambda s: click.echo(s, err=True), sampling=sampling,
                                            draft_len=draft_len))
     except (PipelineError, ConnectionError, OSError) as e:

@@ -151,7 +151,10 @@ class Peer:
                 return
             except PeerUnreachable as e:
                 if time.monotonic() + delay > deadline:
-                    raise JoinError(f"cannot join through {addr}: {e.why}") from None
+                    tried = self.timeouts.handshake_s if timeout_s is None else timeout_s
+                    raise JoinError(f"cannot join through {addr}: {e.why} (tried for {tried:.0f} s: check that a "
+                                    f"member listens there and uses this swarm key, or wait longer with "
+                                    f"--join-timeout)") from None
                 log.info("bootstrap %s not reachable yet (%s); retrying in %.1f s", addr, e.why, delay)
                 await asyncio.sleep(delay)  # backoff: the bootstrap may still be starting
                 delay = min(2 * delay, 5.0)

@@ -178,6 +178,7 @@ class SwarmTrainer:
         self.t_end: float | None = None
         self.memory = {"grad_optimizer_bytes": 0}
         self._ready: dict[int, tuple] = {}  # round -> (sponsor, name) of the state we may fetch
+        self.bad_lower: dict[str, str] = {}  # holder address -> why its lower block was refused (not asked again)
         self._status_sent: dict[str, float] = {}
         self._rejoin = False
         self._last_save = time.monotonic()
@@ -450,6 +451,8 @@ class SwarmTrainer:
                     nbytes += len(lb)
             self._check_state(c, lowers)
         except (FetchError, ckpt.CheckpointError, ValueError) as e:
+            if not isinstance(e, FetchError):  # it served bytes that are not a state of ours: never again
+                self.averager.reject(sponsor, f"served a bad state: {e}", d.at)
             self._say(f"could not take the group's state: {e}; asking again")
             self._send([Send(m, d.at, {"phase": Phase.LEAVE.value, "why": "state fetch failed"}) for m in d.members
                         if m != self.peer.id])
@@ -509,6 +512,8 @@ class SwarmTrainer:
     async def _offer_lower(self, j: int):
         have = self.lower_cache.get(j)
         for addr in holders(self.peer.members(), j):
+            if addr in self.bad_lower:
+                continue
             if have is not None:
                 now = await self.fetcher.probe(addr, LOWER, ckpt.block_name(j), have[1])
                 if now is None:
@@ -521,6 +526,8 @@ class SwarmTrainer:
                 self._check_lower(c, j)
             except (FetchError, ckpt.CheckpointError, ValueError) as e:
                 log.info("block %d: lower block %d from %s: %s", self.k, j, addr, e)
+                if not isinstance(e, FetchError):  # bad bytes, not a bad link: not asked again
+                    self.bad_lower[addr] = f"lower block {j}: {e}"
                 continue
             import hashlib
             self.lower_cache[j] = (c, len(blob), hashlib.sha256(blob).digest())
@@ -659,10 +666,18 @@ class SwarmTrainer:
         if not self.relay:
             await self.refresh_lower(wait=True)
         self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]
+        self.ce["start_step"] = self.gstep
         if resumed:
             self._say(f"resumed at global step {self.gstep} (block {self.block})")
         self.t_start = time.monotonic()
         await self.join()
+        if self.stats.joins and self.stats.joins[-1]["how"] == "fetched the group's state":
+            # we start from the group's state, not our own: its CE is the start (a few windows, so
+            # the group's next round waits on us a moment at most)
+            t = time.monotonic()
+            self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]
+            self.ce["start_step"] = self.gstep
+            self.eval_s += time.monotonic() - t
         self.state = "training"
         self._say(f"training block {self.block} from step {self.gstep} of {self.total_steps}, group of "
                   f"{len(self.group.members())}, rounds of {self.H} step(s) ({self.scfg.sync})")
@@ -693,8 +708,12 @@ class SwarmTrainer:
             if self.gstep % max(1, self.total_steps // 20) == 0:
                 self.peer.write_report()
             if self.on_step is None and self.gstep % max(1, self.total_steps // 20) == 0:
-                self._say(f"step {self.gstep}/{self.total_steps} (block {self.block}), loss {self.last_loss:.4f}, "
-                          f"group of {len(self.group.members())}")
+                spent = time.monotonic() - self.t_start - self.eval_s
+                done = self.gstep - self.stats.phases[0]["start_step"] if self.stats.phases else self.gstep
+                rate = done / spent if spent > 0 else 0.0
+                left = f", {(self.total_steps - self.gstep) / rate:.0f} s left" if rate > 0 else ""
+                self._say(f"step {self.gstep}/{self.total_steps} (block {self.block}), {rate:.2f} step/s{left}, "
+                          f"loss {self.last_loss:.4f}, group of {len(self.group.members())}")
         self._send(self.group.finish())
         self.t_end = time.monotonic()
         if self.relay and self.block != self.k:  # serve our own block
@@ -753,12 +772,12 @@ class SwarmTrainer:
                "draft_phase": {"curve": s.draft_curve, "seconds": self.draft_seconds},
                "rejected_updates": [e for e in self.averager.events if e["event"] == "rejected update"],
                "averaging_events": self.averager.events, "excluded_peers": dict(self.averager.banned),
-               "excluded_by": dict(self.averager.shunned),
+               "excluded_by": dict(self.averager.shunned), "refused_lower_holders": dict(self.bad_lower),
                "busy": {"train_s": round(self.busy_s, 3), "wall_s": round(wall, 3),
                         "fraction": round(self.busy_s / wall, 4) if wall else None},
                "memory": {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                           **self.memory},
-               "ce_start": self.ce.get("start"), "ce_end": self.ce.get("end"), "head_ce": self.ce.get("heads"),
+               "ce_start": self.ce.get("start"), "ce_start_step": self.ce.get("start_step"), "ce_end": self.ce.get("end"), "head_ce": self.ce.get("heads"),
                "bytes_moved": moved}
         if "start" in self.ce and "end" in self.ce and moved:
             out["ce_improvement_per_gb"] = (self.ce["start"] - self.ce["end"]) / (moved / 1e9)

@@ -312,3 +312,24 @@ def test_killed_worker_resumes_from_its_checkpoint(tmp_path):
     assert f"resumed from {block_path(tmp_path, 0)} at step {saved}" in out.stderr
     final = ckpt.load(block_path(tmp_path, 0))
     assert final.step == steps and final.extra["final"]
+
+
+def test_progress_lines_give_the_total_rate_and_time_left_and_bench_train_reads_its_variants(tmp_path):
+    """Not on a terminal, a long job prints plain lines: done/total, the rate, the time left, and
+    a final line; bt-bench train reads each running variant's steps from its log."""
+    import io
+
+    from blocktrain.bench.train import _log_progress
+    from blocktrain.blocks.progress import LineProgress
+    out = io.StringIO()
+    with LineProgress("job", 10, unit="step", every_s=0.0, stream=out) as p:
+        p.set_postfix_str("loss 1.234")
+        p.update(4)
+    first, last = out.getvalue().splitlines()
+    assert first.startswith("job: 4/10 steps in") and "s left" in first and "step/s" in first
+    assert first.endswith("loss 1.234")
+    assert last.startswith("job: done, 4/10 steps") and "left" not in last
+    log = tmp_path / "relay.log"
+    log.write_text("relay 50/3000 {}\nsome warning\nrelay 100/3000 {0: 2.1}\nanother line\n")
+    assert _log_progress(log) == "100/3000"
+    assert _log_progress(tmp_path / "missing.log") is None

@@ -297,8 +297,18 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
     keys = ["--swarm-key", str(tmp_path / "key"), "--quiet", "--no-train"]
     r = subprocess.run(base + ["start", "--listen", f"127.0.0.1:{port}", "--identity", str(tmp_path / "i0"), *keys],
                        capture_output=True, text=True, timeout=60)
-    busy.close()
+    # at once: not after announcing an address it never listened on
     assert r.returncode == 1 and "already in use" in r.stderr and "Traceback" not in r.stderr
+    assert "listening on" not in r.stderr, r.stderr
+    r = subprocess.run(base + ["start", "--listen", "127.0.0.1:0", "--http", f"127.0.0.1:{port}",
+                               "--identity", str(tmp_path / "i0"), *keys], capture_output=True, text=True, timeout=60)
+    busy.close()
+    assert r.returncode == 1 and "already in use" in r.stderr and "--http" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    nobody = _free_port()
+    r = subprocess.run(base + ["join", f"127.0.0.1:{nobody}", "--join-timeout", "1", "--identity",
+                               str(tmp_path / "i0"), *keys], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "cannot join" in r.stderr and "--join-timeout" in r.stderr, r.stderr
     boot = _free_port()
     joiner = subprocess.Popen(base + ["join", f"127.0.0.1:{boot}", "--identity", str(tmp_path / "i1"), *keys],
                               stderr=subprocess.PIPE, text=True)
@@ -326,3 +336,123 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
     finally:
         joiner.kill()
         joiner.wait(10)
+
+
+def test_prompts_a_client_cannot_send_fail_with_the_fix_and_any_bytes_can_be_sent(tmp_path):
+    """Finding 14: an empty prompt, or prompt + bytes past the model's positions, is refused before
+    anything is sent; a prompt that is not UTF-8 is sent as its bytes (no traceback)."""
+    from blocktrain.p2p.client import check_request
+    from blocktrain.p2p.identity import new_swarm_key
+    from blocktrain.p2p.pipeline import PipelineError
+    with pytest.raises(PipelineError, match="empty"):
+        check_request(b"", 8, "exact")
+    with pytest.raises(PipelineError, match="at most 29 bytes") as e:
+        check_request(b"x" * 100, 64, "exact", max_seq_len=128)
+    assert e.value.fault == "request"
+    check_request(b"\xff\xfe", 8, "exact", max_seq_len=128)
+    new_swarm_key(tmp_path / "key")
+    nobody = _free_port()
+    base = [sys.executable, "-m", "blocktrain.p2p.cli", "generate", f"127.0.0.1:{nobody}", "--swarm-key",
+            str(tmp_path / "key"), "--identity", str(tmp_path / "id"), "--timeout", "2"]
+    r = subprocess.run([*base, "--prompt", ""], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([*(a.encode() for a in base), b"--prompt", b"caf\xe9 \xff"], capture_output=True, timeout=60)
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 1 and "generate via" in err and "Traceback" not in err, err
+
+
+def test_a_write_killed_midway_leaves_no_tmp_file_behind_for_long(tmp_path):
+    """Finding 15: the next save of the same checkpoint removes what a killed writer left, and only
+    that (other files in the folder stay)."""
+    from blocktrain.blocks import checkpoint as ckpt
+    from blocktrain.blocks.model import Block, ModelConfig
+    mc = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
+    path = tmp_path / "block0.safetensors"
+    for i in range(3):  # three writers killed after mkstemp
+        (tmp_path / f"block0.safetensors.kill{i}.tmp").write_bytes(b"partial")
+    (tmp_path / "block1.safetensors.x.tmp").write_bytes(b"another block's writer, maybe alive")
+    ckpt.save(ckpt.Checkpoint(mc.to_dict(), 0, 5, Block(mc, 0).state_dict()), path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["block0.safetensors", "block1.safetensors.x.tmp"]
+    assert ckpt.load(path).step == 5
+
+
+async def test_a_sponsor_serving_a_bad_state_is_named_and_not_asked_again(tmp_path):
+    """Finding 5: a sponsor whose join state is NaN: the joiner refuses it, excludes the sponsor
+    (named, with the reason, in its report) and never installs the state."""
+    from blocktrain.blocks import checkpoint as ckpt
+    from blocktrain.blocks.data import as_tensor, read_split
+    from blocktrain.blocks.model import ModelConfig
+    from blocktrain.blocks.train import TrainConfig
+    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+    mc = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64)
+    tc = TrainConfig(steps=40, batch_size=4, seq_len=32, warmup=2)
+    sc = SwarmConfig(round_timeout_s=20, join_timeout_s=3, eval_windows=2, min_group=2)
+    data = as_tensor(read_split("valid"))
+    peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
+    sps = [SwarmTrainer(p, i, mc, tc, sc, tmp_path / f"w{i}", data, data) for i, p in enumerate(peers)]
+    sponsor = min(sps[:2], key=lambda sp: sp.peer.id)
+
+    def poisoned(rnd, sp=sponsor):  # what a member gone bad serves to joiners
+        c = sp._checkpoint(False)
+        c.tensors = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in c.tensors.items()}
+        name = sp._join_state_name(rnd)
+        ckpt.save(c, sp.dir / "serve" / "checkpoint" / (name + ckpt.SUFFIX))
+        return name
+    sponsor._save_join_state = poisoned
+    for sp in sps[:2]:  # slow enough that the joiner arrives mid-run
+        orig = sp._new_trainer
+
+        def new_trainer(b, sp=sp, orig=orig):
+            orig(b)
+            step = sp.trainer.compute_grads
+            sp.trainer.compute_grads = lambda *a: (time.sleep(0.02), step(*a))[1]
+        sp._new_trainer = new_trainer
+    first = [asyncio.ensure_future(sp.run()) for sp in sps[:2]]
+    joiner = None
+    try:
+        deadline = time.monotonic() + 60
+        while sps[0].stats.applied < 4:
+            assert time.monotonic() < deadline and not any(t.done() for t in first)
+            await asyncio.sleep(0.05)
+        joiner = asyncio.ensure_future(sps[2].run())
+        while sponsor.peer.id not in sps[2].averager.banned:
+            assert time.monotonic() < deadline + 60, "the joiner never refused the poisoned state"
+            assert not joiner.done() or joiner.exception() is None
+            await asyncio.sleep(0.05)
+        assert "served a bad state" in sps[2].averager.banned[sponsor.peer.id]
+        assert "NaN" in sps[2].averager.banned[sponsor.peer.id]
+        assert sponsor.peer.id not in sps[2].candidates()
+        assert not any(j["how"] == "fetched the group's state" for j in sps[2].stats.joins)
+        assert all(torch.isfinite(t).all() for t in sps[2].params())
+        rep = sps[2].training_report()
+        assert rep["excluded_peers"][sponsor.peer.id].startswith("served a bad state")
+    finally:
+        for t in [*first, joiner]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*[t for t in [*first, joiner] if t is not None], return_exceptions=True)
+        for p in peers:
+            await p.stop()
+
+
+def test_a_dead_member_is_redialled_with_backoff_for_a_bounded_time():
+    """Finding 7: after a member is dropped as dead it is redialled (so a peer that was only stopped
+    and comes back is found again), 1, 2, 4, ... s apart up to 30 s, and not for ever."""
+    from blocktrain.p2p.node import REDIAL_MAX_S, REDIAL_MIN_S
+    p = Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST, redial_for_s=300)
+    dials, now = [], [0.0]
+
+    def spawn(coro, name):
+        coro.close()
+        dials.append(now[0])
+    p.spawn = spawn
+    p._schedule_redial("127.0.0.1:9", "b" * 64)
+    start = p._redial["127.0.0.1:9"].next_at - REDIAL_MIN_S
+    for i in range(800):  # 400 s of heartbeats, 0.5 s apart
+        now[0] = start + 0.5 * i
+        p._redial_due(now[0])
+    gaps = [round(b - a) for a, b in zip(dials, dials[1:])]
+    assert gaps[:6] == [1, 2, 4, 8, 16, REDIAL_MAX_S] and set(gaps[5:]) == {REDIAL_MAX_S}
+    assert dials[-1] - start <= 300 and "127.0.0.1:9" not in p._redial
+    p._schedule_redial("127.0.0.1:9", "b" * 64, soon=True)  # a connection lost just now: at once
+    assert p._redial["127.0.0.1:9"].next_at <= time.monotonic()

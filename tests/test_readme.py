@@ -1,4 +1,4 @@
-"""README's "swarm in five minutes" runs as printed (on a tiny model, with free ports)."""
+"""README's swarm walkthrough runs as printed (on a tiny model, with free ports)."""
 
 import os
 import re

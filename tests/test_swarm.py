@@ -124,6 +124,8 @@ async def test_a_joiner_takes_the_groups_state_and_trains_in_step(tmp_path):
         reps = await asyncio.gather(*first)
         join = joiner["joins"][-1]
         assert join["how"] == "fetched the group's state" and join["round"] > 8 and join["bytes"] > 0
+        # its start CE is the group's state's (where it started), not its own initial model's
+        assert joiner["ce_start_step"] >= 8 and joiner["ce_start"] < reps[0]["ce_start"]
         a, b, c = (finals(sp) for sp in sps)
         assert torch.equal(a, b) and torch.equal(a, c)
         assert any(e["event"] == "admitted" and e["peer"] == peers[2].id for e in reps[0]["group_events"])
