@@ -92,7 +92,8 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     if job.processes:
         bt = train_in_processes(job, out / "checkpoints", log, bar)
     else:
-        with bar(f"blocktrain ({job.schedule})", wall) as b:
+        draft = tc.draft_steps if mc.draft_layers else 0  # the last block's draft phase comes after
+        with bar(f"blocktrain ({job.schedule}{', then the draft model' if draft else ''})", wall + draft) as b:
             bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(b, [p.start for p in plans]))
         for k, b in enumerate(bt.blocks):
             ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,

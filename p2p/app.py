@@ -96,6 +96,20 @@ async def start_peer(peer: Peer, bootstrap: tuple[str, int] | None, join_timeout
             raise
 
 
+async def _start_page(peer: Peer, http: tuple[str, int], on_line):
+    from .page import SwarmPage
+    try:
+        page = await SwarmPage(peer, *http).start()
+    except OSError as e:
+        await peer.stop("the swarm page could not start")
+        if e.errno == errno.EADDRINUSE:
+            raise AddressInUse(e.errno, f"{http[0]}:{http[1]} is already in use: pick another --http port "
+                                        f"(or :0 for any free one)") from None
+        raise AddressInUse(e.errno, f"cannot serve the swarm page on {http[0]}:{http[1]}: {e.strerror}") from None
+    on_line(f"swarm page: http://{page.host}:{page.port}/ (and /status.json)")
+    return page
+
+
 async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: asyncio.Event,
                    training: Training | None = None, served: ServedBlocks | None = None, exit_when_done: bool = False,
                    on_line=lambda s: None, status_every_s: float = 5.0, join_timeout_s: float = 30.0,
@@ -103,18 +117,7 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
     """Run a peer until ``stop`` is set (or its training is done, with ``exit_when_done``). Returns the
     training report, if it trained."""
     await start_peer(peer, bootstrap, join_timeout_s)
-    page = None
-    if http is not None:
-        from .page import SwarmPage
-        try:
-            page = await SwarmPage(peer, *http).start()
-        except OSError as e:
-            await peer.stop("the swarm page could not start")
-            if e.errno == errno.EADDRINUSE:
-                raise AddressInUse(e.errno, f"{http[0]}:{http[1]} is already in use: pick another --http port "
-                                            f"(or :0 for any free one)") from None
-            raise AddressInUse(e.errno, f"cannot serve the swarm page on {http[0]}:{http[1]}: {e.strerror}") from None
-        on_line(f"swarm page: http://{page.host}:{page.port}/ (and /status.json)")
+    page = await _start_page(peer, http, on_line) if http is not None else None
     if served is not None:
         PipelineServer(peer, served)
     else:

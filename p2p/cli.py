@@ -31,6 +31,11 @@ def _addr(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _http_addr(text: str) -> tuple[str, int]:
+    """--http: PORT (on loopback) or HOST:PORT."""
+    return ("127.0.0.1", _addr(f"127.0.0.1:{text}")[1]) if text.isdigit() else _addr(text)
+
+
 def _echo(s: str):
     click.echo(f"[{time.strftime('%H:%M:%S')}] {s}", err=True)
 
@@ -95,9 +100,9 @@ def _peer_options(f):
                      help="Seconds to keep trying the bootstrap while it starts."),
         click.option("--insecure-no-seal", is_flag=True,
                      help="Trusted networks only: skip frame sealing after the authenticated handshake."),
-        click.option("--http", default=None, metavar="HOST:PORT",
-                     help="Serve a live page of the swarm as this peer sees it (and /status.json), read-only; "
-                          "bind it to loopback (127.0.0.1) unless you mean to show it."),
+        click.option("--http", default=None, metavar="[HOST:]PORT",
+                     help="Serve a live page of the swarm as this peer sees it (and /status.json), read-only. "
+                          "A bare PORT binds loopback (127.0.0.1); give a HOST only if you mean to show it."),
         click.option("--quiet", is_flag=True, help="No periodic status line."),
         click.option("-v", "--verbose", count=True, help="-v: log joins and leaves; -vv: debug."),
     ]
@@ -226,7 +231,7 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
                                               on_line=_echo,
                                               status_every_s=0 if o["quiet"] else 5.0 if sys.stderr.isatty() else 30.0,
                                               join_timeout_s=o["join_timeout"],
-                                              http=_addr(o["http"]) if o["http"] else None,
+                                              http=_http_addr(o["http"]) if o["http"] else None,
                                               on_step=step_bar))
         announce = asyncio.ensure_future(_announce(peer, role, o, training))
         await asyncio.wait({task, announce}, return_when=asyncio.FIRST_COMPLETED)

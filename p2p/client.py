@@ -205,14 +205,19 @@ def new_session(prompt: bytes, n: int, mode: str, sampling: Sampling = Sampling(
                    sampling=sampling, invariant=True)
 
 
+MAX_ROUTE_BLOCKS = 256  # bound on a peer's word for how many blocks a model has
+
+
 def chain(st: dict, avoid: set = frozenset()) -> list[str]:
     """One live serving peer per block 0..K-1 from a status reply, avoiding ``avoid``."""
     members = [m for m in status_members(st) if m["addr"] not in avoid]
     blocks = sorted({b for m in members if m["role"] == "serve" and m["state"] == "alive" for b in m["blocks"]})
     if not blocks:
         raise NoChain("no live serving peers known" + (f" (avoiding {sorted(avoid)})" if avoid else ""))
+    n = (st.get("serving") or {}).get("n_blocks")  # the model's blocks, if the peer asked serves
+    n = n if type(n) is int and 1 <= n <= MAX_ROUTE_BLOCKS else max(blocks) + 1
     route = []
-    for b in range(max(blocks) + 1):
+    for b in range(n):  # every block: a chain cut short (a peer not yet joined) is refused by hop 0
         h = holders(members, b, "serve")
         if not h:
             raise NoChain(f"no live peer serves block {b}" + (f" (avoiding {sorted(avoid)})" if avoid else ""), b)

@@ -107,7 +107,8 @@ class Group:
     events: list = field(default_factory=list)  # admissions, departures, yields: for the report
     _replies: dict = field(default_factory=dict)  # joiner side: peer -> _Reply
     _asked: set = field(default_factory=set)  # joiner side: peers our JOIN went to
-    _admits_due: dict = field(default_factory=dict)  # sponsor side: round -> joiners to tell READY
+    _admits_due: dict = field(default_factory=dict)  # round -> joiners that take the state written then
+    _admitted_by: dict = field(default_factory=dict)  # joiner -> the sponsor that admitted it (tells READY)
     _starters: dict = field(default_factory=dict)  # STARTING side: peer -> (step, digest) it starts from
     _early_admits: dict = field(default_factory=dict)  # joiner side: admissions heard before we are in
 
@@ -222,6 +223,7 @@ class Group:
                for m in sorted(self.joined) if m != peer]  # future members too: they must know
         self._admit(peer, at)
         self._admits_due.setdefault(at, set()).add(peer)
+        self._admitted_by[peer] = self.me
         out.append(Send(peer, self.round, {"phase": Phase.WELCOME.value, "at": at, "block": self.block,
                                            "members": self.members(at + 1)}))
         return out
@@ -237,6 +239,7 @@ class Group:
         if self.state is State.TRAINING and sponsor == self.sponsor():
             self._admit(peer, at)
             self._admits_due.setdefault(at, set()).add(peer)  # we write the state it takes, too
+            self._admitted_by[peer] = sponsor
 
     def _admit(self, peer: str, at: int) -> None:
         self.joined[peer] = at + 1
@@ -244,17 +247,27 @@ class Group:
 
     def ready_due(self, rnd: int) -> list[str]:
         """The joiners that take the group's state at the end of round ``rnd`` (every member writes
-        it; the sponsor tells them READY)."""
+        it; the sponsor that admitted them tells them READY: ``ready``)."""
         return sorted(self._admits_due.pop(rnd, ()))
 
     def ready(self, rnd: int, joiners, name: str) -> list[Send]:
-        return [Send(p, rnd, {"phase": Phase.READY.value, "at": rnd, "name": name}) for p in joiners]
+        """READY for those of ``joiners`` that we tell: the ones we admitted. The sponsor can change
+        between an admission and its round (a joiner with a smaller id admitted meanwhile becomes
+        the sponsor, and knows nothing of the earlier admission): the admitting sponsor still tells
+        its joiners, and if it has left, the sponsor of the round does."""
+        out = []
+        for p in joiners:
+            by = self._admitted_by.pop(p, None)
+            if by == self.me or (by not in self.members(rnd) and self.sponsor() == self.me):
+                out.append(Send(p, rnd, {"phase": Phase.READY.value, "at": rnd, "name": name}))
+        return out
 
     def depart(self, peer: str, why: str) -> bool:
         """Rule 5; True if ``peer`` was a member."""
         was = self.joined.pop(peer, None) is not None
         for due in self._admits_due.values():
             due.discard(peer)
+        self._admitted_by.pop(peer, None)
         if was:
             self.events.append({"event": "departed", "peer": peer, "round": self.round, "why": why})
         return was

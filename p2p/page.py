@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 
 from blocktrain.protocol import Status
@@ -28,7 +29,31 @@ HEAD_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 32
 POLL_S = 3.0
 # Keys of a member's work section shown on the page (a member's reply is cut to these, bounded).
-WORK_KEYS = ("holds", "training_block", "state", "schedule", "step", "steps", "round", "group", "curve")
+WORK_KEYS = ("holds", "training_block", "state", "schedule", "step", "steps", "round", "group", "rounds_applied",
+             "coverage_min", "curve")
+
+
+def _num(x):
+    return x if type(x) in (int, float) and math.isfinite(x) else None
+
+
+def clean_work(work: dict) -> dict:
+    """A member's work section as the page may show it: the keys of WORK_KEYS, each of its type
+    (numbers, short words, a short curve of numbers); anything else becomes None. A member with
+    the swarm key can still be malicious: nothing it sends reaches the page as markup."""
+    out = {k: _num(work.get(k)) for k in ("holds", "training_block", "step", "steps", "round", "rounds_applied",
+                                          "coverage_min")}
+    for k in ("state", "schedule"):
+        v = work.get(k)
+        out[k] = v if isinstance(v, str) and len(v) <= 40 and v.replace(" ", "").isalnum() else None
+    group = work.get("group")
+    out["group"] = [g for g in group[:64] if isinstance(g, str) and len(g) <= 64] if isinstance(group, list) else []
+    curve = work.get("curve")
+    out["curve"] = [[p[0], p[1], [_num(c) for c in p[2][:64]]] for p in curve[-20:]
+                    if isinstance(p, list) and len(p) == 3 and _num(p[0]) is not None and _num(p[1]) is not None
+                    and isinstance(p[2], list) and p[2] and all(_num(c) is not None for c in p[2][:64])] \
+        if isinstance(curve, list) else []
+    return out
 
 
 class SwarmPage:
@@ -63,7 +88,7 @@ class SwarmPage:
             return
         work = st.get("work") if isinstance(st, dict) else None
         if isinstance(work, dict) and self.peer.member(pid) is not None:
-            self.member_work[pid] = {k: work.get(k) for k in WORK_KEYS} | {"time": time.time()}
+            self.member_work[pid] = clean_work(work) | {"time": time.time()}
 
     async def _poll(self):
         while True:
@@ -143,8 +168,10 @@ svg{background:#fff;border:1px solid #ddd}
 </style></head><body>
 <h1>BlockTrain swarm</h1><div id="me" class="muted">loading...</div><div id="err"></div>
 <h2>Members</h2><table id="members"></table>
-<h2>Training</h2><table id="work"></table>
-<h2>Valid CE (this peer)</h2><svg id="curve" width="560" height="220"></svg>
+<h2>Blocks</h2><table id="blocks"></table>
+<h2>Valid CE of each block's head while it trained</h2><svg id="curve" width="560" height="220"></svg>
+<div id="legend" class="muted"></div>
+<h2>Peers' work</h2><table id="work"></table>
 <h2>Bytes by kind</h2><table id="kinds"></table>
 <h2>Bytes by peer</h2><table id="peers"></table>
 <h2>Serving</h2><div id="serving" class="muted">-</div>
@@ -156,15 +183,30 @@ function table(el, head, rows) {
   el.innerHTML = "<tr>" + head.map(h => "<th>" + h + "</th>").join("") + "</tr>" +
     rows.map(r => "<tr>" + r.map(c => "<td" + (typeof c === "number" ? ' class="num"' : "") + ">" + c + "</td>").join("") + "</tr>").join("");
 }
-function curve(points) {
-  const svg = $("curve"); const W = 560, H = 220, P = 36;
-  if (!points || !points.length) { svg.innerHTML = '<text x="20" y="110" fill="#777">no valid CE points yet (swarm.eval_every)</text>'; return; }
-  const xs = points.map(p => p[0]), ys = points.map(p => p[2][p[2].length - 1]);
-  const x0 = Math.min(...xs), x1 = Math.max(...xs) || 1, y0 = Math.min(...ys), y1 = Math.max(...ys);
+const COLORS = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#57606a"];
+// A curve point is [step, seconds, heads]: heads[k] is head k's CE; the block in work is the last.
+function byBlock(works) {
+  const blocks = {};
+  for (const w of works) for (const p of (w.curve || [])) {
+    const b = p[2].length - 1; (blocks[b] = blocks[b] || new Map()).set(p[0], p[2][b]);
+  }
+  return blocks;
+}
+function curve(blocks) {
+  const svg = $("curve"); const W = 560, H = 220, P = 40;
+  const all = Object.values(blocks).flatMap(m => [...m.entries()]);
+  if (!all.length) { svg.innerHTML = '<text x="20" y="110" fill="#777">no valid CE points yet (swarm.eval_every)</text>'; $("legend").textContent = ""; return; }
+  const xs = all.map(p => p[0]), ys = all.map(p => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
   const X = x => P + (W - 2 * P) * (x - x0) / ((x1 - x0) || 1), Y = y => H - P - (H - 2 * P) * (y - y0) / ((y1 - y0) || 1);
-  svg.innerHTML = '<polyline fill="none" stroke="#0969da" stroke-width="2" points="' + points.map((p, i) => X(xs[i]) + "," + Y(ys[i])).join(" ") + '"/>' +
+  svg.innerHTML = Object.entries(blocks).map(([b, m]) => {
+    const pts = [...m.entries()].sort((a, c) => a[0] - c[0]);
+    return '<polyline fill="none" stroke="' + COLORS[b % COLORS.length] + '" stroke-width="2" points="' +
+      pts.map(p => X(p[0]) + "," + Y(p[1])).join(" ") + '"/>';
+  }).join("") +
     '<text x="' + P + '" y="' + (H - 8) + '" fill="#555">step ' + x0 + '</text><text x="' + (W - P - 60) + '" y="' + (H - 8) + '" fill="#555">step ' + x1 + '</text>' +
     '<text x="4" y="' + (Y(y1) + 4) + '" fill="#555">' + y1.toFixed(3) + '</text><text x="4" y="' + (Y(y0) + 4) + '" fill="#555">' + y0.toFixed(3) + '</text>';
+  $("legend").innerHTML = Object.keys(blocks).map(b => '<span style="color:' + COLORS[b % COLORS.length] + '">&#9632; block ' + b + "</span>").join(" &nbsp; ");
 }
 async function refresh() {
   try {
@@ -176,13 +218,33 @@ async function refresh() {
       [[s.peer_id.slice(0, 12) + " (this peer)", esc(s.addr), "[" + s.blocks + "]", s.role, '<span class="alive">alive</span>', "-"]]
       .concat(s.members.map(m => [m.peer_id.slice(0, 12), esc(m.addr), "[" + m.blocks + "]", m.role,
         '<span class="' + m.state + '">' + m.state + "</span>", m.last_heard_s.toFixed(1) + " s"])));
-    const works = [];
-    const row = (id, w) => w && works.push([id, w.holds, w.training_block ?? "-", w.state, w.step + " / " + w.steps,
-      w.round, (w.group || []).length, w.curve && w.curve.length ? w.curve[w.curve.length - 1][2].slice(-1)[0].toFixed(3) : "-"]);
+    const works = [], named = [];
+    const row = (id, w) => { if (!w) return; named.push(w); works.push([id, w.holds, w.training_block ?? "-", esc(w.state),
+      w.step + " / " + w.steps, w.round, (w.group || []).length, w.rounds_applied ?? "-",
+      w.coverage_min == null ? "-" : (100 * w.coverage_min).toFixed(0) + "%",
+      w.curve && w.curve.length ? w.curve[w.curve.length - 1][2].slice(-1)[0].toFixed(3) : "-"]); };
     row(s.peer_id.slice(0, 12) + " (this peer)", s.work);
     for (const [pid, w] of Object.entries(s.member_work || {})) row(pid.slice(0, 12), w);
-    table($("work"), ["peer", "holds block", "training block", "state", "step", "round", "group size", "valid CE"], works);
-    curve(s.training ? s.training.curve : null);
+    table($("work"), ["peer", "holds block", "training block", "state", "step", "round", "group size",
+      "rounds applied", "coverage (min)", "valid CE"], works);
+    const blocks = byBlock(named);
+    const nb = Math.max(-1, ...Object.keys(blocks).map(Number), ...named.map(w => w.holds)) + 1;
+    const rows = [];
+    for (let b = 0; b < nb; b++) {
+      const on = named.filter(w => w.training_block === b), holders = named.filter(w => w.holds === b);
+      const pts = blocks[b] ? [...blocks[b].entries()].sort((a, c) => a[0] - c[0]) : [];
+      const src = on.length ? on : holders;  // after its turn: what its holders report
+      const cov = src.map(w => w.coverage_min).filter(c => c != null);
+      const done = holders.length && holders.every(w => w.state === "done");
+      rows.push([b, holders.length, on.length || "-",
+        on.length ? Math.max(...on.map(w => w.step)) + " / " + on[0].steps : done ? "done" : "-",
+        src.length ? Math.max(...src.map(w => w.rounds_applied || 0)) : "-",
+        cov.length ? (100 * Math.min(...cov)).toFixed(0) + "%" : "-",
+        pts.length ? pts[pts.length - 1][1].toFixed(3) + " at step " + pts[pts.length - 1][0] : "-"]);
+    }
+    table($("blocks"), ["block", "held by", "training it now", "step", "rounds applied", "coverage (min)",
+      "latest valid CE of its head"], rows);
+    curve(blocks);
     const kinds = new Set([...Object.keys(s.by_kind.sent), ...Object.keys(s.by_kind.received)]);
     table($("kinds"), ["kind", "sent", "received"], [...kinds].sort().map(k =>
       [k, mb((s.by_kind.sent[k] || {}).wire_bytes || 0), mb((s.by_kind.received[k] || {}).wire_bytes || 0)]));

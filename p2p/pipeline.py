@@ -92,12 +92,14 @@ class PipelineServer:
         peer.report_section("serving", lambda: {"requests": self.served_requests, "sessions": len(self.sessions),
                                                 "blocks": sorted(self.served.blocktrain),
                                                 "reference_blocks": sorted(self.served.reference),
-                                                "max_seq_len": self.max_seq_len()})
+                                                "max_seq_len": self._cfg("max_seq_len"),
+                                                "n_blocks": self._cfg("n_blocks")})
 
-    def max_seq_len(self) -> int | None:
+    def _cfg(self, key: str) -> int | None:
+        """A setting of the served model (max_seq_len, n_blocks), for clients building a chain."""
         for held in (self.served.blocktrain, self.served.reference):
             for b in held.values():
-                return b.cfg.max_seq_len
+                return getattr(b.cfg, key)
         return None
 
     def _key(self, client: str, meta: dict, k: int) -> tuple:
@@ -138,7 +140,9 @@ class PipelineServer:
         if msg.hop > 0 and self.peer.member(pid) is None:
             raise _bad_request("only a member forwards a request past hop 0", k, msg.hop)
         if not isinstance(k, int) or k not in self.served.held(mode):
-            raise PipelineError(f"peer {self.peer.addr} does not serve block {k} ({mode})", k, msg.hop)
+            hint = (": it was started without --reference DIR (the end-to-end model's checkpoints)"
+                    if mode == "reference" and isinstance(k, int) and k in self.served.held("exact") else "")
+            raise PipelineError(f"peer {self.peer.addr} does not serve block {k} ({mode}){hint}", k, msg.hop)
         n = self.served.held(mode)[k].cfg.n_blocks
         if len(msg.route) != n or meta.get("blocks") != list(range(n)):
             raise _bad_request(f"a route is one hop per block 0..{n - 1}, in order", k, msg.hop)

@@ -46,7 +46,7 @@ from blocktrain.protocol import BlockUpdate, ProtocolError
 
 from .averaging import Averager, OuterOptimizer, RoundFailed, flatten, unflatten_
 from .checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, CheckpointServer, FetchError, holders
-from .group import Decision, Group, Phase, Send
+from .group import Decision, Group, Phase, Send, State
 from .services import PeerServices, PeerUnreachable
 
 log = logging.getLogger("blocktrain.p2p")
@@ -58,6 +58,8 @@ OUTER_MOMENTUM = "outer.momentum"  # the outer optimizer's buffer, in the checkp
 REPORT_ROUNDS = 200
 # A peer outside our group is told our group's status at most this often (rule 6 of group.py).
 STATUS_EVERY_S = 5.0
+# ... and answered at most this often when its STATUS ranks below ours (so that it yields at once).
+STATUS_REPLY_S = 0.5
 # Seconds between checkpoints of the block in training (and at every block's end).
 SAVE_EVERY_S = 30.0
 
@@ -202,6 +204,7 @@ class SwarmTrainer:
         return {"holds": self.k, "training_block": self.block if self.state == "training" else None,
                 "state": self.state, "schedule": self.scfg.schedule, "step": self.gstep,
                 "steps": self.total_steps, "round": self.group.round, "group": self.group.members(),
+                "rounds_applied": self.stats.applied, "coverage_min": self.stats.coverage_min,
                 "curve": self.stats.curve[-20:]}
 
     def _say(self, text: str):
@@ -369,6 +372,13 @@ class SwarmTrainer:
                 self._say(f"another group is larger; leaving ours to join it ({len(leave)} member(s) told)")
                 self._send(leave)
                 self._rejoin = True
+            elif self.group.state is State.TRAINING and pid not in self.group.joined \
+                    and time.monotonic() - self._status_sent.get(pid, 0.0) > STATUS_REPLY_S:
+                # ours ranks higher: say so now. Two members that dropped a dead third at different
+                # rounds each see the other outside; the first one's STATUS reached the other while
+                # it still counted the first in, and without this reply the split lasted STATUS_EVERY_S.
+                self._status_sent[pid] = time.monotonic()
+                self._send([self.group.status_for(pid)])
         self.peer.notify()
 
     def _membership(self, ev):
@@ -624,8 +634,7 @@ class SwarmTrainer:
         due = self.group.ready_due(rnd)
         if due:  # joiners admitted at this round take the state we have now
             name = await asyncio.to_thread(self._save_join_state, rnd)  # disk work off the event loop
-            if self.group.sponsor() == self.peer.id:
-                self._send(self.group.ready(rnd, due, name))
+            self._send(self.group.ready(rnd, due, name))  # those we admitted (group.py decides)
         self._tell_outsiders()
 
     def _tell_outsiders(self):
@@ -672,12 +681,7 @@ class SwarmTrainer:
         self.t_start = time.monotonic()
         await self.join()
         if self.stats.joins and self.stats.joins[-1]["how"] == "fetched the group's state":
-            # we start from the group's state, not our own: its CE is the start (a few windows, so
-            # the group's next round waits on us a moment at most)
-            t = time.monotonic()
-            self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]
-            self.ce["start_step"] = self.gstep
-            self.eval_s += time.monotonic() - t
+            await self._start_ce()  # we start from the group's state, not our own
         self.state = "training"
         self._say(f"training block {self.block} from step {self.gstep} of {self.total_steps}, group of "
                   f"{len(self.group.members())}, rounds of {self.H} step(s) ({self.scfg.sync})")
@@ -708,12 +712,7 @@ class SwarmTrainer:
             if self.gstep % max(1, self.total_steps // 20) == 0:
                 self.peer.write_report()
             if self.on_step is None and self.gstep % max(1, self.total_steps // 20) == 0:
-                spent = time.monotonic() - self.t_start - self.eval_s
-                done = self.gstep - self.stats.phases[0]["start_step"] if self.stats.phases else self.gstep
-                rate = done / spent if spent > 0 else 0.0
-                left = f", {(self.total_steps - self.gstep) / rate:.0f} s left" if rate > 0 else ""
-                self._say(f"step {self.gstep}/{self.total_steps} (block {self.block}), {rate:.2f} step/s{left}, "
-                          f"loss {self.last_loss:.4f}, group of {len(self.group.members())}")
+                self._say(self._progress_line())
         self._send(self.group.finish())
         self.t_end = time.monotonic()
         if self.relay and self.block != self.k:  # serve our own block
@@ -725,6 +724,21 @@ class SwarmTrainer:
         self.state = "done"
         self.peer.write_report()
         return self.training_report()
+
+    async def _start_ce(self):
+        """The CE we start from, on a few windows (so the group's next round waits on us a moment at most)."""
+        t = time.monotonic()
+        self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]
+        self.ce["start_step"] = self.gstep
+        self.eval_s += time.monotonic() - t
+
+    def _progress_line(self) -> str:
+        spent = time.monotonic() - self.t_start - self.eval_s
+        done = self.gstep - self.stats.phases[0]["start_step"] if self.stats.phases else self.gstep
+        rate = done / spent if spent > 0 else 0.0
+        left = f", {(self.total_steps - self.gstep) / rate:.0f} s left" if rate > 0 else ""
+        return (f"step {self.gstep}/{self.total_steps} (block {self.block}), {rate:.2f} step/s{left}, "
+                f"loss {self.last_loss:.4f}, group of {len(self.group.members())}")
 
     async def _draft_phase(self):
         """The last block's draft model (what exact-mode serving drafts with) trains on this peer's
@@ -741,8 +755,10 @@ class SwarmTrainer:
             chunk = min(25, n - phase.step)
             kls = await asyncio.to_thread(lambda: [phase.train_step() for _ in range(chunk)][-1])
             self.stats.draft_curve.append((phase.step, [round(k, 4) for k in kls]))
-            if self.on_step is None and phase.step % max(1, n // 4) < chunk:
-                self._say(f"draft step {phase.step}/{n}, KL per drafted byte {', '.join(f'{k:.3f}' for k in kls)}")
+            if phase.step % max(1, n // 4) < chunk or phase.step == n:  # also on a terminal: the bar is done
+                rate = phase.step / (time.monotonic() - t0)
+                self._say(f"draft step {phase.step}/{n} ({rate:.2f} step/s, {(n - phase.step) / rate:.0f} s left), "
+                          f"KL per drafted byte {', '.join(f'{k:.3f}' for k in kls)}")
         self.draft_seconds = time.monotonic() - t0
         tensors = {k: v.detach().clone() for k, v in self.trainer.block.state_dict().items()}
         c = ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.S, tensors,

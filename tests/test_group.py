@@ -179,3 +179,49 @@ def test_a_starter_counted_in_by_others_is_welcomed_as_it_stands():
     net.drain()
     d = net.g["a"].decide(min_group=2)
     assert d.action == "train" and d.at == 0 and net.g["a"].members(1) == ["a", "b"]
+
+
+def test_a_joiner_admitted_before_a_new_sponsor_still_hears_ready():
+    """Seen with live peers: a1 (a smaller id than the sponsor b) is admitted first, from round 8;
+    j2 next, from round 9, by b. From round 8 a1 is the sponsor and knows nothing of j2. The
+    state j2 takes is written at the end of round 8: b, which admitted it, tells it READY
+    (before, nobody did: j2 waited for its timeout and the group's round 9 failed for want of it)."""
+    net = Net(["b", "c", "a1", "j2"])
+    for p in "bc":
+        start(net, p, candidates=["b", "c"])
+    net.drain()
+    for p in "bc":
+        net.g[p].decide()
+        net.g[p].begin_round(5, "s5", 0)
+    start(net, "a1", rnd=1, digest="fresh")
+    net.drain()
+    d1 = net.g["a1"].decide()
+    assert d1.action == "fetch" and d1.sponsor == "b" and d1.at == 7  # in from round 8
+    for p in "bc":
+        net.g[p].begin_round(6, "s6", 0)
+    start(net, "j2", rnd=1, digest="fresh")
+    net.drain()
+    d2 = net.g["j2"].decide()
+    assert d2.action == "fetch" and d2.sponsor == "b" and d2.at == 8
+    for p in "bc":
+        net.g[p].begin_round(8, "s8", 0)
+        assert net.g[p].sponsor() == "a1"  # a1 (smaller id) is in from round 7: the sponsor now
+    due = {p: net.g[p].ready_due(8) for p in "bc"}
+    assert due == {"b": ["j2"], "c": ["j2"]}  # every member writes the state
+    told = {p: net.g[p].ready(8, due[p], "block0.r8") for p in "bc"}
+    assert [s.peer for s in told["b"]] == ["j2"] and told["c"] == []  # b admitted it: b tells it
+    assert told["b"][0].meta == {"phase": "ready", "at": 8, "name": "block0.r8"}
+
+
+def test_if_the_admitting_sponsor_left_the_sponsor_of_the_round_tells_ready():
+    g = Group("a")
+    g.state, g.round, g.joined = State.TRAINING, 5, {"b": 1}
+    g.on_admit("b", {"peer": "j", "at": 6})  # b is the sponsor? no: a is (smaller id)
+    assert g.ready_due(6) == []  # an ADMIT from a non-sponsor is not taken
+    g2 = Group("c")
+    g2.state, g2.round, g2.joined = State.TRAINING, 5, {"b": 1}
+    g2.on_admit("b", {"peer": "j", "at": 6})
+    g2.depart("b", "dead")
+    g2.begin_round(6, "s6", 0)
+    (s,) = g2.ready(6, g2.ready_due(6), "x")  # b admitted j and left: c, the sponsor now, tells it
+    assert s.peer == "j"

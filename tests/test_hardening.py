@@ -456,3 +456,53 @@ def test_a_dead_member_is_redialled_with_backoff_for_a_bounded_time():
     assert dials[-1] - start <= 300 and "127.0.0.1:9" not in p._redial
     p._schedule_redial("127.0.0.1:9", "b" * 64, soon=True)  # a connection lost just now: at once
     assert p._redial["127.0.0.1:9"].next_at <= time.monotonic()
+
+
+def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_round(tmp_path):
+    """Finding 8 (seen again with live peers): two members that dropped a dead third at different
+    rounds each end up alone; the first one's STATUS reached the other while it still counted the
+    first in, and the split lasted 5 s. Now a STATUS that ranks below ours is answered at once
+    (and at most every STATUS_REPLY_S), so the lower group yields in the next exchange."""
+    from blocktrain.blocks.data import as_tensor, read_split
+    from blocktrain.blocks.model import ModelConfig
+    from blocktrain.blocks.train import TrainConfig
+    from blocktrain.p2p.group import Phase, State
+    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+    from blocktrain.protocol import BlockUpdate
+
+    def trainer(pid):
+        class _Peer:
+            id = pid
+            def on(self, *a, **k): pass
+            def on_membership(self, *a): pass
+            def report_section(self, *a): pass
+            def notify(self): pass
+        mc = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
+        data = as_tensor(read_split("valid"))
+        sp = SwarmTrainer(_Peer(), 0, mc, TrainConfig(steps=10, batch_size=4, seq_len=32), SwarmConfig(),
+                          tmp_path / pid[:4], data, data)
+        sp.group.state, sp.group.round = State.TRAINING, 816
+        sp.sent = []
+        sp._send = sp.sent.extend
+        return sp
+    a, b = trainer("a" * 64), trainer("b" * 64)  # a's group ranks higher (same size, smaller sponsor)
+
+    def deliver(src, dst):
+        (s,) = src.sent
+        src.sent.clear()
+        assert s.peer == dst.peer.id and s.meta["phase"] == Phase.STATUS.value
+        dst._control(BlockUpdate(block=0, round=s.round, meta={**s.meta, "scope": dst.scope}), None, src.peer.id)
+    b.group.joined[a.peer.id] = 1  # b still counts a in: a's STATUS is ignored
+    a._send([a.group.status_for(b.peer.id)])
+    deliver(a, b)
+    assert b.group.state is State.TRAINING and not b.sent
+    del b.group.joined[a.peer.id]  # b drops a too, and tells it its status
+    b._send([b.group.status_for(a.peer.id)])
+    deliver(b, a)  # a ranks higher: it answers at once
+    assert a.group.state is State.TRAINING
+    deliver(a, b)  # and b yields: it leaves its group of one and joins a's
+    assert b.group.state is State.IDLE and b._rejoin
+    b.group.state = State.TRAINING  # a second STATUS from b within STATUS_REPLY_S is not answered
+    b._send([b.group.status_for(a.peer.id)])
+    deliver(b, a)
+    assert not a.sent

@@ -56,6 +56,9 @@ async def test_page_serves_the_swarm_as_this_peer_sees_it_and_nothing_else(tmp_p
         assert v["training"]["state"] == "done" and v["training"]["curve"]
         assert set(v["member_work"]) == {peers[1].id, peers[2].id}  # the others' own work sections
         assert all(w["step"] == 90 for w in v["member_work"].values())
+        assert all(w["rounds_applied"] == 90 and w["coverage_min"] == 1.0 for w in v["member_work"].values())
+        # every block's head has its own curve points (relay: block 0, then 1, then 2)
+        assert {len(p[2]) for p in v["training"]["curve"]} == {1, 2, 3}
         assert "update" in v["by_kind"]["sent"]
         text = body.decode()
         assert "swarm_key" not in text and "private" not in text and str(tmp_path) not in text
@@ -82,13 +85,16 @@ async def test_page_renders_in_headless_chromium(tmp_path):
         dom = dom.decode().split("<script>")[0]  # the rendered body, not the script's own text
         for p in peers:  # every member and its work, rendered by the page's script
             assert p.id[:12] in dom
-        assert "(this peer)" in dom and "polyline" in dom and "update" in dom and "cannot reach" not in dom
+        assert "(this peer)" in dom and "update" in dom and "cannot reach" not in dom
+        assert dom.count("<polyline") == 3 and all(f"block {b}</span>" in dom for b in range(3))  # a curve per block
+        blocks = dom.split('id="blocks"')[1].split("</table>")[0]
+        assert blocks.count("<tr>") == 4 and "100%" in blocks and "latest valid CE" in blocks  # a row per block
         proc = await asyncio.create_subprocess_exec(CHROMIUM, *common, "--window-size=900,1400",
                                                     f"--screenshot={shot}", url, stdout=asyncio.subprocess.DEVNULL,
                                                     stderr=asyncio.subprocess.DEVNULL)
         await asyncio.wait_for(proc.wait(), 120)
         assert shot.exists() and shot.stat().st_size > 10_000
-        keep = os.environ.get("BT_PAGE_SCREENSHOT")  # results/page.png is made with this set
+        keep = os.environ.get("BT_PAGE_SCREENSHOT")  # results/swarm-page.png is made with this set
         if keep:
             Path(keep).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(shot, keep)
@@ -96,3 +102,53 @@ async def test_page_renders_in_headless_chromium(tmp_path):
         await page.stop()
         for p in peers:
             await p.stop()
+
+
+def test_bt_peer_http_serves_the_page_on_loopback_given_a_bare_port(tmp_path):
+    """``bt-peer start --http PORT``: the page of the real CLI, bound to 127.0.0.1."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from blocktrain.p2p.identity import new_swarm_key
+    new_swarm_key(tmp_path / "key")
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "blocktrain.p2p.cli", "start", "--no-train", "--listen",
+                             "127.0.0.1:0", "--http", str(port), "--swarm-key", str(tmp_path / "key"),
+                             "--identity", str(tmp_path / "id"), "--quiet"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while "swarm page:" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, "no page announced"
+            line = proc.stderr.readline()
+        assert f"http://127.0.0.1:{port}/" in line
+        code, body = asyncio.run(_get(port, "/status.json"))
+        v = json.loads(body)
+        assert code == 200 and v["role"] == "bootstrap" and v["members"] == [] and v["training"] is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_what_a_member_says_about_its_work_reaches_the_page_only_as_numbers_and_words():
+    """A member with the swarm key can still be malicious: its work section is cut to the page's
+    keys and types, so no markup of its reaches the browser (the page builds HTML from it)."""
+    from blocktrain.p2p.page import WORK_KEYS, clean_work
+    evil = "<img src=x onerror=alert(1)>"
+    w = clean_work({"holds": evil, "training_block": 1, "state": evil, "schedule": "relay", "step": float("nan"),
+                    "steps": 300, "round": 7, "group": ["a" * 64, 5, "b" * 999], "rounds_applied": [1],
+                    "coverage_min": 0.5, "curve": [[10, 1.5, [2.0, 1.9]], [evil, 1, [1]], [20, 2.5, [evil]],
+                                                   [30, 3.0, [1.8, 1.7]]] + [[1, 1, [1]]] * 40,
+                    "secret": "x"})
+    assert set(w) == set(WORK_KEYS)
+    assert w["holds"] is None and w["state"] is None and w["step"] is None and w["rounds_applied"] is None
+    assert w["training_block"] == 1 and w["schedule"] == "relay" and w["coverage_min"] == 0.5
+    assert w["group"] == ["a" * 64] and len(w["curve"]) <= 20
+    assert all(isinstance(c, (int, float)) for p in w["curve"] for c in [p[0], p[1], *p[2]])
+    assert evil not in json.dumps(w)
+    ok = clean_work({"state": "waiting for lower blocks", "curve": [[10, 1.5, [2.0, 1.9]]]})
+    assert ok["state"] == "waiting for lower blocks" and ok["curve"] == [[10, 1.5, [2.0, 1.9]]]

@@ -104,6 +104,8 @@ async def test_a_two_block_chain_decodes_exactly_too():
         for prompt in (b"xy", b"hello, world"):
             out, _ = await client.generate(prompt, 16, "exact", max_seq_len=64)
             assert out == in_process(bt, prompt, 16)
+        with pytest.raises(PipelineError, match="without --reference DIR"):  # the cause, and the fix
+            await client.generate(b"xy", 4, "reference", max_seq_len=64)
     finally:
         await client.close()
         for p in peers:
@@ -248,3 +250,20 @@ async def _raw(client, meta, tail):
         return await client._request(meta)
     finally:
         client.route = route
+
+
+def test_a_chain_waits_for_every_block_of_the_model_not_only_those_seen():
+    """A serving peer says how many blocks its model has; until a peer for every one has joined,
+    there is no chain (the client asks again) rather than a chain cut short that hop 0 refuses."""
+    from blocktrain.p2p.client import NoChain, chain
+
+    def member(i, b):
+        return {"peer_id": f"{i}" * 64, "addr": f"127.0.0.1:{7000 + i}", "blocks": [b], "role": "serve",
+                "state": "alive"}
+    st = {**member(0, 0), "members": [member(1, 1)], "serving": {"n_blocks": 3, "max_seq_len": 512}}
+    with pytest.raises(NoChain, match="block 2"):
+        chain(st)
+    st["members"].append(member(2, 2))
+    assert chain(st) == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
+    st["serving"]["n_blocks"] = 10**9  # a number from a peer is bounded before use
+    assert chain({**st, "members": st["members"]}) == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]

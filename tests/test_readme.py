@@ -13,17 +13,41 @@ TINY = ("--steps 6 --set model.d_model=32 --set model.n_head=2 --set train.batch
         "--set train.warmup=1")
 
 
-def _walkthrough() -> str:
+def _block(name: str) -> str:
     text = (ROOT / "README.md").read_text()
-    m = re.search(r"<!-- walkthrough -->\s*```bash\n(.*?)```\s*<!-- /walkthrough -->", text, re.S)
-    assert m, "README has no walkthrough block"
+    m = re.search(rf"<!-- {name} -->\s*```bash\n(.*?)```\s*<!-- /{name} -->", text, re.S)
+    assert m, f"README has no {name} block"
     return m.group(1)
+
+
+def _walkthrough() -> str:
+    return _block("walkthrough")
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _run_bash(script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """README's commands under ``bash -e``, output to files (background jobs inherit them: a pipe
+    would keep us waiting on a job that outlived a failed command). Whatever way bash ends, the
+    jobs it left are stopped (a trap), and on a timeout its whole process group."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    guarded = "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + script
+    with open(cwd / "stdout.txt", "w+") as out, open(cwd / "stderr.txt", "w+") as err:
+        proc = subprocess.Popen(["bash", "-e", "-c", guarded], cwd=cwd, env=env, stdout=out, stderr=err,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # our own session: only what this test started
+            proc.wait(30)
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
 
 
 def test_readme_walkthrough_runs_as_printed(tmp_path):
@@ -36,12 +60,22 @@ def test_readme_walkthrough_runs_as_printed(tmp_path):
             head, _, tail = line.partition(" 2>")
             line = f"{head} {TINY} 2>{tail}"
         lines.append(line)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    r = subprocess.run(["bash", "-e", "-c", "\n".join(lines)], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = _run_bash("\n".join(lines), tmp_path, 600)
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("*.log")))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
     assert "assembled model: test CE" in r.stdout and (tmp_path / "model" / "assembled.json").exists()
     out = r.stdout.split("wrote model/assembled.json", 1)[1]
     assert len(out.strip("\n")) >= 16, "generate printed no continuation"  # a 6-step model: any bytes
     assert "[exact: 64 bytes in" in r.stderr
+
+
+def test_readme_serves_the_shipped_model_as_printed(tmp_path):
+    """A fresh clone, README's serving block as printed (after the swarm key of the walkthrough):
+    three peers serve the model the package ships and generate prints text (exact mode)."""
+    script = _block("shipped").replace("127.0.0.1:7200", f"127.0.0.1:{_free_port()}")
+    r = _run_bash("bt-peer keygen --out swarm.key\n" + script, tmp_path, 300)
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("*.log")))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
+    assert "[exact: 64 bytes in" in r.stderr
+    words = r.stdout.split()
+    assert len(words) >= 5 and sum(w.isalpha() for w in words) >= 4, r.stdout  # words, not noise
