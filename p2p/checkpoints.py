@@ -231,20 +231,30 @@ class CheckpointFetcher:
         finally:
             del self._inbox[sid]
 
-    async def fetch(self, holders: list[str], kind: str, name: str) -> bytes:
+    async def fetch(self, holders: list[str], kind: str, name: str, source: list | None = None) -> bytes:
         """The payload (kind, name) from the first of ``holders`` able to finish it, sha256-verified.
         After a holder fails, the next one is asked for the same bytes (by sha256) from where the
-        transfer stopped; if it holds other bytes, the transfer starts over with its version."""
+        transfer stopped; if it holds other bytes, the transfer starts over with its version.
+        ``source``: the holder whose version (sha256) was delivered is appended to it (the one to
+        blame if the bytes are not what they should be)."""
         rx = StreamReceiver()
         errors = []
+        opener = None
         for holder in holders:
             try:
                 if rx.open is not None and rx.resume_offset:
                     try:
-                        return await self._fetch_one(holder, kind, SHA_PREFIX + rx.open.sha256.hex(), rx)
+                        out = await self._fetch_one(holder, kind, SHA_PREFIX + rx.open.sha256.hex(), rx)
+                        if source is not None:
+                            source.append(opener)
+                        return out
                     except FetchError:  # it holds other bytes: its own version, from the start
                         rx = StreamReceiver()
-                return await self._fetch_one(holder, kind, name, rx)
+                opener = holder
+                out = await self._fetch_one(holder, kind, name, rx)
+                if source is not None:
+                    source.append(holder)
+                return out
             except (FetchError, asyncio.TimeoutError, ConnectionError, ProtocolError) as e:
                 why = "stalled" if isinstance(e, asyncio.TimeoutError) else str(e)
                 errors.append(f"{holder}: {why} (have {rx.resume_offset} bytes)")

@@ -237,7 +237,11 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
         await asyncio.wait({task, announce}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():  # e.g. the port is taken: say so now, not after the announcement's wait
             announce.cancel()
-        return await task
+        try:
+            return await task
+        finally:
+            announce.cancel()
+            await asyncio.gather(announce, return_exceptions=True)
 
     try:
         asyncio.run(main_())

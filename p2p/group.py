@@ -254,11 +254,11 @@ class Group:
         """READY for those of ``joiners`` that we tell: the ones we admitted. The sponsor can change
         between an admission and its round (a joiner with a smaller id admitted meanwhile becomes
         the sponsor, and knows nothing of the earlier admission): the admitting sponsor still tells
-        its joiners, and if it has left, the sponsor of the round does."""
+        its joiners, and if it has left, every member does."""
         out = []
         for p in joiners:
             by = self._admitted_by.pop(p, None)
-            if by == self.me or (by not in self.members(rnd) and self.sponsor() == self.me):
+            if by == self.me or by not in self.members(rnd):  # (every member, then: a duplicate is harmless)
                 out.append(Send(p, rnd, {"phase": Phase.READY.value, "at": rnd, "name": name}))
         return out
 
@@ -288,6 +288,11 @@ class Group:
             return None
         out = self.leave(f"yielding to the group of {sponsor[:12]} ({size} members)")
         return out
+
+    def outranks(self, meta: dict) -> bool:
+        """Whether our group ranks above the one a STATUS describes (then we answer it: rule 6)."""
+        size, sponsor = meta.get("size"), meta.get("sponsor")
+        return type(size) is int and isinstance(sponsor, str) and (size, _neg(sponsor)) < self.rank()
 
     def leave(self, why: str) -> list[Send]:
         out = [Send(m, self.round, {"phase": Phase.LEAVE.value, "why": why}) for m in self.joined]

@@ -33,16 +33,26 @@ WORK_KEYS = ("holds", "training_block", "state", "schedule", "step", "steps", "r
              "coverage_min", "curve")
 
 
+MAX_SHOWN_BLOCKS = 64  # the page lists blocks 0..63 at most (a member's word is bounded)
+MAX_COUNT = 2**48  # steps, rounds: anything larger is not a count
+
+
 def _num(x):
     return x if type(x) in (int, float) and math.isfinite(x) else None
+
+
+def _count(x, bound: int = MAX_COUNT):
+    return x if type(x) is int and 0 <= x < bound else None
 
 
 def clean_work(work: dict) -> dict:
     """A member's work section as the page may show it: the keys of WORK_KEYS, each of its type
     (numbers, short words, a short curve of numbers); anything else becomes None. A member with
     the swarm key can still be malicious: nothing it sends reaches the page as markup."""
-    out = {k: _num(work.get(k)) for k in ("holds", "training_block", "step", "steps", "round", "rounds_applied",
-                                          "coverage_min")}
+    out = {k: _count(work.get(k), MAX_SHOWN_BLOCKS) for k in ("holds", "training_block")}
+    out |= {k: _count(work.get(k)) for k in ("step", "steps", "round", "rounds_applied")}
+    cov = _num(work.get("coverage_min"))
+    out["coverage_min"] = cov if cov is not None and 0 <= cov <= 1 else None
     for k in ("state", "schedule"):
         v = work.get(k)
         out[k] = v if isinstance(v, str) and len(v) <= 40 and v.replace(" ", "").isalnum() else None
@@ -228,7 +238,7 @@ async function refresh() {
     table($("work"), ["peer", "holds block", "training block", "state", "step", "round", "group size",
       "rounds applied", "coverage (min)", "valid CE"], works);
     const blocks = byBlock(named);
-    const nb = Math.max(-1, ...Object.keys(blocks).map(Number), ...named.map(w => w.holds)) + 1;
+    const nb = Math.min(64, Math.max(-1, ...Object.keys(blocks).map(Number), ...named.map(w => w.holds ?? -1)) + 1);
     const rows = [];
     for (let b = 0; b < nb; b++) {
       const on = named.filter(w => w.training_block === b), holders = named.filter(w => w.holds === b);

@@ -359,20 +359,25 @@ class SwarmTrainer:
             self.group.on_reply(pid, phase, meta)
         elif phase is Phase.ADMIT:
             self.group.on_admit(pid, meta)
-        elif phase is Phase.READY:
+        elif phase is Phase.READY:  # kept only while we wait for a state, one per round, names bounded
             at, name = meta.get("at"), meta.get("name")
-            if type(at) is int and isinstance(name, str):
+            if self.state == "joining" and type(at) is int and isinstance(name, str) and len(name) <= 64 \
+                    and (at in self._ready or len(self._ready) < 8):
                 self._ready[at] = (pid, name)
         elif phase is Phase.LEAVE:
             if self.group.depart(pid, str(meta.get("why", ""))[:200]):
                 self.averager.depart(pid, "left the group")
         elif phase is Phase.STATUS:
+            size = meta.get("size")
+            if pid in self.averager.banned or pid in self.averager.shunned or type(size) is not int \
+                    or not 1 <= size <= len(self.candidates()) + 1:  # a size no group here can have
+                return
             leave = self.group.on_status(pid, meta)
             if leave is not None:
                 self._say(f"another group is larger; leaving ours to join it ({len(leave)} member(s) told)")
                 self._send(leave)
                 self._rejoin = True
-            elif self.group.state is State.TRAINING and pid not in self.group.joined \
+            elif self.group.state is State.TRAINING and pid not in self.group.joined and self.group.outranks(meta) \
                     and time.monotonic() - self._status_sent.get(pid, 0.0) > STATUS_REPLY_S:
                 # ours ranks higher: say so now. Two members that dropped a dead third at different
                 # rounds each see the other outside; the first one's STATUS reached the other while
@@ -450,23 +455,28 @@ class SwarmTrainer:
         sponsor, name = self._ready.pop(d.at)
         others = [m.addr for m in (self.peer.member(p) for p in d.members) if m is not None and m.peer_id != sponsor]
         sources = [a for a in [getattr(self.peer.member(sponsor), "addr", None)] + others if a]
+        by: list = []  # whose version of the state we got (not always the sponsor's)
         try:
-            blob = await self.fetcher.fetch(sources, CHECKPOINT, name)
+            blob = await self.fetcher.fetch(sources, CHECKPOINT, name, source=by)
             c = ckpt.decode(blob, f"the group's state {name}")
             lowers, nbytes = {}, len(blob)
             if self.relay:
                 for j in range(c.block):
-                    lb = await self.fetcher.fetch(sources, LOWER, ckpt.block_name(j))
+                    lb = await self.fetcher.fetch(sources, LOWER, ckpt.block_name(j), source=by)
                     lowers[j] = ckpt.decode(lb, f"lower block {j}").tensors
                     nbytes += len(lb)
             self._check_state(c, lowers)
         except (FetchError, ckpt.CheckpointError, ValueError) as e:
-            if not isinstance(e, FetchError):  # it served bytes that are not a state of ours: never again
-                self.averager.reject(sponsor, f"served a bad state: {e}", d.at)
+            if not isinstance(e, FetchError) and len(set(by)) == 1:  # one peer's bytes, not a state of ours:
+                addr = by[0]                                             # never asked again
+                bad = next((m.peer_id for m in self.peer.members() if m.addr == addr), None)
+                if bad is not None:
+                    self.averager.reject(bad, f"served a bad state: {e}", d.at)
             self._say(f"could not take the group's state: {e}; asking again")
             self._send([Send(m, d.at, {"phase": Phase.LEAVE.value, "why": "state fetch failed"}) for m in d.members
                         if m != self.peer.id])
             return False
+        self._ready.clear()
         self._restore(c, lowers, f"the group's state after round {d.at} ({name})")
         for j, tensors in lowers.items():  # final blocks we did not train: we hold and serve them too
             self._save_final_params(j, tensors)

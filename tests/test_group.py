@@ -205,7 +205,7 @@ def test_a_joiner_admitted_before_a_new_sponsor_still_hears_ready():
     assert d2.action == "fetch" and d2.sponsor == "b" and d2.at == 8
     for p in "bc":
         net.g[p].begin_round(8, "s8", 0)
-        assert net.g[p].sponsor() == "a1"  # a1 (smaller id) is in from round 7: the sponsor now
+        assert net.g[p].sponsor() == "a1"  # a1 (smaller id) is in from round 8: the sponsor now
     due = {p: net.g[p].ready_due(8) for p in "bc"}
     assert due == {"b": ["j2"], "c": ["j2"]}  # every member writes the state
     told = {p: net.g[p].ready(8, due[p], "block0.r8") for p in "bc"}

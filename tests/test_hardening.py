@@ -385,8 +385,8 @@ async def test_a_sponsor_serving_a_bad_state_is_named_and_not_asked_again(tmp_pa
     from blocktrain.blocks.train import TrainConfig
     from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
     mc = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64)
-    tc = TrainConfig(steps=40, batch_size=4, seq_len=32, warmup=2)
-    sc = SwarmConfig(round_timeout_s=20, join_timeout_s=3, eval_windows=2, min_group=2)
+    tc = TrainConfig(steps=1000, batch_size=4, seq_len=32, warmup=2)  # long: the test ends it once it has seen
+    sc = SwarmConfig(round_timeout_s=20, join_timeout_s=3, eval_windows=2, min_group=2)  # the refusal
     data = as_tensor(read_split("valid"))
     peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
     sps = [SwarmTrainer(p, i, mc, tc, sc, tmp_path / f"w{i}", data, data) for i, p in enumerate(peers)]
@@ -470,9 +470,13 @@ def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_rou
     from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
     from blocktrain.protocol import BlockUpdate
 
+    from types import SimpleNamespace
+
     def trainer(pid):
         class _Peer:
             id = pid
+            def members(self, **k):
+                return [SimpleNamespace(peer_id=q, addr=q[:4]) for q in ("a" * 64, "b" * 64) if q != pid]
             def on(self, *a, **k): pass
             def on_membership(self, *a): pass
             def report_section(self, *a): pass
@@ -505,4 +509,12 @@ def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_rou
     b.group.state = State.TRAINING  # a second STATUS from b within STATUS_REPLY_S is not answered
     b._send([b.group.status_for(a.peer.id)])
     deliver(b, a)
+    assert not a.sent
+    a._status_sent.clear()  # a STATUS of equal rank, a size no group here can have, or from an
+    for meta in ({"size": 1, "sponsor": "a" * 64}, {"size": 10**6, "sponsor": "0" * 64}):  # excluded peer: no answer
+        a._control(BlockUpdate(block=0, round=1, meta={"phase": "status", "scope": a.scope, **meta}), None, b.peer.id)
+        assert not a.sent and a.group.state is State.TRAINING
+    a.averager.banned[b.peer.id] = "test"
+    a._control(BlockUpdate(block=0, round=1, meta={"phase": "status", "scope": a.scope, "size": 1,
+                                                   "sponsor": b.peer.id}), None, b.peer.id)
     assert not a.sent

@@ -120,11 +120,13 @@ def test_bt_peer_http_serves_the_page_on_loopback_given_a_bare_port(tmp_path):
                              "127.0.0.1:0", "--http", str(port), "--swarm-key", str(tmp_path / "key"),
                              "--identity", str(tmp_path / "id"), "--quiet"], stderr=subprocess.PIPE, text=True)
     try:
+        import select
         deadline = time.monotonic() + 60
         line = ""
-        while "swarm page:" not in line:
+        while "swarm page:" not in line:  # never blocked past the deadline by a silent process
             assert time.monotonic() < deadline and proc.poll() is None, "no page announced"
-            line = proc.stderr.readline()
+            if select.select([proc.stderr], [], [], 1.0)[0]:
+                line = proc.stderr.readline()
         assert f"http://127.0.0.1:{port}/" in line
         code, body = asyncio.run(_get(port, "/status.json"))
         v = json.loads(body)
@@ -139,6 +141,8 @@ def test_what_a_member_says_about_its_work_reaches_the_page_only_as_numbers_and_
     keys and types, so no markup of its reaches the browser (the page builds HTML from it)."""
     from blocktrain.p2p.page import WORK_KEYS, clean_work
     evil = "<img src=x onerror=alert(1)>"
+    assert clean_work({"holds": 10**18, "training_block": -1, "round": 2**60, "coverage_min": 7.0}) | {} == \
+        {**clean_work({}), "holds": None, "training_block": None, "round": None, "coverage_min": None}  # bounded
     w = clean_work({"holds": evil, "training_block": 1, "state": evil, "schedule": "relay", "step": float("nan"),
                     "steps": 300, "round": 7, "group": ["a" * 64, 5, "b" * 999], "rounds_applied": [1],
                     "coverage_min": 0.5, "curve": [[10, 1.5, [2.0, 1.9]], [evil, 1, [1]], [20, 2.5, [evil]],
