@@ -51,8 +51,6 @@ def pair():
 async def mesh(n: int, timeouts, blocks=(), psk: bytes | None = None) -> list:
     """n started peers on loopback, all joined through the first, full membership awaited (bounded).
     ``blocks``: every peer's blocks, or a list of them, one per peer."""
-    import asyncio
-
     from blocktrain.p2p.node import Peer
 
     psk = psk or os.urandom(32)

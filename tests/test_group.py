@@ -1,8 +1,6 @@
 """Group membership, sans-IO: every ordering of joins, admissions, departures and merges, no sockets."""
 
-import itertools
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
