@@ -56,12 +56,10 @@ Only processes this script starts are stopped, by pid. Everything lives in a tem
 (KEEP_TMP=1 keeps it).
 """
 import argparse
-import hashlib
 from datetime import datetime
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -73,28 +71,13 @@ from pathlib import Path
 import torch
 
 from blocktrain.blocks import checkpoint as ckpt
+from _live import BT_PEER, RESULTS, STARTED, TINY, finish, out, provenance, stop
 from blocktrain.p2p.transport import Timeouts
 
-BT_PEER = str(Path(sys.executable).parent / "bt-peer")
-TINY = ["--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "model.n_layer=3", "--set", "model.n_blocks=3",
-        "--set", "batch_size=4", "--set", "seq_len=32", "--set", "warmup=1", "--set", "swarm.eval_windows=2",
-        "--set", "train.draft_frac=0"]
 N_BLOCKS = 3
-STARTED: list[subprocess.Popen] = []
-RESULTS: dict = {"command": "python results/hardening/fault_targets.py --json results/hardening/fault_targets.json",
-                 "machine": f"{os.cpu_count()} cores, loopback",
-                 "timeouts": {"heartbeat_s": Timeouts().heartbeat_s, "dead_after_s": Timeouts().dead_after_s,
-                              "note": "the defaults; no --heartbeat or --dead-after given"}}
-
-
-def provenance() -> dict:
-    """The code measured: HEAD, and the uncommitted changes to the runtime, if any (by hash)."""
-    root = Path(__file__).resolve().parents[2]
-    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout  # noqa: E731
-    dirty = git("status", "--porcelain", "--", "p2p", "protocol", "blocks").split("\n")
-    return {"git_head": git("rev-parse", "HEAD").strip(), "uncommitted_runtime_files": [l[3:] for l in dirty if l],
-            "uncommitted_diff_sha256": hashlib.sha256(git("diff", "HEAD", "--", "p2p", "protocol", "blocks").encode())
-            .hexdigest()[:16]}
+RESULTS.update({"command": "python results/hardening/fault_targets.py --json results/hardening/fault_targets.json",
+                "timeouts": {"heartbeat_s": Timeouts().heartbeat_s, "dead_after_s": Timeouts().dead_after_s,
+                             "note": "the defaults; no --heartbeat or --dead-after given"}})
 
 
 def machine_load() -> dict:
@@ -110,11 +93,6 @@ def machine_load() -> dict:
     return {"loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()], "other_processes_over_10pct_cpu": others}
 
 
-def out(key, value):
-    RESULTS[key] = value
-    print(json.dumps({key: value}), flush=True)
-
-
 def free_ports(n) -> list[int]:
     socks, ports = [], []
     for _ in range(n):
@@ -125,20 +103,6 @@ def free_ports(n) -> list[int]:
     for s in socks:
         s.close()
     return ports
-
-
-def stop(p: subprocess.Popen):
-    if p.poll() is None:
-        try:
-            os.kill(p.pid, signal.SIGCONT)  # in case it is stopped
-        except ProcessLookupError:
-            pass
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
 
 
 # --- a swarm and what its reports say ------------------------------------------------------------
@@ -616,15 +580,7 @@ def main():
             summary["target4"] = RESULTS["target4"]["met"]
         out("met", summary)
     finally:
-        for p in STARTED:
-            stop(p)
-        RESULTS["seconds"] = round(time.monotonic() - t0, 1)
-        Path(args.json).write_text(json.dumps(RESULTS, indent=1) + "\n")
-        if os.environ.get("KEEP_TMP"):
-            print(f"kept {root}", flush=True)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
-
+        finish(t0, args.json, root)
 
 if __name__ == "__main__":
     main()

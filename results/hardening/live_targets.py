@@ -31,46 +31,23 @@ import asyncio
 import json
 import os
 import resource
-import selectors
-import shutil
 import signal
 import socket
 import statistics
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 import zlib
 from pathlib import Path
 
+from _live import BT_PEER, RESULTS, STARTED, TINY, finish, out, provenance, stop
 from blocktrain.p2p.transport import Timeouts
 from blocktrain.protocol.frames import HEADER_BYTES, MAX_FRAME_BYTES, MessageType
 
 HANDSHAKE_S = Timeouts().handshake_s
-BT_PEER = str(Path(sys.executable).parent / "bt-peer")
-TINY = ["--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "model.n_layer=3", "--set", "model.n_blocks=3",
-        "--set", "batch_size=4", "--set", "seq_len=32", "--set", "warmup=1", "--set", "swarm.eval_windows=2",
-        "--set", "train.draft_frac=0"]
-STARTED: list[subprocess.Popen] = []
-RESULTS: dict = {"command": "python results/hardening/live_targets.py --json results/hardening/live_targets.json",
-                 "machine": f"{os.cpu_count()} cores, loopback", "handshake_timeout_s": HANDSHAKE_S}
-
-
-def provenance() -> dict:
-    """The code measured: HEAD, and the uncommitted changes to the runtime, if any (by hash)."""
-    import hashlib
-    root = Path(__file__).resolve().parents[2]
-    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout  # noqa: E731
-    dirty = git("status", "--porcelain", "--", "p2p", "protocol", "blocks").split("\n")
-    return {"git_head": git("rev-parse", "HEAD").strip(), "uncommitted_runtime_files": [l[3:] for l in dirty if l],
-            "uncommitted_diff_sha256": hashlib.sha256(git("diff", "HEAD", "--", "p2p", "protocol", "blocks").encode())
-            .hexdigest()[:16]}
-
-
-def out(key, value):
-    RESULTS[key] = value
-    print(json.dumps({key: value}), flush=True)
+RESULTS.update({"command": "python results/hardening/live_targets.py --json results/hardening/live_targets.json",
+                "handshake_timeout_s": HANDSHAKE_S})
 
 
 def status_field(pid, field) -> int:
@@ -127,16 +104,6 @@ def wait_listening(p, port, tmp, name, timeout=60):
             return json.loads(r.stdout)
         time.sleep(0.5)
     raise RuntimeError(f"{name} did not answer status within {timeout} s")
-
-
-def stop(p):
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
 
 
 CONNECT_TIMES: list[float] = []
@@ -416,15 +383,7 @@ def main():
         target1(tmp)
         target5(tmp)
     finally:
-        for p in STARTED:
-            stop(p)
-        RESULTS["seconds"] = round(time.monotonic() - t0, 1)
-        Path(args.json).write_text(json.dumps(RESULTS, indent=1) + "\n")
-        if os.environ.get("KEEP_TMP"):
-            print(f"kept {tmp}", flush=True)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-
+        finish(t0, args.json, tmp)
 
 if __name__ == "__main__":
     main()
