@@ -426,13 +426,13 @@ async def test_a_sponsor_serving_a_bad_state_is_named_and_not_asked_again(tmp_pa
         assert all(torch.isfinite(t).all() for t in sps[2].params())
         rep = sps[2].training_report()
         assert rep["excluded_peers"][sponsor.peer.id].startswith("served a bad state")
-    finally:
-        for t in [*first, joiner]:
-            if t is not None:
-                t.cancel()
-        await asyncio.gather(*[t for t in [*first, joiner] if t is not None], return_exceptions=True)
+    finally:  # the run is long on purpose: end it (bounded: a trainer mid-round may not notice at once)
+        tasks = [t for t in [*first, joiner] if t is not None]
+        for t in tasks:
+            t.cancel()
         for p in peers:
             await p.stop()
+        await asyncio.wait(tasks, timeout=30)
 
 
 def test_a_dead_member_is_redialled_with_backoff_for_a_bounded_time():
