@@ -78,8 +78,10 @@ AGGREGATES = ("robust", "mean")
 # Rounds ahead of the one in progress whose parts are held; anything later is dropped. A member
 # can be one round ahead of us (it finished the round we are finishing), never more.
 AHEAD_ROUNDS = 2
-# Parts held for rounds not yet begun: from members only, and at most this many bytes in all. An
-# honest group sends us about one vector's worth per round (a block's: a few MiB).
+# Parts held for rounds not yet begun: from members only, and at most this many bytes in all, or,
+# for larger vectors, what an honest group sends us in one round: every other member's parts of a
+# whole vector (robust rounds; a plain mean sends us less). A member finishes a round before us and
+# starts the next one while we are finishing: what it sends then must not be lost.
 MAX_EARLY_BYTES = 64 * 1024 * 1024
 
 
@@ -149,7 +151,11 @@ class AveragingRound:
 
     def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, *, codec: Codec = Codec.RAW,
                  start: str = "", bounds: Bounds = Bounds(), min_coverage: float = 1.0,
-                 residual: torch.Tensor | None = None, aggregate: str = "mean"):
+                 residual: torch.Tensor | None = None, aggregate: str = "mean", out: torch.Tensor | None = None,
+                 arena: torch.Tensor | None = None):
+        """``out``: where the result goes (n float32; a fresh tensor if None). ``arena``: where the
+        other members' parts are decoded ((R - 1) x n float32, reused across rounds by the driver so
+        that a round touches no fresh memory; fresh tensors if None)."""
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {AGGREGATES}")
         self.me, self.block, self.round = me, block, rnd
@@ -169,7 +175,15 @@ class AveragingRound:
         self.wires = [to_wire("part", x[a:b], self.codec, "never") for a, b in self.spans()]
         self.residual = x - torch.cat([from_wire(w) for w in self.wires]) if self.codec.lossy else None
         self.x = x
-        self.out = torch.empty(n)  # the result: gathered pieces are decoded straight into it
+        if out is not None and (out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous()
+                                or out.data_ptr() == vector.data_ptr()):
+            raise ValueError(f"out holds {out.numel()} {out.dtype}, expected {n} contiguous float32 apart from "
+                             "the vector")
+        self.out = torch.empty(n) if out is None else out.view(-1)  # gathered pieces are decoded into it
+        others = [p for p in self.ids if p != me]
+        self._arena = None
+        if arena is not None and arena.dtype == torch.float32 and arena.numel() >= len(others) * n:
+            self._arena = {p: arena[i * n:(i + 1) * n] for i, p in enumerate(others)}
         self.departed: dict[str, str] = {}
         self.rejected: list[dict] = []  # {"peer", "reason"}, in order
         self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
@@ -219,8 +233,13 @@ class AveragingRound:
         if self.robust and phase != "reduce":
             return self._reject(pid, "sent an average in a robust round (nobody's average is taken on trust)")
         wanted = phase == "gather" and j not in self.gathered and pid == self.owner(j)
-        try:  # the awaited average goes straight into the result (refilled at the end if rejected)
-            t = validate_part(msg, b - a, self.bounds, self.out[a:b] if wanted else None)
+        into = None  # the awaited average goes straight into the result (refilled at the end if rejected)
+        if wanted:
+            into = self.out[a:b]
+        elif phase == "reduce" and self._arena is not None and pid not in self._received[j]:
+            into = self._arena[pid][a:b]  # a part goes to this member's place in the arena
+        try:
+            t = validate_part(msg, b - a, self.bounds, into)
         except ValueError as e:
             return self._reject(pid, str(e))
         if phase == "reduce":
@@ -379,8 +398,11 @@ class Averager:
     """Drives averaging rounds for one block over the peer's connections (the thin asyncio part)."""
 
     def __init__(self, peer: PeerServices, block: int, codec: str = "raw", min_coverage: float = 1.0,
-                 max_norm: float = 1e6, timeout_s: float = 30.0, aggregate: str = "mean"):
+                 max_norm: float = 1e6, timeout_s: float = 30.0, aggregate: str = "mean", floats: int = 0):
+        """``floats``: the vector size of the rounds, when known before the first one (it sizes what
+        is held of members' parts that come before we begin a round; later rounds know it)."""
         self.peer, self.block, self.aggregate = peer, block, aggregate
+        self._floats, self._others = floats, 0  # the last round's vector size and other members
         self._suspect_streak: dict[str, int] = {}
         self.codec = Codec(codec)
         self.min_coverage, self.timeout_s = min_coverage, timeout_s
@@ -389,10 +411,14 @@ class Averager:
         self.shunned: dict[str, str] = {}  # peers that rejected ours -> their reason
         self.events: list[dict] = []
         self._residual: torch.Tensor | None = None
+        self._arena = torch.empty(0)  # members' parts of a round are decoded here (AveragingRound)
         self._round: AveragingRound | None = None
-        self._inbox: asyncio.Queue | None = None
+        self._outbox: list[Part] = []  # what the round in progress has to send next
+        self._wake: asyncio.Event | None = None  # set when the outbox has parts or the round is done
+        self._failure: BaseException | None = None  # a bug met while feeding the round (raised by average)
         self._early: dict[int, list] = {}  # round -> (pid, msg) that came before we began it
         self._early_bytes = 0
+        self._early_dropped: set = set()  # rounds whose early parts overflowed (logged once each)
         self._absent_told: set = set()
         self.on_control = None  # fn(msg, pc, pid) for the group's control phases
         self.current = 0  # the round in progress, or the last one
@@ -416,19 +442,29 @@ class Averager:
 
     def _put(self, rnd: int, pid: str, msg):
         r = self._round
-        if r is not None and rnd == r.round and self._inbox is not None:
-            self._inbox.put_nowait((pid, msg))
+        if r is not None and rnd == r.round:
+            self._feed(pid, msg)
         elif self.current < rnd <= self.current + AHEAD_ROUNDS:
             size = sum(t.stored_bytes for t in msg.tensors)
-            if self.peer.member(pid) is not None and self._early_bytes + size <= MAX_EARLY_BYTES:
+            if self.peer.member(pid) is None:
+                return
+            if self._early_bytes + size <= self._early_cap():
                 self._early.setdefault(rnd, []).append((pid, msg))
                 self._early_bytes += size
+            elif rnd not in self._early_dropped:
+                self._early_dropped.add(rnd)
+                log.warning("block %d: parts for round %d came before we began it and exceed %d bytes held; "
+                            "dropped (that round will miss them)", self.block, rnd, self._early_cap())
         elif msg.tensors and msg.meta.get("group") and rnd != self.current:
             self._tell_absent(pid, rnd)  # a round we are not in at all
 
+    def _early_cap(self) -> int:
+        others = self._others or min(len(self.peer.members()), 64)
+        return max(MAX_EARLY_BYTES, 4 * self._floats * max(1, others))
+
     def _membership(self, ev):
-        if ev.departed and self._inbox is not None:
-            self._inbox.put_nowait((ev.peer_id, ev.change.value))
+        if ev.departed and self._round is not None:
+            self._feed(ev.peer_id, ev.change.value)
 
     def expect(self, rnd: int) -> None:
         """Our next round is ``rnd``: its parts (and the next one's) are held if they come early;
@@ -442,73 +478,99 @@ class Averager:
 
     def depart(self, pid: str, why: str) -> None:
         """A member left the group (a service's own signal): it departs the round in progress."""
-        if self._inbox is not None:
-            self._inbox.put_nowait((pid, why))
+        if self._round is not None:
+            self._feed(pid, why)
 
     # --- rounds --------------------------------------------------------------------------------
-    async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "") -> tuple[torch.Tensor, RoundReport]:
+    async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "",
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, RoundReport]:
         """Average ``vector`` (1-D float32) with ``members`` (peer ids, or id -> address; ours
-        included) in round ``rnd`` whose start point has digest ``start``."""
+        included) in round ``rnd`` whose start point has digest ``start``. The result is written
+        into ``out`` when given (a caller that reuses one buffer round after round makes the round
+        touch no fresh memory), else into a new tensor."""
         t0 = time.perf_counter()
         ids = [p for p in members if p not in self.banned and p not in self.shunned]
+        need = (len(set(ids) | {self.peer.id}) - 1) * vector.numel()
+        if self._arena.numel() < need:  # the others' parts land here, round after round
+            self._arena = torch.empty(0)  # the old one goes first: never both at once
+            self._arena = torch.empty(need)
         r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, codec=self.codec, start=start,
                            bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual,
-                           aggregate=self.aggregate)
-        self._round, self._inbox, self.current = r, asyncio.Queue(), rnd
-        for item in self._early.pop(rnd, []):  # parts that came before we began the round
-            self._inbox.put_nowait(item)
+                           aggregate=self.aggregate, out=out, arena=self._arena)
+        self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
+        self._floats, self._others = vector.numel(), len(r.ids) - 1
+        self._early_dropped = {k for k in self._early_dropped if k > rnd}
+        early = self._early.pop(rnd, [])  # parts that came before we began the round
         for old in [k for k in self._early if k < rnd]:
             del self._early[old]
         self._early_bytes = sum(t.stored_bytes for items in self._early.values() for _, m in items for t in m.tensors)
-        for pid in r.ids:
-            if pid != self.peer.id and self.peer.member(pid) is None:
-                r.depart(pid, "not a member")
         bytes_sent = 0
         conns = {}
-
-        async def send(parts):
-            nonlocal bytes_sent
-            for p in parts:
-                try:
-                    if p.peer not in conns:
-                        conns[p.peer] = await self.peer.connection(p.peer)
-                    await conns[p.peer].send(p.msg, bulk=True)
-                    bytes_sent += p.stored_bytes
-                except (ConnectionError, ProtocolError) as e:
-                    log.info("round %d: sending to %s failed: %s", rnd, p.peer[:12], e)
-                    await send(r.depart(p.peer, f"unreachable: {e}"))
-
         deadline = time.monotonic() + self.timeout_s
         try:
-            await send(r.start())
-            while not r.done:
+            for pid in r.ids:
+                if pid != self.peer.id and self.peer.member(pid) is None:
+                    self._feed(pid, "not a member")
+            self._outbox += r.start()
+            for pid, msg in early:
+                self._feed(pid, msg)
+            while True:
+                while self._outbox:  # parts go out in order; what comes meanwhile is fed in as it comes
+                    p = self._outbox.pop(0)
+                    try:
+                        if p.peer not in conns:
+                            conns[p.peer] = await self.peer.connection(p.peer)
+                        await conns[p.peer].send(p.msg, bulk=True)
+                        bytes_sent += p.stored_bytes
+                    except (ConnectionError, ProtocolError) as e:
+                        log.info("round %d: sending to %s failed: %s", rnd, p.peer[:12], e)
+                        self._feed(p.peer, f"unreachable: {e}")
+                if self._failure is not None:
+                    raise self._failure
+                if r.done:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    await send(r.expire())
-                    break
-                try:
-                    pid, msg = await asyncio.wait_for(self._inbox.get(), left)
-                except asyncio.TimeoutError:
+                    self._outbox += r.expire()
                     continue
-                before = len(r.rejected)
-                if isinstance(msg, str):  # a membership departure
-                    await send(r.depart(pid, msg))
-                elif msg.meta.get("phase") == Phase.ABSENT.value:
-                    await send(r.depart(pid, "not in this round's group"))
-                elif msg.meta.get("group") != r.group:  # another view of the group: not usable
-                    self._mismatch(pid, rnd)
-                    await send(r.depart(pid, "sees another group"))
-                else:
-                    await send(r.receive(pid, msg))
-                for rej in r.rejected[before:]:
-                    self._reject(rej["peer"], rej["reason"], rnd)
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
         finally:
-            self._round, self._inbox = None, None
+            self._round, self._outbox, self._wake, self._failure = None, [], None, None
         self._residual = r.residual
         self._suspicions(r, rnd)
         out, rep = r.result()
         rep.seconds, rep.bytes_sent = time.perf_counter() - t0, bytes_sent
         return out, rep
+
+    def _feed(self, pid: str, msg) -> None:
+        """Everything for the round in progress goes in here as it comes, in the connections'
+        readers: a part is checked and decoded where it belongs at once (no frame waits in a queue
+        holding its receive buffer while we send); what the round has to send next goes to the
+        outbox. ``msg`` is a BlockUpdate or, for a departure, why."""
+        r = self._round
+        before = len(r.rejected)
+        try:
+            if isinstance(msg, str):
+                out = r.depart(pid, msg)
+            elif msg.meta.get("phase") == Phase.ABSENT.value:
+                out = r.depart(pid, "not in this round's group")
+            elif msg.meta.get("group") != r.group:  # another view of the group: not usable
+                self._mismatch(pid, r.round)
+                out = r.depart(pid, "sees another group")
+            else:
+                out = r.receive(pid, msg)
+        except Exception as e:  # a bug, not the peer's doing: the round fails here, the reader goes on
+            log.exception("round %d: feeding a part from %s failed", r.round, pid[:12])
+            self._failure = e
+            out = []
+        for rej in r.rejected[before:]:
+            self._reject(rej["peer"], rej["reason"], r.round)
+        self._outbox += out
+        self._wake.set()
 
     def _suspicions(self, r: AveragingRound, rnd: int):
         """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row is excluded (named)."""
@@ -569,8 +631,8 @@ class Averager:
         self.shunned[pid] = why
         self.events.append({"event": "excluded by", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
         log.warning("block %d: %s rejected our update in round %d (%s) and excludes us", self.block, pid[:12], rnd, why)
-        if self._inbox is not None:
-            self._inbox.put_nowait((pid, "excluded us"))
+        if self._round is not None:
+            self._feed(pid, "excluded us")
 
 
 def centred_clip(x: torch.Tensor, suspects: dict, ids: list) -> torch.Tensor:

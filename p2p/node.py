@@ -453,6 +453,7 @@ class Peer:
     async def _read(self, pc: PeerConnection, pid: str, client: bool):
         try:
             while True:
+                msg = None  # the last message (and the receive buffer its tensors view) is let go first
                 msg = await pc.recv()
                 if isinstance(msg, ConnectionClosed):
                     return

@@ -167,6 +167,7 @@ class SwarmTrainer:
         self.averager = Averager(peer, k, codec=scfg.codec, min_coverage=scfg.min_coverage,
                                  max_norm=scfg.max_norm, timeout_s=scfg.round_timeout_s, aggregate=scfg.aggregate)
         self.averager.on_control = self._control
+        self._avg_out: torch.Tensor | None = None  # the rounds' result buffer (consumed before the next round)
         self.server = CheckpointServer(peer, self.dir / "serve")
         self.fetcher = CheckpointFetcher(peer)
         self.stats = _Stats()
@@ -585,7 +586,9 @@ class SwarmTrainer:
         rep, avg = None, vec
         if len(members) > 1:
             try:
-                avg, rep = await self.averager.average(rnd, vec, members, start=digest(start))
+                if self._avg_out is None or self._avg_out.numel() != vec.numel():
+                    self._avg_out = torch.empty(vec.numel())  # reused round after round: no fresh memory
+                avg, rep = await self.averager.average(rnd, vec, members, start=digest(start), out=self._avg_out)
             except RoundFailed as e:
                 log.warning("%s; %s", e, "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
                 self.stats.failed.append({"round": rnd, "step": self.gstep + self.H, "reason": str(e),

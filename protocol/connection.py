@@ -471,7 +471,9 @@ class Connection:
         """Open a sealed payload (its SEALED flag was checked with the header)."""
         n = h.length - TAGLEN
         if n >= SEAL_PARTS_MIN_BYTES:
-            return self._recv_cs.decrypt_into(h.pack(), payload, self._open_buf.get(n))
+            # a payload received in place is ours (a reused buffer): opened where it lies, no copy
+            out = payload[:n] if not payload.readonly else self._open_buf.get(n)
+            return self._recv_cs.decrypt_into(h.pack(), payload, out)
         return memoryview(self._recv_cs.decrypt(h.pack(), payload))
 
     def _handle(self, h: FrameHeader, payload: memoryview):

@@ -18,6 +18,7 @@ Rules:
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 from collections import deque
 from typing import NamedTuple
@@ -152,12 +153,17 @@ class ReusableBuffer:
     """A few bytearrays handed out again only when nobody still holds a view of them.
 
     ``get(n)`` returns a writable view of n bytes from the first buffer of the pool that no
-    earlier view still holds (a message someone kept, a transport still sending it); when all
-    are held, a new buffer joins the pool or, when the pool is full, the oldest is left to its
-    holders and replaced. Reuse never overwrites data in use.
+    earlier view still holds (a message someone kept, a transport still sending it). When all are
+    held, a buffer that another pool let go of and nobody holds any more is taken over, else a new
+    one is made; a full pool hands its oldest (still held) buffer to the process's spare list,
+    where any pool of this thread can take it over once its holders let go. Frames in flight
+    beyond the pool (parts a member sent for a round we have not begun, writes the socket has not
+    taken) so cost no fresh memory once the spares have grown to them. The spare list is bounded
+    (SPARE_BYTES per thread). Reuse never overwrites data in use.
     """
 
     POOL = 3  # a frame being consumed, one being assembled, one spare
+    SPARE_BYTES = 64 * 1024 * 1024
 
     def __init__(self):
         self._pool: list[bytearray] = []
@@ -171,17 +177,36 @@ class ReusableBuffer:
         except BufferError:
             return False
 
+    @staticmethod
+    def _spares() -> list:
+        spares = getattr(_spare_buffers, "list", None)
+        if spares is None:
+            spares = _spare_buffers.list = []
+        return spares
+
     def get(self, n: int) -> memoryview:
-        for i, buf in enumerate(self._pool):
+        for buf in self._pool:
             if self._free(buf):
                 if len(buf) < n:
                     buf.extend(bytes(n - len(buf)))
                 return memoryview(buf)[:n]
-        buf = bytearray(n)
+        spares = self._spares()
+        buf = next((b for b in spares if len(b) >= n and self._free(b)), None)
+        if buf is not None:
+            spares.remove(buf)
+        else:
+            buf = bytearray(n)
         if len(self._pool) >= self.POOL:
-            self._pool.pop(0)
+            old = self._pool.pop(0)
+            if len(old) >= REUSE_MIN_BYTES:
+                spares.append(old)
+                while sum(map(len, spares)) > self.SPARE_BYTES:
+                    spares.pop(0)
         self._pool.append(buf)
         return memoryview(buf)[:n]
+
+
+_spare_buffers = threading.local()
 
 
 class FrameBuffer:

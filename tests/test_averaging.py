@@ -50,6 +50,37 @@ async def test_large_vector_travels_in_pieces(monkeypatch):
             await p.stop()
 
 
+@pytest.mark.parametrize("floats", [0, 600_000])
+async def test_a_member_a_round_ahead_loses_nothing_of_a_large_vector(monkeypatch, floats):
+    """A member that finishes round 1 first sends its round-2 parts before the other began round 2:
+    more than the fixed early buffer holds (here 1 MiB for 2.4 MB parts) when the vector is large.
+    They are held (the cap grows to what one round of the group sends us), so round 2 completes:
+    before, they were dropped and round 2 waited for its timeout and failed. ``floats`` given up
+    front covers the first round too; without it, the first round's size is learnt from it."""
+    import blocktrain.p2p.averaging as av
+    monkeypatch.setattr(av, "MAX_EARLY_BYTES", 1 << 20)
+    monkeypatch.setattr(av, "PIECE_FLOATS", 1 << 16)
+    peers, avgs, members = await group(2, timeout_s=5, **({"floats": floats} if floats else {}))
+    try:
+        xs = [torch.randn(600_000) for _ in peers]
+
+        async def rounds(i, delay):
+            outs = []
+            for r in (1, 2):
+                if r == 2 or floats:  # the late member begins the round after the other's parts came
+                    await asyncio.sleep(delay)
+                outs.append(await avgs[i].average(r, xs[i] + r, members))
+            return outs
+
+        done = await asyncio.wait_for(asyncio.gather(rounds(0, 0.0), rounds(1, 0.3)), 30)
+        for outs in done:
+            for r, (out, rep) in zip((1, 2), outs):
+                assert rep.coverage == 1.0 and torch.allclose(out, (xs[0] + xs[1]) / 2 + r, atol=1e-5)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
 async def test_lossy_codec_within_its_bound():
     peers, avgs, members = await group(2, codec="int8", timeout_s=10)
     try:

@@ -517,3 +517,21 @@ def test_application_classifier_counts_as_before():
     kinds = p.b.counter.snapshot()["received"]["by_kind"]
     assert {k: v["frames"] for k, v in kinds.items()} == {
         "update": 1, "control": 1 + 1 + 2, "pipeline": 1, "lower-checkpoint": 4, "stream-other": 3}
+
+
+def test_reusable_buffers_spill_to_spares_and_never_hand_out_a_held_one():
+    """Frames in flight beyond a pool (parts held for a later round, writes not yet taken) go to
+    the thread's spares; another pool takes a spare over once nobody holds it, never before."""
+    from blocktrain.protocol.frames import ReusableBuffer
+    ReusableBuffer._spares().clear()  # this thread's spares from earlier tests
+    a, b = ReusableBuffer(), ReusableBuffer()
+    held = [a.get(1 << 20) for _ in range(ReusableBuffer.POOL + 2)]
+    assert len({id(v.obj) for v in held}) == len(held)  # all held: each view has its own buffer
+    oldest = held[0].obj
+    v = b.get(1 << 20)
+    assert v.obj is not oldest and all(v.obj is not h.obj for h in held)  # still held: not taken over
+    del held[0]
+    w = b.get(1 << 20)
+    assert w.obj is oldest  # let go of: taken over instead of a fresh buffer
+    w[:] = b"\x01" * len(w)
+    assert all(bytes(h[:1]) == b"\x00" for h in held)  # nothing in use was written over
