@@ -160,11 +160,17 @@ def decode(blob: bytes, source: str = "checkpoint") -> Checkpoint:
 
 def save(ck: Checkpoint, path: str | Path) -> str:
     """Atomically write ``ck`` to ``path``; returns the sha256 of its data section."""
+    write_atomic(path, encode(ck))
+    return ck.sha256
+
+
+def write_atomic(path: str | Path, blob: bytes) -> None:
+    """Write ``blob`` to ``path`` so that a reader sees the old file or the new one, never a part
+    (a temporary file, fsynced, then renamed over it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(path.name + ".*.tmp"):  # a writer killed mid-write left it
         stale.unlink(missing_ok=True)
-    blob = encode(ck)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -175,7 +181,6 @@ def save(ck: Checkpoint, path: str | Path) -> str:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return ck.sha256
 
 
 def load(path: str | Path) -> Checkpoint:

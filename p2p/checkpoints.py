@@ -34,6 +34,7 @@ import os
 import re
 from pathlib import Path
 
+from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.checkpoint import SUFFIX
 from blocktrain.protocol import (ProtocolError, StreamChunk, StreamEnd, StreamOpen, StreamReceiver,
                                  StreamRequest, StreamReset)
@@ -99,15 +100,30 @@ class CheckpointServer:
                 continue
         return None
 
+    def publish(self, kind: str, name: str, c) -> Path:
+        """Write checkpoint ``c`` where it is served as (kind, name), and remember the sha256 of the
+        bytes written: a stream's STREAM_OPEN (a probe's whole answer) then costs no read of the
+        file, whatever its size."""
+        path = self.path(kind, name)
+        if path is None:
+            raise ValueError(f"bad checkpoint name {kind}/{name}")
+        blob = ckpt.encode(c)
+        ckpt.write_atomic(path, blob)
+        self._remember(os.stat(path), hashlib.sha256(blob).digest())
+        return path
+
+    def _remember(self, st, digest: bytes) -> bytes:
+        if len(self._hashes) >= MAX_HASHED_FILES:
+            self._hashes.pop(next(iter(self._hashes)))
+        self._hashes[(st.st_ino, st.st_size, st.st_mtime_ns)] = digest
+        return digest
+
     def sha256(self, f) -> bytes:
+        """The sha256 of open file ``f``: remembered by (inode, size, mtime), else read and hashed."""
         st = os.fstat(f.fileno())
         key = (st.st_ino, st.st_size, st.st_mtime_ns)
         digest = self._hashes.get(key)
-        if digest is None:
-            if len(self._hashes) >= MAX_HASHED_FILES:
-                self._hashes.pop(next(iter(self._hashes)))
-            digest = self._hashes[key] = _sha256_of(f)
-        return digest
+        return digest if digest is not None else self._remember(st, _sha256_of(f))
 
     async def handle(self, req: StreamRequest, pc, pid):
         if self._active.get(pid, 0) >= MAX_STREAMS_PER_PEER:

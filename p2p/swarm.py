@@ -253,10 +253,9 @@ class SwarmTrainer:
         lower block (the handoff to the blocks above)."""
         c = self._checkpoint(final)
         b = self.block
-        ckpt.save(c, self.dir / "serve" / CHECKPOINT / ckpt.block_file(b))
-        ckpt.save(ckpt.Checkpoint(c.config, c.block, c.step, c.tensors,
-                                  extra={"final": final, "round": c.extra["round"], "gstep": self.gstep}),
-                  self.dir / "serve" / LOWER / ckpt.block_file(b))
+        self.server.publish(CHECKPOINT, ckpt.block_name(b), c)
+        self.server.publish(LOWER, ckpt.block_name(b), ckpt.Checkpoint(
+            c.config, c.block, c.step, c.tensors, extra={"final": final, "round": c.extra["round"], "gstep": self.gstep}))
         if final and self.relay and b != self.k:  # only the own block's full state is kept once final
             (self.dir / "serve" / CHECKPOINT / ckpt.block_file(b)).unlink(missing_ok=True)
         self._last_save = time.monotonic()
@@ -266,16 +265,16 @@ class SwarmTrainer:
         for our own block, as our checkpoint (for serving and assembly)."""
         c = ckpt.Checkpoint(self.mcfg.to_dict(), j, self.S, tensors,
                             extra={"final": True, "gstep": (self.plan.index(j) + 1) * self.S, "train": self.tcfg.to_dict()})
-        ckpt.save(c, self.dir / "serve" / LOWER / ckpt.block_file(j))
+        self.server.publish(LOWER, ckpt.block_name(j), c)
         if j == self.k:
-            ckpt.save(c, self.dir / "serve" / CHECKPOINT / ckpt.block_file(j))
+            self.server.publish(CHECKPOINT, ckpt.block_name(j), c)
 
     def _join_state_name(self, rnd: int) -> str:
         return f"{ckpt.block_name(self.block)}.r{rnd}"
 
     def _save_join_state(self, rnd: int) -> str:
         name = self._join_state_name(rnd)
-        ckpt.save(self._checkpoint(False), self.dir / "serve" / CHECKPOINT / (name + ckpt.SUFFIX))
+        self.server.publish(CHECKPOINT, name, self._checkpoint(False))
         for old in (self.dir / "serve" / CHECKPOINT).glob(f"block*.r*{ckpt.SUFFIX}"):
             r = old.name[:-len(ckpt.SUFFIX)].rpartition(".r")[2]
             if r.isdigit() and int(r) < rnd - 50 * self.scfg.margin:
@@ -777,7 +776,7 @@ class SwarmTrainer:
         c = ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.S, tensors,
                             extra={"final": True, "gstep": self.total_steps, "drafter_steps": n,
                                    "train": self.tcfg.to_dict()})
-        await asyncio.to_thread(ckpt.save, c, path)
+        await asyncio.to_thread(self.server.publish, CHECKPOINT, ckpt.block_name(self.k), c)
 
     def _restore_final_own(self):
         c = ckpt.load(self.dir / "serve" / CHECKPOINT / ckpt.block_file(self.k))

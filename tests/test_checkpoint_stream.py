@@ -188,3 +188,40 @@ async def test_stream_of_many_chunks_over_a_shaped_link(tmp_path):
     finally:
         for p in (a, b):
             await p.stop()
+
+
+async def test_a_probe_costs_the_holder_a_tail_read_whatever_the_checkpoint_size(tmp_path, monkeypatch):
+    """A published checkpoint's sha256 is remembered from the bytes written: probing it (the
+    lower-block check of every round) reads the last KiB, never the whole file. A file put there
+    another way is hashed once, on its first request, then remembered."""
+    import hashlib
+
+    import torch
+
+    import blocktrain.p2p.checkpoints as cp
+    from blocktrain.blocks import checkpoint as ckpt
+    hashed = []
+    real = cp._sha256_of
+    monkeypatch.setattr(cp, "_sha256_of", lambda f: hashed.append(f.name) or real(f))
+    a, b = await swarm(tmp_path, 2)
+    try:
+        server = CheckpointServer(a, tmp_path / "a")
+        c = ckpt.Checkpoint({"d_model": 8}, 0, 5, {"w": torch.randn(5 << 20)})  # a 20 MiB checkpoint
+        path = server.publish("lower-checkpoint", "block0", c)
+        put(tmp_path / "a", "checkpoint", "block1", os.urandom(3 << 20))
+        fetcher = CheckpointFetcher(b)
+        for _ in range(3):
+            assert await fetcher.probe(a.addr, "lower-checkpoint", "block0", path.stat().st_size) == \
+                (path.stat().st_size, hashlib.sha256(path.read_bytes()).digest())
+        assert hashed == []  # answered from what was remembered at write time
+        assert fetcher.received_by_kind.get("lower-checkpoint", 0) <= cp.PROBE_TAIL
+        for _ in range(3):
+            await fetcher.probe(a.addr, "checkpoint", "block1", 3 << 20)
+        assert len(hashed) == 1
+        c2 = ckpt.Checkpoint({"d_model": 8}, 0, 6, {"w": torch.randn(5 << 20)})  # a new version
+        server.publish("lower-checkpoint", "block0", c2)
+        got = await fetcher.probe(a.addr, "lower-checkpoint", "block0", path.stat().st_size)
+        assert got[1] == hashlib.sha256(path.read_bytes()).digest() and len(hashed) == 1
+    finally:
+        for p in (a, b):
+            await p.stop()
