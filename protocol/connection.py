@@ -198,16 +198,20 @@ class ByteCounter:
 
     def add(self, direction: str, mtype: MessageType, payload: int, wire: int, kind: str | None = None):
         sent = direction == "sent"
-        pairs = [(self.sent if sent else self.received, _TYPE_NAMES[mtype])]
+        d, name = (self.sent if sent else self.received), _TYPE_NAMES[mtype]
+        c = d.get(name)  # written out twice, not looped: this runs for every frame
+        if c is None:
+            c = d[name] = _counter()
+        c["frames"] += 1
+        c["payload_bytes"] += payload
+        c["wire_bytes"] += wire
         if kind is not None:
             kinds = self.sent_kinds if sent else self.received_kinds
-            if kind not in kinds and len(kinds) >= MAX_TRAFFIC_KINDS:
-                kind = OVERFLOW_KIND
-            pairs.append((kinds, kind))
-        for d, name in pairs:
-            c = d.get(name)
+            c = kinds.get(kind)
             if c is None:
-                c = d[name] = _counter()
+                if len(kinds) >= MAX_TRAFFIC_KINDS:
+                    kind = OVERFLOW_KIND
+                c = kinds.get(kind) or kinds.setdefault(kind, _counter())
             c["frames"] += 1
             c["payload_bytes"] += payload
             c["wire_bytes"] += wire

@@ -498,6 +498,10 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
     want = _wire_keys(cls)
     if not (meta.keys() == want):
         raise _bad(f"{cls.__name__} metadata keys {sorted(map(str, meta))} != {sorted(want)}")
+    if not _converted_fields(cls):  # plain fields only: the common small message
+        if 4 + mlen != len(payload):
+            raise _bad(f"{len(payload) - 4 - mlen} trailing payload bytes after the metadata")
+        return cls(**meta, stream_id=stream_id)  # the constructor validates every field
     body = payload[4 + mlen:]
     kwargs, pos = meta, 0
     for name in _converted_fields(cls):
