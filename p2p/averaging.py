@@ -37,6 +37,12 @@ Rules:
 - Rule 7: lossy codecs (fp16, bf16, int8) keep the rounding error of what this peer sent and add
   it to the next round's input (error feedback). An owner decodes its own average exactly as the
   others do, so every member ends the round with the same bytes.
+- Rule 8 (the driver): every part is fed to the round as it arrives, in the connection's reader,
+  and decoded at once where it belongs: the result (``out``, the caller's buffer when given) or
+  the sender's place in an arena the ``Averager`` keeps from round to round, like a lossy codec's
+  buffers. A round so touches no fresh memory and no frame waits in a queue holding its receive
+  buffer. When ``average`` returns, the round's messages still queued on a connection are
+  released (copied), so nothing it sent views the buffers the next round writes.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from blocktrain.protocol import BlockUpdate, Codec, ProtocolError
 
 from .group import CONTROL_PHASES, Phase
 from .services import PeerServices, PeerUnreachable
-from .tensors import from_wire, to_wire
+from .tensors import ENCODED_DTYPES, encode_into, from_wire, to_wire
 
 log = logging.getLogger("blocktrain.p2p")
 
@@ -119,6 +125,13 @@ class Part:
     stored_bytes: int
 
 
+def lossy_scratch(n: int, codec: Codec) -> dict:
+    """Buffers of a lossy round of n floats: x (vector + residual), enc (x encoded: what is sent),
+    residual (what the encoding lost, fed into the next round)."""
+    return {"x": torch.empty(n), "enc": torch.empty(n, dtype=ENCODED_DTYPES[Codec(codec)]),
+            "residual": torch.empty(n)}
+
+
 def group_digest(members, rnd: int, start: str) -> str:
     """Identifies a round's group: its members, its number and its start point (rule 2)."""
     return hashlib.sha256(f"{','.join(sorted(members))}|{rnd}|{start}".encode()).hexdigest()[:16]
@@ -152,10 +165,11 @@ class AveragingRound:
     def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, *, codec: Codec = Codec.RAW,
                  start: str = "", bounds: Bounds = Bounds(), min_coverage: float = 1.0,
                  residual: torch.Tensor | None = None, aggregate: str = "mean", out: torch.Tensor | None = None,
-                 arena: torch.Tensor | None = None):
+                 arena: torch.Tensor | None = None, scratch: dict | None = None):
         """``out``: where the result goes (n float32; a fresh tensor if None). ``arena``: where the
         other members' parts are decoded ((R - 1) x n float32, reused across rounds by the driver so
-        that a round touches no fresh memory; fresh tensors if None)."""
+        that a round touches no fresh memory; fresh tensors if None). ``scratch``: a lossy codec's
+        buffers (``lossy_scratch``), lent the same way; ``residual`` may be its "residual"."""
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {AGGREGATES}")
         self.me, self.block, self.round = me, block, rnd
@@ -169,11 +183,20 @@ class AveragingRound:
         self.P = max(R, -(-n // PIECE_FLOATS))
         self.bounds_ = [(n * i) // self.P for i in range(self.P + 1)]
         self.vector = vector.detach().float().reshape(-1)  # read only: our own piece is a view of it
-        x = self.vector
-        if self.codec.lossy and residual is not None and residual.numel() == n:
-            x = x + residual  # error feedback
-        self.wires = [to_wire("part", x[a:b], self.codec, "never") for a, b in self.spans()]
-        self.residual = x - torch.cat([from_wire(w) for w in self.wires]) if self.codec.lossy else None
+        x, self.residual = self.vector, None
+        if self.codec.lossy:  # error feedback (rule 7), in the driver's buffers when it lends them
+            scratch = scratch if scratch is not None and scratch["x"].numel() == n else lossy_scratch(n, self.codec)
+            x = scratch["x"]
+            if residual is not None and residual.numel() == n:
+                torch.add(self.vector, residual, out=x)  # before the residual's buffer is written again
+            else:
+                x.copy_(self.vector)
+            res = scratch["residual"]  # first what the others decode, then what they miss of x
+            self.wires = [encode_into("part", x[a:b], self.codec, scratch["enc"][a:b], res[a:b])
+                          for a, b in self.spans()]
+            self.residual = torch.sub(x, res, out=res)
+        else:
+            self.wires = [to_wire("part", x[a:b], self.codec, "never") for a, b in self.spans()]
         self.x = x
         if out is not None and (out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous()
                                 or out.data_ptr() == vector.data_ptr()):
@@ -412,6 +435,7 @@ class Averager:
         self.events: list[dict] = []
         self._residual: torch.Tensor | None = None
         self._arena = torch.empty(0)  # members' parts of a round are decoded here (AveragingRound)
+        self._scratch: dict | None = None  # a lossy codec's buffers, lent to every round
         self._round: AveragingRound | None = None
         self._outbox: list[Part] = []  # what the round in progress has to send next
         self._wake: asyncio.Event | None = None  # set when the outbox has parts or the round is done
@@ -494,9 +518,12 @@ class Averager:
         if self._arena.numel() < need:  # the others' parts land here, round after round
             self._arena = torch.empty(0)  # the old one goes first: never both at once
             self._arena = torch.empty(need)
+        if self.codec.lossy and (self._scratch is None or self._scratch["x"].numel() != vector.numel()):
+            self._scratch = None
+            self._scratch = lossy_scratch(vector.numel(), self.codec)
         r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, codec=self.codec, start=start,
                            bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual,
-                           aggregate=self.aggregate, out=out, arena=self._arena)
+                           aggregate=self.aggregate, out=out, arena=self._arena, scratch=self._scratch)
         self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
         self._floats, self._others = vector.numel(), len(r.ids) - 1
         self._early_dropped = {k for k in self._early_dropped if k > rnd}
@@ -505,7 +532,7 @@ class Averager:
             del self._early[old]
         self._early_bytes = sum(t.stored_bytes for items in self._early.values() for _, m in items for t in m.tensors)
         bytes_sent = 0
-        conns = {}
+        conns, sent = {}, []
         deadline = time.monotonic() + self.timeout_s
         try:
             for pid in r.ids:
@@ -520,6 +547,7 @@ class Averager:
                     try:
                         if p.peer not in conns:
                             conns[p.peer] = await self.peer.connection(p.peer)
+                        sent.append(p.msg)
                         await conns[p.peer].send(p.msg, bulk=True)
                         bytes_sent += p.stored_bytes
                     except (ConnectionError, ProtocolError) as e:
@@ -540,6 +568,8 @@ class Averager:
                     pass
         finally:
             self._round, self._outbox, self._wake, self._failure = None, [], None, None
+            for pc in conns.values():  # what is still queued stops viewing our buffers (reused next round)
+                pc.release_queued(sent)
         self._residual = r.residual
         self._suspicions(r, rnd)
         out, rep = r.result()

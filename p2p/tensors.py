@@ -58,6 +58,39 @@ def to_wire(name: str, t: torch.Tensor, codec: Codec | str = Codec.RAW, compress
     return pack_tensor(name, dtype, tuple(t.shape), _bytes_view(enc), codec, scales, compress, segment_elems)
 
 
+ENCODED_DTYPES = {Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16, Codec.INT8: torch.int8}
+
+
+def encode_into(name: str, x: torch.Tensor, codec: Codec | str, enc: torch.Tensor,
+                decoded: torch.Tensor | None = None, segment_elems: int = SEGMENT_ELEMS) -> WireTensor:
+    """``to_wire`` of a 1-D float32 ``x`` under a lossy codec, its encoding written into ``enc``
+    (x.numel() elements of the codec's type: float16, bfloat16 or int8) instead of new memory;
+    ``decoded`` (float32, optional) receives what the far end decodes. The same bytes as
+    ``to_wire(name, x, codec, "never", segment_elems)``."""
+    codec = Codec(codec)
+    if enc.dtype is not ENCODED_DTYPES[codec] or enc.numel() != x.numel():
+        raise ValueError(f"enc is {enc.numel()} {enc.dtype}, expected {x.numel()} {ENCODED_DTYPES[codec]}")
+    scales = ()
+    if codec is Codec.INT8:
+        sc = []
+        for i in range(0, x.numel(), segment_elems):
+            seg, q = x[i:i + segment_elems], enc[i:i + segment_elems]
+            s = float(seg.abs().max()) / 127.0 if seg.numel() else 0.0
+            if not torch.isfinite(torch.tensor(s)):
+                raise ValueError(f"tensor {name!r}: non-finite values cannot be int8-encoded")
+            s = s or 1.0
+            q.copy_(torch.div(seg, s).round_().clamp_(-127, 127))  # one temporary of a segment
+            if decoded is not None:
+                torch.mul(q, s, out=decoded[i:i + segment_elems])
+            sc.append(s)
+        scales = tuple(sc)
+    else:
+        enc.copy_(x)  # rounds to nearest
+        if decoded is not None:
+            decoded.copy_(enc)
+    return pack_tensor(name, "float32", tuple(x.shape), _bytes_view(enc), codec, scales, "never", segment_elems)
+
+
 def from_wire(w: WireTensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rebuild the tensor (into ``out`` when given: same shape and dtype)."""
     dtype = TORCH_DTYPES[w.dtype]
@@ -71,6 +104,17 @@ def from_wire(w: WireTensor, out: torch.Tensor | None = None) -> torch.Tensor:
             return out
         buf = bytearray(w.decoded())  # own the memory: the frame buffer is not ours to keep
         return torch.frombuffer(buf, dtype=dtype).view(w.shape)
+    if out is not None and w.dtype == "float32" and out.is_contiguous():  # lossy, straight into out
+        data = w.decoded()
+        if data.readonly:
+            data = bytearray(data)  # torch wants writable memory (it is not written)
+        src = torch.frombuffer(data, dtype=ENCODED_DTYPES[w.codec])
+        flat = out.view(-1)
+        flat.copy_(src)
+        if w.codec is Codec.INT8:
+            for i, s in enumerate(w.scales):
+                flat[i * w.segment_elems:(i + 1) * w.segment_elems].mul_(s)
+        return out
     buf = bytearray(w.decoded())
     if w.codec is Codec.INT8:
         q = torch.frombuffer(buf, dtype=torch.int8).float()

@@ -17,6 +17,10 @@ Rules:
 - A ``LinkShaper`` (optional) delays each frame as a WAN link would (see link.py).
 - Pings are answered by the driver as they are parsed (``auto_pong``): liveness does not wait
   for the application's reader.
+- A message's buffers (tensor segments, chunk data) are read when the writer takes it: sealed
+  into a pool buffer, or, unsealed, copied. ``release_queued`` copies the given messages still
+  queued, so that a sender may reuse their buffers once it returns (the averaging rounds reuse
+  theirs round after round).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import logging
 import socket
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
@@ -284,7 +289,7 @@ class PeerConnection(asyncio.BufferedProtocol):
                     # the link's send buffer: at most SHAPER_BUFFER_S of serialization queued ahead
                     while self.shaper.busy_until() - time.monotonic() > SHAPER_BUFFER_S and not self.closed.done():
                         await asyncio.sleep(self.shaper.busy_until() - time.monotonic() - SHAPER_BUFFER_S / 2)
-                    frames = self.conn.send_buffers(msg)  # sealed now: from here the frame must go out whole
+                    frames = self._owned(self.conn.send_buffers(msg))  # from here the frame must go out whole
                     arrive = self.shaper.schedule(time.monotonic(), sum(len(b) for b in frames))
                     self._in_flight.append((arrive, frames))  # frames in flight on the link: they pipeline
                     if self._deliverer is None:
@@ -295,7 +300,7 @@ class PeerConnection(asyncio.BufferedProtocol):
                             await asyncio.sleep(max(0.001, self._in_flight[-1][0] - time.monotonic()))
                         break
                     continue
-                frames = self.conn.send_buffers(msg)  # sealed now: from here the frame must go out whole
+                frames = self._owned(self.conn.send_buffers(msg))  # from here the frame must go out whole
                 if self.transport.is_closing():
                     break
                 self._write(frames)
@@ -307,6 +312,25 @@ class PeerConnection(asyncio.BufferedProtocol):
             raise
         except ProtocolError as e:
             self._shutdown(f"cannot send: {e}", e)
+
+    def _owned(self, frames: list) -> list:
+        """Frames that view no caller's memory: sealed ones are (the seal wrote them into our
+        pool); unsealed views of a message's buffers are copied."""
+        if self.conn.sealed_session:
+            return frames
+        return [bytes(f) if isinstance(f, memoryview) else f for f in frames]
+
+    def release_queued(self, msgs) -> int:
+        """Queued messages among ``msgs`` (compared by identity) are replaced by copies that own
+        their bytes: the caller may reuse the buffers they viewed at once. Returns how many."""
+        ids = {id(m) for m in msgs}
+        n = 0
+        for q in (self._bulk, self._control):
+            for i in range(len(q)):
+                if id(q[i]) in ids:
+                    q[i] = _owning_copy(q[i])
+                    n += 1
+        return n
 
     def _wake_drain(self):
         """Senders waiting in drain() may go on once the transport takes more and the bulk queue is
@@ -398,6 +422,16 @@ class PeerConnection(asyncio.BufferedProtocol):
         self._shutdown(reason, ConnectionError(reason), cause)
         if self.transport is not None:
             self.transport.abort()
+
+
+def _owning_copy(msg: Message) -> Message:
+    """``msg`` with its tensors' segments (or a chunk's data) copied into bytes of its own."""
+    if hasattr(msg, "tensors"):
+        return dataclasses.replace(msg, tensors=tuple(
+            dataclasses.replace(t, segments=tuple(bytes(s) for s in t.segments)) for t in msg.tensors))
+    if hasattr(msg, "data"):
+        return dataclasses.replace(msg, data=bytes(msg.data))
+    return msg
 
 
 def make_connection(role: Role, identity, swarm_key: bytes, *, allowlist=None, info: dict | None = None,
