@@ -54,6 +54,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import msgpack
 import torch
 
 from blocktrain.protocol import BlockUpdate, Codec, ProtocolError
@@ -125,6 +126,11 @@ class Part:
     stored_bytes: int
 
 
+def _held_bytes(msg: BlockUpdate) -> int:
+    """What holding ``msg`` costs: its tensors' bytes and its metadata's (re-encoded)."""
+    return sum(t.stored_bytes for t in msg.tensors) + len(msgpack.packb(msg.meta, use_bin_type=True))
+
+
 def lossy_scratch(n: int, codec: Codec) -> dict:
     """Buffers of a lossy round of n floats: x (vector + residual), enc (x encoded: what is sent),
     residual (what the encoding lost, fed into the next round)."""
@@ -150,7 +156,10 @@ def validate_part(msg: BlockUpdate, numel: int, bounds: Bounds, out: torch.Tenso
     w = msg.tensors[0]
     if w.dtype != "float32" or w.shape != (numel,):
         raise ValueError(f"part is {w.dtype} {w.shape}, expected float32 ({numel},)")
-    t = from_wire(w, out=out)
+    try:
+        t = from_wire(w, out=out)
+    except ProtocolError as e:  # e.g. lz4 data that does not decompress: the sender's fault
+        raise ValueError(f"part does not decode: {e}") from None
     norm = float(torch.linalg.vector_norm(t))  # one pass: NaN or inf anywhere makes it NaN or inf
     if not math.isfinite(norm):
         raise ValueError(f"part holds NaN or inf (its norm is {norm})")
@@ -167,8 +176,10 @@ class AveragingRound:
                  residual: torch.Tensor | None = None, aggregate: str = "mean", out: torch.Tensor | None = None,
                  arena: torch.Tensor | None = None, scratch: dict | None = None):
         """``out``: where the result goes (n float32; a fresh tensor if None). ``arena``: where the
-        other members' parts are decoded ((R - 1) x n float32, reused across rounds by the driver so
-        that a round touches no fresh memory; fresh tensors if None). ``scratch``: a lossy codec's
+        other members' parts are decoded (float32: R - 1 slots of the pieces we compute, i.e. every
+        piece in a robust round, those we own in a mean round; or a function that returns one of
+        the size it is asked), reused across rounds by the driver so that a round touches no
+        fresh memory; fresh tensors if None (and for pieces that move to us mid-round). ``scratch``: a lossy codec's
         buffers (``lossy_scratch``), lent the same way; ``residual`` may be its "residual"."""
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {AGGREGATES}")
@@ -191,6 +202,8 @@ class AveragingRound:
                 torch.add(self.vector, residual, out=x)  # before the residual's buffer is written again
             else:
                 x.copy_(self.vector)
+            if self.codec is Codec.INT8 and not bool(torch.isfinite(x).all()):  # before anything is written
+                raise ValueError("non-finite values cannot be int8-encoded")
             res = scratch["residual"]  # first what the others decode, then what they miss of x
             self.wires = [encode_into("part", x[a:b], self.codec, scratch["enc"][a:b], res[a:b])
                           for a, b in self.spans()]
@@ -204,9 +217,17 @@ class AveragingRound:
                              "the vector")
         self.out = torch.empty(n) if out is None else out.view(-1)  # gathered pieces are decoded into it
         others = [p for p in self.ids if p != me]
+        self._slot: dict[int, tuple[int, int]] = {}  # piece -> its place in each member's arena slot
+        at = 0
+        for j, (a, b) in enumerate(self.spans()):  # robust: every piece; mean: the pieces we own
+            if self.robust or self.ids[j % R] == me:
+                self._slot[j] = (at, at + b - a)
+                at += b - a
         self._arena = None
-        if arena is not None and arena.dtype == torch.float32 and arena.numel() >= len(others) * n:
-            self._arena = {p: arena[i * n:(i + 1) * n] for i, p in enumerate(others)}
+        if callable(arena):  # the driver lends one of the size asked
+            arena = arena(len(others) * at)
+        if arena is not None and arena.dtype == torch.float32 and arena.numel() >= len(others) * at:
+            self._arena = {p: arena[i * at:(i + 1) * at] for i, p in enumerate(others)}
         self.departed: dict[str, str] = {}
         self.rejected: list[dict] = []  # {"peer", "reason"}, in order
         self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
@@ -259,8 +280,8 @@ class AveragingRound:
         into = None  # the awaited average goes straight into the result (refilled at the end if rejected)
         if wanted:
             into = self.out[a:b]
-        elif phase == "reduce" and self._arena is not None and pid not in self._received[j]:
-            into = self._arena[pid][a:b]  # a part goes to this member's place in the arena
+        elif phase == "reduce" and self._arena is not None and pid not in self._received[j] and j in self._slot:
+            into = self._arena[pid][slice(*self._slot[j])]  # this member's place for the piece in the arena
         try:
             t = validate_part(msg, b - a, self.bounds, into)
         except ValueError as e:
@@ -306,7 +327,7 @@ class AveragingRound:
         spans = self.spans()
         for j, (a, b) in enumerate(spans):  # our part of every piece goes to its current owner
             o = self.owner(j)
-            if self._sent_to.get(j) == o:
+            if self._sent_to.get(j) == o or j in self.gathered:  # a piece whose average came is done
                 continue
             self._sent_to[j] = o
             if o == self.me:
@@ -314,7 +335,7 @@ class AveragingRound:
             else:
                 out.append(Part(o, self._msg("reduce", j, self.wires[j]), self.wires[j].stored_bytes))
         for j, (a, b) in enumerate(spans):  # pieces we own: average once every live member's part is in
-            if self.owner(j) != self.me or j in self._gather_sent:
+            if self.owner(j) != self.me or j in self._gather_sent or j in self.gathered:
                 continue
             got = {p: t for p, t in self._received[j].items() if p in live}
             if not final and not set(got) >= live:
@@ -442,6 +463,7 @@ class Averager:
         self._failure: BaseException | None = None  # a bug met while feeding the round (raised by average)
         self._early: dict[int, list] = {}  # round -> (pid, msg) that came before we began it
         self._early_bytes = 0
+        self._early_from: dict[str, int] = {}  # member -> bytes of it held in _early
         self._early_dropped: set = set()  # rounds whose early parts overflowed (logged once each)
         self._absent_told: set = set()
         self.on_control = None  # fn(msg, pc, pid) for the group's control phases
@@ -469,22 +491,36 @@ class Averager:
         if r is not None and rnd == r.round:
             self._feed(pid, msg)
         elif self.current < rnd <= self.current + AHEAD_ROUNDS:
-            size = sum(t.stored_bytes for t in msg.tensors)
             if self.peer.member(pid) is None:
                 return
-            if self._early_bytes + size <= self._early_cap():
+            size = _held_bytes(msg)
+            total, per_sender = self._early_caps()
+            if self._early_bytes + size <= total and self._early_from.get(pid, 0) + size <= per_sender:
                 self._early.setdefault(rnd, []).append((pid, msg))
                 self._early_bytes += size
+                self._early_from[pid] = self._early_from.get(pid, 0) + size
             elif rnd not in self._early_dropped:
                 self._early_dropped.add(rnd)
-                log.warning("block %d: parts for round %d came before we began it and exceed %d bytes held; "
-                            "dropped (that round will miss them)", self.block, rnd, self._early_cap())
+                log.warning("block %d: parts for round %d came before we began it and exceed what is held "
+                            "(%d bytes in all, %d from %s); dropped (that round will miss them)",
+                            self.block, rnd, total, per_sender, pid[:12])
         elif msg.tensors and msg.meta.get("group") and rnd != self.current:
             self._tell_absent(pid, rnd)  # a round we are not in at all
 
-    def _early_cap(self) -> int:
-        others = self._others or min(len(self.peer.members()), 64)
-        return max(MAX_EARLY_BYTES, 4 * self._floats * max(1, others))
+    def _early_caps(self) -> tuple[int, int]:
+        """(in all, from one member): bytes held of parts for rounds not begun. An honest member
+        sends us at most one vector's worth for the next round (a robust round: its part of every
+        piece); the group, that from each other member."""
+        others = max(1, self._others, min(len(self.peer.members()), 64))
+        per_sender = max(4 * self._floats + (1 << 20), MAX_EARLY_BYTES // others)
+        return max(MAX_EARLY_BYTES, per_sender * others), per_sender
+
+    def _recount_early(self) -> None:
+        self._early_bytes, self._early_from = 0, {}
+        for items in self._early.values():
+            for pid, m in items:
+                self._early_bytes += _held_bytes(m)
+                self._early_from[pid] = self._early_from.get(pid, 0) + _held_bytes(m)
 
     def _membership(self, ev):
         if ev.departed and self._round is not None:
@@ -498,7 +534,7 @@ class Averager:
             for pid, msg in self._early.pop(old):
                 if msg.tensors:
                     self._tell_absent(pid, old)
-        self._early_bytes = sum(t.stored_bytes for items in self._early.values() for _, m in items for t in m.tensors)
+        self._recount_early()
 
     def depart(self, pid: str, why: str) -> None:
         """A member left the group (a service's own signal): it departs the round in progress."""
@@ -514,23 +550,19 @@ class Averager:
         touch no fresh memory), else into a new tensor."""
         t0 = time.perf_counter()
         ids = [p for p in members if p not in self.banned and p not in self.shunned]
-        need = (len(set(ids) | {self.peer.id}) - 1) * vector.numel()
-        if self._arena.numel() < need:  # the others' parts land here, round after round
-            self._arena = torch.empty(0)  # the old one goes first: never both at once
-            self._arena = torch.empty(need)
         if self.codec.lossy and (self._scratch is None or self._scratch["x"].numel() != vector.numel()):
             self._scratch = None
             self._scratch = lossy_scratch(vector.numel(), self.codec)
         r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, codec=self.codec, start=start,
                            bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual,
-                           aggregate=self.aggregate, out=out, arena=self._arena, scratch=self._scratch)
+                           aggregate=self.aggregate, out=out, arena=self._lend_arena, scratch=self._scratch)
         self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
         self._floats, self._others = vector.numel(), len(r.ids) - 1
         self._early_dropped = {k for k in self._early_dropped if k > rnd}
         early = self._early.pop(rnd, [])  # parts that came before we began the round
         for old in [k for k in self._early if k < rnd]:
             del self._early[old]
-        self._early_bytes = sum(t.stored_bytes for items in self._early.values() for _, m in items for t in m.tensors)
+        self._recount_early()
         bytes_sent = 0
         conns, sent = {}, []
         deadline = time.monotonic() + self.timeout_s
@@ -559,7 +591,10 @@ class Averager:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    before = len(r.rejected)
                     self._outbox += r.expire()
+                    for rej in r.rejected[before:]:  # robust pieces computed now can reject a member
+                        self._reject(rej["peer"], rej["reason"], rnd)
                     continue
                 self._wake.clear()
                 try:
@@ -601,6 +636,14 @@ class Averager:
             self._reject(rej["peer"], rej["reason"], r.round)
         self._outbox += out
         self._wake.set()
+
+    def _lend_arena(self, floats: int) -> torch.Tensor:
+        """The arena for a round that needs ``floats``: kept from round to round, remade when too
+        small or more than twice too large (the group shrank)."""
+        if not floats <= self._arena.numel() <= 2 * floats:
+            self._arena = torch.empty(0)  # the old one goes first: never both at once
+            self._arena = torch.empty(floats)
+        return self._arena
 
     def _suspicions(self, r: AveragingRound, rnd: int):
         """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row is excluded (named)."""

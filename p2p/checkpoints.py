@@ -32,6 +32,7 @@ import itertools
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 
 from blocktrain.blocks import checkpoint as ckpt
@@ -73,6 +74,7 @@ class CheckpointServer:
         self.peer, self.dir = peer, Path(directory)
         self.sent_by_kind: dict[str, int] = {}
         self._hashes: dict[tuple, bytes] = {}  # (inode, size, mtime_ns) -> sha256
+        self._hashes_lock = threading.Lock()
         self._active: dict[str, int] = {}  # asker -> streams running
         self._reset: set[tuple] = set()  # (asker, stream id) the asker reset: stop sending
         peer.on(StreamRequest, self.handle)
@@ -113,9 +115,10 @@ class CheckpointServer:
         return path
 
     def _remember(self, st, digest: bytes) -> bytes:
-        if len(self._hashes) >= MAX_HASHED_FILES:
-            self._hashes.pop(next(iter(self._hashes)))
-        self._hashes[(st.st_ino, st.st_size, st.st_mtime_ns)] = digest
+        with self._hashes_lock:  # publish and sha256 run in worker threads as well as in the loop
+            if len(self._hashes) >= MAX_HASHED_FILES:
+                self._hashes.pop(next(iter(self._hashes)))
+            self._hashes[(st.st_ino, st.st_size, st.st_mtime_ns)] = digest
         return digest
 
     def sha256(self, f) -> bytes:

@@ -283,12 +283,16 @@ class PeerConnection(asyncio.BufferedProtocol):
                     finally:
                         self._writer_idle = False
                     continue
+                if self.shaper is not None:
+                    # the link's send buffer: at most SHAPER_BUFFER_S of serialization queued ahead; the
+                    # next message waits in its queue meanwhile (where release_queued finds it)
+                    while self.shaper.busy_until() - time.monotonic() > SHAPER_BUFFER_S and not self.closed.done():
+                        await asyncio.sleep(self.shaper.busy_until() - time.monotonic() - SHAPER_BUFFER_S / 2)
+                    if self.closed.done() or not (self._control or self._bulk):
+                        continue
                 msg = self._control.popleft() if self._control else self._bulk.popleft()
                 self._wake_drain()
                 if self.shaper is not None:
-                    # the link's send buffer: at most SHAPER_BUFFER_S of serialization queued ahead
-                    while self.shaper.busy_until() - time.monotonic() > SHAPER_BUFFER_S and not self.closed.done():
-                        await asyncio.sleep(self.shaper.busy_until() - time.monotonic() - SHAPER_BUFFER_S / 2)
                     frames = self._owned(self.conn.send_buffers(msg))  # from here the frame must go out whole
                     arrive = self.shaper.schedule(time.monotonic(), sum(len(b) for b in frames))
                     self._in_flight.append((arrive, frames))  # frames in flight on the link: they pipeline

@@ -191,11 +191,8 @@ class ReusableBuffer:
                     buf.extend(bytes(n - len(buf)))
                 return memoryview(buf)[:n]
         spares = self._spares()
-        buf = next((b for b in spares if len(b) >= n and self._free(b)), None)
-        if buf is not None:
-            spares.remove(buf)
-        else:
-            buf = bytearray(n)
+        i = next((i for i, b in enumerate(spares) if len(b) >= n and self._free(b)), None)
+        buf = spares.pop(i) if i is not None else bytearray(n)  # by position: bytearrays compare by content
         if len(self._pool) >= self.POOL:
             old = self._pool.pop(0)
             if len(old) >= REUSE_MIN_BYTES:

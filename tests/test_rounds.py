@@ -172,3 +172,81 @@ def test_in_a_robust_round_nobody_can_substitute_an_average():
 def test_two_members_cannot_be_robust_and_say_so():
     rs = run(rounds([torch.randn(50), torch.randn(50)], ["a", "b"], aggregate="robust"))
     assert not rs["a"].result()[1].robust
+
+
+def test_a_piece_whose_average_came_is_not_averaged_again_when_its_owner_departs():
+    """c sends its average of the piece it owns to a and b, then departs: the piece moves to a live
+    member, which must not average it again over c's (b has it already and would not take a second
+    one): a and b end with the same bytes, c's average of that piece."""
+    xs = [torch.randn(30) for _ in IDS]
+    rs = rounds(xs)
+    queue = [(p, part) for p, r in rs.items() for part in r.start()]
+    held, late = [], []  # c's averages; a's and b's averages (still on their way when c departs)
+    while queue:
+        src, part = queue.pop(0)
+        if part.msg.meta["phase"] == "gather" and part.peer != "c":
+            (held if src == "c" else late).append((src, part))
+            continue
+        if part.peer != "c" or not held:
+            queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+    for src, part in held:  # c's average reaches a and b; then c is gone for both
+        queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+    assert not rs["a"].done and not rs["b"].done
+    for p in ("a", "b"):
+        queue += [(p, q) for q in rs[p].depart("c", "connection lost")]
+    queue += late
+    while queue:
+        src, part = queue.pop(0)
+        if part.peer != "c":
+            queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+    assert rs["a"].done and rs["b"].done
+    (oa, _), (ob, _) = rs["a"].result(), rs["b"].result()
+    assert torch.equal(oa, ob)
+    c_piece = [j for j in range(rs["a"].P) if IDS[j % 3] == "c"]
+    a0, b0 = rs["a"].bounds_[c_piece[0]], rs["a"].bounds_[c_piece[0] + 1]
+    assert torch.allclose(oa[a0:b0], torch.stack(xs).mean(0)[a0:b0], atol=1e-6)  # c's average, of all three
+
+
+def test_a_part_that_does_not_decode_rejects_its_sender():
+    """Bad lz4 bytes in a member's part are that member's fault: it is rejected and named, the
+    round goes on (they were taken for a bug of ours and failed every round)."""
+    import dataclasses
+
+    from blocktrain.protocol.tensors import pack_tensor
+    xs = [torch.zeros(4000) for _ in IDS]
+    rs = rounds(xs[:2], ids=IDS)
+    part = rs["a"].start()[0]
+    w = pack_tensor("part", "float32", (part.msg.tensors[0].numel,), bytes(4 * part.msg.tensors[0].numel),
+                    compress="always")
+    assert any(w.lz4)
+    bad = dataclasses.replace(w, segments=tuple(b"\xff" * len(s) for s in w.segments))
+    msg = dataclasses.replace(part.msg, tensors=(bad,))
+    rs["b"].receive("a", msg)
+    assert [r["peer"] for r in rs["b"].rejected] == ["a"] and "does not decode" in rs["b"].rejected[0]["reason"]
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_lent_lossy_buffers_give_the_bytes_of_fresh_ones_round_after_round(codec):
+    """Error feedback in the driver's buffers (lent every round, the residual written in place)
+    equals the same rounds with fresh tensors; a non-finite int8 input raises before the lent
+    residual is touched."""
+    scratch = {p: av.lossy_scratch(5000, codec) for p in IDS[:2]}
+    res_lent, res_fresh = {p: None for p in IDS[:2]}, {p: None for p in IDS[:2]}
+    for rnd in range(1, 5):
+        xs = [torch.randn(5000) * rnd for _ in IDS[:2]]
+        lent = run({p: AveragingRound(p, 0, rnd, IDS[:2], x, codec=codec, residual=res_lent[p], scratch=scratch[p])
+                    for p, x in zip(IDS[:2], xs)})
+        fresh = run({p: AveragingRound(p, 0, rnd, IDS[:2], x, codec=codec, residual=res_fresh[p])
+                     for p, x in zip(IDS[:2], xs)})
+        for p in IDS[:2]:
+            assert torch.equal(lent[p].result()[0], fresh[p].result()[0])
+            assert torch.equal(lent[p].residual, fresh[p].residual)
+            assert lent[p].residual.data_ptr() == scratch[p]["residual"].data_ptr()
+            res_lent[p], res_fresh[p] = lent[p].residual, fresh[p].residual
+    if codec == "int8":
+        before = scratch["a"]["residual"].clone()
+        x = torch.randn(5000)
+        x[-1] = float("nan")  # in the last piece: the first would be encoded before it is met
+        with pytest.raises(ValueError, match="non-finite"):
+            AveragingRound("a", 0, 9, IDS[:2], x, codec=codec, residual=res_lent["a"], scratch=scratch["a"])
+        assert torch.equal(scratch["a"]["residual"], before)
