@@ -164,8 +164,11 @@ class SwarmTrainer:
         self.lower_cache: dict[int, tuple] = {}  # parallel: block -> (checkpoint, size, sha) fetched
         self.outer = scfg.outer_optimizer()
         self.group = Group(peer.id, margin=scfg.margin)
-        self.averager = Averager(peer, k, codec=scfg.codec, min_coverage=scfg.min_coverage,
-                                 max_norm=scfg.max_norm, timeout_s=scfg.round_timeout_s, aggregate=scfg.aggregate)
+        from blocktrain.blocks.model import Block
+        with torch.random.fork_rng(devices=[]):  # counting parameters draws no random number of ours
+            floats = max(sum(p.numel() for p in Block(self.mcfg, j).parameters()) for j in self.plan)
+        self.averager = Averager(peer, k, codec=scfg.codec, min_coverage=scfg.min_coverage, max_norm=scfg.max_norm,
+                                 timeout_s=scfg.round_timeout_s, aggregate=scfg.aggregate, floats=floats)
         self.averager.on_control = self._control
         self._avg_out: torch.Tensor | None = None  # the rounds' result buffer (consumed before the next round)
         self.server = CheckpointServer(peer, self.dir / "serve")
