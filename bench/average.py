@@ -138,7 +138,8 @@ def summarize(runs: list[dict]) -> dict:
         rs = [r for r in runs if r["peers"] == n]
         s = {"runs": len(rs), "blocktrain_s": [r["blocktrain_s"] for r in rs],
              "median_blocktrain_s": statistics.median(r["blocktrain_s"] for r in rs)}
-        for key, worst, ok in (("vs_gloo", max, "within_gloo_target"), ("vs_hivemind", min, "faster_than_hivemind_target")):
+        for key, worst, ok in (("vs_gloo", max, "within_gloo_target"),
+                               ("vs_hivemind", min, "faster_than_hivemind_target")):
             vals = [r[key] for r in rs if key in r]
             if vals:
                 s[key] = vals

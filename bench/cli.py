@@ -412,8 +412,9 @@ def average(peers, floats, rounds, repeats, codec, against, hivemind_python, jso
         for n, s in summary.items():
             line = f"{n} peers over {s['runs']} runs: median {s['median_blocktrain_s']:.3f} s"
             if "vs_gloo" in s:
+                every = "yes" if s["every_run_within_gloo_target"] else "NO"
                 line += (f", vs gloo median {s['median_vs_gloo']:.2f}x, worst {s['worst_vs_gloo']:.2f}x "
-                         f"(every run within {s['gloo_target']:g}x: {'yes' if s['every_run_within_gloo_target'] else 'NO'})")
+                         f"(every run within {s['gloo_target']:g}x: {every})")
             if "vs_hivemind" in s:
                 line += f", vs hivemind worst {s['worst_vs_hivemind']:.1f}x faster"
             click.echo(line)

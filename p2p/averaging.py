@@ -52,6 +52,7 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -174,13 +175,14 @@ class AveragingRound:
     def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, *, codec: Codec = Codec.RAW,
                  start: str = "", bounds: Bounds = Bounds(), min_coverage: float = 1.0,
                  residual: torch.Tensor | None = None, aggregate: str = "mean", out: torch.Tensor | None = None,
-                 arena: torch.Tensor | None = None, scratch: dict | None = None):
+                 arena: torch.Tensor | Callable[[int], torch.Tensor] | None = None, scratch: dict | None = None):
         """``out``: where the result goes (n float32; a fresh tensor if None). ``arena``: where the
         other members' parts are decoded (float32: R - 1 slots of the pieces we compute, i.e. every
         piece in a robust round, those we own in a mean round; or a function that returns one of
         the size it is asked), reused across rounds by the driver so that a round touches no
-        fresh memory; fresh tensors if None (and for pieces that move to us mid-round). ``scratch``: a lossy codec's
-        buffers (``lossy_scratch``), lent the same way; ``residual`` may be its "residual"."""
+        fresh memory; fresh tensors if None (and for pieces that move to us mid-round).
+        ``scratch``: a lossy codec's buffers (``lossy_scratch``), lent the same way; ``residual``
+        may be its "residual"."""
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {AGGREGATES}")
         self.me, self.block, self.round = me, block, rnd

@@ -257,8 +257,8 @@ class SwarmTrainer:
         c = self._checkpoint(final)
         b = self.block
         self.server.publish(CHECKPOINT, ckpt.block_name(b), c)
-        self.server.publish(LOWER, ckpt.block_name(b), ckpt.Checkpoint(
-            c.config, c.block, c.step, c.tensors, extra={"final": final, "round": c.extra["round"], "gstep": self.gstep}))
+        extra = {"final": final, "round": c.extra["round"], "gstep": self.gstep}
+        self.server.publish(LOWER, ckpt.block_name(b), ckpt.Checkpoint(c.config, c.block, c.step, c.tensors, extra=extra))
         if final and self.relay and b != self.k:  # only the own block's full state is kept once final
             (self.dir / "serve" / CHECKPOINT / ckpt.block_file(b)).unlink(missing_ok=True)
         self._last_save = time.monotonic()

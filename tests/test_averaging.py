@@ -243,8 +243,9 @@ async def test_messages_released_from_a_queue_no_longer_view_the_senders_buffer(
         a.on(BlockUpdate, lambda m, pc, pid: got.append(from_wire_copy(m)), inline=True)
         pc = await b.connection(a.id)
         buf = torch.arange(3 * 65536, dtype=torch.float32)
-        msgs = [BlockUpdate(block=0, round=1, tensors=(to_wire("part", buf[i * 65536:(i + 1) * 65536], "raw", "never"),),
-                            meta={"phase": "reduce", "part": i, "group": "g"}) for i in range(3)]
+        parts = [to_wire("part", buf[i * 65536:(i + 1) * 65536], "raw", "never") for i in range(3)]
+        msgs = [BlockUpdate(block=0, round=1, tensors=(w,), meta={"phase": "reduce", "part": i, "group": "g"})
+                for i, w in enumerate(parts)]
         for m in msgs:
             pc.send_nowait(m, bulk=True)  # queued: the writer has not run yet
         if shaped:
