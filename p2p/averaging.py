@@ -521,8 +521,9 @@ class Averager:
         self._early_bytes, self._early_from = 0, {}
         for items in self._early.values():
             for pid, m in items:
-                self._early_bytes += _held_bytes(m)
-                self._early_from[pid] = self._early_from.get(pid, 0) + _held_bytes(m)
+                size = _held_bytes(m)  # re-encodes the metadata: once per message
+                self._early_bytes += size
+                self._early_from[pid] = self._early_from.get(pid, 0) + size
 
     def _membership(self, ev):
         if ev.departed and self._round is not None:
