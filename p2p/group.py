@@ -11,6 +11,10 @@ Rules:
   sends after the ``admit`` on the same connection, so every member learns of the joiner before
   the round ``at`` begins: all of them average with it from round ``at + 1``. The joiner takes
   the group's state at the end of round ``at`` (the sponsor writes it and says ``ready``).
+  At a sponsor change (a member with a smaller id is in from the next round) members on either
+  side of it disagree on who sponsors, and both may admit one joiner for different rounds: a
+  member takes an ADMIT from any member of its round or the next, keeps a pending joiner's
+  earliest admission, and the joiner takes the earliest welcome of that group.
 - Rule 3: peers that start at once from the same state (same step and digest; from one seed,
   every peer's fresh block is the same) form the group together, from their next round, with no
   state to fetch; each learns of the others from their JOINs and its own JOIN's answers. With
@@ -155,9 +159,14 @@ class Group:
     def decide(self, min_group: int = 1) -> Decision:
         """Rules 2-4, once every asked peer answered or the driver's timeout passed."""
         welcome = [(p, r) for p, r in self._replies.items() if r.phase is Phase.WELCOME]
-        if welcome:  # two welcomes mean two groups: join the larger (rule 6 merges the other)
-            p, r = max(welcome, key=lambda w: (len(w[1].meta.get("members", ())), _neg(w[0])))
-            members = tuple(m for m in r.meta.get("members", ()) if isinstance(m, str))
+        if welcome:  # two groups' welcomes: join the larger (rule 6 merges the other)
+            p, r = max(welcome, key=lambda w: (len(_members(w[1])), _neg(w[0])))
+            # two welcomes of that group (sponsors either side of a change, rule 2): the earliest,
+            # the admission its members keep
+            same = [(q, w) for q, w in welcome if q in _members(r) and type(w.meta.get("at")) is int]
+            if same and type(r.meta.get("at")) is int:
+                p, r = min(same, key=lambda w: (w[1].meta["at"], w[0]))
+            members = _members(r)
             at, block = r.meta.get("at"), r.meta.get("block")
             if type(at) is not int or at < 0:
                 return Decision("retry", why=f"{p[:12]} sent a malformed welcome")
@@ -219,11 +228,11 @@ class Group:
         if answer is Phase.ABSENT:
             return [Send(peer, self.round, {"phase": Phase.ABSENT.value})]
         at = self.round + self.margin
+        if first is not None and first > self.round:  # admitted, not yet in (rule 2): that admission
+            at = first - 1
         out = [Send(m, self.round, {"phase": Phase.ADMIT.value, "peer": peer, "at": at})
                for m in sorted(self.joined) if m != peer]  # future members too: they must know
-        self._admit(peer, at)
-        self._admits_due.setdefault(at, set()).add(peer)
-        self._admitted_by[peer] = self.me
+        self._admit(peer, at, self.me)
         out.append(Send(peer, self.round, {"phase": Phase.WELCOME.value, "at": at, "block": self.block,
                                            "members": self.members(at + 1)}))
         return out
@@ -233,16 +242,25 @@ class Group:
         if not (isinstance(peer, str) and type(at) is int and peer != self.me):
             return
         if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter
-            if len(self._early_admits) < 1024:
-                self._early_admits[peer] = (sponsor, at + 1)
+            prev = self._early_admits.get(peer)
+            if (prev is None and len(self._early_admits) < 1024) or (prev is not None and at + 1 < prev[1]):
+                self._early_admits[peer] = (sponsor, at + 1)  # the earliest, as members keep (rule 2)
             return
-        if self.state is State.TRAINING and sponsor == self.sponsor():
-            self._admit(peer, at)
-            self._admits_due.setdefault(at, set()).add(peer)  # we write the state it takes, too
-            self._admitted_by[peer] = sponsor
+        if self.state is State.TRAINING and self.joined.get(sponsor, self.round + 2) <= self.round + 1:
+            self._admit(peer, at, sponsor)  # a member of this round or the next (rule 2)
 
-    def _admit(self, peer: str, at: int) -> None:
+    def _admit(self, peer: str, at: int, sponsor: str) -> None:
+        """``peer`` averages with us from round ``at + 1``; every member writes the state it takes
+        after round ``at``. A joiner not yet in that two sponsors admitted keeps the earliest
+        admission (rule 2); one already averaging that is admitted again came back unseen."""
+        first = self.joined.get(peer)
+        if first is not None and self.round < first <= at + 1:
+            return
+        for due in self._admits_due.values():
+            due.discard(peer)
         self.joined[peer] = at + 1
+        self._admits_due.setdefault(at, set()).add(peer)
+        self._admitted_by[peer] = sponsor
         self.events.append({"event": "admitted", "peer": peer, "from_round": at + 1})
 
     def ready_due(self, rnd: int) -> list[str]:
@@ -305,6 +323,11 @@ class Group:
         out = self.leave("done training") if self.joined else []
         self.state = State.DONE
         return out
+
+
+def _members(reply: _Reply) -> tuple:
+    """The member ids a welcome names."""
+    return tuple(m for m in reply.meta.get("members", ()) if isinstance(m, str))
 
 
 def _neg(peer_id: str) -> tuple:

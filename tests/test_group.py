@@ -213,9 +213,10 @@ def test_a_joiner_admitted_before_a_new_sponsor_still_hears_ready():
 
 def test_if_the_admitting_sponsor_left_the_sponsor_of_the_round_tells_ready():
     g = Group("a")
-    g.state, g.round, g.joined = State.TRAINING, 5, {"b": 1}
-    g.on_admit("b", {"peer": "j", "at": 6})  # b is the sponsor? no: a is (smaller id)
-    assert g.ready_due(6) == []  # an ADMIT from a non-sponsor is not taken
+    g.state, g.round, g.joined = State.TRAINING, 5, {"b": 1, "y": 7}
+    g.on_admit("x", {"peer": "j", "at": 6})  # not a member
+    g.on_admit("y", {"peer": "j", "at": 6})  # a member from round 7 only: it sponsors nothing yet
+    assert g.ready_due(6) == [] and g.members(7) == ["a", "b", "y"]  # neither ADMIT is taken
     g2 = Group("c")
     g2.state, g2.round, g2.joined = State.TRAINING, 5, {"b": 1}
     g2.on_admit("b", {"peer": "j", "at": 6})
@@ -223,3 +224,74 @@ def test_if_the_admitting_sponsor_left_the_sponsor_of_the_round_tells_ready():
     g2.begin_round(6, "s6", 0)
     (s,) = g2.ready(6, g2.ready_due(6), "x")  # b admitted j and left: c, the sponsor now, tells it
     assert s.peer == "j"
+
+
+def _group_with_a_new_smaller_member():
+    """b and c train from round 5; a1 (an id below b's) is admitted by b from round 8."""
+    net = Net(["b", "c", "a1", "j2"])
+    for p in "bc":
+        start(net, p, candidates=["b", "c"])
+    net.drain()
+    for p in "bc":
+        net.g[p].decide()
+        net.g[p].begin_round(5, "s5", 0)
+    start(net, "a1", rnd=1, digest="fresh", candidates=["b", "c"])
+    net.drain()
+    d = net.g["a1"].decide()
+    assert d.action == "fetch" and d.at == 7
+    net.g["a1"].joined_group(d.at, d.members)
+    return net
+
+
+def _join_during(net, rounds, order=None):
+    """j2 joins while the members stand at ``rounds`` (member -> round in progress); messages are
+    delivered in ``order``; it takes the state it is welcomed to; every member's view of j2 and
+    who tells it READY."""
+    for p, r in rounds.items():
+        net.g[p].begin_round(r, f"s{r}", 0)
+    start(net, "j2", rnd=1, digest="fresh", candidates=["a1", "b", "c"])
+    net.drain(order)
+    d = net.g["j2"].decide()
+    assert d.action == "fetch", d
+    net.g["j2"].joined_group(d.at, d.members)
+    first = {p: net.g[p].joined.get("j2") for p in ("a1", "b", "c")}
+    told = []
+    for p in ("a1", "b", "c"):
+        net.g[p].begin_round(d.at, f"s{d.at}", 0)
+        told += [s.peer for s in net.g[p].ready(d.at, net.g[p].ready_due(d.at), "x")]
+    return d, first, told
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([{"a1": 8, "b": 8, "c": 7}, {"a1": 8, "b": 7, "c": 8}, {"a1": 8, "b": 7, "c": 7},
+                        {"a1": 8, "b": 8, "c": 8}]), st.lists(st.integers(0, 1000), max_size=20))
+def test_a_joiner_at_a_sponsor_change_is_counted_in_from_one_round_by_every_member(rounds, order):
+    """Seen with live peers (a restarted peer and a late joiner at once): a1 is in from round 8
+    and, with the smallest id, sponsors from then on; members still in round 7 take b for the
+    sponsor. A joiner then may be welcomed by b (for b's round 7) and by a1 (for round 8).
+    Before, a member ignored an ADMIT from the sponsor of the round next to its own, and the two
+    admissions named different rounds: members disagreed on j2's first round and the group split.
+    Now every member counts j2 in from the earliest admission's round, j2 takes that one, and
+    exactly one member tells it READY."""
+    net = _group_with_a_new_smaller_member()
+    d, first, told = _join_during(net, rounds, list(order))
+    assert set(first.values()) == {d.at + 1}, (d, first)
+    assert net.g["j2"].members(d.at + 1) == ["a1", "b", "c", "j2"]
+    assert told == ["j2"]
+
+
+def test_a_joiner_admitted_and_not_yet_in_is_welcomed_again_to_the_same_round():
+    """A pending joiner that asks again (its welcome was late) gets the admission the members
+    keep; one that was averaging already and is admitted again came back unseen: the new one."""
+    g = Group("a")
+    g.state, g.round, g.joined = State.TRAINING, 5, {"b": 1}
+    g.on_join("j", {"step": 0, "digest": "x"})
+    assert g.joined["j"] == 8
+    g.begin_round(6, "s6", 0)
+    sends = g.on_join("j", {"step": 0, "digest": "x"})
+    assert {s.meta["at"] for s in sends} == {7} and g.joined["j"] == 8
+    g.on_admit("b", {"peer": "j", "at": 9})  # a later admission of a pending joiner: the earlier kept
+    assert g.joined["j"] == 8 and g.ready_due(7) == ["j"] and g.ready_due(9) == []
+    g.begin_round(10, "s10", 0)
+    g.on_admit("b", {"peer": "j", "at": 12})  # it averaged from round 8; admitted again: it came back
+    assert g.joined["j"] == 13 and g.ready_due(12) == ["j"]
