@@ -226,7 +226,8 @@ def _plot_sweep(rows, path):
               help="equal-steps: every worker the same steps (more workers, more data); equal-total: the same total "
                    "local steps per block, shared by the workers.")
 @click.option("--reference/--no-reference", default=True, show_default=True,
-              help="Also train the in-process sequential run of the same model and steps per block.")
+              help="Also train the in-process sequential run of the same model and steps per block, with the data "
+                   "per step of the one-worker-per-block run (a batch K times a worker's).")
 @click.option("--target-ce", type=float, default=None,
               help="Report each run's wall time until the top head's valid CE reaches this (needs --eval-every).")
 @click.option("--eval-every", default=0, show_default=True, type=click.IntRange(0),
@@ -315,8 +316,10 @@ def swarm(workers, steps, seeds, compare, reference, target_ce, eval_every, sche
                     click.echo(f"  {v}", err=True)
     if reference:
         for seed in seed_list:
-            click.echo(f"in-process sequential reference, seed {seed} ({steps} steps per block)...", err=True)
-            refs.append(bench_swarm.reference(steps, ov, Path(out) / "reference", seed, test_windows))
+            click.echo(f"in-process sequential reference, seed {seed} ({steps} steps per block, the data per step of "
+                       f"{K} workers)...", err=True)
+            refs.append(bench_swarm.reference(steps, ov, Path(out) / "reference", seed, test_windows, workers=K,
+                                              threads=2))
     summary = bench_swarm.summarise(runs, K, max(ws))
     result = {"benchmark": "swarm", "seeds": seed_list, "steps": steps, "workers": ws, "compare": comps,
               "target_ce": target_ce, "runs": runs, "summary": summary}
@@ -326,7 +329,10 @@ def swarm(workers, steps, seeds, compare, reference, target_ce, eval_every, sche
     result["one_per_block"] = summary[key_k]
     if refs:
         heads = [bench_swarm.mean_sd([r["head_test_ce"][k] for r in refs])["mean"] for k in range(K)]
-        result["in_process_sequential"] = {"head_test_ce": heads, "runs": refs}
+        gap = result["one_per_block"]["head_test_ce"][-1] - heads[-1]
+        result["in_process_sequential"] = {
+            "head_test_ce": heads, "batch_size": refs[0]["batch_size"], "runs": refs,
+            "one_per_block_gap": gap, "one_per_block_within_0_02": gap <= 0.02}
     for line in _swarm_table(result, K):
         click.echo(line)
     if json_path:
@@ -344,8 +350,11 @@ def _swarm_table(result: dict, K: int) -> list[str]:
             + f" {s['busy_fraction']['min']:>8.0%} {s['train_seconds']['mean']:>8.0f} "
             f"{s['bytes_per_worker']['mean'] / 1e6:>9.1f}")
     if "in_process_sequential" in result:
+        ref = result["in_process_sequential"]
         lines.append(f"{'in-process seq.':<18} {len(result['seeds']):>5} " + " ".join(
-            f"{c:>14.4f}" for c in result["in_process_sequential"]["head_test_ce"]))
+            f"{c:>14.4f}" for c in ref["head_test_ce"]) + f"  (batch {ref['batch_size']})")
+        lines.append(f"one worker per block against it: top head {ref['one_per_block_gap']:+.4f} "
+                     f"({'within' if ref['one_per_block_within_0_02'] else 'not within'} 0.02)")
     return lines
 
 

@@ -14,8 +14,10 @@ Rules:
   each worker's time in training steps over its wall time. Bytes: the peers' own counters
   (sent wire bytes, by kind), read when every one is done. Time to a target CE: the first
   point of the workers' valid-CE curve (the top head of the chain in work) at or below it.
-- ``reference``: the in-process sequential run of the same model and steps per block
-  (blocktrain.bench.train_variant), the result the swarm should reach.
+- ``reference``: the in-process sequential run of the same model and steps per block, with the
+  data per step of the K-worker run (a batch K times a worker's: the K workers of a block
+  average their gradients every step), the result the swarm should reach
+  (blocktrain.bench.train_variant).
 - Only processes this module started are stopped, by pid.
 """
 
@@ -175,23 +177,28 @@ def time_to(curves: list, target: float) -> float | None:
     return best
 
 
-def reference(steps: int, overrides: dict, out: Path, seed: int, test_windows: int) -> dict:
-    """The in-process sequential run of the same model and steps per block (one process)."""
+def reference(steps: int, overrides: dict, out: Path, seed: int, test_windows: int, workers: int = 1,
+              threads: int = 1) -> dict:
+    """The in-process sequential run of the same model and steps per block (one process), with
+    the data per step of ``workers`` workers averaging their gradients: a batch ``workers`` times
+    a worker's."""
     from blocktrain.blocks.config import apply_overrides
     from blocktrain.p2p.config import PeerJob
 
     job = apply_overrides(PeerJob(), {**overrides, "train.steps": steps, "train.seed": seed})
+    job = apply_overrides(job, {"train.batch_size": job.train.batch_size * workers})
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"sequential-seed{seed}.json"
-    cmd = [sys.executable, "-m", "blocktrain.bench.train_variant", "--name", f"sequential-seed{seed}",
+    name = f"sequential-b{job.train.batch_size}-seed{seed}"
+    path = out / f"{name}.json"
+    cmd = [sys.executable, "-m", "blocktrain.bench.train_variant", "--name", name,
            "--schedule", "sequential", "--model", json.dumps(job.model.to_dict()),
-           "--train", json.dumps(job.train.to_dict()), "--out", str(path), "--threads", "1",
+           "--train", json.dumps(job.train.to_dict()), "--out", str(path), "--threads", str(threads),
            "--test-windows", str(test_windows)]
-    with open(out / f"sequential-seed{seed}.log", "w") as f:
+    with open(out / f"{name}.log", "w") as f:
         subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True)
     r = json.loads(path.read_text())
-    return {"seed": seed, "head_test_ce": r["test_ce_heads"], "final_test_ce": r["test_ce"],
-            "train_seconds": r["train_seconds"]}
+    return {"seed": seed, "batch_size": job.train.batch_size, "head_test_ce": r["test_ce_heads"],
+            "final_test_ce": r["test_ce"], "train_seconds": r["train_seconds"]}
 
 
 def mean_sd(xs: list[float]) -> dict:

@@ -377,3 +377,15 @@ def test_a_whole_swarm_stopped_at_once_exits_quickly_with_its_reports(tmp_path, 
         # every link ended with a goodbye, from whichever side stopped first
         assert all(t["sent"]["by_type"].get("goodbye") or t["received"]["by_type"].get("goodbye")
                    for t in r["peers"].values())
+
+
+def test_the_benchs_reference_trains_with_the_data_per_step_of_the_swarms_workers(tmp_path):
+    """Issue 10: the in-process sequential run the swarm is compared to sees, per step, the data of
+    K workers averaging their gradients (a batch K times a worker's), not one worker's."""
+    from blocktrain.bench import swarm as bench_swarm
+    ov = {"model.d_model": "32", "model.n_head": "2", "model.n_layer": "3", "model.n_blocks": "3",
+          "train.batch_size": "4", "train.seq_len": "32", "train.warmup": "1", "train.draft_frac": "0"}
+    r = bench_swarm.reference(2, ov, tmp_path, seed=0, test_windows=4, workers=3)
+    assert r["batch_size"] == 12 and len(r["head_test_ce"]) == 3
+    ran = json.loads((tmp_path / "sequential-b12-seed0.json").read_text())
+    assert ran["train"]["batch_size"] == 12 and ran["test_ce_heads"] == r["head_test_ce"]
