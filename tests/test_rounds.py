@@ -250,3 +250,43 @@ def test_lent_lossy_buffers_give_the_bytes_of_fresh_ones_round_after_round(codec
         with pytest.raises(ValueError, match="non-finite"):
             AveragingRound("a", 0, 9, IDS[:2], x, codec=codec, residual=res_lent["a"], scratch=scratch["a"])
         assert torch.equal(scratch["a"]["residual"], before)
+
+
+def _centred_clip_as_written(x, suspects, ids):
+    """PROTOCOL.md 7.1's centred clipping, written as plainly as it reads (fresh tensors, torch.median)."""
+    v = x.median(dim=0).values
+    dist = torch.linalg.vector_norm(x - v, dim=1)
+    scale = float(dist.median())
+    if scale == 0.0:
+        return x.mean(0)
+    for i, p in enumerate(ids):
+        if float(dist[i]) / scale > av.SUSPECT_RADIUS:
+            suspects[p] = max(suspects.get(p, 0.0), round(float(dist[i]) / scale, 2))
+    tau = av.CLIP_RADIUS * scale
+    for _ in range(av.CLIP_ITERS):
+        d = x - v
+        n = torch.linalg.vector_norm(d, dim=1, keepdim=True).clamp_min(1e-30)
+        v = v + (d * torch.clamp(tau / n, max=1.0)).mean(0)
+    return v
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 3000), st.integers(0, 2**31 - 1), st.sampled_from(["normal", "ties", "outlier"]))
+def test_the_fast_median_and_clipping_give_the_bytes_of_the_protocols_arithmetic(rows, n, seed, kind):
+    """Members of one round must end with the same values, whatever version of this code each
+    runs: the sorting-network median and the in-place clipping equal torch.median and fresh
+    tensors (even row counts: the lower median), ties, zeros of both signs and an outlier included.
+    (torch.equal takes -0.0 for 0.0: which zero a median of equal zeros returns is not specified.)"""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    if kind == "ties":
+        x = torch.randint(-2, 3, (rows, n), generator=g).float() * (torch.rand(rows, n, generator=g) < 0.5).float().mul(-2).add(1)
+    elif kind == "outlier":
+        x[0] *= 1e4
+    assert torch.equal(av.coordinate_median(x), x.median(dim=0).values)
+    if rows >= 3:
+        ids = [f"m{i}" for i in range(rows)]
+        s_fast, s_plain = {}, {}
+        before = x.clone()
+        assert torch.equal(av.centred_clip(x, s_fast, ids), _centred_clip_as_written(x, s_plain, ids))
+        assert s_fast == s_plain and torch.equal(x, before)  # the parts are not written to
