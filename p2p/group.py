@@ -13,8 +13,9 @@ Rules:
   the group's state at the end of round ``at`` (the sponsor writes it and says ``ready``).
   At a sponsor change (a member with a smaller id is in from the next round) members on either
   side of it disagree on who sponsors, and both may admit one joiner for different rounds: a
-  member takes an ADMIT from any member of its round or the next, keeps a pending joiner's
-  earliest admission, and the joiner takes the earliest welcome of that group.
+  member takes an ADMIT from any member of its round or the next (for a round near its own; a
+  member averaging now is admitted again only by the sponsor), keeps a pending joiner's earliest
+  admission, and the joiner takes the earliest welcome of that group.
 - Rule 3: peers that start at once from the same state (same step and digest; from one seed,
   every peer's fresh block is the same) form the group together, from their next round, with no
   state to fetch; each learns of the others from their JOINs and its own JOIN's answers. With
@@ -59,6 +60,12 @@ class Phase(str, enum.Enum):
 
 
 CONTROL_PHASES = frozenset(p.value for p in Phase)
+
+# An ADMIT names a round at most this far ahead of ours (its sender is a round ahead at most and
+# admits ``margin`` rounds ahead); at most this many joiners are pending at once: what a member
+# that is not the sponsor can make us hold stays small and bounded.
+ADMIT_AHEAD = 64
+MAX_PENDING = 256
 
 # What a peer answers to a JOIN in each state (rule 1). TRAINING: the sponsor welcomes, the other
 # members redirect to it; STARTING: "starting", with the step and digest it starts from (rule 3).
@@ -246,8 +253,15 @@ class Group:
             if (prev is None and len(self._early_admits) < 1024) or (prev is not None and at + 1 < prev[1]):
                 self._early_admits[peer] = (sponsor, at + 1)  # the earliest, as members keep (rule 2)
             return
-        if self.state is State.TRAINING and self.joined.get(sponsor, self.round + 2) <= self.round + 1:
-            self._admit(peer, at, sponsor)  # a member of this round or the next (rule 2)
+        if not (self.state is State.TRAINING and self.joined.get(sponsor, self.round + 2) <= self.round + 1
+                and self.round - 1 <= at <= self.round + ADMIT_AHEAD):
+            return  # from a member of this round or the next (rule 2), for a round near ours
+        first = self.joined.get(peer)
+        if first is not None and first <= self.round and sponsor != self.sponsor():
+            return  # a member averaging now is admitted again (it came back) on the sponsor's word only
+        if first is None and sum(f > self.round for f in self.joined.values()) >= MAX_PENDING:
+            return
+        self._admit(peer, at, sponsor)
 
     def _admit(self, peer: str, at: int, sponsor: str) -> None:
         """``peer`` averages with us from round ``at + 1``; every member writes the state it takes

@@ -4,7 +4,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktrain.p2p.group import Group, Phase, State
+from blocktrain.p2p.group import MAX_PENDING, Group, Phase, State
 
 
 class Net:
@@ -293,5 +293,24 @@ def test_a_joiner_admitted_and_not_yet_in_is_welcomed_again_to_the_same_round():
     g.on_admit("b", {"peer": "j", "at": 9})  # a later admission of a pending joiner: the earlier kept
     assert g.joined["j"] == 8 and g.ready_due(7) == ["j"] and g.ready_due(9) == []
     g.begin_round(10, "s10", 0)
-    g.on_admit("b", {"peer": "j", "at": 12})  # it averaged from round 8; admitted again: it came back
+    g.on_join("j", {"step": 0, "digest": "x"})  # it averaged from round 8 and asks again: it came back
     assert g.joined["j"] == 13 and g.ready_due(12) == ["j"]
+
+
+def test_what_a_member_that_is_not_the_sponsor_can_admit_is_bounded():
+    """The relaxed ADMIT (any member of this round or the next, rule 2) does not let a member
+    that is not the sponsor eject one that averages, nor name rounds far from ours, nor pile up
+    pending joiners without end."""
+    g = Group("a")
+    g.state, g.round, g.joined = State.TRAINING, 5, {"b": 1, "c": 1}
+    g.on_admit("c", {"peer": "b", "at": 10**9})  # "b came back": from c, not the sponsor (a)
+    g.on_admit("c", {"peer": "j", "at": 10**9})  # a round far ahead
+    g.on_admit("c", {"peer": "k", "at": 2})  # a round past
+    assert g.joined == {"b": 1, "c": 1} and g.members(6) == ["a", "b", "c"]
+    g2 = Group("b")
+    g2.state, g2.round, g2.joined = State.TRAINING, 5, {"a": 1, "c": 1}
+    g2.on_admit("a", {"peer": "c", "at": 7})  # the sponsor's word: c came back unseen
+    assert g2.joined["c"] == 8
+    for i in range(av_max := MAX_PENDING + 10):
+        g2.on_admit("a", {"peer": f"p{i:04d}", "at": 7})
+    assert sum(f > g2.round for f in g2.joined.values()) == MAX_PENDING and av_max > MAX_PENDING
