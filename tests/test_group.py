@@ -179,11 +179,8 @@ def test_a_starter_counted_in_by_others_is_welcomed_as_it_stands():
     assert d.action == "train" and d.at == 0 and net.g["a"].members(1) == ["a", "b"]
 
 
-def test_a_joiner_admitted_before_a_new_sponsor_still_hears_ready():
-    """Seen with live peers: a1 (a smaller id than the sponsor b) is admitted first, from round 8;
-    j2 next, from round 9, by b. From round 8 a1 is the sponsor and knows nothing of j2. The
-    state j2 takes is written at the end of round 8: b, which admitted it, tells it READY
-    (before, nobody did: j2 waited for its timeout and the group's round 9 failed for want of it)."""
+def _b_and_c_training_at_round_5():
+    """b and c start together and train, at round 5; a1 and j2 are not in yet."""
     net = Net(["b", "c", "a1", "j2"])
     for p in "bc":
         start(net, p, candidates=["b", "c"])
@@ -191,6 +188,15 @@ def test_a_joiner_admitted_before_a_new_sponsor_still_hears_ready():
     for p in "bc":
         net.g[p].decide()
         net.g[p].begin_round(5, "s5", 0)
+    return net
+
+
+def test_a_joiner_admitted_before_a_new_sponsor_still_hears_ready():
+    """Seen with live peers: a1 (a smaller id than the sponsor b) is admitted first, from round 8;
+    j2 next, from round 9, by b. From round 8 a1 is the sponsor and knows nothing of j2. The
+    state j2 takes is written at the end of round 8: b, which admitted it, tells it READY
+    (before, nobody did: j2 waited for its timeout and the group's round 9 failed for want of it)."""
+    net = _b_and_c_training_at_round_5()
     start(net, "a1", rnd=1, digest="fresh")
     net.drain()
     d1 = net.g["a1"].decide()
@@ -228,13 +234,7 @@ def test_if_the_admitting_sponsor_left_the_sponsor_of_the_round_tells_ready():
 
 def _group_with_a_new_smaller_member():
     """b and c train from round 5; a1 (an id below b's) is admitted by b from round 8."""
-    net = Net(["b", "c", "a1", "j2"])
-    for p in "bc":
-        start(net, p, candidates=["b", "c"])
-    net.drain()
-    for p in "bc":
-        net.g[p].decide()
-        net.g[p].begin_round(5, "s5", 0)
+    net = _b_and_c_training_at_round_5()
     start(net, "a1", rnd=1, digest="fresh", candidates=["b", "c"])
     net.drain()
     d = net.g["a1"].decide()
