@@ -10,12 +10,15 @@ Rules:
   tells every member ``admit``. Members finish a round only with the sponsor's parts, which it
   sends after the ``admit`` on the same connection, so every member learns of the joiner before
   the round ``at`` begins: all of them average with it from round ``at + 1``. The joiner takes
-  the group's state at the end of round ``at`` (the sponsor writes it and says ``ready``).
+  the group's state at the end of round ``at`` (every member writes it and says ``ready``).
   At a sponsor change (a member with a smaller id is in from the next round) members on either
   side of it disagree on who sponsors, and both may admit one joiner for different rounds: a
   member takes an ADMIT from any member of its round or the next (for a round near its own; a
   member averaging now is admitted again only by the sponsor), keeps a pending joiner's earliest
-  admission, and the joiner takes the earliest welcome of that group.
+  admission, and the joiner takes the earliest welcome of that group. Two joiners admitted by
+  the two sponsors each hear of the other: a member that admits a joiner, or takes a new
+  admission, tells it of every joiner pending and them of it (welcomes are snapshots), and a
+  joiner counts in every pending joiner it hears of before it is in.
 - Rule 3: peers that start at once from the same state (same step and digest; from one seed,
   every peer's fresh block is the same) form the group together, from their next round, with no
   state to fetch; each learns of the others from their JOINs and its own JOIN's answers. With
@@ -53,7 +56,7 @@ class Phase(str, enum.Enum):
     STARTING = "starting"  # a starting peer -> joiner: {step, digest}
     ABSENT = "absent"  # not training in this scope (or, with a round: not in that round's group)
     ADMIT = "admit"  # sponsor -> members: {peer, at}
-    READY = "ready"  # sponsor -> joiner: the state at the end of round ``at`` can be fetched: {name}
+    READY = "ready"  # every member -> joiner: the state at the end of round ``at`` can be fetched: {name}
     LEAVE = "leave"  # a member -> members: it leaves the group (yielding to another group, or done)
     STATUS = "status"  # a member -> a non-member in scope: {size, sponsor, round}
     EXCLUDED = "excluded"  # a member -> a peer whose update it rejected (averaging.py)
@@ -119,7 +122,6 @@ class Group:
     _replies: dict = field(default_factory=dict)  # joiner side: peer -> _Reply
     _asked: set = field(default_factory=set)  # joiner side: peers our JOIN went to
     _admits_due: dict = field(default_factory=dict)  # round -> joiners that take the state written then
-    _admitted_by: dict = field(default_factory=dict)  # joiner -> the sponsor that admitted it (tells READY)
     _starters: dict = field(default_factory=dict)  # STARTING side: peer -> (step, digest) it starts from
     _early_admits: dict = field(default_factory=dict)  # joiner side: admissions heard before we are in
 
@@ -208,9 +210,9 @@ class Group:
         self.state = State.TRAINING
         self.round = at + 1
         self.joined = {p: at + 1 for p in members if p != self.me}
-        for p, (sponsor, first) in self._early_admits.items():  # admitted after us, told before we were in
-            if sponsor in self.joined and p != self.me and first >= at + 1:
-                self.joined[p] = max(first, self.joined.get(p, 0))
+        for p, (sponsor, first) in self._early_admits.items():  # admitted too, told before we were in
+            if sponsor in self.joined and p != self.me:  # (one admitted before us and missing from our
+                self.joined[p] = max(first, self.joined.get(p, at + 1))  # welcome's snapshot: in from our start)
         self._replies, self._asked, self._early_admits = {}, set(), {}
 
     # --- as a member ---------------------------------------------------------------------------
@@ -239,67 +241,78 @@ class Group:
             at = first - 1
         out = [Send(m, self.round, {"phase": Phase.ADMIT.value, "peer": peer, "at": at})
                for m in sorted(self.joined) if m != peer]  # future members too: they must know
-        self._admit(peer, at, self.me)
+        self._admit(peer, at)
         out.append(Send(peer, self.round, {"phase": Phase.WELCOME.value, "at": at, "block": self.block,
                                            "members": self.members(at + 1)}))
-        return out
+        return out + self._pending_for(peer)
 
-    def on_admit(self, sponsor: str, meta: dict) -> None:
+    def on_admit(self, sponsor: str, meta: dict) -> list[Send]:
+        """An ADMIT from ``sponsor``; what we tell pending joiners of it (rule 2)."""
         peer, at = meta.get("peer"), meta.get("at")
         if not (isinstance(peer, str) and type(at) is int and peer != self.me):
-            return
+            return []
         if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter
             prev = self._early_admits.get(peer)
             if (prev is None and len(self._early_admits) < 1024) or (prev is not None and at + 1 < prev[1]):
                 self._early_admits[peer] = (sponsor, at + 1)  # the earliest, as members keep (rule 2)
-            return
+            return []
         if not (self.state is State.TRAINING and self.joined.get(sponsor, self.round + 2) <= self.round + 1
                 and self.round - 1 <= at <= self.round + ADMIT_AHEAD):
-            return  # from a member of this round or the next (rule 2), for a round near ours
+            return []  # from a member of this round or the next (rule 2), for a round near ours
         first = self.joined.get(peer)
         if first is not None and first <= self.round and sponsor != self.sponsor():
-            return  # a member averaging now is admitted again (it came back) on the sponsor's word only
+            return []  # a member averaging now is admitted again (it came back) on the sponsor's word only
         if first is None and sum(f > self.round for f in self.joined.values()) >= MAX_PENDING:
-            return
-        self._admit(peer, at, sponsor)
+            return []
+        if not self._admit(peer, at):
+            return []
+        told = [Send(p, self.round, {"phase": Phase.ADMIT.value, "peer": peer, "at": at})
+                for p, f in sorted(self.joined.items()) if f > self.round and p not in (peer, sponsor)]
+        return told + self._pending_for(peer)
 
-    def _admit(self, peer: str, at: int, sponsor: str) -> None:
+    def _pending_for(self, peer: str) -> list[Send]:
+        """ADMITs telling the joiner ``peer`` of every other joiner pending: its welcome's member list
+        is a snapshot, and a joiner admitted by the other sponsor at a sponsor change is in no
+        welcome it got (rule 2)."""
+        return [Send(peer, self.round, {"phase": Phase.ADMIT.value, "peer": p, "at": f - 1})
+                for p, f in sorted(self.joined.items()) if f > self.round and p != peer]
+
+    def _admit(self, peer: str, at: int) -> bool:
         """``peer`` averages with us from round ``at + 1``; every member writes the state it takes
         after round ``at``. A joiner not yet in that two sponsors admitted keeps the earliest
-        admission (rule 2); one already averaging that is admitted again came back unseen."""
+        admission (rule 2); one already averaging that is admitted again came back unseen.
+        False if the admission changed nothing."""
         first = self.joined.get(peer)
         if first is not None and self.round < first <= at + 1:
-            return
-        for due in self._admits_due.values():
-            due.discard(peer)
+            return False
+        self._forget_due(peer)
         self.joined[peer] = at + 1
         self._admits_due.setdefault(at, set()).add(peer)
-        self._admitted_by[peer] = sponsor
         self.events.append({"event": "admitted", "peer": peer, "from_round": at + 1})
+        return True
+
+    def _forget_due(self, peer: str) -> None:
+        for due in self._admits_due.values():
+            due.discard(peer)
 
     def ready_due(self, rnd: int) -> list[str]:
         """The joiners that take the group's state at the end of round ``rnd`` (every member writes
-        it; the sponsor that admitted them tells them READY: ``ready``)."""
+        it and tells them READY: ``ready``). Entries of rounds before it are dropped: their
+        joiners were admitted again or are in."""
+        for r in [r for r in self._admits_due if r < rnd]:
+            del self._admits_due[r]
         return sorted(self._admits_due.pop(rnd, ()))
 
     def ready(self, rnd: int, joiners, name: str) -> list[Send]:
-        """READY for those of ``joiners`` that we tell: the ones we admitted. The sponsor can change
-        between an admission and its round (a joiner with a smaller id admitted meanwhile becomes
-        the sponsor, and knows nothing of the earlier admission): the admitting sponsor still tells
-        its joiners, and if it has left, every member does."""
-        out = []
-        for p in joiners:
-            by = self._admitted_by.pop(p, None)
-            if by == self.me or by not in self.members(rnd):  # (every member, then: a duplicate is harmless)
-                out.append(Send(p, rnd, {"phase": Phase.READY.value, "at": rnd, "name": name}))
-        return out
+        """READY for ``joiners``, from every member: the sponsor can change between an admission and
+        its round, the admitting member can leave or lie about the round, and a joiner takes the
+        first READY of its round (a duplicate is harmless)."""
+        return [Send(p, rnd, {"phase": Phase.READY.value, "at": rnd, "name": name}) for p in joiners]
 
     def depart(self, peer: str, why: str) -> bool:
         """Rule 5; True if ``peer`` was a member."""
         was = self.joined.pop(peer, None) is not None
-        for due in self._admits_due.values():
-            due.discard(peer)
-        self._admitted_by.pop(peer, None)
+        self._forget_due(peer)
         if was:
             self.events.append({"event": "departed", "peer": peer, "round": self.round, "why": why})
         return was

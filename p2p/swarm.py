@@ -20,7 +20,7 @@ Rules:
   round's start point is kept.
 - Joining: ``Group`` decides (group.py). A joiner admitted at round ``at`` takes the group's state
   after ``at``: every member writes it as ``checkpoint/block{b}.r{at}`` (the same bytes on every
-  member under ``grads``, so a fetch resumes across them) and the sponsor says READY; with it come
+  member under ``grads``, so a fetch resumes across them) and says READY; with it come
   the final parameters of the blocks below (relay: ``lower-checkpoint/block{j}`` of any member).
 - Restart: a peer restarted with its work directory resumes from its newest checkpoint, and joins
   the group (taking the group's state) if one is training.
@@ -361,11 +361,11 @@ class SwarmTrainer:
         elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
             self.group.on_reply(pid, phase, meta)
         elif phase is Phase.ADMIT:
-            self.group.on_admit(pid, meta)
-        elif phase is Phase.READY:  # kept only while we wait for a state, one per round, names bounded
+            self._send(self.group.on_admit(pid, meta))
+        elif phase is Phase.READY:  # every member's; the first per round kept while we wait, names bounded
             at, name = meta.get("at"), meta.get("name")
             if self.state == "joining" and type(at) is int and isinstance(name, str) and len(name) <= 64 \
-                    and (at in self._ready or len(self._ready) < 8):
+                    and at not in self._ready and len(self._ready) < 8:
                 self._ready[at] = (pid, name)
         elif phase is Phase.LEAVE:
             if self.group.depart(pid, str(meta.get("why", ""))[:200]):
@@ -445,7 +445,7 @@ class SwarmTrainer:
             self._say(f"in a group of {len(self.group.members(d.at + 1))} from round {d.at + 1} ({d.why})")
 
     async def _take_group_state(self, d: Decision) -> bool:
-        """Wait for the sponsor's READY for round ``d.at`` and install that state; False to retry."""
+        """Wait for a member's READY for round ``d.at`` and install that state; False to retry."""
         self.averager.expect(d.at + 1)  # the group's parts for our first round may come early
         self._say(f"admitted by {d.sponsor[:12]} from round {d.at + 1}; waiting for the group's state")
         ok = await self.peer.wait_for(lambda: d.at in self._ready or self.peer.member(d.sponsor) is None,
@@ -649,7 +649,7 @@ class SwarmTrainer:
         due = self.group.ready_due(rnd)
         if due:  # joiners admitted at this round take the state we have now
             name = await asyncio.to_thread(self._save_join_state, rnd)  # disk work off the event loop
-            self._send(self.group.ready(rnd, due, name))  # those we admitted (group.py decides)
+            self._send(self.group.ready(rnd, due, name))
         self._tell_outsiders()
 
     def _tell_outsiders(self):

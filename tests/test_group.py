@@ -26,7 +26,7 @@ class Net:
         elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
             g.on_reply(src, phase, s.meta)
         elif phase is Phase.ADMIT:
-            g.on_admit(src, s.meta)
+            self.post(s.peer, g.on_admit(src, s.meta))
         elif phase is Phase.STATUS:
             leave = g.on_status(src, s.meta)
             if leave is not None:
@@ -193,9 +193,10 @@ def _b_and_c_training_at_round_5():
 
 def test_a_joiner_admitted_before_a_new_sponsor_still_hears_ready():
     """Seen with live peers: a1 (a smaller id than the sponsor b) is admitted first, from round 8;
-    j2 next, from round 9, by b. From round 8 a1 is the sponsor and knows nothing of j2. The
-    state j2 takes is written at the end of round 8: b, which admitted it, tells it READY
-    (before, nobody did: j2 waited for its timeout and the group's round 9 failed for want of it)."""
+    j2 next, from round 9, by b. From round 8 a1 is the sponsor and knows nothing of j2 from b's
+    welcome. The state j2 takes is written at the end of round 8: every member that wrote it tells
+    j2 READY (once, nobody did: j2 waited for its timeout and the group's round 9 failed for want
+    of it; then only the admitting member did, and a member lying about the round silenced it)."""
     net = _b_and_c_training_at_round_5()
     start(net, "a1", rnd=1, digest="fresh")
     net.drain()
@@ -213,11 +214,11 @@ def test_a_joiner_admitted_before_a_new_sponsor_still_hears_ready():
     due = {p: net.g[p].ready_due(8) for p in "bc"}
     assert due == {"b": ["j2"], "c": ["j2"]}  # every member writes the state
     told = {p: net.g[p].ready(8, due[p], "block0.r8") for p in "bc"}
-    assert [s.peer for s in told["b"]] == ["j2"] and told["c"] == []  # b admitted it: b tells it
+    assert all([s.peer for s in told[p]] == ["j2"] for p in "bc")
     assert told["b"][0].meta == {"phase": "ready", "at": 8, "name": "block0.r8"}
 
 
-def test_if_the_admitting_sponsor_left_the_sponsor_of_the_round_tells_ready():
+def test_an_admit_from_outside_the_next_round_is_ignored_and_ready_outlives_the_admitter():
     g = Group("a")
     g.state, g.round, g.joined = State.TRAINING, 5, {"b": 1, "y": 7}
     g.on_admit("x", {"peer": "j", "at": 6})  # not a member
@@ -228,7 +229,7 @@ def test_if_the_admitting_sponsor_left_the_sponsor_of_the_round_tells_ready():
     g2.on_admit("b", {"peer": "j", "at": 6})
     g2.depart("b", "dead")
     g2.begin_round(6, "s6", 0)
-    (s,) = g2.ready(6, g2.ready_due(6), "x")  # b admitted j and left: c, the sponsor now, tells it
+    (s,) = g2.ready(6, g2.ready_due(6), "x")  # b admitted j and left: c still tells it
     assert s.peer == "j"
 
 
@@ -272,12 +273,12 @@ def test_a_joiner_at_a_sponsor_change_is_counted_in_from_one_round_by_every_memb
     Before, a member ignored an ADMIT from the sponsor of the round next to its own, and the two
     admissions named different rounds: members disagreed on j2's first round and the group split.
     Now every member counts j2 in from the earliest admission's round, j2 takes that one, and
-    exactly one member tells it READY."""
+    every member tells it READY."""
     net = _group_with_a_new_smaller_member()
     d, first, told = _join_during(net, rounds, list(order))
     assert set(first.values()) == {d.at + 1}, (d, first)
     assert net.g["j2"].members(d.at + 1) == ["a1", "b", "c", "j2"]
-    assert told == ["j2"]
+    assert told == ["j2"] * 3
 
 
 def test_a_joiner_admitted_and_not_yet_in_is_welcomed_again_to_the_same_round():
@@ -314,3 +315,49 @@ def test_what_a_member_that_is_not_the_sponsor_can_admit_is_bounded():
     for i in range(av_max := MAX_PENDING + 10):
         g2.on_admit("a", {"peer": f"p{i:04d}", "at": 7})
     assert sum(f > g2.round for f in g2.joined.values()) == MAX_PENDING and av_max > MAX_PENDING
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([{"a1": 8, "b": 8, "c": 7}, {"a1": 8, "b": 7, "c": 8}, {"a1": 8, "b": 7, "c": 7},
+                        {"a1": 8, "b": 8, "c": 8}]), st.lists(st.integers(0, 1000), max_size=40))
+def test_two_joiners_at_a_sponsor_change_are_counted_in_alike_by_everyone(rounds, order):
+    """Two joiners during one sponsor change (b sponsors for members still in round 7, a1 for
+    those in round 8) may each be admitted by a different sponsor, each welcome listing the
+    members its sender knew then: neither joiner heard of the other, and the group split (a
+    reviewer's simulation: 566 of 3,000 delivery orders). Every peer in at a round must see the
+    same members in it."""
+    net = _group_with_a_new_smaller_member()
+    net.g["j3"] = Group("j3")
+    for p, r in rounds.items():
+        net.g[p].begin_round(r, f"s{r}", 0)
+    for j in ("j2", "j3"):
+        start(net, j, rnd=1, digest="fresh", candidates=["a1", "b", "c"])
+    net.drain(list(order))
+    first = {"a1": 8, "b": 1, "c": 1}
+    for j in ("j2", "j3"):
+        d = net.g[j].decide()
+        assert d.action == "fetch", d
+        first[j] = d.at + 1
+        net.g[j].joined_group(d.at, d.members)
+    net.drain()
+    for r in range(8, max(first.values()) + 2):
+        views = {p: tuple(net.g[p].members(r)) for p, f in first.items() if f <= r}
+        assert len(set(views.values())) == 1, (r, first, views)
+
+
+def test_a_new_admission_is_passed_on_to_the_joiners_pending():
+    """A member that takes an admission it did not know tells that joiner of every joiner pending,
+    and them of it; one it knew already changes nothing and is not passed on."""
+    g = Group("c")
+    g.state, g.round, g.joined = State.TRAINING, 7, {"a1": 8, "b": 1, "j2": 10}
+    sends = g.on_admit("a1", {"peer": "j3", "at": 10})
+    got = sorted((s.peer, s.meta["peer"], s.meta["at"]) for s in sends)
+    assert got == [("j2", "j3", 10), ("j3", "a1", 7), ("j3", "j2", 9)]  # a1 (pending too) sent it
+    assert g.on_admit("b", {"peer": "j3", "at": 10}) == []
+    j = Group("j3")
+    j.start_join(["a1", "b", "c"], 0, "fresh", 1)
+    for s in sends:
+        if s.peer == "j3":
+            j.on_admit("c", s.meta)
+    j.joined_group(10, ["a1", "b", "c"])  # a welcome that did not name j2 (admitted by the other sponsor)
+    assert j.members(11) == ["a1", "b", "c", "j2", "j3"]
