@@ -4,7 +4,9 @@ Rules:
 - A run is W ``bt-peer`` processes, worker i holding block i mod K, each with its own identity,
   work directory and report; the first starts the swarm, the others join through it, all with
   ``--min-group W`` so they start together. Nothing is shared but the swarm key. Every run starts
-  from fresh work directories unless ``resume``.
+  from fresh work directories unless ``resume``. Worker i's identity is derived from (seed, i):
+  a worker's data order follows its peer id (p2p/swarm.py), so a seed's run repeats, and worker i
+  sees the same data in every run of that seed (the runs of a comparison are paired).
 - Comparisons, at every seed: ``equal-steps``: every worker takes ``steps`` steps per block
   (adding workers adds data); ``equal-total``: the workers of a run share ``steps x K`` local
   steps per block in all (W workers take steps x K / W each). The runs with K workers are the
@@ -24,6 +26,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 import signal
@@ -59,7 +62,7 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
     from blocktrain.blocks.evaluate import evaluate
     from blocktrain.p2p.assemble import assemble_from_swarm
     from blocktrain.p2p.config import PeerJob
-    from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key, new_swarm_key
+    from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key, new_swarm_key, write_identity
 
     swarm = dict(swarm or {})
     sets = {**overrides, "train.steps": steps, "train.seed": seed, "swarm.eval_every": eval_every,
@@ -72,6 +75,9 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
     key = out / "swarm.key"
     if not key.exists():
         new_swarm_key(key)
+    for i in range(workers):
+        if not (out / f"id{i}").exists():
+            write_identity(out / f"id{i}", worker_identity(seed, i))
     ports = free_ports(workers)
     set_args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
     procs, logs = [], []
@@ -163,6 +169,11 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
         "curves": [t["curve"] for t in trs],
         "assembled_from": {str(k): v for k, v in res["blocks"].items()}, "out": str(out),
     }
+
+
+def worker_identity(seed: int, i: int) -> bytes:
+    """Worker ``i``'s private key in the runs of ``seed`` (see Rules)."""
+    return hashlib.sha256(f"bt-bench swarm: seed {seed}, worker {i}".encode()).digest()
 
 
 def time_to(curves: list, target: float) -> float | None:

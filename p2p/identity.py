@@ -55,6 +55,18 @@ def load_or_create_identity(path: str | Path) -> X25519PrivateKey:
     return X25519PrivateKey.from_private_bytes(_read_hex32(path, "identity"))
 
 
+def write_identity(path: str | Path, raw: bytes) -> X25519PrivateKey:
+    """A new identity file holding the private key ``raw`` (32 bytes), for runs that must repeat
+    (a benchmark's seeded workers); a peer's own identity is random (``load_or_create_identity``)."""
+    path = Path(path)
+    if len(raw) != 32:
+        raise KeyError_("an identity is 32 bytes")
+    if path.exists():
+        raise KeyError_(f"{path} exists; refusing to overwrite an identity")
+    _write_secret(path, raw.hex())
+    return X25519PrivateKey.from_private_bytes(raw)
+
+
 def peer_id(key: X25519PrivateKey) -> str:
     return peer_id_of(public_bytes(key))
 
