@@ -394,7 +394,8 @@ class SwarmTrainer:
             log.info("%s left the group (%s)", ev.peer_id[:12], ev.change.value)
 
     def _send(self, sends: list[Send]):
-        """Control messages, in order: on the live connection at once, else after dialling."""
+        """Control messages, in order: on the live connection at once, else after dialling a member
+        we know. A peer id from a message (an ADMIT's joiner) is never dialled as an address."""
         for s in sends:
             msg = BlockUpdate(block=self.block, round=max(0, s.round), meta={**s.meta, "scope": self.scope})
             pc = self.peer.live_connection(s.peer)
@@ -404,6 +405,9 @@ class SwarmTrainer:
                     continue
                 except (ConnectionError, ProtocolError):
                     pass
+            if self.peer.member(s.peer) is None:
+                log.info("not telling %s %s: not a member we know", s.peer[:12], s.meta.get("phase"))
+                continue
             self.peer.spawn(self._dial_send(s.peer, msg), "group control")
 
     async def _dial_send(self, pid: str, msg: BlockUpdate):

@@ -518,3 +518,47 @@ def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_rou
     a._control(BlockUpdate(block=0, round=1, meta={"phase": "status", "scope": a.scope, "size": 1,
                                                    "sponsor": b.peer.id}), None, b.peer.id)
     assert not a.sent
+
+
+def test_a_joiner_named_in_an_admit_is_never_dialled_as_an_address(tmp_path):
+    """A member passes a new admission on to the joiners pending (group.py rule 2). A keyed member
+    could name an address as the joiner ("10.9.9.9:22"): the node dials a peer id it does not know
+    as an address, so the swarm would have dialled it, and every host it named. Control messages
+    go only to live connections and members we know."""
+    from types import SimpleNamespace
+
+    from blocktrain.blocks.data import as_tensor, read_split
+    from blocktrain.blocks.model import ModelConfig
+    from blocktrain.blocks.train import TrainConfig
+    from blocktrain.p2p.group import State
+    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+    from blocktrain.protocol import BlockUpdate
+
+    known = {"b" * 64, "j" * 64}
+    dialled = []
+
+    class _Peer:
+        id = "a" * 64
+        def members(self, **k):
+            return [SimpleNamespace(peer_id=q, addr=q[:4]) for q in sorted(known)]
+        def member(self, pid):
+            return SimpleNamespace(peer_id=pid) if pid in known else None
+        def live_connection(self, pid): return None
+        def spawn(self, coro, what):
+            dialled.append(coro.cr_frame.f_locals["pid"])
+            coro.close()
+        def on(self, *a, **k): pass
+        def on_membership(self, *a): pass
+        def report_section(self, *a): pass
+        def notify(self): pass
+    mc = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
+    data = as_tensor(read_split("valid"))
+    sp = SwarmTrainer(_Peer(), 0, mc, TrainConfig(steps=10, batch_size=4, seq_len=32), SwarmConfig(),
+                      tmp_path / "a", data, data)
+    g = sp.group
+    g.state, g.round, g.joined = State.TRAINING, 5, {"b" * 64: 1, "j" * 64: 8}  # j pending
+    for joiner in ("10.9.9.9:22", "k" * 64):
+        sp._control(BlockUpdate(block=0, round=5, meta={"phase": "admit", "peer": joiner, "at": 7,
+                                                        "scope": sp.scope}), None, "b" * 64)
+    assert g.joined["10.9.9.9:22"] == 8  # taken (a member's word), passed on to j: never dialled
+    assert dialled and set(dialled) == {"j" * 64}
