@@ -458,33 +458,47 @@ def test_a_dead_member_is_redialled_with_backoff_for_a_bounded_time():
     assert p._redial["127.0.0.1:9"].next_at <= time.monotonic()
 
 
+class _FakeNode:
+    """What a SwarmTrainer asks of its node, for driving its control messages by hand."""
+    known: tuple = ()
+
+    def __init__(self, pid):
+        self.id = pid
+
+    def members(self, **k):
+        from types import SimpleNamespace
+        return [SimpleNamespace(peer_id=q, addr=q[:4]) for q in self.known if q != self.id]
+
+    def on(self, *a, **k): pass
+    def on_membership(self, *a): pass
+    def report_section(self, *a): pass
+    def notify(self): pass
+
+
+def _swarm_trainer(node, tmp_path):
+    from blocktrain.blocks.data import as_tensor, read_split
+    from blocktrain.blocks.model import ModelConfig
+    from blocktrain.blocks.train import TrainConfig
+    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+
+    mc = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
+    data = as_tensor(read_split("valid"))
+    return SwarmTrainer(node, 0, mc, TrainConfig(steps=10, batch_size=4, seq_len=32), SwarmConfig(),
+                        tmp_path / node.id[:4], data, data)
+
+
 def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_round(tmp_path):
     """Finding 8 (seen again with live peers): two members that dropped a dead third at different
     rounds each end up alone; the first one's STATUS reached the other while it still counted the
     first in, and the split lasted 5 s. Now a STATUS that ranks below ours is answered at once
     (and at most every STATUS_REPLY_S), so the lower group yields in the next exchange."""
-    from blocktrain.blocks.data import as_tensor, read_split
-    from blocktrain.blocks.model import ModelConfig
-    from blocktrain.blocks.train import TrainConfig
     from blocktrain.p2p.group import Phase, State
-    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
     from blocktrain.protocol import BlockUpdate
 
-    from types import SimpleNamespace
-
     def trainer(pid):
-        class _Peer:
-            id = pid
-            def members(self, **k):
-                return [SimpleNamespace(peer_id=q, addr=q[:4]) for q in ("a" * 64, "b" * 64) if q != pid]
-            def on(self, *a, **k): pass
-            def on_membership(self, *a): pass
-            def report_section(self, *a): pass
-            def notify(self): pass
-        mc = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
-        data = as_tensor(read_split("valid"))
-        sp = SwarmTrainer(_Peer(), 0, mc, TrainConfig(steps=10, batch_size=4, seq_len=32), SwarmConfig(),
-                          tmp_path / pid[:4], data, data)
+        node = _FakeNode(pid)
+        node.known = ("a" * 64, "b" * 64)
+        sp = _swarm_trainer(node, tmp_path)
         sp.group.state, sp.group.round = State.TRAINING, 816
         sp.sent = []
         sp._send = sp.sent.extend
@@ -527,34 +541,20 @@ def test_a_joiner_named_in_an_admit_is_never_dialled_as_an_address(tmp_path):
     go only to live connections and members we know."""
     from types import SimpleNamespace
 
-    from blocktrain.blocks.data import as_tensor, read_split
-    from blocktrain.blocks.model import ModelConfig
-    from blocktrain.blocks.train import TrainConfig
     from blocktrain.p2p.group import State
-    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
     from blocktrain.protocol import BlockUpdate
 
-    known = {"b" * 64, "j" * 64}
     dialled = []
 
-    class _Peer:
-        id = "a" * 64
-        def members(self, **k):
-            return [SimpleNamespace(peer_id=q, addr=q[:4]) for q in sorted(known)]
+    class _Node(_FakeNode):
+        known = ("b" * 64, "j" * 64)
         def member(self, pid):
-            return SimpleNamespace(peer_id=pid) if pid in known else None
+            return SimpleNamespace(peer_id=pid) if pid in self.known else None
         def live_connection(self, pid): return None
         def spawn(self, coro, what):
             dialled.append(coro.cr_frame.f_locals["pid"])
             coro.close()
-        def on(self, *a, **k): pass
-        def on_membership(self, *a): pass
-        def report_section(self, *a): pass
-        def notify(self): pass
-    mc = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
-    data = as_tensor(read_split("valid"))
-    sp = SwarmTrainer(_Peer(), 0, mc, TrainConfig(steps=10, batch_size=4, seq_len=32), SwarmConfig(),
-                      tmp_path / "a", data, data)
+    sp = _swarm_trainer(_Node("a" * 64), tmp_path)
     g = sp.group
     g.state, g.round, g.joined = State.TRAINING, 5, {"b" * 64: 1, "j" * 64: 8}  # j pending
     for joiner in ("10.9.9.9:22", "k" * 64):
