@@ -404,3 +404,37 @@ def test_a_bench_run_of_one_seed_repeats(tmp_path):
     ids = {(s, i): bench_swarm.worker_identity(s, i) for s in (0, 1) for i in range(3)}
     assert len(set(ids.values())) == 6
     assert (tmp_path / "a" / "id0").read_text().strip() == ids[0, 0].hex()
+
+
+def test_an_interrupted_bench_swarm_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+    """Hours of runs: each one's figures are in --json as soon as it ends (``complete`` false until
+    the last), so a failure or a kill in the third run loses only that one."""
+    from click.testing import CliRunner
+
+    from blocktrain.bench import swarm as bench_swarm
+    from blocktrain.bench.cli import main
+
+    calls = []
+
+    def fake_run(w, local, ov, out, *a, **k):
+        calls.append(w)
+        if len(calls) == 2:
+            raise RuntimeError("worker(s) [4] exited (code -9)")
+        return {"workers": w, "seed": 0, "initial_test_ce": 5.5, "head_test_ce": [2.0, 1.9, 1.8],
+                "final_test_ce": 1.8, "busy_fraction": {"per_worker": [0.9] * w, "min": 0.9},
+                "train_seconds": 10.0, "bytes_per_worker": 1e6, "verdicts": [], "curves": []}
+    monkeypatch.setattr(bench_swarm, "run", fake_run)
+    path = tmp_path / "b.json"
+    res = CliRunner().invoke(main, ["swarm", "--workers", "3,6", "--steps", "10", "--no-reference",
+                                    "--out", str(tmp_path / "runs"), "--json", str(path)])
+    assert res.exit_code != 0 and "worker(s) [4] exited" in res.output and calls == [3, 6]
+    got = json.loads(path.read_text())
+    assert got["complete"] is False and [r["workers"] for r in got["runs"]] == [3]
+    assert got["swarm"]["head_test_ce"] == [2.0, 1.9, 1.8]
+    calls.append("no more failures")
+    res = CliRunner().invoke(main, ["swarm", "--workers", "3,6", "--steps", "10", "--no-reference",
+                                    "--out", str(tmp_path / "runs"), "--json", str(path)])
+    got = json.loads(path.read_text())
+    assert res.exit_code == 0 and got["complete"] is True
+    assert [(r["comparison"], r["workers"]) for r in got["runs"]] == [("equal-steps", 3), ("equal-steps", 6),
+                                                                       ("equal-total", 6)]
