@@ -220,8 +220,10 @@ def summarize(results: dict[str, dict], memory: dict | None, steps: int, variant
             row["flops_vs_e2e"] = r["train_flops"] / ref["train_flops"]
         rows.append(row)
     headline = None
-    main_name = "relay" if "relay" in results else "staggered"
-    if ref and main_name in results:
+    # the schedule the swarm runs (relay); without it, one whose workers are all busy, then the
+    # sequential run relay reproduces
+    main_name = next((n for n in ("relay", "staggered", "sequential") if n in results), None)
+    if ref and main_name:
         s = results[main_name]
         headline = {
             "schedule": main_name,
