@@ -55,7 +55,7 @@ class Phase(str, enum.Enum):
     REDIRECT = "redirect"  # non-sponsor member -> joiner: {sponsor}
     STARTING = "starting"  # a starting peer -> joiner: {step, digest}
     ABSENT = "absent"  # not training in this scope (or, with a round: not in that round's group)
-    ADMIT = "admit"  # sponsor -> members: {peer, at}
+    ADMIT = "admit"  # sponsor -> members and pending joiners; a member -> pending joiners: {peer, at}
     READY = "ready"  # every member -> joiner: the state at the end of round ``at`` can be fetched: {name}
     LEAVE = "leave"  # a member -> members: it leaves the group (yielding to another group, or done)
     STATUS = "status"  # a member -> a non-member in scope: {size, sponsor, round}
@@ -69,6 +69,10 @@ CONTROL_PHASES = frozenset(p.value for p in Phase)
 # that is not the sponsor can make us hold stays small and bounded.
 ADMIT_AHEAD = 64
 MAX_PENDING = 256
+MAX_ID_LEN = 128  # a peer id in an ADMIT (the driver checks the exact form)
+# ADMITs a member passes on to pending joiners per round (rule 2): honest groups send a few per
+# joiner; a member that admits and re-admits without end cannot make us send more than this.
+MAX_FORWARDS = 4 * MAX_PENDING
 
 # What a peer answers to a JOIN in each state (rule 1). TRAINING: the sponsor welcomes, the other
 # members redirect to it; STARTING: "starting", with the step and digest it starts from (rule 3).
@@ -124,6 +128,7 @@ class Group:
     _admits_due: dict = field(default_factory=dict)  # round -> joiners that take the state written then
     _starters: dict = field(default_factory=dict)  # STARTING side: peer -> (step, digest) it starts from
     _early_admits: dict = field(default_factory=dict)  # joiner side: admissions heard before we are in
+    _forwards: int = 0  # ADMITs passed on in the round in progress (MAX_FORWARDS)
 
     # --- views -------------------------------------------------------------------------------
     def members(self, rnd: int | None = None) -> list[str]:
@@ -219,6 +224,7 @@ class Group:
     def begin_round(self, rnd: int, digest: str, block: int) -> list[str]:
         """Round ``rnd`` starts from a point with ``digest``: its members."""
         self.round, self.digest, self.block = rnd, digest, block
+        self._forwards = 0
         return self.members(rnd)
 
     def on_join(self, peer: str, meta: dict) -> list[Send]:
@@ -237,8 +243,8 @@ class Group:
         if answer is Phase.ABSENT:
             return [Send(peer, self.round, {"phase": Phase.ABSENT.value})]
         at = self.round + self.margin
-        if first is not None and first > self.round:  # admitted, not yet in (rule 2): that admission
-            at = first - 1
+        if first is not None and first >= self.round:  # admitted, not yet in (rule 2; a JOIN that
+            at = first - 1                               # reaches us late, in its first round): that admission
         out = [Send(m, self.round, {"phase": Phase.ADMIT.value, "peer": peer, "at": at})
                for m in sorted(self.joined) if m != peer]  # future members too: they must know
         self._admit(peer, at)
@@ -249,7 +255,7 @@ class Group:
     def on_admit(self, sponsor: str, meta: dict) -> list[Send]:
         """An ADMIT from ``sponsor``; what we tell pending joiners of it (rule 2)."""
         peer, at = meta.get("peer"), meta.get("at")
-        if not (isinstance(peer, str) and type(at) is int and peer != self.me):
+        if not (isinstance(peer, str) and len(peer) <= MAX_ID_LEN and type(at) is int and peer != self.me):
             return []
         if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter
             prev = self._early_admits.get(peer)
@@ -262,13 +268,16 @@ class Group:
         first = self.joined.get(peer)
         if first is not None and first <= self.round and sponsor != self.sponsor():
             return []  # a member averaging now is admitted again (it came back) on the sponsor's word only
-        if first is None and sum(f > self.round for f in self.joined.values()) >= MAX_PENDING:
-            return []
+        if first is None and (at < self.round or sum(f > self.round for f in self.joined.values()) >= MAX_PENDING):
+            return []  # a new peer is pending (from a round after ours), and they are bounded
         if not self._admit(peer, at):
             return []
         told = [Send(p, self.round, {"phase": Phase.ADMIT.value, "peer": peer, "at": at})
                 for p, f in sorted(self.joined.items()) if f > self.round and p not in (peer, sponsor)]
-        return told + self._pending_for(peer)
+        told += self._pending_for(peer)
+        told = told[:max(0, MAX_FORWARDS - self._forwards)]
+        self._forwards += len(told)
+        return told
 
     def _pending_for(self, peer: str) -> list[Send]:
         """ADMITs telling the joiner ``peer`` of every other joiner pending: its welcome's member list

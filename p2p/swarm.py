@@ -60,6 +60,7 @@ REPORT_ROUNDS = 200
 STATUS_EVERY_S = 5.0
 # ... and answered at most this often when its STATUS ranks below ours (so that it yields at once).
 STATUS_REPLY_S = 0.5
+READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes first
 # Seconds between checkpoints of the block in training (and at every block's end).
 SAVE_EVERY_S = 30.0
 
@@ -183,7 +184,7 @@ class SwarmTrainer:
         self.t_start: float | None = None
         self.t_end: float | None = None
         self.memory = {"grad_optimizer_bytes": 0}
-        self._ready: dict[int, tuple] = {}  # round -> (sponsor, name) of the state we may fetch
+        self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
         self.bad_lower: dict[str, str] = {}  # holder address -> why its lower block was refused (not asked again)
         self._status_sent: dict[str, float] = {}
         self._rejoin = False
@@ -361,12 +362,14 @@ class SwarmTrainer:
         elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
             self.group.on_reply(pid, phase, meta)
         elif phase is Phase.ADMIT:
-            self._send(self.group.on_admit(pid, meta))
-        elif phase is Phase.READY:  # every member's; the first per round kept while we wait, names bounded
+            if _is_peer_id(meta.get("peer")):  # never an address or a name of any length
+                self._send(self.group.on_admit(pid, meta))
+        elif phase is Phase.READY:  # every member's, kept while we join: the newest rounds, names bounded
             at, name = meta.get("at"), meta.get("name")
-            if self.state == "joining" and type(at) is int and isinstance(name, str) and len(name) <= 64 \
-                    and at not in self._ready and len(self._ready) < 8:
-                self._ready[at] = (pid, name)
+            if self.state == "joining" and type(at) is int and isinstance(name, str) and len(name) <= 64:
+                self._ready[(at, pid)] = name
+                while len(self._ready) > READY_KEPT:
+                    del self._ready[min(self._ready)]
         elif phase is Phase.LEAVE:
             if self.group.depart(pid, str(meta.get("why", ""))[:200]):
                 self.averager.depart(pid, "left the group")
@@ -423,6 +426,7 @@ class SwarmTrainer:
         delay = 0.2
         while True:
             self.state = "joining"
+            self._ready.clear()  # an earlier attempt's admission is not this one's
             start = flatten(self.params())
             rnd = self.rnd + 1
             self._send(self.group.start_join(self.candidates(), self.gstep, digest(start), rnd))
@@ -452,16 +456,18 @@ class SwarmTrainer:
         """Wait for a member's READY for round ``d.at`` and install that state; False to retry."""
         self.averager.expect(d.at + 1)  # the group's parts for our first round may come early
         self._say(f"admitted by {d.sponsor[:12]} from round {d.at + 1}; waiting for the group's state")
-        ok = await self.peer.wait_for(lambda: d.at in self._ready or self.peer.member(d.sponsor) is None,
+        def told():  # the first READY for our round from a member of the group that welcomed us
+            return next(((p, n) for (a, p), n in self._ready.items() if a == d.at and p in d.members), None)
+        ok = await self.peer.wait_for(lambda: told() is not None or self.peer.member(d.sponsor) is None,
                                       self.scfg.ready_timeout_s)
-        if not ok or d.at not in self._ready:
+        if not ok or told() is None:
             self._say("the group's state did not come; asking again")
             self._send([Send(m, d.at, {"phase": Phase.LEAVE.value, "why": "no state"}) for m in d.members
                         if m != self.peer.id])
             return False
-        sponsor, name = self._ready.pop(d.at)
-        others = [m.addr for m in (self.peer.member(p) for p in d.members) if m is not None and m.peer_id != sponsor]
-        sources = [a for a in [getattr(self.peer.member(sponsor), "addr", None)] + others if a]
+        teller, name = told()
+        others = [m.addr for m in (self.peer.member(p) for p in d.members) if m is not None and m.peer_id != teller]
+        sources = [a for a in [getattr(self.peer.member(teller), "addr", None)] + others if a]
         by: list = []  # whose version of the state we got (not always the sponsor's)
         try:
             blob = await self.fetcher.fetch(sources, CHECKPOINT, name, source=by)
@@ -829,6 +835,11 @@ def refuse_joins(peer: PeerServices):
             except (ConnectionError, ProtocolError):
                 pass
     peer.on(BlockUpdate, handler, inline=True)
+
+
+def _is_peer_id(x) -> bool:
+    """A peer id as the handshake makes them: 64 lowercase hex characters."""
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 def _seed(peer_id: str, block: int) -> int:

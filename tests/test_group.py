@@ -4,7 +4,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktrain.p2p.group import MAX_PENDING, Group, Phase, State
+from blocktrain.p2p.group import MAX_FORWARDS, MAX_PENDING, Group, Phase, State
 
 
 class Net:
@@ -361,3 +361,30 @@ def test_a_new_admission_is_passed_on_to_the_joiners_pending():
             j.on_admit("c", s.meta)
     j.joined_group(10, ["a1", "b", "c"])  # a welcome that did not name j2 (admitted by the other sponsor)
     assert j.members(11) == ["a1", "b", "c", "j2", "j3"]
+
+
+def test_a_join_reaching_the_sponsor_in_its_first_round_keeps_its_admission():
+    """A fresh-eyes review's simulation: a joiner's JOIN that reaches the sponsor after the
+    joiner's first round began there was taken for a comeback and admitted again, later; the
+    joiner, still waiting, took the earlier welcome: the group split (3 of 3,000 orders)."""
+    g = Group("a")
+    g.state, g.round, g.joined = State.TRAINING, 5, {"b": 1}
+    g.on_join("j", {"step": 0, "digest": "x"})
+    g.begin_round(8, "s8", 0)  # j's first round
+    assert {s.meta["at"] for s in g.on_join("j", {"step": 0, "digest": "x"})} == {7} and g.joined["j"] == 8
+
+
+def test_what_a_member_can_make_us_hold_or_send_is_bounded():
+    """A review: a new peer admitted into the round in progress escaped the pending bound (10,000
+    ADMITs: 10,002 members), ids had no length bound, and every taken ADMIT is passed on to the
+    pending joiners (up to 2 x 256 sends each)."""
+    g = Group("a")
+    g.state, g.round, g.joined = State.TRAINING, 5, {"b": 1}
+    for i in range(1000):
+        g.on_admit("b", {"peer": f"n{i:04d}", "at": 4})  # in from the round in progress: never new
+    g.on_admit("b", {"peer": "x" * 129, "at": 7})
+    assert g.joined == {"b": 1}
+    sent = sum(len(g.on_admit("b", {"peer": f"p{i:04d}", "at": 7})) for i in range(MAX_PENDING))
+    assert len(g.joined) == MAX_PENDING + 1 and sent == MAX_FORWARDS  # (255 x 256 sends asked for)
+    g.begin_round(6, "s6", 0)
+    assert len(g.on_admit("b", {"peer": "p0000", "at": 6})) == 2 * (MAX_PENDING - 1)  # a new round's budget
