@@ -172,7 +172,8 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
 
 
 def worker_identity(seed: int, i: int) -> bytes:
-    """Worker ``i``'s private key in the runs of ``seed`` (see Rules)."""
+    """Worker ``i``'s private key in the runs of ``seed`` (see Rules): derived from public values,
+    so anyone can be these peers; for benchmarks on loopback only."""
     return hashlib.sha256(f"bt-bench swarm: seed {seed}, worker {i}".encode()).digest()
 
 
