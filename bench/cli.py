@@ -315,14 +315,15 @@ def swarm(workers, steps, seeds, compare, reference, target_ce, eval_every, sche
                 for v in rep["verdicts"]:
                     click.echo(f"  {v}", err=True)
         if json_path:  # the runs so far, so that an interrupted bench keeps them
-            _write_json(json_path, _swarm_result(runs, [], seed_list, steps, ws, comps, target_ce, K, complete=False))
+            _write_json(json_path, bench_swarm.bench_result(runs, [], seed_list, steps, ws, comps, target_ce, K,
+                                                            complete=False))
     if reference:
         for seed in seed_list:
             click.echo(f"in-process sequential reference, seed {seed} ({steps} steps per block, the data per step of "
                        f"{K} workers)...", err=True)
             refs.append(bench_swarm.reference(steps, ov, Path(out) / "reference", seed, test_windows, workers=K,
                                               threads=2))
-    result = _swarm_result(runs, refs, seed_list, steps, ws, comps, target_ce, K, complete=True)
+    result = bench_swarm.bench_result(runs, refs, seed_list, steps, ws, comps, target_ce, K, complete=True)
     for line in _swarm_table(result, K):
         click.echo(line)
     if json_path:
@@ -330,34 +331,10 @@ def swarm(workers, steps, seeds, compare, reference, target_ce, eval_every, sche
         click.echo(f"wrote {json_path}")
 
 
-def _swarm_result(runs: list, refs: list, seeds: list, steps: int, ws: list, comps: list, target_ce, K: int,
-                  complete: bool) -> dict:
-    """``bt-bench swarm``'s JSON: every run, their summary by comparison and worker count, and the
-    in-process reference; ``complete`` false while runs are still to come."""
-    from . import swarm as bench_swarm
-
-    summary = bench_swarm.summarise(runs, K, max(ws))
-    result = {"benchmark": "swarm", "complete": complete, "seeds": seeds, "steps": steps, "workers": ws,
-              "compare": comps, "target_ce": target_ce, "runs": runs, "summary": summary}
-    key_k = f"equal-steps/{K}" if f"equal-steps/{K}" in summary else next(iter(summary))
-    key_w = f"equal-steps/{max(ws)}" if f"equal-steps/{max(ws)}" in summary else key_k
-    result["swarm"] = summary[key_w]
-    result["one_per_block"] = summary[key_k]
-    if refs:
-        heads = [bench_swarm.mean_sd([r["head_test_ce"][k] for r in refs])["mean"] for k in range(K)]
-        gap = result["one_per_block"]["head_test_ce"][-1] - heads[-1]
-        result["in_process_sequential"] = {
-            "head_test_ce": heads, "batch_size": refs[0]["batch_size"], "runs": refs,
-            "one_per_block_gap": gap, "one_per_block_within_0_02": gap <= 0.02}
-    return result
-
-
 def _write_json(path, result: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    from blocktrain.blocks.checkpoint import write_atomic
+
+    write_atomic(path, json.dumps(result, indent=1).encode())
 
 
 def _swarm_table(result: dict, K: int) -> list[str]:

@@ -235,3 +235,23 @@ def summarise(runs: list[dict], K: int, wide: int) -> dict:
                 "time_to_target_s": [r.get("time_to_target_s") for r in sel],
             }
     return out
+
+
+def bench_result(runs: list, refs: list, seeds: list, steps: int, ws: list, comps: list, target_ce, K: int,
+                 complete: bool) -> dict:
+    """``bt-bench swarm``'s JSON: every run, their summary by comparison and worker count, and the
+    in-process reference; ``complete`` false while runs are still to come."""
+    summary = summarise(runs, K, max(ws))
+    out = {"benchmark": "swarm", "complete": complete, "seeds": seeds, "steps": steps, "workers": ws,
+           "compare": comps, "target_ce": target_ce, "runs": runs, "summary": summary}
+    key_k = f"equal-steps/{K}" if f"equal-steps/{K}" in summary else next(iter(summary))
+    key_w = f"equal-steps/{max(ws)}" if f"equal-steps/{max(ws)}" in summary else key_k
+    out["swarm"] = summary[key_w]
+    out["one_per_block"] = summary[key_k]
+    if refs:
+        heads = [mean_sd([r["head_test_ce"][k] for r in refs])["mean"] for k in range(K)]
+        gap = out["one_per_block"]["head_test_ce"][-1] - heads[-1]
+        out["in_process_sequential"] = {
+            "head_test_ce": heads, "batch_size": refs[0]["batch_size"], "runs": refs,
+            "one_per_block_gap": gap, "one_per_block_within_0_02": gap <= 0.02}
+    return out
