@@ -73,6 +73,7 @@ MAX_ID_LEN = 128  # a peer id in an ADMIT (the driver checks the exact form)
 # ADMITs a member passes on to pending joiners per round (rule 2): honest groups send a few per
 # joiner; a member that admits and re-admits without end cannot make us send more than this.
 MAX_FORWARDS = 4 * MAX_PENDING
+MAX_EARLY = 1024  # admissions (peer, sender) a joiner keeps before it is in
 
 # What a peer answers to a JOIN in each state (rule 1). TRAINING: the sponsor welcomes, the other
 # members redirect to it; STARTING: "starting", with the step and digest it starts from (rule 3).
@@ -127,7 +128,9 @@ class Group:
     _asked: set = field(default_factory=set)  # joiner side: peers our JOIN went to
     _admits_due: dict = field(default_factory=dict)  # round -> joiners that take the state written then
     _starters: dict = field(default_factory=dict)  # STARTING side: peer -> (step, digest) it starts from
-    _early_admits: dict = field(default_factory=dict)  # joiner side: admissions heard before we are in
+    _early_admits: dict = field(default_factory=dict)  # joiner side: (peer, sender) -> first round, heard
+    #                                                    before we are in (MAX_EARLY)
+    _gone: set = field(default_factory=set)  # joiner side: peers that left before we are in (MAX_EARLY)
     _forwards: int = 0  # ADMITs passed on in the round in progress (MAX_FORWARDS)
 
     # --- views -------------------------------------------------------------------------------
@@ -214,11 +217,40 @@ class Group:
         self._starters = {}
         self.state = State.TRAINING
         self.round = at + 1
+        members = [p for p in members if p not in self._gone]  # a welcome is a snapshot: some left since
         self.joined = {p: at + 1 for p in members if p != self.me}
-        for p, (sponsor, first) in self._early_admits.items():  # admitted too, told before we were in
-            if sponsor in self.joined and p != self.me:  # (one admitted before us and missing from our
-                self.joined[p] = max(first, self.joined.get(p, at + 1))  # welcome's snapshot: in from our start)
-        self._replies, self._asked, self._early_admits = {}, set(), {}
+        # admitted too, told before we were in (one admitted before us and missing from our
+        # welcome's snapshot: in from our start)
+        for p, first in self._told_of(members).items():
+            self.joined[p] = max(first, self.joined.get(p, at + 1))
+        self._replies, self._asked, self._early_admits, self._admits_due, self._gone = {}, set(), {}, {}, set()
+
+    def _told_of(self, members) -> dict:
+        """The pending joiners we count in when we are in (rule 2): those admitted by a member our
+        welcome names, or by one counted in this way (a joiner in before us passes admissions on),
+        each from its earliest such admission. The same whatever order the ADMITs came in."""
+        by_sender: dict = {}
+        for (p, sender), first in self._early_admits.items():
+            if p != self.me and p not in self._gone:
+                by_sender.setdefault(sender, []).append((p, first))
+        trusted, todo, counted = set(members), [m for m in members if m in by_sender], {}
+        while todo:
+            for p, first in by_sender.pop(todo.pop(), ()):
+                counted[p] = min(first, counted.get(p, first))
+                if p not in trusted:
+                    trusted.add(p)
+                    if p in by_sender:
+                        todo.append(p)
+        return counted
+
+    def give_up(self, at: int, members, why: str) -> list[Send]:
+        """We do not take the state we were admitted to (it did not come, or was bad): LEAVE for the
+        members of our welcome and for the pending joiners we would have counted in (they count us
+        in too, from the ADMITs members passed on: rule 2), who would otherwise wait for our parts
+        until their round fails. We ask again with ``start_join``."""
+        told = sorted((set(members) | set(self._told_of(members))) - {self.me})
+        self._early_admits = {}
+        return [Send(m, at, {"phase": Phase.LEAVE.value, "why": why}) for m in told]
 
     # --- as a member ---------------------------------------------------------------------------
     def begin_round(self, rnd: int, digest: str, block: int) -> list[str]:
@@ -257,10 +289,11 @@ class Group:
         peer, at = meta.get("peer"), meta.get("at")
         if not (isinstance(peer, str) and len(peer) <= MAX_ID_LEN and type(at) is int and peer != self.me):
             return []
-        if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter
-            prev = self._early_admits.get(peer)
-            if (prev is None and len(self._early_admits) < 1024) or (prev is not None and at + 1 < prev[1]):
-                self._early_admits[peer] = (sponsor, at + 1)  # the earliest, as members keep (rule 2)
+        if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter, per
+            self._gone.discard(peer)  # (admitted again after it left)
+            key, prev = (peer, sponsor), self._early_admits.get((peer, sponsor))  # sender (which group's
+            if (prev is None and len(self._early_admits) < MAX_EARLY) or (prev is not None and at + 1 < prev):
+                self._early_admits[key] = at + 1  # word counts is known only then), the earliest (rule 2)
             return []
         if not (self.state is State.TRAINING and self.joined.get(sponsor, self.round + 2) <= self.round + 1
                 and self.round - 1 <= at <= self.round + ADMIT_AHEAD):
@@ -322,6 +355,8 @@ class Group:
         """Rule 5; True if ``peer`` was a member."""
         was = self.joined.pop(peer, None) is not None
         self._forget_due(peer)
+        if self.state is State.STARTING and len(self._gone) < MAX_EARLY:  # a member, or a fellow joiner
+            self._gone.add(peer)  # that gave up, left before we are in: we do not count it in (rule 5)
         if was:
             self.events.append({"event": "departed", "peer": peer, "round": self.round, "why": why})
         return was
@@ -352,6 +387,7 @@ class Group:
         out = [Send(m, self.round, {"phase": Phase.LEAVE.value, "why": why}) for m in self.joined]
         self.events.append({"event": "left group", "round": self.round, "why": why})
         self.joined.clear()
+        self._admits_due = {}  # the joiners of a group we left are not ours to tell READY
         self.state = State.IDLE
         return out
 

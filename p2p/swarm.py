@@ -462,8 +462,7 @@ class SwarmTrainer:
                                       self.scfg.ready_timeout_s)
         if not ok or told() is None:
             self._say("the group's state did not come; asking again")
-            self._send([Send(m, d.at, {"phase": Phase.LEAVE.value, "why": "no state"}) for m in d.members
-                        if m != self.peer.id])
+            self._send(self.group.give_up(d.at, d.members, "no state"))
             return False
         teller, name = told()
         others = [m.addr for m in (self.peer.member(p) for p in d.members) if m is not None and m.peer_id != teller]
@@ -486,8 +485,7 @@ class SwarmTrainer:
                 if bad is not None:
                     self.averager.reject(bad, f"served a bad state: {e}", d.at)
             self._say(f"could not take the group's state: {e}; asking again")
-            self._send([Send(m, d.at, {"phase": Phase.LEAVE.value, "why": "state fetch failed"}) for m in d.members
-                        if m != self.peer.id])
+            self._send(self.group.give_up(d.at, d.members, "state fetch failed"))
             return False
         self._ready.clear()
         self._restore(c, lowers, f"the group's state after round {d.at} ({name})")
