@@ -256,78 +256,30 @@ def swarm(workers, steps, seeds, compare, reference, target_ce, eval_every, sche
     0.02 of the in-process sequential CE, every upper block >= 0.02 better than the one below,
     every worker busy >= 80%; more workers better at equal steps, within 0.03 at equal total.
     """
-    from blocktrain.blocks.config import ConfigError, apply_overrides, parse_set
-    from blocktrain.p2p.config import PeerJob
+    from blocktrain.blocks.config import ConfigError, parse_set
+    from blocktrain.blocks.progress import bar as progress_bar
 
     from . import swarm as bench_swarm
 
-    try:
-        ov = parse_set(overrides)
-        K = apply_overrides(PeerJob(), ov).model.n_blocks
-        ws = [int(w) for w in workers.split(",")]
-        seed_list = [int(x) for x in seeds.split(",")]
-    except (ConfigError, ValueError) as e:
-        raise click.BadParameter(str(e), param_hint="--set/--workers/--seeds")
-    comps = [c.strip() for c in compare.split(",") if c.strip()]
-    if set(comps) - {"equal-steps", "equal-total"}:
-        raise click.BadParameter(f"unknown comparison in {compare!r}", param_hint="--compare")
     sw = {k: v for k, v in (("schedule", schedule), ("sync", sync), ("every", every), ("codec", codec)) if v is not None}
     if every and not sync:
         sw["sync"] = "params"
-    plan = []
-    for seed in seed_list:
-        for comp in comps:
-            for w in ws:
-                if comp == "equal-total" and w == K and "equal-steps" in comps:
-                    continue  # the same run as equal-steps with K workers
-                local = steps if comp == "equal-steps" else steps * K // w
-                plan.append((comp, w, seed, local))
-    runs, refs = [], []
-    for comp, w, seed, local in plan:
-        name = f"{comp}-w{w}-seed{seed}"
-        click.echo(f"{name}: {w} bt-peer processes, {local} steps per block each" + (f", links {link}" if wan else "")
-                   + f" (logs and reports in {out}/{name})", err=True)
-        from blocktrain.blocks.progress import bar as progress_bar
-        state = {}
-
-        def progress(done, total):
-            if "bar" not in state:
-                state["bar"] = progress_bar(name, total, unit="worker-step").__enter__()
-            state["bar"].update(done - state["bar"].n)
-        try:
-            try:
-                r = bench_swarm.run(w, local, ov, Path(out) / name, test_windows, link if wan else None, sw, seed,
-                                    eval_every, resume, progress=progress)
-            except (ValueError, RuntimeError, TimeoutError, ConfigError) as e:
-                raise click.ClickException(f"{name}: {e}")
-        finally:
-            if "bar" in state:
-                state["bar"].__exit__(None, None, None)
-        r["comparison"] = comp
-        if target_ce is not None:
-            r["time_to_target_s"] = bench_swarm.time_to(r["curves"], target_ce)
-        runs.append(r)
-        click.echo(f"{name}: test CE {r['initial_test_ce']:.3f} -> heads " + " / ".join(f"{c:.4f}" for c in r["head_test_ce"])
-                   + f" in {r['train_seconds']:.0f} s; busy min {r['busy_fraction']['min']:.0%}; "
-                   f"{r['bytes_per_worker'] / 1e6:.1f} MB per worker", err=True)
-        if comp == "equal-steps" and w == K:
-            for rep in [x for x in runs if x is r]:
-                for v in rep["verdicts"]:
-                    click.echo(f"  {v}", err=True)
-        if json_path:  # the runs so far, so that an interrupted bench keeps them
-            _write_json(json_path, bench_swarm.bench_result(runs, [], seed_list, steps, ws, comps, target_ce, K,
-                                                            complete=False))
-    if reference:
-        for seed in seed_list:
-            click.echo(f"in-process sequential reference, seed {seed} ({steps} steps per block, the data per step of "
-                       f"{K} workers)...", err=True)
-            refs.append(bench_swarm.reference(steps, ov, Path(out) / "reference", seed, test_windows, workers=K,
-                                              threads=2))
-    result = bench_swarm.bench_result(runs, refs, seed_list, steps, ws, comps, target_ce, K, complete=True)
-    for line in _swarm_table(result, K):
+    try:
+        bench = bench_swarm.Bench(
+            workers=[int(w) for w in workers.split(",")], steps=steps, seeds=[int(x) for x in seeds.split(",")],
+            compare=[c.strip() for c in compare.split(",") if c.strip()], overrides=parse_set(overrides),
+            out=Path(out), swarm=sw, test_windows=test_windows, link=link if wan else None, eval_every=eval_every,
+            resume=resume, target_ce=target_ce, reference=reference)
+    except (ConfigError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--set/--workers/--seeds/--compare")
+    try:
+        result = bench.execute(save=(lambda r: _write_json(json_path, r)) if json_path else None, bar=progress_bar,
+                               log=lambda s: click.echo(s, err=True))
+    except bench_swarm.BenchError as e:
+        raise click.ClickException(str(e))
+    for line in _swarm_table(result, bench.K):
         click.echo(line)
     if json_path:
-        _write_json(json_path, result)
         click.echo(f"wrote {json_path}")
 
 

@@ -26,6 +26,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import shutil
@@ -34,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .average import free_ports
@@ -235,6 +237,108 @@ def summarise(runs: list[dict], K: int, wide: int) -> dict:
                 "time_to_target_s": [r.get("time_to_target_s") for r in sel],
             }
     return out
+
+
+class BenchError(Exception):
+    """A run of the bench failed (its name first); the runs before it are in the last ``save``."""
+
+
+@dataclass
+class Bench:
+    """One ``bt-bench swarm``: a run per (seed, comparison, worker count), then the in-process
+    references; the figures of every finished run are saved as each ends (``complete`` false
+    until the last), so a failure in hours of runs loses only the one in progress."""
+
+    workers: list[int]
+    steps: int
+    seeds: list[int]
+    compare: list[str]
+    overrides: dict = field(default_factory=dict)
+    out: Path = Path("runs/bench-swarm")
+    swarm: dict = field(default_factory=dict)
+    test_windows: int = 300
+    link: str | None = None
+    eval_every: int = 0
+    resume: bool = False
+    target_ce: float | None = None
+    reference: bool = True
+
+    def __post_init__(self):
+        from blocktrain.blocks.config import apply_overrides
+        from blocktrain.p2p.config import PeerJob
+
+        if set(self.compare) - {"equal-steps", "equal-total"}:
+            raise ValueError(f"unknown comparison(s) {sorted(set(self.compare) - {'equal-steps', 'equal-total'})}")
+        if not (self.workers and self.seeds and self.compare):
+            raise ValueError("at least one worker count, seed and comparison")
+        self.K = apply_overrides(PeerJob(), self.overrides).model.n_blocks
+
+    def plan(self) -> list[tuple]:
+        """(comparison, workers, seed, local steps per block) of every run, in order."""
+        out = []
+        for seed in self.seeds:
+            for comp in self.compare:
+                for w in self.workers:
+                    if comp == "equal-total" and w == self.K and "equal-steps" in self.compare:
+                        continue  # the same run as equal-steps with K workers
+                    out.append((comp, w, seed, self.steps if comp == "equal-steps" else self.steps * self.K // w))
+        return out
+
+    def execute(self, save=None, bar=None, log=lambda s: None) -> dict:
+        """Every run of the plan, then the references; ``save(result)`` after each run and at the
+        end; ``bar(desc, total, unit)``: a progress display per run, in worker-steps
+        (blocks/progress.py). Raises BenchError."""
+        from blocktrain.blocks.config import ConfigError
+
+        runs, refs = [], []
+        for comp, w, seed, local in self.plan():
+            name = f"{comp}-w{w}-seed{seed}"
+            log(f"{name}: {w} bt-peer processes, {local} steps per block each"
+                + (f", links {self.link}" if self.link else "") + f" (logs and reports in {self.out}/{name})")
+            with contextlib.ExitStack() as shown:
+                try:
+                    r = run(w, local, self.overrides, self.out / name, self.test_windows, self.link, self.swarm, seed,
+                            self.eval_every, self.resume, progress=_display(shown, bar, name) if bar else None)
+                except (ValueError, RuntimeError, TimeoutError, ConfigError) as e:
+                    raise BenchError(f"{name}: {e}") from e
+            r["comparison"] = comp
+            if self.target_ce is not None:
+                r["time_to_target_s"] = time_to(r["curves"], self.target_ce)
+            runs.append(r)
+            log(f"{name}: test CE {r['initial_test_ce']:.3f} -> heads " + " / ".join(f"{c:.4f}" for c in r["head_test_ce"])
+                + f" in {r['train_seconds']:.0f} s; busy min {r['busy_fraction']['min']:.0%}; "
+                f"{r['bytes_per_worker'] / 1e6:.1f} MB per worker")
+            if comp == "equal-steps" and w == self.K:
+                for v in r["verdicts"]:
+                    log(f"  {v}")
+            if save:
+                save(self.result(runs, [], complete=False))
+        if self.reference:
+            for seed in self.seeds:
+                log(f"in-process sequential reference, seed {seed} ({self.steps} steps per block, the data per step "
+                    f"of {self.K} workers)...")
+                refs.append(reference(self.steps, self.overrides, self.out / "reference", seed, self.test_windows,
+                                      workers=self.K, threads=2))
+        result = self.result(runs, refs, complete=True)
+        if save:
+            save(result)
+        return result
+
+    def result(self, runs: list, refs: list, complete: bool) -> dict:
+        return bench_result(runs, refs, self.seeds, self.steps, self.workers, self.compare, self.target_ce, self.K,
+                            complete)
+
+
+def _display(stack: contextlib.ExitStack, bar, name: str):
+    """``progress(done, total)`` for ``run``: a ``bar`` made at the first report, when the run's
+    total is known, and closed with ``stack``."""
+    shown: list = []
+
+    def progress(done, total):
+        if not shown:
+            shown.append(stack.enter_context(bar(name, total, unit="worker-step")))
+        shown[0].update(done - shown[0].n)
+    return progress
 
 
 def bench_result(runs: list, refs: list, seeds: list, steps: int, ws: list, comps: list, target_ce, K: int,

@@ -407,14 +407,11 @@ def test_a_bench_run_of_one_seed_repeats(tmp_path):
 
 
 def test_an_interrupted_bench_swarm_keeps_the_runs_it_finished(tmp_path, monkeypatch):
-    """Hours of runs: each one's figures are in --json as soon as it ends (``complete`` false until
+    """Hours of runs: each one's figures are saved as soon as it ends (``complete`` false until
     the last), so a failure or a kill in the third run loses only that one."""
-    from click.testing import CliRunner
-
     from blocktrain.bench import swarm as bench_swarm
-    from blocktrain.bench.cli import main
 
-    calls = []
+    calls, saved = [], []
 
     def fake_run(w, local, ov, out, *a, **k):
         calls.append(w)
@@ -424,17 +421,19 @@ def test_an_interrupted_bench_swarm_keeps_the_runs_it_finished(tmp_path, monkeyp
                 "final_test_ce": 1.8, "busy_fraction": {"per_worker": [0.9] * w, "min": 0.9},
                 "train_seconds": 10.0, "bytes_per_worker": 1e6, "verdicts": [], "curves": []}
     monkeypatch.setattr(bench_swarm, "run", fake_run)
-    path = tmp_path / "b.json"
-    res = CliRunner().invoke(main, ["swarm", "--workers", "3,6", "--steps", "10", "--no-reference",
-                                    "--out", str(tmp_path / "runs"), "--json", str(path)])
-    assert res.exit_code != 0 and "worker(s) [4] exited" in res.output and calls == [3, 6]
-    got = json.loads(path.read_text())
+    bench = bench_swarm.Bench(workers=[3, 6], steps=10, seeds=[0], compare=["equal-steps", "equal-total"],
+                              out=tmp_path / "runs", reference=False)
+    assert bench.plan() == [("equal-steps", 3, 0, 10), ("equal-steps", 6, 0, 10), ("equal-total", 6, 0, 5)]
+    with pytest.raises(bench_swarm.BenchError, match=r"equal-steps-w6-seed0: worker\(s\) \[4\] exited"):
+        bench.execute(save=saved.append)
+    assert calls == [3, 6] and len(saved) == 1
+    got = saved[-1]
     assert got["complete"] is False and [r["workers"] for r in got["runs"]] == [3]
     assert got["swarm"]["head_test_ce"] == [2.0, 1.9, 1.8]
     calls.append("no more failures")
-    res = CliRunner().invoke(main, ["swarm", "--workers", "3,6", "--steps", "10", "--no-reference",
-                                    "--out", str(tmp_path / "runs"), "--json", str(path)])
-    got = json.loads(path.read_text())
-    assert res.exit_code == 0 and got["complete"] is True
+    got = bench.execute(save=saved.append)
+    assert got["complete"] is True and saved[-1] is got
     assert [(r["comparison"], r["workers"]) for r in got["runs"]] == [("equal-steps", 3), ("equal-steps", 6),
                                                                        ("equal-total", 6)]
+    with pytest.raises(ValueError, match="unknown comparison"):
+        bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["equal-time"])
