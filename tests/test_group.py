@@ -317,6 +317,19 @@ def test_what_a_member_that_is_not_the_sponsor_can_admit_is_bounded():
     assert sum(f > g2.round for f in g2.joined.values()) == MAX_PENDING and av_max > MAX_PENDING
 
 
+def _two_joiners_during(rounds, order):
+    """j2 and j3 join while the members of ``_group_with_a_new_smaller_member`` stand at ``rounds``
+    (member -> round in progress), messages delivered in ``order``."""
+    net = _group_with_a_new_smaller_member()
+    net.g["j3"] = Group("j3")
+    for p, r in rounds.items():
+        net.g[p].begin_round(r, f"s{r}", 0)
+    for j in ("j2", "j3"):
+        start(net, j, rnd=1, digest="fresh", candidates=["a1", "b", "c"])
+    net.drain(list(order))
+    return net
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from([{"a1": 8, "b": 8, "c": 7}, {"a1": 8, "b": 7, "c": 8}, {"a1": 8, "b": 7, "c": 7},
                         {"a1": 8, "b": 8, "c": 8}]), st.lists(st.integers(0, 1000), max_size=40))
@@ -326,13 +339,7 @@ def test_two_joiners_at_a_sponsor_change_are_counted_in_alike_by_everyone(rounds
     members its sender knew then: neither joiner heard of the other, and the group split (a
     reviewer's simulation: 566 of 3,000 delivery orders). Every peer in at a round must see the
     same members in it."""
-    net = _group_with_a_new_smaller_member()
-    net.g["j3"] = Group("j3")
-    for p, r in rounds.items():
-        net.g[p].begin_round(r, f"s{r}", 0)
-    for j in ("j2", "j3"):
-        start(net, j, rnd=1, digest="fresh", candidates=["a1", "b", "c"])
-    net.drain(list(order))
+    net = _two_joiners_during(rounds, order)
     first = {"a1": 8, "b": 1, "c": 1}
     for j in ("j2", "j3"):
         d = net.g[j].decide()
@@ -417,13 +424,7 @@ def test_a_joiner_that_gives_up_is_counted_in_by_nobody(rounds, order):
     """A review: a pending joiner whose state did not come told only the members its welcome named
     that it leaves; a fellow joiner that counted it in (from the ADMITs members passed on) waited
     for its parts until its round failed."""
-    net = _group_with_a_new_smaller_member()
-    net.g["j3"] = Group("j3")
-    for p, r in rounds.items():
-        net.g[p].begin_round(r, f"s{r}", 0)
-    for j in ("j2", "j3"):
-        start(net, j, rnd=1, digest="fresh", candidates=["a1", "b", "c"])
-    net.drain(list(order))
+    net = _two_joiners_during(rounds, order)
     d3 = net.g["j3"].decide()
     assert d3.action == "fetch", d3
     net.post("j3", net.g["j3"].give_up(d3.at, d3.members, "no state"))
