@@ -61,6 +61,7 @@ STATUS_EVERY_S = 5.0
 # ... and answered at most this often when its STATUS ranks below ours (so that it yields at once).
 STATUS_REPLY_S = 0.5
 READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes first
+READY_PER_MEMBER = 2  # of them from one member (an honest one tells one per admission)
 # Seconds between checkpoints of the block in training (and at every block's end).
 SAVE_EVERY_S = 30.0
 
@@ -367,6 +368,9 @@ class SwarmTrainer:
         elif phase is Phase.READY:  # every member's, kept while we join: the newest rounds, names bounded
             at, name = meta.get("at"), meta.get("name")
             if self.state == "joining" and type(at) is int and isinstance(name, str) and len(name) <= 64:
+                theirs = sorted(k for k in self._ready if k[1] == pid)
+                if (at, pid) not in self._ready and len(theirs) >= READY_PER_MEMBER:
+                    del self._ready[theirs[0]]  # one member's flood pushes out only its own
                 self._ready[(at, pid)] = name
                 while len(self._ready) > READY_KEPT:
                     del self._ready[min(self._ready)]

@@ -564,3 +564,22 @@ def test_a_joiner_named_in_an_admit_is_never_dialled_as_an_address(tmp_path):
                                                         "scope": sp.scope}), None, "b" * 64)
     assert "10.9.9.9:22" not in g.joined  # not a peer id: not taken
     assert g.joined["e" * 64] == 8 and set(dialled) == {"j" * 64}  # e is no member we know: not dialled
+
+
+def test_a_member_flooding_ready_cannot_push_out_another_members(tmp_path):
+    """A joiner keeps the READYs of its join attempt (at most 16, the oldest round dropped first):
+    a keyed member sending READYs for later and later rounds pushed out the honest member's READY
+    for the joiner's round, and the joiner waited for its timeout. Now one member holds at most 2."""
+    from blocktrain.protocol import BlockUpdate
+
+    sp = _swarm_trainer(_FakeNode("a" * 64), tmp_path)
+    sp.state = "joining"
+
+    def ready(pid, at):
+        sp._control(BlockUpdate(block=0, round=at, meta={"phase": "ready", "at": at, "name": f"block0.r{at}",
+                                                         "scope": sp.scope}), None, pid)
+    ready("b" * 64, 7)
+    for at in range(8, 200):
+        ready("f" * 64, at)
+    assert sp._ready[(7, "b" * 64)] == "block0.r7"
+    assert sorted(sp._ready) == [(7, "b" * 64), (198, "f" * 64), (199, "f" * 64)]
