@@ -225,6 +225,9 @@ def _plot_sweep(rows, path):
 @click.option("--compare", default="equal-steps,equal-total", show_default=True,
               help="equal-steps: every worker the same steps (more workers, more data); equal-total: the same total "
                    "local steps per block, shared by the workers.")
+@click.option("--equal-total-lr", type=click.Choice(["linear", "same"]), default="linear", show_default=True,
+              help="Equal-total runs have W/K times the batch for K/W the steps: linear: learning rate x W/K and "
+                   "warmup x K/W steps (the linear scaling rule); same: the configured ones.")
 @click.option("--reference/--no-reference", default=True, show_default=True,
               help="Also train the in-process sequential run of the same model and steps per block, with the data "
                    "per step of the one-worker-per-block run (a batch K times a worker's).")
@@ -245,8 +248,8 @@ def _plot_sweep(rows, path):
 @click.option("--out", default="runs/bench-swarm", show_default=True, type=click.Path(file_okay=False))
 @click.option("--resume", is_flag=True, help="Resume runs from their work directories (default: fresh ones).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
-def swarm(workers, steps, seeds, compare, reference, target_ce, eval_every, schedule, sync, every, codec, overrides,
-          wan, link, test_windows, out, resume, json_path):
+def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, eval_every, schedule, sync, every,
+          codec, overrides, wan, link, test_windows, out, resume, json_path):
     """Train a model with real bt-peer processes on loopback, assemble it from the swarm, test it.
 
     For every seed and worker count: equal steps per worker (does adding workers, and data, help?)
@@ -269,7 +272,7 @@ def swarm(workers, steps, seeds, compare, reference, target_ce, eval_every, sche
             workers=[int(w) for w in workers.split(",")], steps=steps, seeds=[int(x) for x in seeds.split(",")],
             compare=[c.strip() for c in compare.split(",") if c.strip()], overrides=parse_set(overrides),
             out=Path(out), swarm=sw, test_windows=test_windows, link=link if wan else None, eval_every=eval_every,
-            resume=resume, target_ce=target_ce, reference=reference)
+            resume=resume, target_ce=target_ce, reference=reference, equal_total_lr=equal_total_lr)
     except (ConfigError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--set/--workers/--seeds/--compare")
     try:

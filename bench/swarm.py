@@ -10,7 +10,10 @@ Rules:
 - Comparisons, at every seed: ``equal-steps``: every worker takes ``steps`` steps per block
   (adding workers adds data); ``equal-total``: the workers of a run share ``steps x K`` local
   steps per block in all (W workers take steps x K / W each). The runs with K workers are the
-  "one worker per block" baseline.
+  "one worker per block" baseline. An equal-total run has W/K times the batch (the workers average
+  their gradients every step) for K/W the optimizer steps: under ``equal_total_lr="linear"`` (the
+  default) it takes the learning rate x W/K and the warmup x K/W steps (the same samples), the
+  linear scaling rule (Goyal et al. 2017); ``"same"``: the configured ones.
 - The model is assembled from the swarm (``bt-peer assemble``'s code) once every worker reports
   ``done`` and evaluated on test windows: the CE of every head along the chain. Busy fraction:
   each worker's time in training steps over its wall time. Bytes: the peers' own counters
@@ -262,6 +265,7 @@ class Bench:
     resume: bool = False
     target_ce: float | None = None
     reference: bool = True
+    equal_total_lr: str = "linear"  # or "same" (see Rules)
 
     def __post_init__(self):
         from blocktrain.blocks.config import apply_overrides
@@ -271,7 +275,18 @@ class Bench:
             raise ValueError(f"unknown comparison(s) {sorted(set(self.compare) - {'equal-steps', 'equal-total'})}")
         if not (self.workers and self.seeds and self.compare):
             raise ValueError("at least one worker count, seed and comparison")
-        self.K = apply_overrides(PeerJob(), self.overrides).model.n_blocks
+        if self.equal_total_lr not in ("linear", "same"):
+            raise ValueError(f"equal_total_lr is 'linear' or 'same', not {self.equal_total_lr!r}")
+        job = apply_overrides(PeerJob(), self.overrides)
+        self.K, self._train = job.model.n_blocks, job.train
+
+    def overrides_for(self, comp: str, w: int) -> dict:
+        """One run's config: ours, and for an equal-total run under the linear rule the learning
+        rate x W/K and the warmup x K/W (see Rules)."""
+        if comp != "equal-total" or self.equal_total_lr == "same" or w == self.K:
+            return self.overrides
+        return {**self.overrides, "train.lr": float(f"{self._train.lr * w / self.K:.6g}"),
+                "train.warmup": round(self._train.warmup * self.K / w)}
 
     def plan(self) -> list[tuple]:
         """(comparison, workers, seed, local steps per block) of every run, in order."""
@@ -293,11 +308,14 @@ class Bench:
         runs, refs = [], []
         for comp, w, seed, local in self.plan():
             name = f"{comp}-w{w}-seed{seed}"
+            ov = self.overrides_for(comp, w)
             log(f"{name}: {w} bt-peer processes, {local} steps per block each"
+                + (f", learning rate {ov['train.lr']:g} and warmup {ov['train.warmup']} steps (linear rule)"
+                   if ov is not self.overrides else "")
                 + (f", links {self.link}" if self.link else "") + f" (logs and reports in {self.out}/{name})")
             with contextlib.ExitStack() as shown:
                 try:
-                    r = run(w, local, self.overrides, self.out / name, self.test_windows, self.link, self.swarm, seed,
+                    r = run(w, local, ov, self.out / name, self.test_windows, self.link, self.swarm, seed,
                             self.eval_every, self.resume, progress=_display(shown, bar, name) if bar else None)
                 except (ValueError, RuntimeError, TimeoutError, ConfigError) as e:
                     raise BenchError(f"{name}: {e}") from e
@@ -325,8 +343,8 @@ class Bench:
         return result
 
     def result(self, runs: list, refs: list, complete: bool) -> dict:
-        return bench_result(runs, refs, self.seeds, self.steps, self.workers, self.compare, self.target_ce, self.K,
-                            complete)
+        return {**bench_result(runs, refs, self.seeds, self.steps, self.workers, self.compare, self.target_ce, self.K,
+                               complete), "equal_total_lr": self.equal_total_lr}
 
 
 def _display(stack: contextlib.ExitStack, bar, name: str):

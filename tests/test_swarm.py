@@ -437,3 +437,27 @@ def test_an_interrupted_bench_swarm_keeps_the_runs_it_finished(tmp_path, monkeyp
                                                                        ("equal-total", 6)]
     with pytest.raises(ValueError, match="unknown comparison"):
         bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["equal-time"])
+
+
+def test_equal_total_runs_take_the_linear_scaling_rule_unless_told_otherwise(tmp_path, monkeypatch):
+    """An equal-total run with W workers has W/K times the batch for K/W the optimizer steps; at the
+    configured learning rate it fell 0.05 behind K workers at 1000 steps per block (one seed):
+    it takes the learning rate x W/K and the warmup x K/W unless ``equal_total_lr="same"``."""
+    from blocktrain.bench import swarm as bench_swarm
+
+    got = {}
+
+    def fake_run(w, local, ov, out, *a, **k):
+        got[out.name] = (local, ov.get("train.lr"), ov.get("train.warmup"))
+        return {"workers": w, "seed": 0, "initial_test_ce": 5.5, "head_test_ce": [2.0, 1.9, 1.8],
+                "final_test_ce": 1.8, "busy_fraction": {"per_worker": [0.9] * w, "min": 0.9},
+                "train_seconds": 10.0, "bytes_per_worker": 1e6, "verdicts": [], "curves": []}
+    monkeypatch.setattr(bench_swarm, "run", fake_run)
+    kw = dict(workers=[3, 6], steps=100, seeds=[0], compare=["equal-steps", "equal-total"], out=tmp_path,
+              reference=False, overrides={"train.lr": "0.003"})
+    res = bench_swarm.Bench(**kw).execute()
+    assert got == {"equal-steps-w3-seed0": (100, "0.003", None), "equal-steps-w6-seed0": (100, "0.003", None),
+                   "equal-total-w6-seed0": (50, 0.006, 15)} and res["equal_total_lr"] == "linear"
+    got.clear()
+    bench_swarm.Bench(**kw, equal_total_lr="same").execute()
+    assert got["equal-total-w6-seed0"] == (50, "0.003", None)
