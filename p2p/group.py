@@ -18,7 +18,9 @@ Rules:
   admission, and the joiner takes the earliest welcome of that group. Two joiners admitted by
   the two sponsors each hear of the other: a member that admits a joiner, or takes a new
   admission, tells it of every joiner pending and them of it (welcomes are snapshots), and a
-  joiner counts in every pending joiner it hears of before it is in.
+  joiner counts in the pending joiners it hears of before it is in from a member its welcome
+  names (or from one counted in that way). A joiner that gives up its admission tells the members
+  and those joiners that it leaves.
 - Rule 3: peers that start at once from the same state (same step and digest; from one seed,
   every peer's fresh block is the same) form the group together, from their next round, with no
   state to fetch; each learns of the others from their JOINs and its own JOIN's answers. With
@@ -29,7 +31,10 @@ Rules:
 - Rule 4: starting with nobody training and no same-state starters: the starting peer with the
   most steps (then the smallest id) trains alone and sponsors the others.
 - Rule 5: a member that departs (left, dead, connection lost, excluded) leaves the group for good;
-  a peer that comes back joins again through a sponsor, taking the group's state.
+  a peer that comes back joins again through a sponsor, taking the group's state. A LEAVE names
+  its sender's round: an ADMIT of that peer for that round or before is stale (passed on before
+  the LEAVE, arriving after it), and a joiner does not count in a peer that left during its join
+  attempt (its welcome may predate the LEAVE) unless it is admitted again.
 - Rule 6: two groups that meet (a split: a stopped peer resumed, a race at start) merge: each
   member tells non-members its group's (size, sponsor); the group of lower rank (smaller, then the
   larger sponsor id) yields: its members leave it and join the other one (rule 2).
@@ -73,7 +78,9 @@ MAX_ID_LEN = 128  # a peer id in an ADMIT (the driver checks the exact form)
 # ADMITs a member passes on to pending joiners per round (rule 2): honest groups send a few per
 # joiner; a member that admits and re-admits without end cannot make us send more than this.
 MAX_FORWARDS = 4 * MAX_PENDING
-MAX_EARLY = 1024  # admissions (peer, sender) a joiner keeps before it is in
+MAX_EARLY = 1024  # admissions (peer, sender) a joiner keeps before it is in (MAX_PENDING per sender);
+#                   LEAVE rounds kept (the oldest dropped first)
+EARLY_PER_KEY = 4  # first rounds kept per (peer, sender) (an admission and re-admissions after a LEAVE)
 
 # What a peer answers to a JOIN in each state (rule 1). TRAINING: the sponsor welcomes, the other
 # members redirect to it; STARTING: "starting", with the step and digest it starts from (rule 3).
@@ -128,9 +135,10 @@ class Group:
     _asked: set = field(default_factory=set)  # joiner side: peers our JOIN went to
     _admits_due: dict = field(default_factory=dict)  # round -> joiners that take the state written then
     _starters: dict = field(default_factory=dict)  # STARTING side: peer -> (step, digest) it starts from
-    _early_admits: dict = field(default_factory=dict)  # joiner side: (peer, sender) -> first round, heard
+    _early_admits: dict = field(default_factory=dict)  # joiner side: (peer, sender) -> first rounds, heard
     #                                                    before we are in (MAX_EARLY)
-    _gone: set = field(default_factory=set)  # joiner side: peers that left before we are in (MAX_EARLY)
+    _gone: dict = field(default_factory=dict)  # peer -> round of its LEAVE (MAX_EARLY; rule 5)
+    _left: set = field(default_factory=set)  # joiner side: peers whose LEAVE came in this join attempt
     _forwards: int = 0  # ADMITs passed on in the round in progress (MAX_FORWARDS)
 
     # --- views -------------------------------------------------------------------------------
@@ -153,6 +161,7 @@ class Group:
         self.state, self.step, self.digest, self.round = State.STARTING, step, digest, rnd
         self.joined.clear()
         self._replies, self._asked = {}, set(candidates) - {self.me}  # starters seen before are kept
+        self._left = set()
         return [Send(p, rnd, {"phase": Phase.JOIN.value, "step": step, "digest": digest})
                 for p in sorted(self._asked)]
 
@@ -217,26 +226,33 @@ class Group:
         self._starters = {}
         self.state = State.TRAINING
         self.round = at + 1
-        members = [p for p in members if p not in self._gone]  # a welcome is a snapshot: some left since
+        readmitted = {p for p, _ in self._early_admits}  # (admissions up to a LEAVE are dropped: rule 5)
+        members = [p for p in members if p not in self._left or p in readmitted]  # a welcome is a snapshot
         self.joined = {p: at + 1 for p in members if p != self.me}
-        # admitted too, told before we were in (one admitted before us and missing from our
-        # welcome's snapshot: in from our start)
-        for p, first in self._told_of(members).items():
-            self.joined[p] = max(first, self.joined.get(p, at + 1))
-        self._replies, self._asked, self._early_admits, self._admits_due, self._gone = {}, set(), {}, {}, set()
+        # admitted too, told before we were in: one admitted before us and missing from our
+        # welcome's snapshot is in from our start; one the welcome names, later only on the
+        # sponsor's word (it came back unseen), never past ADMIT_AHEAD
+        sponsor = min([self.me, *members])
+        for p, told in self._told_of(members).items():
+            named = p in self.joined
+            first = min((f for q, f in told if q == sponsor or not named), default=at + 1)
+            if first <= at + 1 + ADMIT_AHEAD:
+                self.joined[p] = max(first, at + 1)
+        self._replies, self._asked, self._early_admits, self._admits_due, self._left = {}, set(), {}, {}, set()
 
     def _told_of(self, members) -> dict:
-        """The pending joiners we count in when we are in (rule 2): those admitted by a member our
-        welcome names, or by one counted in this way (a joiner in before us passes admissions on),
-        each from its earliest such admission. The same whatever order the ADMITs came in."""
+        """Peer -> [(sender, first round)] of the admissions we take when we are in (rule 2): those
+        sent by a member our welcome names, or by a peer counted in this way (a joiner in before us
+        passes admissions on). The same whatever order the ADMITs came in."""
         by_sender: dict = {}
-        for (p, sender), first in self._early_admits.items():
-            if p != self.me and p not in self._gone:
-                by_sender.setdefault(sender, []).append((p, first))
+        for (p, sender), firsts in self._early_admits.items():
+            if p != self.me:
+                by_sender.setdefault(sender, []).append((p, firsts[0]))
         trusted, todo, counted = set(members), [m for m in members if m in by_sender], {}
         while todo:
-            for p, first in by_sender.pop(todo.pop(), ()):
-                counted[p] = min(first, counted.get(p, first))
+            sender = todo.pop()
+            for p, first in by_sender.pop(sender, ()):
+                counted.setdefault(p, []).append((sender, first))
                 if p not in trusted:
                     trusted.add(p)
                     if p in by_sender:
@@ -249,8 +265,12 @@ class Group:
         in too, from the ADMITs members passed on: rule 2), who would otherwise wait for our parts
         until their round fails. We ask again with ``start_join``."""
         told = sorted((set(members) | set(self._told_of(members))) - {self.me})
-        self._early_admits = {}
-        return [Send(m, at, {"phase": Phase.LEAVE.value, "why": why}) for m in told]
+        # the LEAVE's round covers every admission of this attempt (each sponsor that admitted us
+        # welcomed us: rule 2), so that none of them passed on after it counts us in again
+        last = max([at] + [w.meta["at"] for q, w in self._replies.items() if w.phase is Phase.WELCOME
+                           and q in members and type(w.meta.get("at")) is int and at < w.meta["at"] <= at + ADMIT_AHEAD])
+        self._early_admits, self._left = {}, set()  # the next attempt's welcome and ADMITs are new
+        return [Send(m, last, {"phase": Phase.LEAVE.value, "why": why}) for m in told]
 
     # --- as a member ---------------------------------------------------------------------------
     def begin_round(self, rnd: int, digest: str, block: int) -> list[str]:
@@ -289,11 +309,16 @@ class Group:
         peer, at = meta.get("peer"), meta.get("at")
         if not (isinstance(peer, str) and len(peer) <= MAX_ID_LEN and type(at) is int and peer != self.me):
             return []
+        if at <= self._gone.get(peer, -1):
+            return []  # stale: passed on before that peer's LEAVE (rule 5)
         if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter, per
-            self._gone.discard(peer)  # (admitted again after it left)
             key, prev = (peer, sponsor), self._early_admits.get((peer, sponsor))  # sender (which group's
-            if (prev is None and len(self._early_admits) < MAX_EARLY) or (prev is not None and at + 1 < prev):
-                self._early_admits[key] = at + 1  # word counts is known only then), the earliest (rule 2)
+            if prev is None:  # word counts is known only then); the earliest counts (rule 2), and later
+                if len(self._early_admits) < MAX_EARLY \
+                        and sum(k[1] == sponsor for k in self._early_admits) < MAX_PENDING:
+                    self._early_admits[key] = (at + 1,)
+            else:  # ones are kept, a few: a LEAVE of the peer drops those up to its round (rule 5)
+                self._early_admits[key] = tuple(sorted({*prev, at + 1}))[:EARLY_PER_KEY]
             return []
         if not (self.state is State.TRAINING and self.joined.get(sponsor, self.round + 2) <= self.round + 1
                 and self.round - 1 <= at <= self.round + ADMIT_AHEAD):
@@ -355,11 +380,22 @@ class Group:
         """Rule 5; True if ``peer`` was a member."""
         was = self.joined.pop(peer, None) is not None
         self._forget_due(peer)
-        if self.state is State.STARTING and len(self._gone) < MAX_EARLY:  # a member, or a fellow joiner
-            self._gone.add(peer)  # that gave up, left before we are in: we do not count it in (rule 5)
         if was:
             self.events.append({"event": "departed", "peer": peer, "round": self.round, "why": why})
         return was
+
+    def on_leave(self, peer: str, rnd: int, why: str) -> bool:
+        """A LEAVE from ``peer``, sent in its round ``rnd`` (rule 5): it departs; its admissions up to
+        that round are stale; a joiner does not count it in. True if it was a member."""
+        if type(rnd) is int and rnd >= 0:
+            if peer not in self._gone and len(self._gone) >= MAX_EARLY:
+                del self._gone[min(self._gone, key=self._gone.get)]
+            self._gone[peer] = max(rnd, self._gone.get(peer, rnd))
+            self._early_admits = {k: fs for k, fs in ((k, fs if k[0] != peer else tuple(f for f in fs if f - 1 > rnd))
+                                                      for k, fs in self._early_admits.items()) if fs}
+        if self.state is State.STARTING:
+            self._left.add(peer)
+        return self.depart(peer, why)
 
     # --- merging (rule 6) ------------------------------------------------------------------------
     def status_for(self, peer: str) -> Send:

@@ -375,7 +375,7 @@ class SwarmTrainer:
                 while len(self._ready) > READY_KEPT:
                     del self._ready[min(self._ready)]
         elif phase is Phase.LEAVE:
-            if self.group.depart(pid, str(meta.get("why", ""))[:200]):
+            if self.group.on_leave(pid, msg.round, str(meta.get("why", ""))[:200]):
                 self.averager.depart(pid, "left the group")
         elif phase is Phase.STATUS:
             size = meta.get("size")

@@ -4,7 +4,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktrain.p2p.group import MAX_FORWARDS, MAX_PENDING, Group, Phase, State
+from blocktrain.p2p.group import MAX_EARLY, MAX_FORWARDS, MAX_PENDING, Group, Phase, State
 
 
 class Net:
@@ -32,7 +32,7 @@ class Net:
             if leave is not None:
                 self.post(s.peer, leave)
         elif phase is Phase.LEAVE:
-            g.depart(src, s.meta.get("why", ""))
+            g.on_leave(src, s.round, s.meta.get("why", ""))
 
     def drain(self, order=None):
         while self.queue:
@@ -451,14 +451,66 @@ def test_a_group_left_or_entered_has_no_joiners_to_tell_ready():
 
 
 def test_a_peer_that_left_before_we_are_in_is_not_counted_in_unless_admitted_again():
-    def view(events):
+    """A review: a LEAVE and the ADMIT of a new admission can come in either order (the LEAVE
+    from the peer, the ADMIT from a member), an admission from before the LEAVE must not count
+    again, a lost connection is no LEAVE, and a second join attempt starts afresh."""
+    def view(events, attempts=1):
         j = Group("j3")
-        j.start_join(["b", "c"], 0, "fresh", 1)
-        for ev in events:
-            j.depart(ev[1], "left") if ev[0] == "leave" else j.on_admit(ev[0], {"peer": ev[1], "at": ev[2]})
+        for n in range(attempts):
+            j.start_join(["b", "c"], 0, "fresh", 1)
+            for ev in events if n == 0 else ():
+                if ev[0] == "leave":
+                    j.on_leave(ev[1], ev[2], "left")
+                elif ev[0] == "lost":
+                    j.depart(ev[1], "connection lost")
+                else:
+                    j.on_admit(ev[0], {"peer": ev[1], "at": ev[2]})
+            if n + 1 < attempts:
+                j.give_up(8, ["b", "c", "k"], "no state")
         j.joined_group(8, ["b", "c", "k"])  # the welcome's snapshot names k
-        return j.members(9)
+        return {r: j.members(r) for r in (9, 12)}
 
-    assert view([]) == ["b", "c", "j3", "k"]
-    assert view([("leave", "k")]) == ["b", "c", "j3"]
-    assert view([("leave", "k"), ("b", "k", 8)]) == ["b", "c", "j3", "k"]
+    everyone, without_k = ["b", "c", "j3", "k"], ["b", "c", "j3"]
+    assert view([]) == {9: everyone, 12: everyone}
+    assert view([("leave", "k", 7)]) == {9: without_k, 12: without_k}
+    assert view([("lost", "k")]) == {9: everyone, 12: everyone}  # a lost connection: no LEAVE
+    assert view([("leave", "k", 7)], attempts=2) == {9: everyone, 12: everyone}  # a new attempt, a new welcome
+    back = {9: without_k, 12: everyone}  # admitted again, from round 11
+    assert view([("leave", "k", 7), ("b", "k", 10)]) == view([("b", "k", 10), ("leave", "k", 7)]) == back
+    assert view([("b", "k", 5), ("leave", "k", 7)]) == {9: without_k, 12: without_k}  # admitted before it left
+    assert view([("b", "k", 5), ("b", "k", 10), ("leave", "k", 7)]) == back  # and again, before its LEAVE came
+    assert view([("leave", "k", 7), ("c", "k", 6)]) == {9: without_k, 12: without_k}  # passed on before it left
+
+
+def test_what_a_member_can_make_a_joiner_count_in_is_bounded():
+    """A review: a member our welcome names could delay another member's first round without end
+    (an ADMIT of it for round 10^9), and one sender could fill the joiner's table of admissions."""
+    j = Group("j3")
+    j.start_join(["b", "c"], 0, "fresh", 1)
+    j.on_admit("c", {"peer": "b", "at": 10**9})  # b is named by the welcome; c is not the sponsor
+    j.on_admit("c", {"peer": "x", "at": 10**9})  # a round far past ours
+    for i in range(MAX_EARLY):
+        j.on_admit("f", {"peer": f"p{i:04d}", "at": 9})
+    j.on_admit("c", {"peer": "j2", "at": 8})
+    assert len(j._early_admits) == MAX_PENDING + 3  # f's are bounded, c's still kept
+    j.joined_group(8, ["b", "c"])
+    assert j.members(9) == ["b", "c", "j2", "j3"] and "x" not in j.joined
+
+
+def test_a_joiner_giving_up_names_the_last_round_it_was_admitted_to_and_members_drop_stale_admits():
+    """Both sponsors of a sponsor change may admit a joiner (rule 2); its LEAVE covers both rounds,
+    so an ADMIT of the later admission passed on after the LEAVE does not count it in again."""
+    j = Group("j")
+    j.start_join(["a1", "b"], 0, "fresh", 1)
+    j.on_reply("b", Phase.WELCOME, {"at": 7, "members": ["a1", "b", "j"], "block": 0})
+    j.on_reply("a1", Phase.WELCOME, {"at": 8, "members": ["a1", "b", "j"], "block": 0})
+    d = j.decide()
+    assert d.at == 7
+    leaves = j.give_up(d.at, d.members, "no state")
+    assert sorted((s.peer, s.round) for s in leaves) == [("a1", 8), ("b", 8)]
+    c = Group("c")
+    c.state, c.round, c.joined = State.TRAINING, 7, {"a1": 7, "b": 1, "j": 8}
+    assert c.on_leave("j", 8, "no state") and "j" not in c.joined
+    assert c.on_admit("a1", {"peer": "j", "at": 8}) == [] and "j" not in c.joined  # stale
+    c.on_admit("a1", {"peer": "j", "at": 10})  # admitted again: counted
+    assert c.joined["j"] == 11
