@@ -275,6 +275,8 @@ class Bench:
             raise ValueError(f"unknown comparison(s) {sorted(set(self.compare) - {'equal-steps', 'equal-total'})}")
         if not (self.workers and self.seeds and self.compare):
             raise ValueError("at least one worker count, seed and comparison")
+        if min(self.workers) < 1 or min(self.seeds) < 0:
+            raise ValueError(f"worker counts are >= 1 and seeds >= 0 (got {self.workers} and {self.seeds})")
         if self.equal_total_lr not in ("linear", "same"):
             raise ValueError(f"equal_total_lr is 'linear' or 'same', not {self.equal_total_lr!r}")
         job = apply_overrides(PeerJob(), self.overrides)

@@ -437,6 +437,8 @@ def test_an_interrupted_bench_swarm_keeps_the_runs_it_finished(tmp_path, monkeyp
                                                                        ("equal-total", 6)]
     with pytest.raises(ValueError, match="unknown comparison"):
         bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["equal-time"])
+    with pytest.raises(ValueError, match="worker counts are >= 1"):
+        bench_swarm.Bench(workers=[0, 3], steps=10, seeds=[0], compare=["equal-total"])
 
 
 def test_equal_total_runs_take_the_linear_scaling_rule_unless_told_otherwise(tmp_path, monkeypatch):
