@@ -79,7 +79,7 @@ MAX_ID_LEN = 128  # a peer id in an ADMIT (the driver checks the exact form)
 # joiner; a member that admits and re-admits without end cannot make us send more than this.
 MAX_FORWARDS = 4 * MAX_PENDING
 MAX_EARLY = 1024  # admissions (peer, sender) a joiner keeps before it is in (MAX_PENDING per sender);
-#                   LEAVE rounds kept (the oldest dropped first)
+#                   peers whose LEAVE round is kept (the first recorded dropped first)
 EARLY_PER_KEY = 4  # first rounds kept per (peer, sender) (an admission and re-admissions after a LEAVE)
 
 # What a peer answers to a JOIN in each state (rule 1). TRAINING: the sponsor welcomes, the other
@@ -135,7 +135,7 @@ class Group:
     _asked: set = field(default_factory=set)  # joiner side: peers our JOIN went to
     _admits_due: dict = field(default_factory=dict)  # round -> joiners that take the state written then
     _starters: dict = field(default_factory=dict)  # STARTING side: peer -> (step, digest) it starts from
-    _early_admits: dict = field(default_factory=dict)  # joiner side: (peer, sender) -> first rounds, heard
+    _early_admits: dict = field(default_factory=dict)  # joiner side: (peer, sender) -> (first rounds, after)
     #                                                    before we are in (MAX_EARLY)
     _gone: dict = field(default_factory=dict)  # peer -> round of its LEAVE (MAX_EARLY; rule 5)
     _left: set = field(default_factory=set)  # joiner side: peers whose LEAVE came in this join attempt
@@ -158,6 +158,8 @@ class Group:
     # --- as a joiner ---------------------------------------------------------------------------
     def start_join(self, candidates, step: int, digest: str, rnd: int) -> list[Send]:
         """Ask every candidate in scope to let us in; we are STARTING until ``decide``."""
+        if self.state is not State.STARTING:
+            self._gone = {}  # LEAVE rounds are a group's rounds: another group counts its own
         self.state, self.step, self.digest, self.round = State.STARTING, step, digest, rnd
         self.joined.clear()
         self._replies, self._asked = {}, set(candidates) - {self.me}  # starters seen before are kept
@@ -226,37 +228,43 @@ class Group:
         self._starters = {}
         self.state = State.TRAINING
         self.round = at + 1
-        readmitted = {p for p, _ in self._early_admits}  # (admissions up to a LEAVE are dropped: rule 5)
-        members = [p for p in members if p not in self._left or p in readmitted]  # a welcome is a snapshot
-        self.joined = {p: at + 1 for p in members if p != self.me}
+        # a welcome is a snapshot: one that told us LEAVE since is counted in only if admitted again
+        named = [p for p in members if p != self.me and p not in self._left]
+        self.joined = {p: at + 1 for p in named}
         # admitted too, told before we were in: one admitted before us and missing from our
         # welcome's snapshot is in from our start; one the welcome names, later only on the
         # sponsor's word (it came back unseen), never past ADMIT_AHEAD
-        sponsor = min([self.me, *members])
-        for p, told in self._told_of(members).items():
-            named = p in self.joined
-            first = min((f for q, f in told if q == sponsor or not named), default=at + 1)
-            if first <= at + 1 + ADMIT_AHEAD:
+        sponsor = min(named, default=self.me)
+        for p, told in self._told_of(named).items():
+            first = min((f for q, f in told if q == sponsor or p not in self.joined), default=None)
+            if first is not None and first <= at + 1 + ADMIT_AHEAD:
                 self.joined[p] = max(first, at + 1)
         self._replies, self._asked, self._early_admits, self._admits_due, self._left = {}, set(), {}, {}, set()
 
     def _told_of(self, members) -> dict:
         """Peer -> [(sender, first round)] of the admissions we take when we are in (rule 2): those
         sent by a member our welcome names, or by a peer counted in this way (a joiner in before us
-        passes admissions on). The same whatever order the ADMITs came in."""
+        passes admissions on), less those up to the peer's last LEAVE (its own, or the ``after`` of
+        one of these admissions: rule 5). The same whatever order the ADMITs came in."""
         by_sender: dict = {}
-        for (p, sender), firsts in self._early_admits.items():
+        for (p, sender), (firsts, after) in self._early_admits.items():
             if p != self.me:
-                by_sender.setdefault(sender, []).append((p, firsts[0]))
-        trusted, todo, counted = set(members), [m for m in members if m in by_sender], {}
+                by_sender.setdefault(sender, []).append((p, firsts, after))
+        trusted, todo, heard = set(members), [m for m in members if m in by_sender], {}
         while todo:
             sender = todo.pop()
-            for p, first in by_sender.pop(sender, ()):
-                counted.setdefault(p, []).append((sender, first))
+            for p, firsts, after in by_sender.pop(sender, ()):
+                heard.setdefault(p, []).append((sender, firsts, after))
                 if p not in trusted:
                     trusted.add(p)
                     if p in by_sender:
                         todo.append(p)
+        counted = {}
+        for p, entries in heard.items():
+            cut = max([after for _, _, after in entries] + [self._gone.get(p, -1)])
+            told = [(q, f) for q, firsts, _ in entries for f in firsts if f - 1 > cut]
+            if told:
+                counted[p] = told
         return counted
 
     def give_up(self, at: int, members, why: str) -> list[Send]:
@@ -294,10 +302,10 @@ class Group:
             return [Send(peer, self.round, {"phase": Phase.STARTING.value, "step": self.step, "digest": self.digest})]
         if answer is Phase.ABSENT:
             return [Send(peer, self.round, {"phase": Phase.ABSENT.value})]
-        at = self.round + self.margin
+        at = max(self.round + self.margin, self._gone.get(peer, -1) + 1)  # after its LEAVE, if any (rule 5)
         if first is not None and first >= self.round:  # admitted, not yet in (rule 2; a JOIN that
             at = first - 1                               # reaches us late, in its first round): that admission
-        out = [Send(m, self.round, {"phase": Phase.ADMIT.value, "peer": peer, "at": at})
+        out = [Send(m, self.round, self._admit_meta(peer, at))
                for m in sorted(self.joined) if m != peer]  # future members too: they must know
         self._admit(peer, at)
         out.append(Send(peer, self.round, {"phase": Phase.WELCOME.value, "at": at, "block": self.block,
@@ -311,14 +319,10 @@ class Group:
             return []
         if at <= self._gone.get(peer, -1):
             return []  # stale: passed on before that peer's LEAVE (rule 5)
-        if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter, per
-            key, prev = (peer, sponsor), self._early_admits.get((peer, sponsor))  # sender (which group's
-            if prev is None:  # word counts is known only then); the earliest counts (rule 2), and later
-                if len(self._early_admits) < MAX_EARLY \
-                        and sum(k[1] == sponsor for k in self._early_admits) < MAX_PENDING:
-                    self._early_admits[key] = (at + 1,)
-            else:  # ones are kept, a few: a LEAVE of the peer drops those up to its round (rule 5)
-                self._early_admits[key] = tuple(sorted({*prev, at + 1}))[:EARLY_PER_KEY]
+        after = meta.get("after")
+        after = after if type(after) is int and 0 <= after < at else -1  # its LEAVE, before this admission
+        if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter
+            self._keep_early(peer, sponsor, at + 1, after)
             return []
         if not (self.state is State.TRAINING and self.joined.get(sponsor, self.round + 2) <= self.round + 1
                 and self.round - 1 <= at <= self.round + ADMIT_AHEAD):
@@ -326,11 +330,15 @@ class Group:
         first = self.joined.get(peer)
         if first is not None and first <= self.round and sponsor != self.sponsor():
             return []  # a member averaging now is admitted again (it came back) on the sponsor's word only
+        if first is not None and self.round < first <= after + 1:  # the admission we hold predates its
+            self.depart(peer, "left (said by its new admission)")  # LEAVE, not here yet (rule 5)
+            self._stale(peer, after)
+            first = None
         if first is None and (at < self.round or sum(f > self.round for f in self.joined.values()) >= MAX_PENDING):
             return []  # a new peer is pending (from a round after ours), and they are bounded
         if not self._admit(peer, at):
             return []
-        told = [Send(p, self.round, {"phase": Phase.ADMIT.value, "peer": peer, "at": at})
+        told = [Send(p, self.round, self._admit_meta(peer, at))
                 for p, f in sorted(self.joined.items()) if f > self.round and p not in (peer, sponsor)]
         told += self._pending_for(peer)
         told = told[:max(0, MAX_FORWARDS - self._forwards)]
@@ -341,8 +349,16 @@ class Group:
         """ADMITs telling the joiner ``peer`` of every other joiner pending: its welcome's member list
         is a snapshot, and a joiner admitted by the other sponsor at a sponsor change is in no
         welcome it got (rule 2)."""
-        return [Send(peer, self.round, {"phase": Phase.ADMIT.value, "peer": p, "at": f - 1})
+        return [Send(peer, self.round, self._admit_meta(p, f - 1))
                 for p, f in sorted(self.joined.items()) if f > self.round and p != peer]
+
+    def _admit_meta(self, peer: str, at: int) -> dict:
+        """An ADMIT of ``peer`` from round ``at + 1``; ``after``: the round of its last LEAVE we know,
+        so that a receiver its LEAVE has not reached yet drops what it holds from before (rule 5)."""
+        meta = {"phase": Phase.ADMIT.value, "peer": peer, "at": at}
+        if self._gone.get(peer, at) < at:
+            meta["after"] = self._gone[peer]
+        return meta
 
     def _admit(self, peer: str, at: int) -> bool:
         """``peer`` averages with us from round ``at + 1``; every member writes the state it takes
@@ -388,14 +404,42 @@ class Group:
         """A LEAVE from ``peer``, sent in its round ``rnd`` (rule 5): it departs; its admissions up to
         that round are stale; a joiner does not count it in. True if it was a member."""
         if type(rnd) is int and rnd >= 0:
-            if peer not in self._gone and len(self._gone) >= MAX_EARLY:
-                del self._gone[min(self._gone, key=self._gone.get)]
-            self._gone[peer] = max(rnd, self._gone.get(peer, rnd))
-            self._early_admits = {k: fs for k, fs in ((k, fs if k[0] != peer else tuple(f for f in fs if f - 1 > rnd))
-                                                      for k, fs in self._early_admits.items()) if fs}
+            self._stale(peer, rnd)
+            first = self.joined.get(peer)
+            if first is not None and first - 1 > rnd:
+                return False  # admitted again after this LEAVE (the admission came first)
         if self.state is State.STARTING:
             self._left.add(peer)
         return self.depart(peer, why)
+
+    def _stale(self, peer: str, rnd: int) -> None:
+        """``peer`` left in round ``rnd``: its admissions up to that round are stale (rule 5). The
+        rounds of the last MAX_EARLY peers are kept (the first recorded goes first)."""
+        if peer not in self._gone and len(self._gone) >= MAX_EARLY:
+            del self._gone[next(iter(self._gone))]
+        self._gone[peer] = max(rnd, self._gone.get(peer, rnd))
+        early = {}
+        for (p, sender), (firsts, after) in self._early_admits.items():
+            firsts = firsts if p != peer else tuple(f for f in firsts if f - 1 > rnd)
+            if firsts:
+                early[p, sender] = (firsts, after)
+        self._early_admits = early
+
+    def _keep_early(self, peer: str, sender: str, first: int, after: int) -> None:
+        """An admission heard before we are in, kept per (peer, sender) for _enter (whose word counts
+        is known only then): its EARLY_PER_KEY earliest rounds and the latest LEAVE round it
+        follows. MAX_EARLY in all, MAX_PENDING per sender, room made for the peers we asked."""
+        key = (peer, sender)
+        if key not in self._early_admits:
+            if sum(k[1] == sender for k in self._early_admits) >= MAX_PENDING:
+                return
+            if len(self._early_admits) >= MAX_EARLY:
+                other = next((k for k in self._early_admits if k[1] not in self._asked), None)
+                if sender not in self._asked or other is None:
+                    return
+                del self._early_admits[other]
+        firsts, prev_after = self._early_admits.get(key, ((), -1))
+        self._early_admits[key] = (tuple(sorted({*firsts, first}))[:EARLY_PER_KEY], max(after, prev_after))
 
     # --- merging (rule 6) ------------------------------------------------------------------------
     def status_for(self, peer: str) -> Send:
@@ -424,6 +468,7 @@ class Group:
         self.events.append({"event": "left group", "round": self.round, "why": why})
         self.joined.clear()
         self._admits_due = {}  # the joiners of a group we left are not ours to tell READY
+        self._gone = {}  # nor its LEAVE rounds ours to apply (rounds are a group's)
         self.state = State.IDLE
         return out
 

@@ -101,8 +101,8 @@ class SwarmConfig:
             raise ValueError("sync=grads averages every step: every must be 1")
         if self.aggregate not in ("robust", "mean"):
             raise ValueError(f"aggregate {self.aggregate!r}: expected robust or mean")
-        if self.margin < 1 or self.min_group < 1:
-            raise ValueError("margin and min_group must be >= 1")
+        if self.margin < 2 or self.min_group < 1:  # margin: group.py rule 2
+            raise ValueError("margin must be >= 2 and min_group >= 1")
         if not 0 <= self.min_coverage <= 1:
             raise ValueError("min_coverage must be in [0, 1]")
 

@@ -514,3 +514,97 @@ def test_a_joiner_giving_up_names_the_last_round_it_was_admitted_to_and_members_
     assert c.on_admit("a1", {"peer": "j", "at": 8}) == [] and "j" not in c.joined  # stale
     c.on_admit("a1", {"peer": "j", "at": 10})  # admitted again: counted
     assert c.joined["j"] == 11
+
+
+def _agree(net, peers, rnd):
+    views = {p: tuple(net.g[p].members(rnd)) for p in peers}
+    assert len(set(views.values())) == 1, (rnd, views)
+
+
+def _trained_by(ids, rnd):
+    """The first two of ``ids`` start together and are in round ``rnd``; the others wait."""
+    net = Net(ids)
+    for p in ids[:2]:
+        start(net, p, candidates=ids[:2])
+    net.drain()
+    for p in ids[:2]:
+        net.g[p].decide()
+        net.g[p].begin_round(rnd, f"s{rnd}", 0)
+    return net
+
+
+def test_a_joiner_that_gives_up_early_and_asks_again_is_admitted_after_its_leave():
+    """A second review: a joiner giving up before its round (its sponsor died) and asking again at
+    once was admitted by the new sponsor for the same round its LEAVE named, which every other
+    member then dropped as stale."""
+    net = Net(["a", "b", "c", "j3"])
+    for p in "abc":
+        start(net, p, candidates=list("abc"))
+    net.drain()
+    for p in "abc":
+        net.g[p].decide()
+        net.g[p].begin_round(5, "s5", 0)
+    start(net, "j3", candidates=list("abc"))
+    net.drain()
+    d = net.g["j3"].decide()
+    assert d.at == 7 and d.sponsor == "a"
+    for p in "bc":
+        net.g[p].depart("a", "dead")
+    net.post("j3", net.g["j3"].give_up(d.at, d.members, "no state"))
+    net.drain()
+    start(net, "j3", candidates=["b", "c"])
+    net.drain()
+    d = net.g["j3"].decide()
+    assert d.at == 8  # after its LEAVE's round 7, though b is in round 5
+    net.g["j3"].joined_group(d.at, d.members)
+    _agree(net, ["b", "c", "j3"], d.at + 1)
+
+
+def test_leave_rounds_of_a_group_we_left_do_not_apply_in_the_next():
+    """A second review: rounds are a group's own. k and m yield to a group 90 rounds behind theirs;
+    m kept k's LEAVE of round 100 and ignored every admission of k in the new group."""
+    net = Net(["a", "b", "k", "m"])
+    for pair in (["a", "b"], ["k", "m"]):
+        for p in pair:
+            start(net, p, candidates=pair)
+    net.drain()
+    for p, r in (("a", 10), ("b", 10), ("k", 100), ("m", 100)):
+        net.g[p].decide()
+        net.g[p].begin_round(r, f"s{r}", 0)
+    for p in "km":  # both yield (rule 6): LEAVE(100) to each other
+        net.post(p, net.g[p].on_status("a", {"size": 2, "sponsor": "a"}))
+        net.drain()
+    for p in "mk":
+        start(net, p, candidates=["a", "b"])
+        net.drain()
+    for p in "mk":
+        d = net.g[p].decide()
+        net.g[p].joined_group(d.at, d.members)
+    for p in "ab":
+        net.g[p].begin_round(13, "s13", 0)
+    _agree(net, "abkm", 13)
+    assert net.g["m"].members(13) == ["a", "b", "k", "m"]
+
+
+def test_a_readmission_that_overtakes_the_leave_counts_at_every_member():
+    """A second review: j3 gives up and is admitted again at once; the new ADMIT reaches b before
+    j3's LEAVE (another link). b kept the older admission (the earliest) and the LEAVE then
+    removed j3 altogether. The ADMIT now says which LEAVE it follows (``after``)."""
+    net = _trained_by(["a", "b", "j3"], 5)
+    start(net, "j3", candidates=["a", "b"])
+    net.drain()
+    d = net.g["j3"].decide()
+    for p in "ab":
+        net.g[p].begin_round(8, "s8", 0)
+    leaves = net.g["j3"].give_up(d.at, d.members, "state fetch failed")
+    net.post("j3", [s for s in leaves if s.peer == "a"])
+    net.drain()
+    start(net, "j3", candidates=["a"])  # a admits it again; the ADMIT reaches b first
+    net.drain()
+    assert net.g["b"].joined["j3"] == net.g["a"].joined["j3"] > 9
+    net.post("j3", [s for s in leaves if s.peer == "b"])  # the LEAVE, late
+    net.drain()
+    d = net.g["j3"].decide()
+    net.g["j3"].joined_group(d.at, d.members)
+    _agree(net, ["a", "b", "j3"], d.at + 1)
+    assert "j3" in net.g["b"].members(d.at + 1)
