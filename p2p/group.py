@@ -33,8 +33,10 @@ Rules:
 - Rule 5: a member that departs (left, dead, connection lost, excluded) leaves the group for good;
   a peer that comes back joins again through a sponsor, taking the group's state. A LEAVE names
   its sender's round: an ADMIT of that peer for that round or before is stale (passed on before
-  the LEAVE, arriving after it), and a joiner does not count in a peer that left during its join
-  attempt (its welcome may predate the LEAVE) unless it is admitted again.
+  the LEAVE, arriving after it); the sponsor admits it again for a later round and every ADMIT of
+  that says which LEAVE it follows (``after``), so the order they arrive in does not matter; a
+  joiner does not count in a peer that left during its join attempt (its welcome may predate the
+  LEAVE) unless it is admitted again. These rounds are the group's: forgotten when we leave it.
 - Rule 6: two groups that meet (a split: a stopped peer resumed, a race at start) merge: each
   member tells non-members its group's (size, sponsor); the group of lower rank (smaller, then the
   larger sponsor id) yields: its members leave it and join the other one (rule 2).
