@@ -332,9 +332,10 @@ class Group:
         first = self.joined.get(peer)
         if first is not None and first <= self.round and sponsor != self.sponsor():
             return []  # a member averaging now is admitted again (it came back) on the sponsor's word only
-        if first is not None and self.round < first <= after + 1:  # the admission we hold predates its
-            self.depart(peer, "left (said by its new admission)")  # LEAVE, not here yet (rule 5)
-            self._stale(peer, after)
+        if first is not None and self.round < first <= after + 1 \
+                and sponsor in (self.sponsor(), min(self.members(self.round + 1))):  # the sponsor's word:
+            self.depart(peer, "left (said by its new admission)")  # the admission we hold predates its
+            self._stale(peer, after)                                # LEAVE, not here yet (rule 5)
             first = None
         if first is None and (at < self.round or sum(f > self.round for f in self.joined.values()) >= MAX_PENDING):
             return []  # a new peer is pending (from a round after ours), and they are bounded

@@ -608,3 +608,14 @@ def test_a_readmission_that_overtakes_the_leave_counts_at_every_member():
     net.g["j3"].joined_group(d.at, d.members)
     _agree(net, ["a", "b", "j3"], d.at + 1)
     assert "j3" in net.g["b"].members(d.at + 1)
+
+
+def test_only_the_sponsor_can_say_a_pending_joiners_admission_predates_its_leave():
+    """A pending joiner's admission is kept (the earliest, rule 2); an ADMIT saying it follows the
+    joiner's LEAVE replaces it, on the sponsor's word only: any member could otherwise delay one."""
+    g = Group("c")
+    g.state, g.round, g.joined = State.TRAINING, 7, {"a": 1, "b": 1, "j": 9}
+    g.on_admit("b", {"peer": "j", "at": 12, "after": 9})  # b is no sponsor
+    assert g.joined["j"] == 9
+    g.on_admit("a", {"peer": "j", "at": 12, "after": 9})
+    assert g.joined["j"] == 13 and g.ready_due(12) == ["j"]
