@@ -467,15 +467,16 @@ def status(address, swarm_key, identity, as_json, timeout):
     host, port = _addr(address)
     key, ident = _keys(swarm_key, identity)
 
-    async def ask():  # a peer that is still starting is asked again until --timeout
-        deadline = time.monotonic() + timeout
+    async def ask():  # a peer that is still starting is asked again, with backoff, until --timeout
+        deadline, delay = time.monotonic() + timeout, 0.1
         while True:
             try:
                 return await query_status(host, port, ident, key, Timeouts(connect_s=timeout, handshake_s=timeout))
             except ConnectionRefusedError:
-                if time.monotonic() > deadline:
+                if time.monotonic() + delay > deadline:
                     raise
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
     try:
         st = asyncio.run(ask())
     except (ConnectionError, OSError, ProtocolError) as e:

@@ -228,15 +228,16 @@ def chain(st: dict, avoid: set = frozenset()) -> list[str]:
 async def _chain_when_ready(host, port, ident, key, tmo, avoid, timeout: float):
     """The swarm view and a chain through it; while the serving peers are still starting (no chain
     yet, or the peer not yet listening), ask again until ``timeout``."""
-    deadline = time.monotonic() + timeout
+    deadline, delay = time.monotonic() + timeout, 0.1
     while True:
         try:
             st = await query_status(host, port, ident, key, tmo)
             return st, chain(st, avoid)
         except (NoChain, ConnectionRefusedError):
-            if time.monotonic() > deadline:
+            if time.monotonic() + delay > deadline:
                 raise
-            await asyncio.sleep(0.5)  # serving peers join by gossip within a heartbeat or two
+            await asyncio.sleep(delay)  # backoff: serving peers join by gossip within a heartbeat or two
+            delay = min(2 * delay, 2.0)
 
 
 def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None, sampling: Sampling = Sampling(),
