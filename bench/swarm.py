@@ -11,9 +11,10 @@ Rules:
   (adding workers adds data); ``equal-total``: the workers of a run share ``steps x K`` local
   steps per block in all (W workers take steps x K / W each). The runs with K workers are the
   "one worker per block" baseline. An equal-total run has W/K times the batch (the workers average
-  their gradients every step) for K/W the optimizer steps: under ``equal_total_lr="linear"`` (the
-  default) it takes the learning rate x W/K and the warmup x K/W steps (the same samples), the
-  linear scaling rule (Goyal et al. 2017); ``"same"``: the configured ones.
+  their gradients every step) for K/W the optimizer steps: at the configured learning rate and
+  warmup (``equal_total_lr="same"``, the default), or under ``"linear"`` with the learning rate
+  x W/K and the warmup x K/W steps (the same samples), the linear scaling rule (Goyal et al.
+  2017). Measured at 1000 steps per block (results/README.md): neither is better at every seed.
 - The model is assembled from the swarm (``bt-peer assemble``'s code) once every worker reports
   ``done`` and evaluated on test windows: the CE of every head along the chain. Busy fraction:
   each worker's time in training steps over its wall time. Bytes: the peers' own counters
@@ -265,7 +266,7 @@ class Bench:
     resume: bool = False
     target_ce: float | None = None
     reference: bool = True
-    equal_total_lr: str = "linear"  # or "same" (see Rules)
+    equal_total_lr: str = "same"  # or "linear" (see Rules)
 
     def __post_init__(self):
         from blocktrain.blocks.config import apply_overrides
