@@ -338,8 +338,12 @@ class Bench:
             for seed in self.seeds:
                 log(f"in-process sequential reference, seed {seed} ({self.steps} steps per block, the data per step "
                     f"of {self.K} workers)...")
-                refs.append(reference(self.steps, self.overrides, self.out / "reference", seed, self.test_windows,
-                                      workers=self.K, threads=2))
+                try:
+                    refs.append(reference(self.steps, self.overrides, self.out / "reference", seed, self.test_windows,
+                                          workers=self.K, threads=2))
+                except subprocess.CalledProcessError as e:
+                    raise BenchError(f"in-process reference, seed {seed}: exited with code {e.returncode}; see "
+                                     f"{self.out / 'reference'}/*.log (the swarm runs are saved)") from e
         result = self.result(runs, refs, complete=True)
         if save:
             save(result)
