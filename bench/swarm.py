@@ -223,7 +223,7 @@ def mean_sd(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(xs), "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0, "values": xs}
 
 
-def summarise(runs: list[dict], K: int, wide: int) -> dict:
+def summarise(runs: list[dict], K: int) -> dict:
     """Per (comparison, workers): mean and spread over seeds of the head CEs, busy, bytes."""
     out = {}
     for comp in sorted({r["comparison"] for r in runs}):
@@ -350,8 +350,25 @@ class Bench:
         return result
 
     def result(self, runs: list, refs: list, complete: bool) -> dict:
-        return {**bench_result(runs, refs, self.seeds, self.steps, self.workers, self.compare, self.target_ce, self.K,
-                               complete), "equal_total_lr": self.equal_total_lr}
+        """``bt-bench swarm``'s JSON: every run, their summary by comparison and worker count, and the
+        in-process reference; ``complete`` false while runs are still to come."""
+        K, summary = self.K, summarise(runs, self.K)
+        out = {"benchmark": "swarm", "complete": complete, "seeds": self.seeds, "steps": self.steps,
+               "workers": self.workers, "compare": self.compare, "target_ce": self.target_ce, "runs": runs,
+               "summary": summary}
+        key_k = f"equal-steps/{K}" if f"equal-steps/{K}" in summary else next(iter(summary))
+        wide = max(self.workers)
+        key_w = f"equal-steps/{wide}" if f"equal-steps/{wide}" in summary else key_k
+        out["swarm"] = summary[key_w]
+        out["one_per_block"] = summary[key_k]
+        if refs:
+            heads = [mean_sd([r["head_test_ce"][k] for r in refs])["mean"] for k in range(K)]
+            gap = out["one_per_block"]["head_test_ce"][-1] - heads[-1]
+            out["in_process_sequential"] = {
+                "head_test_ce": heads, "batch_size": refs[0]["batch_size"], "runs": refs,
+                "one_per_block_gap": gap, "one_per_block_within_0_02": gap <= 0.02}
+        out["equal_total_lr"] = self.equal_total_lr
+        return out
 
 
 def _display(stack: contextlib.ExitStack, bar, name: str):
@@ -364,23 +381,3 @@ def _display(stack: contextlib.ExitStack, bar, name: str):
             shown.append(stack.enter_context(bar(name, total, unit="worker-step")))
         shown[0].update(done - shown[0].n)
     return progress
-
-
-def bench_result(runs: list, refs: list, seeds: list, steps: int, ws: list, comps: list, target_ce, K: int,
-                 complete: bool) -> dict:
-    """``bt-bench swarm``'s JSON: every run, their summary by comparison and worker count, and the
-    in-process reference; ``complete`` false while runs are still to come."""
-    summary = summarise(runs, K, max(ws))
-    out = {"benchmark": "swarm", "complete": complete, "seeds": seeds, "steps": steps, "workers": ws,
-           "compare": comps, "target_ce": target_ce, "runs": runs, "summary": summary}
-    key_k = f"equal-steps/{K}" if f"equal-steps/{K}" in summary else next(iter(summary))
-    key_w = f"equal-steps/{max(ws)}" if f"equal-steps/{max(ws)}" in summary else key_k
-    out["swarm"] = summary[key_w]
-    out["one_per_block"] = summary[key_k]
-    if refs:
-        heads = [mean_sd([r["head_test_ce"][k] for r in refs])["mean"] for k in range(K)]
-        gap = out["one_per_block"]["head_test_ce"][-1] - heads[-1]
-        out["in_process_sequential"] = {
-            "head_test_ce": heads, "batch_size": refs[0]["batch_size"], "runs": refs,
-            "one_per_block_gap": gap, "one_per_block_within_0_02": gap <= 0.02}
-    return out

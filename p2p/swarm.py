@@ -43,6 +43,7 @@ import torch
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.lower import LowerInputs
 from blocktrain.protocol import BlockUpdate, ProtocolError
+from blocktrain.protocol.events import is_peer_id
 
 from .averaging import Averager, OuterOptimizer, RoundFailed, flatten, unflatten_
 from .checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, CheckpointServer, FetchError, holders
@@ -363,7 +364,7 @@ class SwarmTrainer:
         elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
             self.group.on_reply(pid, phase, meta)
         elif phase is Phase.ADMIT:
-            if _is_peer_id(meta.get("peer")):  # never an address or a name of any length
+            if is_peer_id(meta.get("peer")):  # never an address or a name of any length
                 self._send(self.group.on_admit(pid, meta))
         elif phase is Phase.READY:  # every member's, kept while we join: the newest rounds, names bounded
             at, name = meta.get("at"), meta.get("name")
@@ -837,11 +838,6 @@ def refuse_joins(peer: PeerServices):
             except (ConnectionError, ProtocolError):
                 pass
     peer.on(BlockUpdate, handler, inline=True)
-
-
-def _is_peer_id(x) -> bool:
-    """A peer id as the handshake makes them: 64 lowercase hex characters."""
-    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 def _seed(peer_id: str, block: int) -> int:

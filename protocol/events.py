@@ -143,6 +143,11 @@ class Pong(Message):
 ROLES = ("train", "serve", "client", "bootstrap")
 
 
+def is_peer_id(x) -> bool:
+    """A peer id as the handshake makes them: 64 lowercase hex characters (sha256 of a static key)."""
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
 @dataclass(frozen=True)
 class PeerInfo:
     peer_id: str  # hex sha256 of the peer's static public key
@@ -154,7 +159,7 @@ class PeerInfo:
     def __post_init__(self):
         object.__setattr__(self, "blocks", tuple(self.blocks))
         _check(_is_str(self.peer_id, 64) and len(self.peer_id) == 64, "peer_id must be 64 hex chars")
-        _check(all(c in "0123456789abcdef" for c in self.peer_id), "peer_id must be lowercase hex")
+        _check(is_peer_id(self.peer_id), "peer_id must be lowercase hex")
         _check(_is_str(self.addr, MAX_ADDR_CHARS), "addr must be a string 'host:port'")
         _check(len(self.blocks) <= MAX_PEER_BLOCKS and all(_is_uint(b, 16) for b in self.blocks), "blocks must be u16s")
         if not (self.role in ROLES):
