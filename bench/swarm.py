@@ -12,9 +12,11 @@ Rules:
   steps per block in all (W workers take steps x K / W each). The runs with K workers are the
   "one worker per block" baseline. An equal-total run has W/K times the batch (the workers average
   their gradients every step) for K/W the optimizer steps: at the configured learning rate and
-  warmup (``equal_total_lr="same"``, the default), or under ``"linear"`` with the learning rate
+  warmup (``equal_total_lr="same"``, the default), under ``"linear"`` with the learning rate
   x W/K and the warmup x K/W steps (the same samples), the linear scaling rule (Goyal et al.
-  2017). Measured at 1000 steps per block (results/README.md): neither is better at every seed.
+  2017), or under ``"sqrt"`` with the learning rate x sqrt(W/K) and the configured warmup, the
+  square-root rule derived for Adam (Malladi et al. 2022; their betas and eps are left as they
+  are). Measured at 1000 steps per block (results/README.md): none is better at every seed.
 - The model is assembled from the swarm (``bt-peer assemble``'s code) once every worker reports
   ``done`` and evaluated on test windows: the CE of every head along the chain. Busy fraction:
   each worker's time in training steps over its wall time. Bytes: the peers' own counters
@@ -247,6 +249,9 @@ class BenchError(Exception):
     """A run of the bench failed (its name first); the runs before it are in the last ``save``."""
 
 
+LR_RULES = ("same", "linear", "sqrt")  # the learning rate of an equal-total run (see Rules)
+
+
 @dataclass
 class Bench:
     """One ``bt-bench swarm``: a run per (seed, comparison, worker count), then the in-process
@@ -266,7 +271,7 @@ class Bench:
     resume: bool = False
     target_ce: float | None = None
     reference: bool = True
-    equal_total_lr: str = "same"  # or "linear" (see Rules)
+    equal_total_lr: str = "same"  # or "linear" or "sqrt" (see Rules)
 
     def __post_init__(self):
         from blocktrain.blocks.config import apply_overrides
@@ -278,16 +283,19 @@ class Bench:
             raise ValueError("at least one worker count, seed and comparison")
         if min(self.workers) < 1 or min(self.seeds) < 0:
             raise ValueError(f"worker counts are >= 1 and seeds >= 0 (got {self.workers} and {self.seeds})")
-        if self.equal_total_lr not in ("linear", "same"):
-            raise ValueError(f"equal_total_lr is 'linear' or 'same', not {self.equal_total_lr!r}")
+        if self.equal_total_lr not in LR_RULES:
+            raise ValueError(f"equal_total_lr is one of {', '.join(LR_RULES)}, not {self.equal_total_lr!r}")
         job = apply_overrides(PeerJob(), self.overrides)
         self.K, self._train = job.model.n_blocks, job.train
 
     def overrides_for(self, comp: str, w: int) -> dict:
         """One run's config: ours, and for an equal-total run under the linear rule the learning
-        rate x W/K and the warmup x K/W (see Rules)."""
+        rate x W/K and the warmup x K/W, under the square-root rule the learning rate x sqrt(W/K)
+        (see Rules)."""
         if comp != "equal-total" or self.equal_total_lr == "same" or w == self.K:
             return self.overrides
+        if self.equal_total_lr == "sqrt":
+            return {**self.overrides, "train.lr": float(f"{self._train.lr * (w / self.K) ** 0.5:.6g}")}
         return {**self.overrides, "train.lr": float(f"{self._train.lr * w / self.K:.6g}"),
                 "train.warmup": round(self._train.warmup * self.K / w)}
 
@@ -313,8 +321,8 @@ class Bench:
             name = f"{comp}-w{w}-seed{seed}"
             ov = self.overrides_for(comp, w)
             log(f"{name}: {w} bt-peer processes, {local} steps per block each"
-                + (f", learning rate {ov['train.lr']:g} and warmup {ov['train.warmup']} steps (linear rule)"
-                   if ov is not self.overrides else "")
+                + (f", learning rate {ov['train.lr']:g} and warmup {ov.get('train.warmup', self._train.warmup)} "
+                   f"steps ({self.equal_total_lr} rule)" if ov is not self.overrides else "")
                 + (f", links {self.link}" if self.link else "") + f" (logs and reports in {self.out}/{name})")
             with contextlib.ExitStack() as shown:
                 try:

@@ -438,10 +438,10 @@ def test_an_interrupted_bench_swarm_keeps_the_runs_it_finished(tmp_path, monkeyp
         bench_swarm.Bench(workers=[0, 3], steps=10, seeds=[0], compare=["equal-total"])
 
 
-def test_equal_total_runs_take_the_linear_scaling_rule_when_told(tmp_path, monkeypatch):
+def test_equal_total_runs_take_the_scaling_rule_they_are_told(tmp_path, monkeypatch):
     """An equal-total run with W workers has W/K times the batch for K/W the optimizer steps; with
-    ``equal_total_lr="linear"`` it takes the learning rate x W/K and the warmup x K/W; by default
-    the configured ones."""
+    ``equal_total_lr="linear"`` it takes the learning rate x W/K and the warmup x K/W, with "sqrt"
+    the learning rate x sqrt(W/K); by default the configured ones."""
     from blocktrain.bench import swarm as bench_swarm
 
     got = {}
@@ -460,3 +460,8 @@ def test_equal_total_runs_take_the_linear_scaling_rule_when_told(tmp_path, monke
     got.clear()
     res = bench_swarm.Bench(**kw).execute()
     assert got["equal-total-w6-seed0"] == (50, "0.003", None) and res["equal_total_lr"] == "same"
+    got.clear()
+    res = bench_swarm.Bench(**{**kw, "workers": [3, 12]}, equal_total_lr="sqrt").execute()
+    assert got["equal-total-w12-seed0"] == (25, 0.006, None) and res["equal_total_lr"] == "sqrt"
+    with pytest.raises(ValueError, match="one of same, linear, sqrt"):
+        bench_swarm.Bench(**kw, equal_total_lr="cubic")
