@@ -233,7 +233,8 @@ def _plot_sweep(rows, path):
               help="Also train the in-process sequential run of the same model and steps per block, with the data "
                    "per step of the one-worker-per-block run (a batch K times a worker's).")
 @click.option("--target-ce", type=float, default=None,
-              help="Report each run's wall time until the top head's valid CE reaches this (needs --eval-every).")
+              help="Report each run's training time and step at which the top head's valid CE reached this "
+                   "(needs --eval-every).")
 @click.option("--eval-every", default=0, show_default=True, type=click.IntRange(0),
               help="Steps between valid-CE points on every worker (0: none).")
 @click.option("--schedule", type=click.Choice(["relay", "parallel"]), default=None, help="Default: relay.")
@@ -307,6 +308,11 @@ def _swarm_table(result: dict, K: int) -> list[str]:
             f"{c:>14.4f}" for c in ref["head_test_ce"]) + f"  (batch {ref['batch_size']})")
         lines.append(f"one worker per block against it: top head {ref['one_per_block_gap']:+.4f} "
                      f"({'within' if ref['one_per_block_within_0_02'] else 'not within'} 0.02)")
+    if result["target_ce"] is not None:
+        lines.append(f"to valid CE {result['target_ce']:g} (training seconds / global step, per seed; '-': not reached):")
+        for key, s in result["summary"].items():
+            lines.append(f"  {key:<16} " + ", ".join(
+                "-" if t is None else f"{t:.0f} s / step {n}" for t, n in zip(s["time_to_target_s"], s["steps_to_target"])))
     return lines
 
 

@@ -21,7 +21,10 @@ Rules:
   ``done`` and evaluated on test windows: the CE of every head along the chain. Busy fraction:
   each worker's time in training steps over its wall time. Bytes: the peers' own counters
   (sent wire bytes, by kind), read when every one is done. Time to a target CE: the first
-  point of the workers' valid-CE curve (the top head of the chain in work) at or below it.
+  point of the workers' valid-CE curves (the top head of the chain in work) at or below it, in
+  training seconds and in steps. On one host the W processes share its cores, so a run with more
+  workers gets less compute per worker: its seconds are not what peers on their own machines
+  would see; its steps are.
 - ``reference``: the in-process sequential run of the same model and steps per block, with the
   data per step of the K-worker run (a batch K times a worker's: the K workers of a block
   average their gradients every step), the result the swarm should reach
@@ -185,14 +188,17 @@ def worker_identity(seed: int, i: int) -> bytes:
     return hashlib.sha256(f"bt-bench swarm: seed {seed}, worker {i}".encode()).digest()
 
 
-def time_to(curves: list, target: float) -> float | None:
-    """Seconds until the top head of the chain in work reached ``target`` valid CE on any worker
-    (relay: only once the last block is in work, so the model is whole)."""
-    best = None
+def reach(curves: list, target: float) -> tuple[float | None, int | None]:
+    """(seconds, step): the first point, over the workers' valid-CE curves, where the top head of
+    the chain in work (relay: blocks 0..b, b the block in work; a model that serves) reached
+    ``target``; its training seconds (evaluations excluded) and its global step. (None, None)
+    when no worker got there."""
+    best = (None, None)
     for curve in curves:
         for gstep, seconds, heads in curve:
-            if heads and heads[-1] <= target and (best is None or seconds < best):
-                best = seconds
+            if heads and heads[-1] <= target:
+                if best[0] is None or seconds < best[0]:
+                    best = (seconds, gstep)
                 break
     return best
 
@@ -241,6 +247,7 @@ def summarise(runs: list[dict], K: int) -> dict:
                 "train_seconds": mean_sd([r["train_seconds"] for r in sel]),
                 "bytes_per_worker": mean_sd([r["bytes_per_worker"] for r in sel]),
                 "time_to_target_s": [r.get("time_to_target_s") for r in sel],
+                "steps_to_target": [r.get("steps_to_target") for r in sel],
             }
     return out
 
@@ -283,6 +290,9 @@ class Bench:
             raise ValueError("at least one worker count, seed and comparison")
         if min(self.workers) < 1 or min(self.seeds) < 0:
             raise ValueError(f"worker counts are >= 1 and seeds >= 0 (got {self.workers} and {self.seeds})")
+        if self.target_ce is not None and not (self.eval_every > 0 and self.target_ce > 0):
+            raise ValueError(f"a target CE (got {self.target_ce}) is > 0 and needs a curve: eval_every > 0 "
+                             f"(got {self.eval_every})")
         if self.equal_total_lr not in LR_RULES:
             raise ValueError(f"equal_total_lr is one of {', '.join(LR_RULES)}, not {self.equal_total_lr!r}")
         job = apply_overrides(PeerJob(), self.overrides)
@@ -332,7 +342,7 @@ class Bench:
                     raise BenchError(f"{name}: {e}") from e
             r["comparison"] = comp
             if self.target_ce is not None:
-                r["time_to_target_s"] = time_to(r["curves"], self.target_ce)
+                r["time_to_target_s"], r["steps_to_target"] = reach(r["curves"], self.target_ce)
             runs.append(r)
             log(f"{name}: test CE {r['initial_test_ce']:.3f} -> heads " + " / ".join(f"{c:.4f}" for c in r["head_test_ce"])
                 + f" in {r['train_seconds']:.0f} s; busy min {r['busy_fraction']['min']:.0%}; "

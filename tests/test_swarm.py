@@ -1,6 +1,7 @@
 """Swarm training: relay and parallel schedules, joiners, restarts, poisoned peers, real processes."""
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -396,8 +397,18 @@ def test_a_bench_run_of_one_seed_repeats(tmp_path):
     from blocktrain.bench import swarm as bench_swarm
     ov = {"model.d_model": "32", "model.n_head": "2", "model.n_layer": "3", "model.n_blocks": "3",
           "train.batch_size": "4", "train.seq_len": "32", "train.warmup": "1", "train.draft_frac": "0"}
-    a, b = (bench_swarm.run(3, 10, ov, tmp_path / r, test_windows=8, seed=0, timeout_s=120) for r in "ab")
+    a, b = (bench_swarm.run(3, 10, ov, tmp_path / r, test_windows=8, seed=0, timeout_s=120, eval_every=e)
+            for r, e in (("a", 0), ("b", 5)))
     assert a["head_test_ce"] == b["head_test_ce"] and a["head_test_ce"][-1] < a["initial_test_ce"]
+    # b's valid-CE curves (every 5 steps, evaluations not counted as training) leave its training
+    # as it was; along them, the chain in work grows a head per block (relay: 10 steps each)
+    assert a["curves"] == [[], [], []] and len(b["curves"]) == 3
+    for curve in b["curves"]:
+        assert [(g, len(heads)) for g, _, heads in curve] == [(5, 1), (10, 1), (15, 2), (20, 2), (25, 3), (30, 3)]
+        assert all(s1 <= s2 for (_, s1, _), (_, s2, _) in itertools.pairwise(curve))
+    start = b["curves"][0][0][2][-1]
+    assert bench_swarm.reach(b["curves"], start + 1) == min((c[0][1], 5) for c in b["curves"])
+    assert bench_swarm.reach(b["curves"], 0.0) == (None, None)
     ids = {(s, i): bench_swarm.worker_identity(s, i) for s in (0, 1) for i in range(3)}
     assert len(set(ids.values())) == 6
     assert (tmp_path / "a" / "id0").read_text().strip() == ids[0, 0].hex()
@@ -436,6 +447,20 @@ def test_an_interrupted_bench_swarm_keeps_the_runs_it_finished(tmp_path, monkeyp
         bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["equal-time"])
     with pytest.raises(ValueError, match="worker counts are >= 1"):
         bench_swarm.Bench(workers=[0, 3], steps=10, seeds=[0], compare=["equal-total"])
+    with pytest.raises(ValueError, match="needs a curve: eval_every > 0"):  # it would report nothing
+        bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["equal-total"], target_ce=2.0)
+
+
+def test_time_to_a_target_ce_is_the_first_point_any_worker_reached_it():
+    """``reach``: over the workers' valid-CE curves (global step, training seconds, heads of the
+    chain in work), the earliest point whose top head is at or below the target."""
+    from blocktrain.bench.swarm import reach
+    curves = [[(10, 5.0, [2.5]), (20, 10.0, [2.1]), (30, 15.0, [2.2, 1.9])],
+              [(10, 6.0, [2.4]), (20, 11.0, [2.0]), (30, 16.0, [2.0, 1.8])]]
+    assert reach(curves, 2.1) == (10.0, 20)  # worker 0 got there first
+    assert reach(curves, 2.0) == (11.0, 20)
+    assert reach(curves, 1.9) == (15.0, 30)  # the top head of the chain in work, not the first
+    assert reach(curves, 1.7) == (None, None) and reach([[], []], 3.0) == (None, None)
 
 
 def test_equal_total_runs_take_the_scaling_rule_they_are_told(tmp_path, monkeypatch):
