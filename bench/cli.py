@@ -225,10 +225,10 @@ def _plot_sweep(rows, path):
 @click.option("--compare", default="equal-steps,equal-total", show_default=True,
               help="equal-steps: every worker the same steps (more workers, more data); equal-total: the same total "
                    "local steps per block, shared by the workers.")
-@click.option("--equal-total-lr", type=click.Choice(["same", "linear", "sqrt"]), default="same", show_default=True,
-              help="Equal-total runs have W/K times the batch for K/W the steps: same: the configured learning "
-                   "rate and warmup; linear: learning rate x W/K and warmup x K/W steps (the linear scaling rule); "
-                   "sqrt: learning rate x sqrt(W/K), the configured warmup (the square-root rule for Adam).")
+@click.option("--equal-total-lr", type=click.Choice(["sqrt", "same", "linear"]), default="sqrt", show_default=True,
+              help="Equal-total runs have W/K times the batch for K/W the steps: sqrt: learning rate x sqrt(W/K), "
+                   "the configured warmup (the square-root rule for Adam); same: the configured learning rate and "
+                   "warmup; linear: learning rate x W/K and warmup x K/W steps (the linear scaling rule).")
 @click.option("--reference/--no-reference", default=True, show_default=True,
               help="Also train the in-process sequential run of the same model and steps per block, with the data "
                    "per step of the one-worker-per-block run (a batch K times a worker's).")

@@ -465,8 +465,8 @@ def test_time_to_a_target_ce_is_the_first_point_any_worker_reached_it():
 
 def test_equal_total_runs_take_the_scaling_rule_they_are_told(tmp_path, monkeypatch):
     """An equal-total run with W workers has W/K times the batch for K/W the optimizer steps; with
-    ``equal_total_lr="linear"`` it takes the learning rate x W/K and the warmup x K/W, with "sqrt"
-    the learning rate x sqrt(W/K); by default the configured ones."""
+    ``equal_total_lr="linear"`` it takes the learning rate x W/K and the warmup x K/W, with "same"
+    the configured ones; by default ("sqrt") the learning rate x sqrt(W/K)."""
     from blocktrain.bench import swarm as bench_swarm
 
     got = {}
@@ -483,10 +483,10 @@ def test_equal_total_runs_take_the_scaling_rule_they_are_told(tmp_path, monkeypa
     assert got == {"equal-steps-w3-seed0": (100, "0.003", None), "equal-steps-w6-seed0": (100, "0.003", None),
                    "equal-total-w6-seed0": (50, 0.006, 15)} and res["equal_total_lr"] == "linear"
     got.clear()
-    res = bench_swarm.Bench(**kw).execute()
+    res = bench_swarm.Bench(**kw, equal_total_lr="same").execute()
     assert got["equal-total-w6-seed0"] == (50, "0.003", None) and res["equal_total_lr"] == "same"
     got.clear()
-    res = bench_swarm.Bench(**{**kw, "workers": [3, 12]}, equal_total_lr="sqrt").execute()
+    res = bench_swarm.Bench(**{**kw, "workers": [3, 12]}).execute()
     assert got["equal-total-w12-seed0"] == (25, 0.006, None) and res["equal_total_lr"] == "sqrt"
-    with pytest.raises(ValueError, match="one of same, linear, sqrt"):
+    with pytest.raises(ValueError, match="one of sqrt, same, linear"):
         bench_swarm.Bench(**kw, equal_total_lr="cubic")
