@@ -220,10 +220,22 @@ class BlockTrainer:
         self.lower_steps = list(steps) if steps is not None else [0] * self.k
 
     def init_from_below(self, below: Block):
-        """Identity start: copy the head of the block below (its final LayerNorm and output)."""
-        src = below.head
-        self.block.head.ln.load_state_dict(src.ln.state_dict())
-        self.block.head.lm.load_state_dict(src.lm.state_dict())
+        """Identity start: the block computes, before its first step, what the block below's head
+        computed (its layers add zero: ``identity_init``). The head below is taken whole: its
+        layers, LayerNorm and output. The top block's head has no layers (the assembled model has
+        the reference's depth): the layers of the head below become the block's first layers.
+        (Before, only the LayerNorm and output were copied: a middle block started with a fresh
+        head layer and the top block without the one below's, each a step back in CE.)"""
+        src, dst = below.head, self.block.head
+        extra = len(src.layers) - len(dst.layers)
+        assert 0 <= extra <= len(self.block.layers), \
+            f"head of {len(src.layers)} layer(s) below, {len(dst.layers)} here, {len(self.block.layers)} in the block"
+        for mine, theirs in zip(self.block.layers, src.layers[:extra]):
+            mine.load_state_dict(theirs.state_dict())
+        for mine, theirs in zip(dst.layers, src.layers[extra:]):
+            mine.load_state_dict(theirs.state_dict())
+        dst.ln.load_state_dict(src.ln.state_dict())
+        dst.lm.load_state_dict(src.lm.state_dict())
 
     @torch.no_grad()
     def lower_hidden(self, x: torch.Tensor, layout: dict | None = None) -> torch.Tensor:

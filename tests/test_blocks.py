@@ -65,6 +65,27 @@ def test_identity_start_blocks_pass_input_through():
     assert torch.allclose(b.trunk(h), h)
 
 
+def test_an_upper_block_starts_where_the_block_below_ended(valid):
+    """Identity start: block k's head, before its first step, gives the logits the head of block
+    k-1 gave, for a middle block (a head with a layer, as below) and for the top block (a head
+    without layers: the layer below moves into the block). Before, only the LayerNorm and output
+    were copied and both started worse."""
+    torch.manual_seed(0)
+    chain = [Block(TINY, 0)]
+    x, _ = ByteBatches(valid, 2, 16, seed=0).batch(0)
+    for k in (1, 2):
+        for p in chain[-1].parameters():  # a trained block below: no zero outputs left
+            p.data.add_(0.05 * torch.randn_like(p))
+        t = BlockTrainer(TINY, TCFG, k, valid)
+        t.init_from_below(chain[-1])
+        h = x
+        for b in chain:
+            h = b.trunk(h)
+        assert torch.allclose(t.block.logits(t.block.trunk(h)), chain[-1].logits(h), atol=1e-5), k
+        chain.append(t.block)
+    assert len(chain[1].head.layers) == 1 and len(chain[2].head.layers) == 0
+
+
 def test_assembled_has_same_parameters_as_end_to_end():
     blocks = [Block(TINY, k) for k in range(3)]
     assembled = sum(b.param_count(include_head=(b.index == 2)) for b in blocks)
