@@ -70,6 +70,9 @@ class ModelConfig:
             raise ValueError(f"n_layer {self.n_layer} does not split into {self.n_blocks} blocks")
         if self.head_layers < 0:
             raise ValueError("head_layers must be >= 0")
+        if self.identity_init and self.n_blocks > 1 and self.head_layers > self.n_layer // self.n_blocks:
+            raise ValueError(f"head_layers {self.head_layers} is more than a block's {self.n_layer // self.n_blocks} "
+                             "layers: the top block could not start from the head below (identity_init)")
         if self.draft_layers < 0 or self.slot_offsets < 0:
             raise ValueError("draft_layers and slot_offsets must be >= 0")
 

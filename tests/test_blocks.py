@@ -84,6 +84,8 @@ def test_an_upper_block_starts_where_the_block_below_ended(valid):
         assert torch.allclose(t.block.logits(t.block.trunk(h)), chain[-1].logits(h), atol=1e-5), k
         chain.append(t.block)
     assert len(chain[1].head.layers) == 1 and len(chain[2].head.layers) == 0
+    with pytest.raises(ValueError, match="head_layers 2 is more than a block's 1 layers"):
+        ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, head_layers=2)
 
 
 def test_assembled_has_same_parameters_as_end_to_end():
