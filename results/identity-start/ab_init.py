@@ -1,6 +1,6 @@
 # The identity start, A/B: the in-process sequential run (bench/train_variant.py, as bt-bench swarm's reference),
-# d 128, STEPS steps per block, a batch of 48 (3 workers' data per step). Run from the repository root with
-# PYTHONPATH pointing at a checkout of the code to measure:  python results/identity-start/ab_init.py STEPS SEED OUT.json THREADS
+# d 128, STEPS steps per block, a batch of 48 (3 workers' data per step), with the blocktrain package of the
+# code to measure installed:  python results/identity-start/ab_init.py STEPS SEED OUT.json THREADS
 import json
 import subprocess
 import sys
