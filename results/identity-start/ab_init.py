@@ -1,16 +1,12 @@
-# The identity start, A/B: the in-process sequential run (bench/train_variant.py, as bt-bench swarm's reference),
-# d 128, STEPS steps per block, a batch of 48 (3 workers' data per step), with the blocktrain package of the
-# code to measure installed:  python results/identity-start/ab_init.py STEPS SEED OUT.json THREADS
+# The identity start, A/B: bt-bench swarm's in-process sequential reference (bench.swarm.reference), d 128,
+# STEPS steps per block, a batch of 48 (3 workers' data per step), with the blocktrain package of the code to
+# measure installed:  python results/identity-start/ab_init.py STEPS SEED OUT_DIR THREADS
+# (writes OUT_DIR/sequential-b48-seedSEED.json and its log)
 import json
-import subprocess
 import sys
+from pathlib import Path
 
-from blocktrain.blocks.config import apply_overrides
-from blocktrain.p2p.config import PeerJob
-steps, seed, out, threads = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-job = apply_overrides(PeerJob(), {"train.draft_frac": "0", "train.steps": steps, "train.seed": seed})
-job = apply_overrides(job, {"train.batch_size": job.train.batch_size * 3})
-cmd = [sys.executable, "-m", "blocktrain.bench.train_variant", "--name", f"seq-{steps}-s{seed}", "--schedule", "sequential",
-       "--model", json.dumps(job.model.to_dict()), "--train", json.dumps(job.train.to_dict()), "--out", out,
-       "--threads", threads, "--test-windows", "300"]
-subprocess.run(cmd, check=True)
+from blocktrain.bench.swarm import reference
+
+steps, seed, out, threads = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+print(json.dumps(reference(steps, {"train.draft_frac": "0"}, out, seed, test_windows=300, workers=3, threads=threads)))
