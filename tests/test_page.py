@@ -118,15 +118,18 @@ def test_bt_peer_http_serves_the_page_on_loopback_given_a_bare_port(tmp_path):
         port = sk.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "blocktrain.p2p.cli", "start", "--no-train", "--listen",
                              "127.0.0.1:0", "--http", str(port), "--swarm-key", str(tmp_path / "key"),
-                             "--identity", str(tmp_path / "id"), "--quiet"], stderr=subprocess.PIPE, text=True)
+                             "--identity", str(tmp_path / "id"), "--quiet"], stderr=subprocess.PIPE)
     try:
         import select
         deadline = time.monotonic() + 60
-        line = ""
-        while "swarm page:" not in line:  # never blocked past the deadline by a silent process
-            assert time.monotonic() < deadline and proc.poll() is None, "no page announced"
+        err = b""
+        # raw reads of the pipe: a buffered readline after select can leave a second line that came
+        # in the same chunk in Python's buffer, where select never sees it
+        while b"swarm page:" not in err:  # never blocked past the deadline by a silent process
+            assert time.monotonic() < deadline and proc.poll() is None, f"no page announced: {err!r}"
             if select.select([proc.stderr], [], [], 1.0)[0]:
-                line = proc.stderr.readline()
+                err += os.read(proc.stderr.fileno(), 65536)
+        line = next(x for x in err.decode().splitlines() if "swarm page:" in x)
         assert f"http://127.0.0.1:{port}/" in line
         code, body = asyncio.run(_get(port, "/status.json"))
         v = json.loads(body)
