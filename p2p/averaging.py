@@ -476,6 +476,8 @@ class Averager:
     # --- inputs, in the connections' readers ---------------------------------------------------
     def _route(self, msg: BlockUpdate, pc, pid: str):
         phase = msg.meta.get("phase")
+        if phase is not None and not isinstance(phase, str):  # refused by name (the peer closes the sender)
+            raise ValueError(f"BLOCK_UPDATE meta.phase must be a string, not {type(phase).__name__}")
         if phase == Phase.EXCLUDED.value:
             self.excluded_by(pid, msg.round, str(msg.meta.get("reason", ""))[:500])
         elif phase == Phase.ABSENT.value and msg.meta.get("round_group") is not None:

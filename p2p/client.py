@@ -22,7 +22,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import secrets
 import time
 
@@ -40,6 +39,12 @@ from .transport import CLIENT_INFO, Timeouts, make_connection, open_connection
 
 
 DRAFT_LEN = 16  # bytes drafted per traversal in exact mode
+
+
+def _request_id() -> int:
+    """A fresh, unguessable request id: a peer that cannot read our traffic cannot name our
+    requests (to answer one in our place)."""
+    return secrets.randbits(63)
 
 
 class NoChain(PipelineError):
@@ -60,7 +65,6 @@ class PipelineClient:
         self.link, self.codec, self.timeout_s = link, codec, timeout_s
         self.conns: dict[str, object] = {}
         self.pending: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
         self._readers: list[asyncio.Task] = []
         self.id = peer_id(identity)
         self._drafter = True  # the last hop says whether its block has a draft model
@@ -100,7 +104,7 @@ class PipelineClient:
         return sum(pc.conn.counter.snapshot()["sent"]["total"]["wire_bytes"] for pc in self.conns.values())
 
     async def _request(self, meta: dict, x: torch.Tensor | None = None) -> PipelineResult:
-        rid = next(self._ids)
+        rid = _request_id()
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
         meta = {**meta, "blocks": self.blocks, "reply_to": self.id, "codec": self.codec}
@@ -126,7 +130,7 @@ class PipelineClient:
         """Free the session's caches along the chain (no answer comes back)."""
         try:
             self.conns[self.route[0]].send_nowait(PipelineForward(
-                request_id=next(self._ids), route=self.route, hop=0,
+                request_id=_request_id(), route=self.route, hop=0,
                 meta={"mode": mode, "session": session, "end": True, "blocks": self.blocks, "reply_to": self.id}))
         except ConnectionError:
             pass  # the hops free it when it idles

@@ -20,6 +20,15 @@ Rules:
   out a legitimate caller; each is closed after ``handshake_s``.
 - Bytes are counted per remote peer, message type, kind and direction (traffic.py); the report
   is written every ``report_every_s`` and at stop.
+- Identities are free (any key holder makes as many as it likes), so nothing kept per remote
+  identity grows with their number: members (MAX_MEMBERS; a new identity first displaces a
+  member that is not alive, else is refused), membership events (MAX_EVENTS), traffic rows
+  (MAX_TRAFFIC_ROWS; departed peers' counts fold into one row, so totals stay exact), identities
+  remembered as seen (MAX_KNOWN_IDS), redials (MAX_REDIALS) and dials in flight (MAX_DIALS, with
+  a cool-down for an address that failed): a PEER_LIST cannot make this peer dial the world.
+- A handler that raises on a peer's message never takes the reader down: the message is the
+  sender's fault, its connection is closed with an Error frame (MALFORMED_METADATA, or the
+  ProtocolError's own code) and the reader goes on with the next connection.
 """
 
 from __future__ import annotations
@@ -59,6 +68,18 @@ REDIAL_MIN_S = 1.0
 REDIAL_MAX_S = 30.0
 # The event loop counts as stalled when a heartbeat tick comes this many intervals late.
 STALL_TICKS = 3
+# Bounds on what the peer keeps per remote identity, in total (identities are free). A swarm of a
+# few hundred members fits each; past them the oldest or least useful entry goes.
+MAX_MEMBERS = 1024  # members known at once (alive, suspect or dead)
+MAX_EVENTS = 1024  # membership events kept for the report; the oldest go (``events_dropped`` counts them)
+MAX_TRAFFIC_ROWS = 256  # per-peer traffic rows; departed peers past it fold into DEPARTED_ROW
+MAX_KNOWN_IDS = 4096  # identities remembered as seen before (BACK rather than JOINED)
+MAX_REDIALS = 64  # lost members redialled at once
+MAX_DIALS = 16  # dials in flight at once; a PEER_LIST naming more waits for the next gossip
+DIAL_COOLDOWN_S = 30.0  # an address whose dial failed is not dialled again from gossip this soon
+MAX_FAILED_ADDRS = 1024  # addresses remembered as failed (for the cool-down)
+# The traffic row that holds the counts of departed peers folded together.
+DEPARTED_ROW = "departed"
 
 
 class JoinError(ConnectionError):
@@ -107,9 +128,14 @@ class Peer:
         self.redial_for_s = redial_for_s
         self.addr = ""
         self.started_at = time.time()
-        self.events: list[dict] = []  # membership changes, for reports and tests
+        self.events: collections.deque[dict] = collections.deque(maxlen=MAX_EVENTS)  # membership changes
+        self.events_dropped = 0
+        self.input_failures: dict[str, int] = {}  # exception type -> messages refused (report)
         self._members: dict[str, _Member] = {}
-        self._traffic: dict[str, PeerTraffic] = {}
+        self._known: collections.OrderedDict[str, None] = collections.OrderedDict()  # identities seen
+        self._traffic: collections.OrderedDict[str, PeerTraffic] = collections.OrderedDict()
+        self._departed_peers = 0  # peers whose traffic rows were folded into DEPARTED_ROW
+        self._failed: collections.OrderedDict[str, float] = collections.OrderedDict()  # addr -> when a dial failed
         self._clients: dict[str, PeerConnection] = {}
         self._client_conns: set[PeerConnection] = set()
         self._pending: collections.OrderedDict[PeerConnection, float] = collections.OrderedDict()
@@ -308,6 +334,8 @@ class Peer:
                 f.set_result(None)
 
     def _emit(self, change: Change, pid: str, addr: str):
+        if len(self.events) == self.events.maxlen:
+            self.events_dropped += 1
         self.events.append({"event": change.value, "peer": pid, "addr": addr, "time": time.time()})
         ev = MembershipEvent(change, pid, addr)
         for cb in list(self._subscribers):
@@ -364,6 +392,10 @@ class Peer:
             pc = await open_connection(host, int(port), self._new_connection(Role.INITIATOR), self.timeouts,
                                        self._link_for(addr), name=addr)
         except (OSError, ConnectionError, ValueError) as e:
+            self._failed[addr] = time.monotonic()
+            self._failed.move_to_end(addr)
+            while len(self._failed) > MAX_FAILED_ADDRS:
+                self._failed.popitem(last=False)
             self._dials.pop(addr, None)
             self.notify()
             fut.set_exception(PeerUnreachable("", addr, str(e)))
@@ -426,10 +458,14 @@ class Peer:
             old, m.conn = m.conn, pc
             self.spawn(old.close(DUPLICATE_REASON, CloseCause.DUPLICATE), "close duplicate")
         elif m is None:
+            if not self._make_room():
+                pc.abort_with(ErrorCode.OVERLOADED, f"{MAX_MEMBERS} members already", CloseCause.REFUSED)
+                return None
             self._members[pid] = m = _Member(info, time.monotonic(), pc)
             log.info("peer %s joined (%s, blocks %s)", pid[:12], info.addr, list(info.blocks))
             self._redial.pop(info.addr, None)
-            self._emit(Change.JOINED if not any(e["peer"] == pid for e in self.events) else Change.BACK, pid, info.addr)
+            self._emit(Change.BACK if pid in self._known else Change.JOINED, pid, info.addr)
+            self._remember(pid)
         else:
             m.conn, m.info = pc, info
         m.last_heard = time.monotonic()
@@ -447,6 +483,22 @@ class Peer:
         self.notify()
         return pc
 
+    def _make_room(self) -> bool:
+        """Room for one more member: a member that is not alive (the longest silent) makes way."""
+        if len(self._members) < MAX_MEMBERS:
+            return True
+        gone = [(m.last_heard, pid) for pid, m in self._members.items() if m.liveness is not Liveness.ALIVE]
+        if not gone:
+            return False
+        self._drop(min(gone)[1], Change.DEAD, redial=False)
+        return True
+
+    def _remember(self, pid: str):
+        self._known[pid] = None
+        self._known.move_to_end(pid)
+        while len(self._known) > MAX_KNOWN_IDS:
+            self._known.popitem(last=False)
+
     def _opener(self, pc: PeerConnection, pid: str) -> str:
         return self.id if pc.conn.role is Role.INITIATOR else pid
 
@@ -462,27 +514,8 @@ class Peer:
                     m.last_heard = time.monotonic()
                 if client and type(msg) in MEMBER_ONLY:
                     continue  # a client asks (status, streams, requests); it takes no part in rounds
-                inline = self._inline.get(type(msg))
-                if inline is not None:  # in order, in the reader (stream chunks, round parts)
-                    inline(msg, pc, pid)
-                    continue
-                handler = self._handlers.get(type(msg))
-                if handler is not None:
-                    self.spawn(handler(msg, pc, pid), f"handle {type(msg).__name__}")
-                elif isinstance(msg, Status):
-                    if not msg.status:
-                        pc.send_nowait(Status(status=self.status()))
-                elif client:
-                    continue
-                elif isinstance(msg, Announce):
-                    if msg.peer.peer_id == pid:  # a member speaks for itself only (PROTOCOL.md 3.2)
-                        self._learn(msg.peer, direct=True)
-                elif isinstance(msg, PeerList):
-                    for p in msg.peers:
-                        self._learn(p)
-                    if not self._heard_list:
-                        self._heard_list = True
-                        self.notify()
+                if not self.dispatch(msg, pc, pid, client):
+                    return
         except (ConnectionError, ProtocolError) as e:  # the connection's end; already logged by it
             log.debug("connection to %s ended: %s", pid[:12], e)
         finally:
@@ -493,6 +526,58 @@ class Peer:
                     del self._clients[pid]
             else:
                 self._connection_ended(pid, pc)
+
+    def dispatch(self, msg, pc: PeerConnection, pid: str, client: bool = False) -> bool:
+        """Hand one message from ``pid`` (a member, or a client) to its handler; False when the
+        message was refused and its connection closed. Raises only ConnectionError (``pc`` ended)."""
+        inline = self._inline.get(type(msg))
+        if inline is not None:  # in order, in the reader (stream chunks, round parts)
+            try:
+                inline(msg, pc, pid)
+            except (ConnectionError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the sender's message did it: close its connection
+                self._bad_input(pc, pid, msg, e)
+                return False
+            return True
+        handler = self._handlers.get(type(msg))
+        if handler is not None:
+            self.spawn(self._guarded(handler, msg, pc, pid), f"handle {type(msg).__name__}")
+        elif isinstance(msg, Status):
+            if not msg.status:
+                pc.send_nowait(Status(status=self.status()))
+        elif client:
+            pass
+        elif isinstance(msg, Announce):
+            if msg.peer.peer_id == pid:  # a member speaks for itself only (PROTOCOL.md 3.2)
+                self._learn(msg.peer, direct=True)
+        elif isinstance(msg, PeerList):
+            for p in msg.peers:
+                self._learn(p)
+            if not self._heard_list:
+                self._heard_list = True
+                self.notify()
+        return True
+
+    async def _guarded(self, handler, msg, pc: PeerConnection, pid: str):
+        """A spawned handler: what it raises on a peer's message closes that peer's connection."""
+        try:
+            await handler(msg, pc, pid)
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - see _bad_input
+            self._bad_input(pc, pid, msg, e)
+
+    def _bad_input(self, pc: PeerConnection, pid: str, msg, e: Exception):
+        """A handler raised on ``msg``: the sender's fault (its message did not fit what the handler
+        needs). Closed with an Error frame; a ProtocolError keeps its own code. A TypeError or the
+        like is also logged with its traceback: the handler should have refused the input by name."""
+        code = e.code if isinstance(e, ProtocolError) else ErrorCode.MALFORMED_METADATA
+        typed = isinstance(e, (ProtocolError, ValueError))
+        (log.info if typed else log.warning)("closing %s: its %s was refused: %r", pid[:12], type(msg).__name__, e,
+                                             exc_info=not typed)
+        self.input_failures[type(e).__name__] = self.input_failures.get(type(e).__name__, 0) + 1
+        pc.abort_with(code, f"bad {type(msg).__name__}: {type(e).__name__}: {str(e)[:200]}", CloseCause.REFUSED)
 
     def _connection_ended(self, pid: str, pc: PeerConnection):
         m = self._members.get(pid)
@@ -511,7 +596,26 @@ class Peer:
             self._emit(Change.SUSPECT, pid, m.info.addr)
 
     def _account(self, pid: str, pc: PeerConnection):
-        self._traffic.setdefault(pid, PeerTraffic()).add(pc.conn.counter.snapshot())
+        t = self._traffic.get(pid)
+        if t is None:
+            m = self._members.get(pid)
+            self._traffic[pid] = t = PeerTraffic(addr=m.info.addr if m is not None else "")
+        t.add(pc.conn.counter.snapshot())
+        self._fold_departed()
+
+    def _fold_departed(self):
+        """Past MAX_TRAFFIC_ROWS, the oldest rows of peers no longer connected fold into one."""
+        excess = len(self._traffic) - MAX_TRAFFIC_ROWS
+        if excess <= 0:
+            return
+        folded = self._traffic.get(DEPARTED_ROW) or PeerTraffic()
+        for pid in [p for p in self._traffic if p != DEPARTED_ROW and p not in self._members and p not in self._clients]:
+            folded.add(self._traffic.pop(pid).closed)
+            self._departed_peers += 1
+            excess -= 1
+            if excess < 0:  # the folded row itself takes one
+                break
+        self._traffic[DEPARTED_ROW] = folded
 
     def _learn(self, p: PeerInfo, direct: bool = False):
         if p.peer_id == self.id or p.role == "client" or not p.addr or self.role == "client":
@@ -522,8 +626,17 @@ class Peer:
                 m.info = p
                 self.notify()
             return
-        if (m is None or m.conn is None) and p.addr not in self._dials and not self._stopping:
+        if (m is None or m.conn is None) and p.addr not in self._dials and not self._stopping \
+                and len(self._dials) < MAX_DIALS and not self._cooling(p.addr):
             self.spawn(self._quiet_dial(p.addr), f"connect {p.addr}")
+
+    def _cooling(self, addr: str) -> bool:
+        """A dial to ``addr`` failed less than DIAL_COOLDOWN_S ago (gossip does not retry it yet)."""
+        t = self._failed.get(addr)
+        if t is not None and time.monotonic() - t > DIAL_COOLDOWN_S:
+            del self._failed[addr]
+            return False
+        return t is not None
 
     async def _quiet_dial(self, addr: str):
         try:
@@ -536,14 +649,14 @@ class Peer:
         return [PeerInfo(pid, m.info.addr, m.info.blocks, m.info.role, min(int((now - m.last_heard) * 1000), 2**32 - 1))
                 for pid, m in self._members.items() if m.liveness is Liveness.ALIVE]
 
-    def _drop(self, pid: str, change: Change):
+    def _drop(self, pid: str, change: Change, redial: bool = True):
         m = self._members.pop(pid, None)
         if m is None:
             return
         log.info("peer %s %s (%s)", pid[:12], change.value, m.info.addr)
         if m.conn is not None:
             m.conn.abort(f"peer {change.value}")
-        if change is Change.DEAD:
+        if change is Change.DEAD and redial:
             self._schedule_redial(m.info.addr, pid)
         else:
             self._redial.pop(m.info.addr, None)
@@ -554,6 +667,8 @@ class Peer:
             return
         now = time.monotonic()
         r = self._redial.get(addr)
+        if r is None and len(self._redial) >= MAX_REDIALS:  # the one closest to giving up makes room
+            del self._redial[min(self._redial, key=lambda a: self._redial[a].until)]
         if r is None:
             self._redial[addr] = _Redial(pid, now + (0.0 if soon else REDIAL_MIN_S), REDIAL_MIN_S,
                                          now + self.redial_for_s)
@@ -610,10 +725,12 @@ class Peer:
         for pid in set(self._traffic) | set(self._members) | set(self._clients):
             m = self._members.get(pid)
             pc = m.conn if m is not None else self._clients.get(pid)
-            t = merge_counts(self._traffic.get(pid, PeerTraffic()).closed,
-                             pc.conn.counter.snapshot() if pc is not None else None)
-            t["addr"] = m.info.addr if m else next((e["addr"] for e in reversed(self.events) if e["peer"] == pid), "")
+            row = self._traffic.get(pid) or PeerTraffic()
+            t = merge_counts(row.closed, pc.conn.counter.snapshot() if pc is not None else None)
+            t["addr"] = m.info.addr if m else row.addr
             t["client"] = (m is None and pid in self._clients) or t["addr"] == ""
+            if pid == DEPARTED_ROW:
+                t.update(client=False, departed_peers=self._departed_peers)
             peers[pid] = t
         return {"peers": peers, **traffic_totals(peers.values())}
 
@@ -636,7 +753,8 @@ class Peer:
     def report(self) -> dict:
         return {"kind": "blocktrain-transfer-report", "peer_id": self.id, "addr": self.addr,
                 "blocks": list(self.blocks), "role": self.role, "start_time": self.started_at,
-                "end_time": time.time(), "events": self.events, **self.traffic_report(),
+                "end_time": time.time(), "events": list(self.events), "events_dropped": self.events_dropped,
+                "input_failures": dict(self.input_failures), **self.traffic_report(),
                 **{k: f() for k, f in self._sections.items()}}
 
     def write_report(self):

@@ -154,7 +154,10 @@ class PipelineServer:
 
     async def handle(self, msg: PipelineForward, pc, pid):
         meta = {key: msg.meta[key] for key in FORWARDED if key in msg.meta}
-        client = meta.get("reply_to", pid)
+        # The client is who sent hop 0 over its authenticated connection, never a name in the
+        # request: a refusal at hop 0 goes back to the sender alone. Later hops take reply_to
+        # from the member below, which checked it at hop 0.
+        client = pid if msg.hop == 0 else meta.get("reply_to")
         k = _block_at(meta, msg.hop)
         if "error" in msg.meta:  # a hop without the client's connection reports through the last hop
             if msg.hop + 1 == len(msg.route) and self.peer.member(pid) is not None and isinstance(client, str):
@@ -226,7 +229,9 @@ class PipelineServer:
             fault = e.fault if isinstance(e, PipelineError) else "hop"
             text = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
             err = {"error": text[:1000], "hop": hop, "block": failed, "fault": fault}
-            if isinstance(client, str) and self.peer.client_connection(client) is not None:
+            if msg.hop == 0:  # the sender, on its own connection
+                _send_error(pc, msg.request_id, err)
+            elif isinstance(client, str) and self.peer.client_connection(client) is not None:
                 self._tell_client(client, msg.request_id, err)
             elif msg.hop + 1 < len(msg.route) and msg.hop > 0:  # the client dialled the first and last hops only
                 try:
@@ -261,26 +266,23 @@ class PipelineServer:
     def _tell_client(self, client: str, request_id: int, meta: dict):
         reply = self.peer.client_connection(client)
         if reply is not None:
-            try:
-                reply.send_nowait(PipelineResult(request_id=request_id, tensors=(), meta={
-                    "error": str(meta.get("error"))[:1000], **{k: meta.get(k) for k in ("hop", "block", "fault")}}))
-            except ConnectionError:
-                pass
+            _send_error(reply, request_id, meta)
+
+
+def _send_error(pc, request_id: int, meta: dict):
+    """A refusal (PipelineResult with ``error``, ``hop``, ``block``, ``fault``) on ``pc``."""
+    try:
+        pc.send_nowait(PipelineResult(request_id=request_id, tensors=(), meta={
+            "error": str(meta.get("error"))[:1000], **{k: meta.get(k) for k in ("hop", "block", "fault")}}))
+    except ConnectionError:
+        pass
 
 
 def refuse_requests(peer: PeerServices):
     """For a peer that serves nothing: every request is answered with an error at once."""
     async def handler(msg: PipelineForward, pc, pid):
-        meta = msg.meta
-        client = meta.get("reply_to", pid)
-        reply = peer.client_connection(client) if isinstance(client, str) else None
-        if reply is not None:
-            try:
-                reply.send_nowait(PipelineResult(request_id=msg.request_id, tensors=(),
-                                                 meta={"error": f"peer {peer.addr} serves no blocks",
-                                                       "hop": msg.hop, "block": _block_at(meta, msg.hop)}))
-            except ConnectionError:
-                pass
+        _send_error(pc, msg.request_id, {"error": f"peer {peer.addr} serves no blocks", "hop": msg.hop,
+                                         "block": _block_at(msg.meta, msg.hop), "fault": "hop"})
     peer.on(PipelineForward, handler)
 
 

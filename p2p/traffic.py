@@ -65,8 +65,9 @@ def _empty_traffic() -> dict:
 
 @dataclass
 class PeerTraffic:
-    """Bytes exchanged with one remote peer over its closed connections."""
+    """Bytes exchanged with one remote peer over its closed connections (and its address then)."""
     closed: dict = field(default_factory=_empty_traffic)
+    addr: str = ""
 
     def add(self, snapshot: dict):
         for d in DIRECTIONS:

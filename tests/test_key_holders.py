@@ -1,0 +1,250 @@
+"""Issue 29: a holder of the swarm key may be an attacker, and identities are free. One test per
+finding fixed: what a key holder could do, and what the peer does now."""
+
+import asyncio
+import os
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blocktrain.p2p import node as node_mod
+from blocktrain.p2p.node import Peer, _Member
+from blocktrain.p2p.tensors import to_wire
+from blocktrain.p2p.transport import Timeouts, make_connection, open_connection
+from blocktrain.protocol import (Announce, BlockUpdate, PeerInfo, PeerList, PipelineForward, PipelineResult, Ping,
+                                 ProtocolError, Role, Status, StreamChunk, StreamEnd, StreamOpen, StreamRequest, StreamReset)
+
+FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.2, dead_after_s=30, close_s=1)
+
+
+# --- finding 1: identity churn --------------------------------------------------------------------
+
+async def _churn(port: int, psk: bytes, n: int, goodbye_every: int = 2):
+    """``n`` fresh identities, one after another: handshake as a member, ANNOUNCE, PING, then a
+    GOODBYE (every ``goodbye_every``-th one vanishes without it instead)."""
+    for i in range(n):
+        key = X25519PrivateKey.generate()
+        info = {"addr": f"127.0.0.{2 + i % 200}:9", "blocks": [0], "role": "train"}
+        pc = await open_connection("127.0.0.1", port, make_connection(Role.INITIATOR, key, psk, info=info), FAST)
+        from blocktrain.p2p.identity import peer_id
+        pc.send_nowait(Announce(peer=PeerInfo(peer_id(key), info["addr"], (0,), "train", 0)))
+        pc.send_nowait(Ping(nonce=i + 1))
+        if i % goodbye_every:
+            await pc.close("bye")
+        else:
+            await pc.drain()
+            pc.abort("vanished")
+        await pc.wait_closed()
+
+
+async def test_churned_identities_leave_bounded_state_and_exact_totals(monkeypatch):
+    """Finding 1: 300 identities that join and leave (half with GOODBYE, half vanishing) leave at
+    most the bounded number of members, events, traffic rows, remembered ids and redials, while
+    the traffic totals still count every frame they sent."""
+    for name, value in (("MAX_MEMBERS", 24), ("MAX_EVENTS", 40), ("MAX_TRAFFIC_ROWS", 16), ("MAX_KNOWN_IDS", 50),
+                        ("MAX_REDIALS", 8)):
+        monkeypatch.setattr(node_mod, name, value)
+    psk = os.urandom(32)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    try:
+        n = 300
+        await asyncio.wait_for(_churn(a.port, psk, n), 120)
+        await a.wait_for(lambda: not a.members(), 10)
+        assert len(a._members) <= 24 and len(a.events) <= 40 and a.events_dropped > 0
+        # rows: the members still known (suspects, bounded above) and at most 16 others, folded past that
+        assert len(a._traffic) <= 16 + len(a._members) + 1 and len(a._known) <= 50 and len(a._redial) <= 8
+        rep = a.traffic_report()
+        assert rep["peers"][node_mod.DEPARTED_ROW]["departed_peers"] >= n - 24 - 16
+        # each identity sent at least its handshake messages, ANNOUNCE and PING: every one counted
+        assert rep["totals"]["received"]["frames"] >= 3 * n
+        assert set(a.status()) >= {"members", "traffic"}
+    finally:
+        await a.stop()
+
+
+# --- finding 2: inbound handlers and a peer's bad types --------------------------------------------
+
+class FakeConn:
+    """What a handler sees of a connection, with nothing behind it: replies are kept, a close is noted."""
+
+    def __init__(self, loop):
+        self.sent, self.refused, self.name, self.last_heard = [], None, "fake", 0.0
+        self.closed = loop.create_future()
+        self.peer_addr = ("127.0.0.1", 9)
+
+    def send_nowait(self, msg, bulk=False):
+        if self.refused is not None:
+            raise ConnectionError("closed")
+        self.sent.append(msg)
+
+    async def send(self, msg, bulk=False):
+        self.send_nowait(msg)
+
+    async def drain(self):
+        pass
+
+    def abort_with(self, code, reason, cause):
+        self.refused = (code, reason)
+
+    def abort(self, reason, cause=None):
+        self.refused = (None, reason)
+
+
+KEYS = ("phase", "part", "group", "round_group", "departed", "contributors", "reason", "scope", "peer", "at", "name",
+        "why", "size", "sponsor", "step", "digest", "members", "same", "after", "block", "reply_to", "session", "mode",
+        "spec", "blocks", "end", "codec", "compute_s", "error", "hop", "fault", "drafter")
+PHASES = ("join", "welcome", "admit", "ready", "absent", "excluded", "leave", "status", "reduce", "gather", "split")
+leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True),
+                 st.text(max_size=12), st.sampled_from(PHASES), st.binary(max_size=8))
+value = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                   st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                     max_leaves=12)
+meta = st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=8)), value, max_size=8)
+uint = st.integers(0, 2**32)
+WIRE = [to_wire("x", torch.zeros(3)), to_wire("x", torch.randn(1, 4, 16)), to_wire("logits", torch.zeros(2, 2)),
+        to_wire("x", torch.zeros(4, dtype=torch.int16))]
+tensors = st.lists(st.integers(0, len(WIRE) - 1).map(WIRE.__getitem__), max_size=2).map(tuple)
+text = st.text(max_size=20)
+def _valid(cls, **fields):
+    """Messages of ``cls`` with these fields, where its constructor accepts them (what a decoder
+    can hand a handler: everything the protocol itself refuses never gets that far)."""
+    def build(kw):
+        try:
+            return cls(**kw)
+        except ProtocolError:
+            return None
+    return st.fixed_dictionaries(fields).map(build).filter(lambda m: m is not None)
+
+
+sid = st.integers(1, 9)
+messages = st.one_of(
+    _valid(BlockUpdate, block=st.integers(0, 3), round=uint, tensors=tensors, meta=meta),
+    _valid(PipelineForward, request_id=uint, route=st.lists(text, max_size=4).map(tuple), hop=st.integers(0, 4),
+           tensors=tensors, meta=meta),
+    _valid(PipelineResult, request_id=uint, tensors=tensors, meta=meta),
+    _valid(Status, status=meta),
+    _valid(StreamRequest, stream_id=sid, kind=st.sampled_from(["checkpoint", "update", "x"]), name=text, offset=uint),
+    _valid(StreamOpen, stream_id=sid, kind=st.sampled_from(["checkpoint", "update"]), name=text, total_size=uint,
+           offset=uint, meta=meta),
+    _valid(StreamChunk, stream_id=sid, offset=uint, data=st.binary(max_size=16)),
+    _valid(StreamEnd, stream_id=sid),
+    _valid(StreamReset, stream_id=sid, reason=text),
+    _valid(PeerList, peers=st.lists(st.builds(PeerInfo, peer_id=st.sampled_from(["ab" * 32, "cd" * 32]),
+                                              addr=st.sampled_from(["", "127.0.0.1:1"])), max_size=3).map(tuple)),
+)
+
+# What a refusal may be: a handler that names what is wrong (a protocol error or a ValueError).
+TYPED = {"RemoteProtocolError", "LocalProtocolError", "ProtocolError", "ValueError", "BadUpdate"}
+
+
+@pytest.fixture
+def served_peer(tmp_path):
+    """A member with every service a training and serving peer runs: swarm training (its group
+    control and averaging), checkpoint streams and serving."""
+    from blocktrain.blocks.data import as_tensor, read_split
+    from blocktrain.blocks.model import Block, ModelConfig
+    from blocktrain.blocks.train import TrainConfig
+    from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
+    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+
+    loop = asyncio.new_event_loop()
+    peer = loop.run_until_complete(Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, blocks=(0,),
+                                        timeouts=FAST).start())
+    mc = ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32)
+    data = as_tensor(read_split("valid"))[:4096]
+    SwarmTrainer(peer, 0, mc, TrainConfig(steps=4, batch_size=2, seq_len=16, warmup=1), SwarmConfig(), tmp_path / "w",
+                 data, data)
+    PipelineServer(peer, ServedBlocks(blocktrain={0: Block(mc, 0).eval()}))
+    member = "ee" * 32
+    peer._members[member] = _Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
+    yield loop, peer, member
+    loop.run_until_complete(peer.stop())
+    loop.close()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(msgs=st.lists(messages, min_size=1, max_size=6))
+def test_no_message_of_any_shape_kills_a_handler(served_peer, msgs):
+    """Finding 2, as a property over the message schema: whatever fields a member's messages hold,
+    dispatching them raises nothing; a refusal closes that sender's connection and names what was
+    wrong (a typed error, never a TypeError from deep inside); the peer still answers status."""
+    loop, peer, member = served_peer
+
+    async def run():
+        pc = FakeConn(loop)
+        for m in msgs:
+            if not peer.dispatch(m, pc, member):
+                assert pc.refused is not None
+                break
+        pending = [t for t in peer._tasks if t.get_name().startswith("handle ")]
+        await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+        return pc
+    loop.run_until_complete(run())
+    assert set(peer.input_failures) <= TYPED, peer.input_failures
+    assert peer.status()["peer_id"] == peer.id
+
+
+async def test_a_handler_that_raises_closes_only_its_senders_connection():
+    """Finding 2, through real sockets: a message a handler chokes on closes that connection with
+    an Error frame; the peer goes on answering everyone else."""
+    from blocktrain.p2p.node import query_status
+    psk = os.urandom(32)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+
+    def chokes(msg, pc, pid):
+        raise TypeError("unhashable type: 'list'")
+    a.on(BlockUpdate, chokes, inline=True)
+    try:
+        await b.join("127.0.0.1", a.port)
+        await a.wait_for(lambda: len(a.members()) == 1, 10)
+        (await b.connection(a.id)).send_nowait(BlockUpdate(block=0, round=1, meta={"phase": ["x"]}))
+        assert await a.wait_for(lambda: a.input_failures.get("TypeError") == 1, 10)
+        st_ = await query_status("127.0.0.1", a.port, X25519PrivateKey.generate(), psk, FAST)
+        assert st_["peer_id"] == a.id
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+# --- finding 7: a forged reply_to -----------------------------------------------------------------
+
+async def test_a_forged_reply_to_reaches_nobody_but_its_sender():
+    """Finding 7: a client that names another client in ``reply_to`` is refused on its own
+    connection; the named client hears nothing (and its request ids cannot be guessed)."""
+    from blocktrain.p2p.client import _request_id
+    from blocktrain.p2p.pipeline import refuse_requests
+    from blocktrain.p2p.transport import CLIENT_INFO
+    psk = os.urandom(32)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    refuse_requests(a)
+    from blocktrain.blocks.model import Block, ModelConfig
+    from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
+    b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    PipelineServer(b, ServedBlocks(blocktrain={0: Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2,
+                                                                    max_seq_len=32), 0).eval()}))
+    keys = [X25519PrivateKey.generate() for _ in range(2)]
+    from blocktrain.p2p.identity import peer_id
+    try:
+        for server in (a, b):  # a peer serving nothing, and a serving hop
+            victim, attacker = [await open_connection("127.0.0.1", server.port, make_connection(
+                Role.INITIATOR, k, psk, info=CLIENT_INFO), FAST) for k in keys]
+            await server.wait_for(lambda: server.client_connection(peer_id(keys[0])) is not None, 10)
+            attacker.send_nowait(PipelineForward(request_id=1, route=("x:1", "y:2"), hop=0,
+                                                 meta={"mode": "exact", "session": 1, "blocks": [0, 1],
+                                                       "reply_to": peer_id(keys[0])}))
+            got = await asyncio.wait_for(attacker.recv(), 10)
+            assert isinstance(got, PipelineResult) and "error" in got.meta
+            victim.send_nowait(Status(status={}))  # the victim's next message is its status answer
+            reply = await asyncio.wait_for(victim.recv(), 10)
+            assert isinstance(reply, Status), reply
+            for pc in (victim, attacker):
+                await pc.close("done")
+        assert len({_request_id() for _ in range(1000)}) == 1000
+    finally:
+        await a.stop()
+        await b.stop()
