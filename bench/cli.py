@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
+
+from .provenance import write_result
 
 
 def _emit(result: dict, json_path: str | None, rows: list[tuple]):
@@ -14,8 +15,7 @@ def _emit(result: dict, json_path: str | None, rows: list[tuple]):
     for name, value in rows:
         click.echo(f"  {name:<{width}}  {value}")
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=1))
+        write_result(json_path, result)
         click.echo(f"wrote {json_path}")
 
 
@@ -188,8 +188,7 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, sweep, kernel
                    f"(target >= 3: {'met' if result['targets']['speedup_exact_vs_autoregressive >= 3'] else 'MISSED'}); "
                    f"links: {result['links']}")
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=1))
+        write_result(json_path, result)
         click.echo(f"wrote {json_path}")
 
 
@@ -289,9 +288,7 @@ def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, 
 
 
 def _write_json(path, result: dict) -> None:
-    from blocktrain.blocks.checkpoint import write_atomic
-
-    write_atomic(path, json.dumps(result, indent=1).encode())
+    write_result(path, result)
 
 
 def _swarm_table(result: dict, K: int) -> list[str]:
@@ -386,10 +383,7 @@ def average(peers, floats, rounds, repeats, codec, against, hivemind_python, jso
                 line += f", vs hivemind worst {s['worst_vs_hivemind']:.1f}x faster"
             click.echo(line)
     if json_path:
-        from pathlib import Path
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"benchmark": "average", "argv": sys.argv[1:], "runs": results,
-                                               "summary": summary}, indent=1))
+        write_result(json_path, {"benchmark": "average", "argv": sys.argv[1:], "runs": results, "summary": summary})
         click.echo(f"wrote {json_path}")
 
 
@@ -450,8 +444,7 @@ def train(json_path, steps, d_model, n_head, variants, jobs, results_dir, test_w
     summary["plot"] = str(out / "curves.png")
     click.echo(table(summary))
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(summary, indent=1))
+        write_result(json_path, summary)
         click.echo(f"wrote {json_path}")
 
 

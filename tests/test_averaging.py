@@ -214,6 +214,8 @@ def test_bench_average_reports_every_run_and_the_worst_against_the_targets(tmp_p
     assert s["worst_vs_gloo"] == max(x["vs_gloo"] for x in d["runs"])
     assert s["every_run_within_gloo_target"] == all(x["vs_gloo"] <= 1.5 for x in d["runs"])
     assert "run 2/2: 2 peers" in r.stdout
+    from blocktrain.bench.provenance import code_hash
+    assert d["code_version"]["code_hash"] == code_hash() and d["command"].startswith("bt-bench average --peers 2")
     fake = [{"peers": 4, "blocktrain_s": 1.0, "vs_gloo": v, "within_gloo_target": v <= 2, "repeat": i}
             for i, v in enumerate((1.5, 2.5, 1.8))]
     assert summarize(fake)["4"]["every_run_within_gloo_target"] is False  # one run over: not met
