@@ -10,7 +10,7 @@ Rules:
 - The server reads a file chunk by chunk from one open descriptor (a file replaced meanwhile is
   not mixed in) and never holds more than a chunk of it; a file's sha256 is computed once per
   version (inode, size, mtime) and cached. At most MAX_STREAMS_PER_PEER streams per asker run at
-  once; more are refused ("busy"), never queued.
+  once, and MAX_STREAMS in all (identities are free); more are refused ("busy"), never queued.
 - ``fetch`` asks the holders in turn; a holder that dies or stalls (no chunk for
   ``chunk_timeout_s``) is left for the next one, which continues from the bytes already received
   when it holds the same bytes (asked by their sha256), else starts over. The result is verified
@@ -53,6 +53,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 SHA_PREFIX = "sha-"
 # Streams one asker may have running at once: a fetch, a probe and a lower block or two.
 MAX_STREAMS_PER_PEER = 4
+# Streams served at once, to everyone (identities are free: a per-asker bound alone lets many
+# identities hold a chunk and a queue each). Each running stream holds about one chunk (4 MiB)
+# read ahead and its connection's bulk queue: 8 of them, a few tens of MiB at most.
+MAX_STREAMS = 8
 # File versions whose sha256 is remembered.
 MAX_HASHED_FILES = 256
 
@@ -131,6 +135,9 @@ class CheckpointServer:
     async def handle(self, req: StreamRequest, pc, pid):
         if self._active.get(pid, 0) >= MAX_STREAMS_PER_PEER:
             await refuse(req, pc, "busy: too many streams from this peer at once")
+            return
+        if sum(self._active.values()) >= MAX_STREAMS:
+            await refuse(req, pc, f"busy: serving {MAX_STREAMS} streams already; ask another holder or later")
             return
         self._active[pid] = self._active.get(pid, 0) + 1
         self._reset.discard((pid, req.stream_id))

@@ -248,3 +248,52 @@ async def test_a_forged_reply_to_reaches_nobody_but_its_sender():
     finally:
         await a.stop()
         await b.stop()
+
+
+# --- finding 3: stream requests from many identities ----------------------------------------------
+
+async def test_stream_requests_from_many_identities_are_bounded_in_all(tmp_path):
+    """Finding 3: 12 identities x 4 requests for a 12 MiB file at once: at most MAX_STREAMS run at
+    once in all (the others are refused "busy"): what the server holds is a chunk per running
+    stream (test_hardening bounds that), so a few chunks in all, not a file per identity."""
+    from blocktrain.p2p.checkpoints import MAX_STREAMS, CheckpointServer
+    from blocktrain.p2p.transport import CLIENT_INFO
+    psk = os.urandom(32)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "block0.safetensors").write_bytes(os.urandom(12 << 20))
+    server = CheckpointServer(a, tmp_path)
+    serve, running, refused = server._serve, [0, 0, 0], []
+
+    async def counted(req, pc, pid):  # streams running now, at most at once, started
+        running[0] += 1
+        running[1] = max(running[:2])
+        running[2] += 1
+        try:
+            await serve(req, pc, pid)
+        finally:
+            running[0] -= 1
+    server._serve = counted
+    from blocktrain.p2p import checkpoints
+    refuse = checkpoints.refuse
+
+    async def noted(req, pc, why):
+        refused.append(why)
+        await refuse(req, pc, why)
+    checkpoints.refuse = noted
+    conns = []
+    try:
+        for _ in range(12):
+            pc = await open_connection("127.0.0.1", a.port, make_connection(
+                Role.INITIATOR, X25519PrivateKey.generate(), psk, info=CLIENT_INFO), FAST)
+            conns.append(pc)
+            for sid in range(1, 5):
+                pc.send_nowait(StreamRequest(kind="checkpoint", name="block0", offset=0, stream_id=sid))
+        assert await a.wait_for(lambda: running[2] + len(refused) == 48, 60) or running[2] + len(refused) == 48
+        assert running[1] <= MAX_STREAMS
+        assert all(why.startswith("busy") for why in refused)
+    finally:
+        checkpoints.refuse = refuse
+        for pc in conns:
+            pc.abort("done")
+        await a.stop()
