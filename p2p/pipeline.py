@@ -16,7 +16,10 @@ Rules:
   does not fit this hop's cache (``SessionMismatch``: a new hop, an expired or evicted session)
   is answered with fault "session": the client rebuilds the caches from its committed bytes.
 - A session's caches are freed at its end, after SESSION_IDLE_S unused, or when the hop holds
-  MAX_SESSIONS (the least recently used goes). ``end`` without a spec only frees them, hop by hop.
+  MAX_SESSIONS (the least recently used session of the client holding the most goes: identities
+  are free, and a flood of sessions must not push out a client with one).
+- Traversals take COMPUTE_SLOTS compute slots round-robin by client, at most MAX_WAITING waiting
+  in all (fair.py): a flooding client delays another by about one traversal per active client. ``end`` without a spec only frees them, hop by hop.
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
@@ -37,6 +40,7 @@ from blocktrain.blocks.decode import BadSpec, SessionMismatch, check_spec, hop_s
 from blocktrain.blocks.model import Block, BlockCache
 from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
 
+from .fair import FairSlots, Saturated
 from .services import PeerServices, PeerUnreachable
 from .tensors import from_wire, to_wire
 
@@ -48,7 +52,10 @@ SESSION_IDLE_S = 60.0  # caches unused this long are freed
 MAX_SESSIONS = 64
 MAX_SESSIONS_PER_CLIENT = 8
 MAX_INFLIGHT_PER_CLIENT = 8  # requests of one client computing or waiting at one hop
-COMPUTE_SLOTS = 2  # traversals computed at once by one hop (the rest wait their turn)
+COMPUTE_SLOTS = 2  # traversals computed at once by one hop (the rest wait their turn, round-robin by client)
+# Traversals waiting for a compute slot at one hop, in all (fair.py: past it the client with the
+# most waiting gives way). Each holds its request's input (at most a frame, usually a few KiB).
+MAX_WAITING = 32
 # The meta keys a hop reads and passes on (anything else a client sends is dropped).
 FORWARDED = ("mode", "blocks", "reply_to", "session", "spec", "end", "codec", "compute_s")
 # Seconds the last hop waits for the client's own connection to register (it dialled us at once).
@@ -86,7 +93,7 @@ class PipelineServer:
         self._used: dict[tuple, float] = {}
         self._busy: set[tuple] = set()  # sessions with a traversal running here
         self._inflight: dict[str, int] = {}  # client -> requests being computed or waiting here
-        self._compute = asyncio.Semaphore(COMPUTE_SLOTS)
+        self._compute = FairSlots(COMPUTE_SLOTS, MAX_WAITING)
         self.served_requests = 0
         peer.on(PipelineForward, self.handle)
         peer.report_section("serving", lambda: {"requests": self.served_requests, "sessions": len(self.sessions),
@@ -119,8 +126,12 @@ class PipelineServer:
             cache = BlockCache(b)
         self.sessions[key] = cache  # most recently used last
         self._used[key] = time.monotonic()
-        while len(self.sessions) > MAX_SESSIONS:
-            self._drop(next(iter(self.sessions)))
+        while len(self.sessions) > MAX_SESSIONS:  # the least recently used of the client holding the most
+            held = collections.Counter(k[0] for k in self.sessions if k not in self._busy)
+            if not held:
+                break
+            top = max(held, key=lambda c: (held[c], c != key[0]))
+            self._drop(next(k for k in self.sessions if k[0] == top and k not in self._busy))
         return cache
 
     def _drop(self, key: tuple):
@@ -196,8 +207,13 @@ class PipelineServer:
             self._inflight[client] = self._inflight.get(client, 0) + 1
             t0 = time.perf_counter()
             try:
-                async with self._compute:
+                await self._compute.acquire(client)
+                try:
                     out = await asyncio.to_thread(hop_step, b, cache, x, spec)
+                finally:
+                    self._compute.release()
+            except Saturated as e:
+                raise PipelineError(f"block {k} at {self.peer.addr}: {e}", k, msg.hop) from None
             except SessionMismatch as e:
                 self._drop(key)
                 raise PipelineError(str(e), k, msg.hop, fault="session") from None

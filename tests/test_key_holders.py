@@ -297,3 +297,53 @@ async def test_stream_requests_from_many_identities_are_bounded_in_all(tmp_path)
         for pc in conns:
             pc.abort("done")
         await a.stop()
+
+
+# --- finding 8: serving floods from many identities -----------------------------------------------
+
+async def test_compute_slots_go_round_robin_by_client_and_a_flood_gives_way():
+    """Finding 8: a client with many traversals waiting delays another by one traversal, not by
+    its whole queue; past ``max_waiting`` the flooding client's newest waiter gives way, and the
+    flooder itself is refused at once."""
+    from blocktrain.p2p.fair import FairSlots, Saturated
+    slots, order = FairSlots(1, max_waiting=4), []
+    await slots.acquire("flood")  # the one slot is busy
+
+    async def job(who, tag):
+        await slots.acquire(who)
+        order.append(tag)
+    flood = [asyncio.ensure_future(job("flood", f"f{i}")) for i in range(4)]
+    await asyncio.sleep(0)
+    mine = asyncio.ensure_future(job("me", "me"))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert flood[-1].done() and isinstance(flood[-1].exception(), Saturated)  # the newest gave way
+    with pytest.raises(Saturated):
+        await slots.acquire("flood")  # it holds the most waiting: refused at once
+    for _ in range(4):
+        slots.release()
+        await asyncio.sleep(0)
+    assert order == ["f0", "me", "f1", "f2"] and mine.done()
+    late = asyncio.ensure_future(slots.acquire("x"))
+    await asyncio.sleep(0)
+    late.cancel()  # a waiter cancelled leaves no trace; the slot still goes round
+    slots.release()
+    await asyncio.sleep(0)
+    assert slots.waiting() == 0 and slots.free == 1
+
+
+async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_session():
+    """Finding 8: when the hop holds MAX_SESSIONS, the session that goes is the least recently
+    used of the client holding the most, never the one session of a quiet client."""
+    from blocktrain.blocks.model import Block, ModelConfig
+    from blocktrain.p2p.pipeline import MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, PipelineServer, ServedBlocks
+    peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
+    b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
+    server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
+    try:
+        server._cache(("me", 1, False, 0), b, 0)
+        for i in range(4 * MAX_SESSIONS):  # identities are free: 8 sessions each, round after round
+            server._cache((f"flood{i // MAX_SESSIONS_PER_CLIENT}", i, False, 0), b, 0)
+        assert ("me", 1, False, 0) in server.sessions and len(server.sessions) == MAX_SESSIONS
+    finally:
+        await peer.stop()
