@@ -38,7 +38,7 @@ import torch
 
 from blocktrain.blocks.decode import BadSpec, SessionMismatch, check_spec, hop_step
 from blocktrain.blocks.model import Block, BlockCache
-from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
+from blocktrain.protocol import Codec, PipelineForward, PipelineResult, ProtocolError
 
 from .fair import FairSlots, Saturated
 from .services import PeerServices, PeerUnreachable
@@ -56,6 +56,8 @@ COMPUTE_SLOTS = 2  # traversals computed at once by one hop (the rest wait their
 # Traversals waiting for a compute slot at one hop, in all (fair.py: past it the client with the
 # most waiting gives way). Each holds its request's input (at most a frame, usually a few KiB).
 MAX_WAITING = 32
+# Codecs of the hidden states between hops (PROTOCOL.md section 6).
+HIDDEN_CODECS = frozenset(c.value for c in Codec)
 # The meta keys a hop reads and passes on (anything else a client sends is dropped).
 FORWARDED = ("mode", "blocks", "reply_to", "session", "spec", "end", "codec", "compute_s")
 # Seconds the last hop waits for the client's own connection to register (it dialled us at once).
@@ -181,6 +183,8 @@ class PipelineServer:
                 raise _bad_request(f"unknown mode {mode!r}", k, msg.hop)
             if not isinstance(client, str) or type(meta.get("session")) is not int:
                 raise _bad_request("reply_to (a peer id) and session (an int) are required", k, msg.hop)
+            if meta.get("codec", "bf16") not in HIDDEN_CODECS:  # before any compute: the request's fault
+                raise _bad_request(f"codec must be one of {sorted(HIDDEN_CODECS)}", k, msg.hop)
             self._check_route(msg, meta, pid, k, mode)
             b = self.served.held(mode)[k]
             self._expire()

@@ -347,3 +347,28 @@ async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_sess
         assert ("me", 1, False, 0) in server.sessions and len(server.sessions) == MAX_SESSIONS
     finally:
         await peer.stop()
+
+
+async def test_a_bad_hidden_state_codec_is_the_requests_fault_before_any_compute():
+    """Finding 12: an unknown ``codec`` is refused before compute, as the request's fault (it
+    blamed the hop after computing)."""
+    from blocktrain.blocks.model import Block, ModelConfig
+    from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
+    from blocktrain.p2p.transport import CLIENT_INFO
+    psk = os.urandom(32)
+    peer = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
+    server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
+    key = X25519PrivateKey.generate()
+    from blocktrain.p2p.identity import peer_id
+    pc = await open_connection("127.0.0.1", peer.port, make_connection(Role.INITIATOR, key, psk, info=CLIENT_INFO), FAST)
+    try:
+        pc.send_nowait(PipelineForward(request_id=7, route=("a:1", "b:2"), hop=0, meta={
+            "mode": "exact", "session": 1, "blocks": [0, 1], "reply_to": peer_id(key), "codec": "zip",
+            "spec": {}}))
+        got = await asyncio.wait_for(pc.recv(), 10)
+        assert got.request_id == 7 and got.meta["fault"] == "request" and "codec" in got.meta["error"]
+        assert server.served_requests == 0
+    finally:
+        await pc.close("done")
+        await peer.stop()
