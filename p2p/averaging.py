@@ -62,7 +62,7 @@ from blocktrain.protocol import BlockUpdate, Codec, ProtocolError
 
 from .group import CONTROL_PHASES, Phase
 from .services import PeerServices, PeerUnreachable
-from .tensors import ENCODED_DTYPES, encode_into, from_wire, to_wire
+from .tensors import ENCODED_DTYPES, decode_topk, encode_into, encode_topk, from_wire, to_wire, topk_count
 
 log = logging.getLogger("blocktrain.p2p")
 
@@ -132,11 +132,24 @@ def _held_bytes(msg: BlockUpdate) -> int:
     return sum(t.stored_bytes for t in msg.tensors) + len(msgpack.packb(msg.meta, use_bin_type=True))
 
 
-def lossy_scratch(n: int, codec: Codec) -> dict:
-    """Buffers of a lossy round of n floats: x (vector + residual), enc (x encoded: what is sent),
-    residual (what the encoding lost, fed into the next round)."""
-    return {"x": torch.empty(n), "enc": torch.empty(n, dtype=ENCODED_DTYPES[Codec(codec)]),
-            "residual": torch.empty(n)}
+# The BLOCK_UPDATE codecs of a round: a tensor codec, or topk (sparse, rule 7).
+TOPK = "topk"
+UPDATE_CODECS = tuple(c.value for c in Codec) + (TOPK,)
+
+
+def lossy_scratch(n: int, codec: Codec | str) -> dict:
+    """Buffers of a lossy round of n floats: x (vector + residual), enc (x encoded: what is sent;
+    topk: what the others decode), residual (what the encoding lost, fed into the next round)."""
+    enc = torch.empty(n) if codec == TOPK else torch.empty(n, dtype=ENCODED_DTYPES[Codec(codec)])
+    return {"x": torch.empty(n), "enc": enc, "residual": torch.empty(n)}
+
+
+def _tensors(wire) -> tuple:
+    return wire if isinstance(wire, tuple) else (wire,)
+
+
+def _stored(wire) -> int:
+    return sum(w.stored_bytes for w in _tensors(wire))
 
 
 def group_digest(members, rnd: int, start: str) -> str:
@@ -150,15 +163,22 @@ class Bounds:
     max_norm: float = 1e6
 
 
-def validate_part(msg: BlockUpdate, numel: int, bounds: Bounds, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The part's tensor, or ValueError saying what is wrong with it."""
-    if len(msg.tensors) != 1 or msg.tensors[0].name != "part":
-        raise ValueError("expected one tensor named 'part'")
-    w = msg.tensors[0]
-    if w.dtype != "float32" or w.shape != (numel,):
-        raise ValueError(f"part is {w.dtype} {w.shape}, expected float32 ({numel},)")
+def validate_part(msg: BlockUpdate, numel: int, bounds: Bounds, out: torch.Tensor | None = None,
+                  sparse: bool = False) -> torch.Tensor:
+    """The part's tensor, or ValueError saying what is wrong with it. ``sparse``: the round's
+    codec is topk, and every part must be one (indices, values and scales checked first)."""
+    if sparse != (msg.codec == TOPK):
+        raise ValueError(f"a part of codec {msg.codec} in a {'topk' if sparse else 'dense'} round")
     try:
-        t = from_wire(w, out=out)
+        if sparse:
+            t = decode_topk(msg.tensors, numel, out)
+        else:
+            if len(msg.tensors) != 1 or msg.tensors[0].name != "part":
+                raise ValueError("expected one tensor named 'part'")
+            w = msg.tensors[0]
+            if w.dtype != "float32" or w.shape != (numel,):
+                raise ValueError(f"part is {w.dtype} {w.shape}, expected float32 ({numel},)")
+            t = from_wire(w, out=out)
     except ProtocolError as e:  # e.g. lz4 data that does not decompress: the sender's fault
         raise ValueError(f"part does not decode: {e}") from None
     norm = float(torch.linalg.vector_norm(t))  # one pass: NaN or inf anywhere makes it NaN or inf
@@ -175,19 +195,25 @@ class AveragingRound:
     def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, *, codec: Codec = Codec.RAW,
                  start: str = "", bounds: Bounds = Bounds(), min_coverage: float = 1.0,
                  residual: torch.Tensor | None = None, aggregate: str = "mean", out: torch.Tensor | None = None,
-                 arena: torch.Tensor | Callable[[int], torch.Tensor] | None = None, scratch: dict | None = None):
+                 arena: torch.Tensor | Callable[[int], torch.Tensor] | None = None, scratch: dict | None = None,
+                 density: float = 0.01):
         """``out``: where the result goes (n float32; a fresh tensor if None). ``arena``: where the
         other members' parts are decoded (float32: R - 1 slots of the pieces we compute, i.e. every
         piece in a robust round, those we own in a mean round; or a function that returns one of
         the size it is asked), reused across rounds by the driver so that a round touches no
         fresh memory; fresh tensors if None (and for pieces that move to us mid-round).
         ``scratch``: a lossy codec's buffers (``lossy_scratch``), lent the same way; ``residual``
-        may be its "residual"."""
+        may be its "residual". ``density``: the fraction of each chunk a topk round sends."""
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {AGGREGATES}")
         self.me, self.block, self.round = me, block, rnd
         self.ids = sorted(set(members) | {me})
-        self.codec, self.bounds, self.min_coverage = Codec(codec), bounds, min_coverage
+        self.sparse = codec == TOPK
+        self.k = topk_count(density) if self.sparse else 0
+        self.codec = Codec.RAW if self.sparse else Codec(codec)  # topk's tensors are raw
+        self.update_codec = TOPK if self.sparse else self.codec.value
+        self.bounds, self.min_coverage = bounds, min_coverage
+        lossy = self.sparse or self.codec.lossy
         self.robust = aggregate == "robust" and len(self.ids) >= 3
         self.suspects: dict[str, float] = {}  # robust: member -> its largest distance, in median distances
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
@@ -197,8 +223,10 @@ class AveragingRound:
         self.bounds_ = [(n * i) // self.P for i in range(self.P + 1)]
         self.vector = vector.detach().float().reshape(-1)  # read only: our own piece is a view of it
         x, self.residual = self.vector, None
-        if self.codec.lossy:  # error feedback (rule 7), in the driver's buffers when it lends them
-            scratch = scratch if scratch is not None and scratch["x"].numel() == n else lossy_scratch(n, self.codec)
+        if lossy:  # error feedback (rule 7), in the driver's buffers when it lends them
+            scratch = scratch if scratch is not None and scratch["x"].numel() == n \
+                and scratch["enc"].dtype == lossy_scratch(0, self.update_codec)["enc"].dtype \
+                else lossy_scratch(n, self.update_codec)
             x = scratch["x"]
             if residual is not None and residual.numel() == n:
                 torch.add(self.vector, residual, out=x)  # before the residual's buffer is written again
@@ -207,8 +235,13 @@ class AveragingRound:
             if self.codec is Codec.INT8 and not bool(torch.isfinite(x).all()):  # before anything is written
                 raise ValueError("non-finite values cannot be int8-encoded")
             res = scratch["residual"]  # first what the others decode, then what they miss of x
-            self.wires = [encode_into("part", x[a:b], self.codec, scratch["enc"][a:b], res[a:b])
-                          for a, b in self.spans()]
+            if self.sparse:
+                self.sent = scratch["enc"]  # what the others decode of our part
+                self.wires = [encode_topk(x[a:b], self.k, self.sent[a:b]) for a, b in self.spans()]
+                res.copy_(self.sent)
+            else:
+                self.wires = [encode_into("part", x[a:b], self.codec, scratch["enc"][a:b], res[a:b])
+                              for a, b in self.spans()]
             self.residual = torch.sub(x, res, out=res)
         else:
             self.wires = [to_wire("part", x[a:b], self.codec, "never") for a, b in self.spans()]
@@ -285,7 +318,7 @@ class AveragingRound:
         elif phase == "reduce" and self._arena is not None and pid not in self._received[j] and j in self._slot:
             into = self._arena[pid][slice(*self._slot[j])]  # this member's place for the piece in the arena
         try:
-            t = validate_part(msg, b - a, self.bounds, into)
+            t = validate_part(msg, b - a, self.bounds, into, self.sparse)
         except ValueError as e:
             return self._reject(pid, str(e))
         if phase == "reduce":
@@ -315,10 +348,17 @@ class AveragingRound:
         return self._progress(final=False)
 
     # --- the protocol ----------------------------------------------------------------------------
+    def _own(self, j: int) -> torch.Tensor:
+        """Our part of piece j as the others decode it."""
+        a, b = self.bounds_[j], self.bounds_[j + 1]
+        if self.sparse:
+            return self.sent[a:b]
+        return from_wire(self.wires[j]) if self.codec.lossy else self.x[a:b]
+
     def _msg(self, phase: str, j: int, wire, **meta) -> BlockUpdate:
         if self.departed:
             meta["departed"] = sorted(self.departed)
-        return BlockUpdate(block=self.block, round=self.round, codec=self.codec.value, tensors=(wire,),
+        return BlockUpdate(block=self.block, round=self.round, codec=self.update_codec, tensors=_tensors(wire),
                            meta={"phase": phase, "part": j, "group": self.group, **meta})
 
     def _progress(self, final: bool) -> list[Part]:
@@ -333,9 +373,9 @@ class AveragingRound:
                 continue
             self._sent_to[j] = o
             if o == self.me:
-                self._received[j][o] = from_wire(self.wires[j]) if self.codec.lossy else self.x[a:b]
+                self._received[j][o] = self._own(j)
             else:
-                out.append(Part(o, self._msg("reduce", j, self.wires[j]), self.wires[j].stored_bytes))
+                out.append(Part(o, self._msg("reduce", j, self.wires[j]), _stored(self.wires[j])))
         for j, (a, b) in enumerate(spans):  # pieces we own: average once every live member's part is in
             if self.owner(j) != self.me or j in self._gather_sent or j in self.gathered:
                 continue
@@ -349,13 +389,16 @@ class AveragingRound:
                 avg.add_(v)
             avg.div_(len(vals))
             contributors = sorted(got)
-            w = to_wire("part", avg, self.codec, "never")
-            if self.codec.lossy:
-                from_wire(w, out=avg)  # what the others will decode (rule 6)
+            if self.sparse:  # the average of R sparse parts has at most R x k values per chunk
+                w = encode_topk(avg, self.k * len(self.ids), avg)  # avg becomes what the others decode
+            else:
+                w = to_wire("part", avg, self.codec, "never")
+                if self.codec.lossy:
+                    from_wire(w, out=avg)  # what the others will decode (rule 6)
             self._gather_sent.add(j)
             self.gathered[j] = contributors
             msg = self._msg("gather", j, w, contributors=contributors)
-            out += [Part(p, msg, w.stored_bytes) for p in sorted(live - {self.me})]
+            out += [Part(p, msg, _stored(w)) for p in sorted(live - {self.me})]
         return out
 
     def _progress_robust(self, final: bool) -> list[Part]:
@@ -366,11 +409,11 @@ class AveragingRound:
             sent = self._sent_to.setdefault(j, set())
             if self.me not in sent:
                 sent.add(self.me)
-                self._received[j][self.me] = from_wire(self.wires[j]) if self.codec.lossy else self.x[a:b]
+                self._received[j][self.me] = self._own(j)
             for p in self.live():
                 if p not in sent:
                     sent.add(p)
-                    out.append(Part(p, self._msg("reduce", j, self.wires[j]), self.wires[j].stored_bytes))
+                    out.append(Part(p, self._msg("reduce", j, self.wires[j]), _stored(self.wires[j])))
         progressed = True
         while progressed:  # a rejection shrinks the live set: pieces may complete (or change) again
             progressed = False
@@ -444,13 +487,16 @@ class Averager:
     """Drives averaging rounds for one block over the peer's connections (the thin asyncio part)."""
 
     def __init__(self, peer: PeerServices, block: int, codec: str = "raw", min_coverage: float = 1.0,
-                 max_norm: float = 1e6, timeout_s: float = 30.0, aggregate: str = "mean", floats: int = 0):
+                 max_norm: float = 1e6, timeout_s: float = 30.0, aggregate: str = "mean", floats: int = 0,
+                 density: float = 0.01):
         """``floats``: the vector size of the rounds, when known before the first one (it sizes what
         is held of members' parts that come before we begin a round; later rounds know it)."""
         self.peer, self.block, self.aggregate = peer, block, aggregate
         self._floats, self._others = floats, 0  # the last round's vector size and other members
         self._suspect_streak: dict[str, int] = {}
-        self.codec = Codec(codec)
+        if codec not in UPDATE_CODECS:
+            raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")
+        self.codec, self.density = codec, density
         self.min_coverage, self.timeout_s = min_coverage, timeout_s
         self.bounds = Bounds(max_norm)
         self.banned: dict[str, str] = {}  # peer id -> why (we rejected its update)
@@ -555,12 +601,13 @@ class Averager:
         touch no fresh memory), else into a new tensor."""
         t0 = time.perf_counter()
         ids = [p for p in members if p not in self.banned and p not in self.shunned]
-        if self.codec.lossy and (self._scratch is None or self._scratch["x"].numel() != vector.numel()):
+        if self.codec != "raw" and (self._scratch is None or self._scratch["x"].numel() != vector.numel()):
             self._scratch = None
             self._scratch = lossy_scratch(vector.numel(), self.codec)
         r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, codec=self.codec, start=start,
                            bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual,
-                           aggregate=self.aggregate, out=out, arena=self._lend_arena, scratch=self._scratch)
+                           aggregate=self.aggregate, out=out, arena=self._lend_arena, scratch=self._scratch,
+                           density=self.density)
         self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
         self._floats, self._others = vector.numel(), len(r.ids) - 1
         self._early_dropped = {k for k in self._early_dropped if k > rnd}

@@ -5,6 +5,9 @@ Rules:
   tensor's memory, so the tensor must stay alive and unchanged until the bytes are written).
 - ``fp16`` / ``bf16`` round to nearest; ``int8`` stores round(x / scale) in [-127, 127] with
   scale = max|x| / 127 per segment (absolute error <= scale / 2 per element).
+- ``topk`` (a BLOCK_UPDATE codec, not a tensor's) keeps the k largest-magnitude values of each
+  chunk of TOPK_CHUNK_ELEMS elements as three raw tensors (positions, int8 values, a scale per
+  chunk); the decoder checks every index, value and scale before it writes anything.
 - Decoding never unpickles: bytes become a tensor through ``torch.frombuffer``.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from blocktrain.protocol import TOPK_CHUNK_ELEMS
 from blocktrain.protocol.tensors import SEGMENT_ELEMS, Codec, WireTensor, pack_tensor
 
 TORCH_DTYPES = {
@@ -127,3 +131,73 @@ def from_wire(w: WireTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         out.copy_(val)
         return out
     return val
+
+
+# --- topk: a sparse update (PROTOCOL.md section 7.1) -----------------------------------------------
+
+def topk_count(density: float, chunk: int = TOPK_CHUNK_ELEMS) -> int:
+    """Values kept per chunk at ``density`` (at least one)."""
+    return max(1, min(chunk, round(density * chunk)))
+
+
+def encode_topk(x: torch.Tensor, k: int, decoded: torch.Tensor | None = None) -> tuple[WireTensor, ...]:
+    """The ``k`` largest-magnitude values of each chunk of TOPK_CHUNK_ELEMS elements of the 1-D
+    float32 ``x`` (the last chunk may be shorter), as the wire tensors (idx, val, scale): positions
+    in the chunk, increasing (the last chunk is padded with zeros to the chunk size: positions in
+    the padding carry 0); int8 values; one scale per chunk (max |kept| / 127). ``decoded``
+    (float32, like x) receives what the far end decodes, so the sender keeps x - decoded as its
+    error feedback."""
+    n, C = x.numel(), -(-x.numel() // TOPK_CHUNK_ELEMS)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("non-finite values cannot be topk-encoded")
+    padded = torch.zeros(C * TOPK_CHUNK_ELEMS)
+    padded[:n] = x.reshape(-1)
+    rows = padded.view(C, TOPK_CHUNK_ELEMS)
+    k = min(k, TOPK_CHUNK_ELEMS if C > 1 or n == 0 else n)
+    idx = rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    vals = rows.gather(1, idx)
+    scale = vals.abs().amax(dim=1) / 127.0 if k else torch.zeros(C)
+    q = torch.div(vals, scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).round_().clamp_(-127, 127)
+    q = q.to(torch.int8)
+    if decoded is not None:
+        _scatter(decoded, idx, q, scale)
+    idx16 = idx.to(torch.int16)
+    return (pack_tensor("idx", "int16", tuple(idx16.shape), _bytes_view(idx16), Codec.RAW, (), "never"),
+            pack_tensor("val", "int8", tuple(q.shape), _bytes_view(q), Codec.RAW, (), "never"),
+            pack_tensor("scale", "float32", tuple(scale.shape), _bytes_view(scale), Codec.RAW, (), "never"))
+
+
+def _scatter(out: torch.Tensor, idx: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    n, C = out.numel(), idx.shape[0]
+    full = torch.zeros(C * TOPK_CHUNK_ELEMS)
+    full.view(C, TOPK_CHUNK_ELEMS).scatter_(1, idx.long(), q.float() * scale[:, None])
+    out.view(-1).copy_(full[:n])
+
+
+def decode_topk(wires, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense float32 vector of ``numel`` elements a topk update (idx, val, scale) stands for,
+    every value checked before use: ValueError names what is wrong (shapes for this length, an
+    index outside its chunk or not increasing, -128, a scale not finite or negative)."""
+    if len(wires) != 3 or tuple((w.name, w.dtype) for w in wires) != (("idx", "int16"), ("val", "int8"),
+                                                                       ("scale", "float32")):
+        raise ValueError("a topk update holds the tensors idx (int16), val (int8), scale (float32)")
+    C = -(-numel // TOPK_CHUNK_ELEMS)
+    iw, vw, sw = wires
+    if len(iw.shape) != 2 or iw.shape[0] != C or vw.shape != iw.shape or sw.shape != (C,):
+        raise ValueError(f"topk shapes {iw.shape}/{vw.shape}/{sw.shape} do not fit {numel} elements "
+                         f"({C} chunks of {TOPK_CHUNK_ELEMS})")
+    idx, q, scale = from_wire(iw).long(), from_wire(vw), from_wire(sw)
+    if idx.numel():
+        last = numel - (C - 1) * TOPK_CHUNK_ELEMS  # the last chunk's length; it is padded with zeros
+        if bool((idx < 0).any()) or bool((idx >= TOPK_CHUNK_ELEMS).any()) \
+                or bool(((idx[-1] >= last) & (q[-1] != 0)).any()):
+            raise ValueError("a topk index lies outside its chunk (or a value in the last chunk's padding)")
+        if idx.shape[1] > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
+            raise ValueError("topk indices must increase within a chunk")
+        if bool((q == -128).any()):
+            raise ValueError("a topk value is -128 (values are -127..127)")
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise ValueError("a topk scale is not finite or is negative")
+    out = torch.empty(numel) if out is None else out
+    _scatter(out, idx, q, scale)
+    return out

@@ -29,7 +29,7 @@ import msgpack
 
 from .errors import ErrorCode, LocalProtocolError
 from .frames import COMPRESSIBLE_TYPES, MAX_FRAME_BYTES, Flags, FrameBuffer, FrameHeader, MessageType
-from .tensors import WireTensor, maybe_lz4, describe, from_description
+from .tensors import Codec, WireTensor, maybe_lz4, describe, from_description
 
 _U32 = struct.Struct(">I")
 _CHUNK = struct.Struct(">QI")
@@ -217,6 +217,27 @@ def _check_tensors(tensors):
     _check(len(set(names)) == len(names), "tensor names must be unique")
 
 
+# BLOCK_UPDATE codecs: a tensor codec (every tensor encoded so), or ``topk``: a sparse update,
+# three raw tensors (PROTOCOL.md section 7.1): ``idx`` int16 (C, k) positions in each chunk of
+# TOPK_CHUNK_ELEMS elements, ``val`` int8 (C, k) and ``scale`` float32 (C,), value = val x scale.
+UPDATE_CODECS = ("raw", "fp16", "bf16", "int8", "topk")
+TOPK_CHUNK_ELEMS = 4096
+TOPK_TENSORS = (("idx", "int16"), ("val", "int8"), ("scale", "float32"))
+
+
+def _check_topk(tensors):
+    """The structure of a ``topk`` update; the values (indices in range and increasing, scales
+    finite) are the decoder's to check, before it uses any of them."""
+    got = tuple((t.name, t.dtype) for t in tensors)
+    if got != TOPK_TENSORS or any(t.codec is not Codec.RAW for t in tensors):
+        raise LocalProtocolError(f"a topk update holds raw tensors {TOPK_TENSORS}, not {got}", ErrorCode.BAD_TENSOR)
+    idx, val, scale = tensors
+    if len(idx.shape) != 2 or idx.shape != val.shape or scale.shape != idx.shape[:1] \
+            or idx.shape[1] > TOPK_CHUNK_ELEMS:
+        raise LocalProtocolError(f"topk shapes idx {idx.shape}, val {val.shape}, scale {scale.shape}: expected "
+                                 f"(C, k), (C, k), (C,) with k <= {TOPK_CHUNK_ELEMS}", ErrorCode.BAD_TENSOR)
+
+
 def _check_meta(meta):
     _check(isinstance(meta, dict) and all(isinstance(k, str) for k in meta), "meta must be a str-keyed map")
 
@@ -235,13 +256,16 @@ class BlockUpdate(Message):
         object.__setattr__(self, "tensors", tuple(self.tensors))
         _check(_is_uint(self.block, 16), "block must be a u16")
         _check(_is_uint(self.round), "round must be a u64")
-        if not (self.codec in ("raw", "fp16", "bf16", "int8")):
+        if not (self.codec in UPDATE_CODECS):
             raise _bad(f"unknown update codec {self.codec!r}")
         _check_tensors(self.tensors)
-        for t in self.tensors:  # one codec per update: the map's ``codec`` is every tensor's ``c``
-            if t.codec.value != self.codec:
-                raise LocalProtocolError(f"tensor {t.name!r} uses codec {t.codec.value}, the update says {self.codec}",
-                                         ErrorCode.BAD_TENSOR)
+        if self.codec == "topk":
+            _check_topk(self.tensors)
+        else:
+            for t in self.tensors:  # one codec per update: the map's ``codec`` is every tensor's ``c``
+                if t.codec.value != self.codec:
+                    raise LocalProtocolError(f"tensor {t.name!r} uses codec {t.codec.value}, the update says "
+                                             f"{self.codec}", ErrorCode.BAD_TENSOR)
         _check_meta(self.meta)
 
 

@@ -43,6 +43,11 @@ VALID = {
     "block_update_reduce": BlockUpdate(block=1, round=7, codec="raw", tensors=(
         pack_tensor("part", "float32", (1,), struct.pack("<f", 0.5)),),
         meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"}),
+    "block_update_topk": BlockUpdate(block=1, round=3, codec="topk", tensors=(
+        pack_tensor("idx", "int16", (1, 2), struct.pack("<2h", 1, 4)),
+        pack_tensor("val", "int8", (1, 2), struct.pack("<2b", 127, -64)),
+        pack_tensor("scale", "float32", (1,), struct.pack("<f", 0.5))),
+        meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"}),
     "block_update_join": BlockUpdate(block=1, round=8, codec="raw",
                                      meta={"phase": "join", "step": 7, "digest": "0a1b2c3d", "scope": "relay"}),
     "block_update_admit": BlockUpdate(block=1, round=8, codec="raw",
@@ -188,6 +193,9 @@ INVALID_R4 = {  # name in PROTOCOL.md's Invalid frames -> the frame
     "int8 tensor without scales": _int8_update("int8"),
     "scales on a raw tensor": _result_with(k=[1.0]),
     "update codec differs from its tensor": _int8_update("raw", k=[0.5]),
+    "topk update without its three tensors": raw_frame(0x20, _pk({"block": 0, "round": 1, "codec": "topk", "tensors": [
+        {"n": "idx", "d": "int16", "s": [1, 1], "c": "raw", "g": 1 << 20, "L": [2], "z": [False]}], "meta": {}}),
+        b"\x01\x00"),
 }
 
 
