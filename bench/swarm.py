@@ -177,6 +177,10 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
         "peak_rss_mib": [t["memory"]["peak_rss_mib"] for t in trs],
         "grad_optimizer_bytes": [t["memory"]["grad_optimizer_bytes"] for t in trs],
         "bytes_sent_by_kind": kinds, "bytes_moved": moved, "bytes_per_worker": moved / workers,
+        "bytes_sent_per_worker": moved / workers, "bytes_per_step": moved / workers / (K * steps),
+        # start CE to the top head's final CE, over all workers' bytes (the paper's 0.248 per GB)
+        "ce_per_gb": (init[-1] - ev["test_ce"]) / (moved / 1e9) if moved else None,
+        "comm_fraction": {"per_worker": [1 - b for b in busy], "min": 1 - max(busy), "max": 1 - min(busy)},
         "rounds_applied": [t["rounds_applied"] for t in trs], "rounds_failed": [len(t["failed_rounds"]) for t in trs],
         "curves": [t["curve"] for t in trs],
         "assembled_from": {str(k): v for k, v in res["blocks"].items()}, "out": str(out),

@@ -379,12 +379,16 @@ class Peer:
     async def _dial(self, addr: str) -> PeerConnection | None:
         """Dial ``addr`` (one dial per address at a time) and register the connection; returns
         the member's live connection, or None when it was not kept. Raises PeerUnreachable."""
+        return await asyncio.shield(self._start_dial(addr))
+
+    def _start_dial(self, addr: str) -> asyncio.Future:
+        """The dial to ``addr`` in flight, started now if none is (counted in ``_dials`` at once)."""
         fut = self._dials.get(addr)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
             self._dials[addr] = fut
             self.spawn(self._dial_task(addr, fut), f"dial {addr}")
-        return await asyncio.shield(fut)
+        return fut
 
     async def _dial_task(self, addr: str, fut: asyncio.Future):
         try:
@@ -628,7 +632,7 @@ class Peer:
             return
         if (m is None or m.conn is None) and p.addr not in self._dials and not self._stopping \
                 and len(self._dials) < MAX_DIALS and not self._cooling(p.addr):
-            self.spawn(self._quiet_dial(p.addr), f"connect {p.addr}")
+            self._quiet_dial(p.addr)
 
     def _cooling(self, addr: str) -> bool:
         """A dial to ``addr`` failed less than DIAL_COOLDOWN_S ago (gossip does not retry it yet)."""
@@ -638,11 +642,12 @@ class Peer:
             return False
         return t is not None
 
-    async def _quiet_dial(self, addr: str):
-        try:
-            await self._dial(addr)
-        except PeerUnreachable as e:
-            log.info("cannot connect to %s: %s", addr, e.why)
+    def _quiet_dial(self, addr: str):
+        """Start a dial nobody awaits (gossip, redials): a failure is logged, not raised."""
+        def done(f: asyncio.Future):
+            if not f.cancelled() and f.exception() is not None:
+                log.info("cannot connect to %s: %s", addr, getattr(f.exception(), "why", f.exception()))
+        self._start_dial(addr).add_done_callback(done)
 
     def _peer_list(self) -> list[PeerInfo]:
         now = time.monotonic()
@@ -682,7 +687,7 @@ class Peer:
             elif now >= r.next_at and addr not in self._dials:
                 r.next_at = now + r.backoff
                 r.backoff = min(2 * r.backoff, REDIAL_MAX_S)
-                self.spawn(self._quiet_dial(addr), f"redial {addr}")
+                self._quiet_dial(addr)
 
     async def _heartbeat_loop(self):
         nonce = 0

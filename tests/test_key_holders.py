@@ -372,3 +372,36 @@ async def test_a_bad_hidden_state_codec_is_the_requests_fault_before_any_compute
     finally:
         await pc.close("done")
         await peer.stop()
+
+
+# --- finding 4: a PEER_LIST as a dial amplifier ---------------------------------------------------
+
+async def test_a_peer_list_of_thousands_dials_at_most_a_few_and_not_again_soon():
+    """Finding 4: a member's PEER_LIST of 4,096 records makes the peer dial at most MAX_DIALS at
+    once; addresses that failed are not dialled again from gossip before the cool-down."""
+    from blocktrain.p2p.node import MAX_DIALS
+    peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
+    member = "ee" * 32
+    peer._members[member] = _Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
+    closed = []
+    for _ in range(3):  # ports nobody listens on: each dial fails at once
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed.append(s.getsockname()[1])
+    records = tuple(PeerInfo(f"{i:064x}", f"127.0.0.{1 + i % 3}:{closed[i % 3]}", (0,), "train", 0)
+                    for i in range(1, 4097))
+    try:
+        pc = FakeConn(asyncio.get_running_loop())
+        assert peer.dispatch(PeerList(peers=records), pc, member)
+        assert len(peer._dials) == 3  # 3 distinct addresses, each dialled once
+        await peer.wait_for(lambda: not peer._dials, 10)
+        many = tuple(PeerInfo(f"{i:064x}", f"127.0.0.{1 + i % 200}:{closed[0]}", (0,), "train", 0)
+                     for i in range(1, 4097))
+        assert peer.dispatch(PeerList(peers=many), pc, member)
+        assert len(peer._dials) <= MAX_DIALS
+        await peer.wait_for(lambda: not peer._dials, 10)
+        assert peer.dispatch(PeerList(peers=records), pc, member)
+        assert not peer._dials  # failed a moment ago: cooling down
+    finally:
+        await peer.stop()
