@@ -79,8 +79,10 @@ def build_peer(o: PeerOptions) -> Peer:
                 report_path=o.report_path, report_every_s=o.report_every_s, advertise=o.advertise)
 
 
-async def start_peer(peer: Peer, bootstrap: tuple[str, int] | None, join_timeout_s: float = 30.0):
-    """Listen, then join through ``bootstrap`` (retrying while it starts)."""
+async def start_peer(peer: Peer, bootstrap: tuple[str, int] | None, join_timeout_s: float = 30.0,
+                     on_line=lambda s: None):
+    """Listen, then join through ``bootstrap``: if the first try fails (it may still be starting),
+    say so and keep trying for ``join_timeout_s``."""
     try:
         await peer.start()
     except OSError as e:
@@ -89,8 +91,14 @@ async def start_peer(peer: Peer, bootstrap: tuple[str, int] | None, join_timeout
                                         f"(or :0 for any free one)") from None
         raise
     if bootstrap:
+        t0 = time.monotonic()
         try:
-            await peer.join(*bootstrap, timeout_s=join_timeout_s)
+            try:
+                await peer.join(*bootstrap, timeout_s=0)  # one try
+            except JoinError:
+                on_line(f"bootstrap {bootstrap[0]}:{bootstrap[1]} not reachable yet; trying again for up to "
+                        f"{join_timeout_s:.0f} s (--join-timeout)")
+                await peer.join(*bootstrap, timeout_s=max(0.0, join_timeout_s - (time.monotonic() - t0)))
         except JoinError:
             await peer.stop("could not join")
             raise
@@ -116,19 +124,25 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
                    http: tuple[str, int] | None = None, on_step=None) -> dict | None:
     """Run a peer until ``stop`` is set (or its training is done, with ``exit_when_done``). Returns the
     training report, if it trained."""
-    await start_peer(peer, bootstrap, join_timeout_s)
-    page = await _start_page(peer, http, on_line) if http is not None else None
-    if served is not None:
-        PipelineServer(peer, served)
-    else:
-        refuse_requests(peer)
     trainer = None
     if training is not None:
         j = training.job
         trainer = SwarmTrainer(peer, training.block, j.model, j.train, j.swarm, training.work_dir,
                                training.train_data, training.valid_data, training.shard, progress=on_line,
                                on_step=on_step)
+        try:  # before listening: seconds of CPU that would keep the event loop from answering anyone
+            await asyncio.to_thread(trainer.prepare)
+        except Exception as e:  # e.g. a damaged own checkpoint: the operator must see it
+            raise TrainingFailed(f"{type(e).__name__}: {e}") from e
+        if stop.is_set():  # told to stop meanwhile: nothing has started yet
+            return None
+    await start_peer(peer, bootstrap, join_timeout_s, on_line)
+    page = await _start_page(peer, http, on_line) if http is not None else None
+    if served is not None:
+        PipelineServer(peer, served)
     else:
+        refuse_requests(peer)
+    if trainer is None:
         refuse_streams(peer)
         refuse_joins(peer)
     task = asyncio.ensure_future(trainer.run()) if trainer is not None else None

@@ -282,7 +282,8 @@ class _StepBar:
 
 async def _announce(peer, role: str, o: dict, training):
     """Once listening: where we are and how others join (for the role that they would take)."""
-    await peer.wait_for(lambda: bool(peer.addr), 30.0)
+    if not await peer.wait_for(lambda: bool(peer.addr)):  # no bound: a training peer prepares before it listens
+        return
     key = f"--swarm-key {o['swarm_key']}" if o["swarm_key"] else "(with BT_SWARM_KEY set)"
     what = (f"training block {training.block} ({training.job.swarm.schedule}) in {training.work_dir}" if training
             else f"serving block(s) {list(o['blocks'])}" if role == "serve" else "a plain member (no training)")
@@ -456,8 +457,12 @@ def show_id(identity):
 @click.argument("address")
 @_key_options
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status JSON.")
-@click.option("--timeout", type=click.FloatRange(0.5), default=10.0, show_default=True)
-def status(address, swarm_key, identity, as_json, timeout):
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=60.0, show_default=True,
+              help="While nothing listens at ADDRESS (a peer still starting: a training peer listens once its "
+                   "model is built), ask again for up to this many seconds.")
+@click.option("--timeout", type=click.FloatRange(0.5), default=10.0, show_default=True,
+              help="Seconds for the connection and the answer.")
+def status(address, swarm_key, identity, as_json, wait_s, timeout):
     """Show a peer's view of the swarm: members, blocks, liveness, what it works on, bytes moved."""
     from blocktrain.protocol import ProtocolError
 
@@ -467,15 +472,19 @@ def status(address, swarm_key, identity, as_json, timeout):
     host, port = _addr(address)
     key, ident = _keys(swarm_key, identity)
 
-    async def ask():  # a peer that is still starting is asked again, with backoff, until --timeout
-        deadline, delay = time.monotonic() + timeout, 0.1
+    async def ask():  # a peer that is still starting is asked again, with backoff, until --wait
+        deadline, delay, said = time.monotonic() + wait_s, 0.1, False
         while True:
             try:
                 return await query_status(host, port, ident, key, Timeouts(connect_s=timeout, handshake_s=timeout))
             except ConnectionRefusedError:
                 if time.monotonic() + delay > deadline:
                     raise
-                await asyncio.sleep(delay)
+                if not said:
+                    said = True
+                    _echo(f"nothing listens at {address} yet (a peer still starting?); asking again for up to "
+                          f"{wait_s:.0f} s (--wait)")
+                await asyncio.sleep(delay)  # backoff, as the node's join
                 delay = min(2 * delay, 2.0)
     try:
         st = asyncio.run(ask())

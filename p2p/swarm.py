@@ -190,6 +190,7 @@ class SwarmTrainer:
         self.bad_lower: dict[str, str] = {}  # holder address -> why its lower block was refused (not asked again)
         self._status_sent: dict[str, float] = {}
         self._rejoin = False
+        self._resumed: bool | None = None  # prepare(): None until the first trainer is built
         self._last_save = time.monotonic()
         peer.report_section("training", self.training_report)
         peer.report_section("work", self.work_status)
@@ -689,14 +690,26 @@ class SwarmTrainer:
             chain = list(self.trainer.lower)
         return eval_chain(chain + [self.trainer.block], self.valid, self.tcfg.seq_len, self.scfg.eval_windows)
 
+    def prepare(self) -> bool:
+        """The first block's trainer, resumed from our own checkpoint if we have one (True then).
+        Seconds of CPU the first time in a process (the first optimizer imports much of torch),
+        10-20 s on a starved machine: a peer process runs it before it listens (app.run_peer),
+        since an event loop busy with it answers no handshake and no ping (joiners time out,
+        members declare it dead). Idempotent; ``run`` calls it if nobody did."""
+        if self._resumed is None:
+            self._new_trainer(self.plan[0])
+            self._resumed = self._resume_own()
+        return self._resumed
+
     async def run(self, steps: int | None = None) -> dict:
         """Train every block of the plan to ``steps`` steps each (default: the config's)."""
         if steps is not None and steps != self.S:
             if steps % self.H:
                 raise ValueError(f"{steps} steps do not split into rounds of {self.H}")
+            if self._resumed is not None:  # where a checkpoint's step lies depends on the steps per block
+                raise ValueError(f"prepared for {self.S} steps per block, asked to run {steps}")
             self.S = steps
-        self._new_trainer(self.plan[0])
-        resumed = self._resume_own()
+        resumed = self.prepare()
         self.state = "waiting for members"
         await self.peer.wait_for(self.peer.settled, self.scfg.join_timeout_s)  # who is there, before asking
         await self.peer.wait_for(lambda: len(self.candidates()) + 1 >= self.scfg.min_group, self.scfg.lower_timeout_s)

@@ -285,8 +285,8 @@ def test_a_too_short_model_is_refused_before_training():
 
 
 def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
-    """Finding 15: a clear one-line error for a taken port; join waits for a bootstrap that starts
-    later (bounded by --join-timeout)."""
+    """Finding 15: a clear one-line error for a taken port; join and status wait for a bootstrap
+    that starts later, and say so (bounded by --join-timeout, --wait)."""
     from blocktrain.p2p.identity import new_swarm_key
     new_swarm_key(tmp_path / "key")
     busy = socket.socket()
@@ -310,14 +310,21 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
                                str(tmp_path / "i0"), *keys], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot join" in r.stderr and "--join-timeout" in r.stderr, r.stderr
     boot = _free_port()
-    joiner = subprocess.Popen(base + ["join", f"127.0.0.1:{boot}", "--identity", str(tmp_path / "i1"), *keys],
-                              stderr=subprocess.PIPE, text=True)
+    joiner = subprocess.Popen(base + ["join", f"127.0.0.1:{boot}", "--join-timeout", "300", "--identity",
+                                      str(tmp_path / "i1"), *keys], stderr=open(tmp_path / "joiner.log", "w"))
+    status = subprocess.Popen(base[:3] + ["status", f"127.0.0.1:{boot}", "--wait", "300", "--swarm-key",
+                                          str(tmp_path / "key"), "--identity", str(tmp_path / "c")],
+                              stdout=subprocess.PIPE, stderr=open(tmp_path / "status.log", "w"), text=True)
     try:
-        time.sleep(3)  # the joiner retries meanwhile
-        assert joiner.poll() is None
+        # both say that they wait for the bootstrap, and keep trying (bounds: their starts, on a loaded machine)
+        _until_line(tmp_path / "joiner.log", "not reachable yet; trying again for up to 300 s", joiner, 120)
+        _until_line(tmp_path / "status.log", "nothing listens at", status, 120)
         starter = subprocess.Popen(base + ["start", "--listen", f"127.0.0.1:{boot}", "--identity",
                                            str(tmp_path / "i2"), *keys], stderr=subprocess.DEVNULL)
         try:
+            out, _ = status.communicate(timeout=300)
+            assert status.returncode == 0 and "peer " in out and "bytes moved" in out, \
+                out + (tmp_path / "status.log").read_text()
             from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key
             deadline = time.monotonic() + 60
             while True:
@@ -334,8 +341,19 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
             starter.kill()
             starter.wait(10)
     finally:
-        joiner.kill()
-        joiner.wait(10)
+        for p in (joiner, status):
+            p.kill()
+            p.wait(10)
+
+
+def _until_line(path, text: str, proc, bound_s: float):
+    """Until ``text`` is in the file ``proc`` writes its stderr to (read again every 0.1 s); fails if
+    ``proc`` exits first, or after ``bound_s`` (generous: a Python start with torch under load)."""
+    deadline = time.monotonic() + bound_s
+    while text not in path.read_text():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before saying {text!r}: {path.read_text()}"
+        assert time.monotonic() < deadline, f"not said within {bound_s} s: {text!r}: {path.read_text()}"
+        time.sleep(0.1)
 
 
 def test_prompts_a_client_cannot_send_fail_with_the_fix_and_any_bytes_can_be_sent(tmp_path):
