@@ -126,8 +126,21 @@ def _train_options(f):
                      help="grads (default): average gradients every step; params: DiLoCo, average the parameter "
                           "change every --every steps (far fewer bytes on slow links)."),
         click.option("--every", type=click.IntRange(1), default=None, help="Local steps per round (params; default 25)."),
-        click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8"]), default=None,
-                     help="Codec of the averaged updates (lossy ones keep error feedback; default raw)."),
+        click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8", "topk"]), default=None,
+                     help="Codec of the averaged updates (lossy ones keep error feedback; default raw). topk: "
+                          "each chunk's largest values only (--density); with --sync params --every H, the "
+                          "low-communication mode."),
+        click.option("--density", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+                     help="topk: the fraction of each chunk of 4096 values sent per round (default 0.01)."),
+        click.option("--outer", type=click.Choice(["sgd", "nesterov"]), default=None,
+                     help="sync params: the outer optimizer (default sgd)."),
+        click.option("--outer-lr", type=click.FloatRange(0.0, min_open=True), default=None,
+                     help="sync params: the outer step's rate (default 1: with sgd and no momentum, the average)."),
+        click.option("--outer-momentum", type=click.FloatRange(0.0, 1.0, max_open=True), default=None,
+                     help="sync params: the outer optimizer's momentum (default 0)."),
+        click.option("--min-coverage", type=click.FloatRange(0.0, 1.0), default=None,
+                     help="A round that averaged less of the vector than this fraction fails and changes "
+                          "nothing (default 1.0)."),
         click.option("--min-group", type=click.IntRange(1), default=None,
                      help="Start only once this many peers (this one included) start together, or join a group."),
         click.option("--shard", default=None, metavar="I/N",
@@ -164,7 +177,9 @@ def _training(o: dict, ident):
     try:
         job = load(PeerJob(), None, o["overrides"], **{
             "train.steps": o["steps"], "swarm.schedule": o["schedule"], "swarm.sync": o["sync"],
-            "swarm.every": o["every"], "swarm.codec": o["codec"], "swarm.min_group": o["min_group"]})
+            "swarm.every": o["every"], "swarm.codec": o["codec"], "swarm.min_group": o["min_group"],
+            "swarm.density": o["density"], "swarm.outer": o["outer"], "swarm.outer_lr": o["outer_lr"],
+            "swarm.outer_momentum": o["outer_momentum"], "swarm.min_coverage": o["min_coverage"]})
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="--set")
     if o["every"] and not o["sync"] and job.swarm.sync == "grads":

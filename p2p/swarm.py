@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import resource
 import time
 import zlib
@@ -45,7 +46,7 @@ from blocktrain.blocks.lower import LowerInputs
 from blocktrain.protocol import BlockUpdate, ProtocolError
 from blocktrain.protocol.events import is_peer_id
 
-from .averaging import Averager, OuterOptimizer, RoundFailed, flatten, unflatten_
+from .averaging import UPDATE_CODECS, Averager, OuterOptimizer, RoundFailed, flatten, unflatten_
 from .checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, CheckpointServer, FetchError, holders
 from .group import Decision, Group, Phase, Send, State
 from .services import PeerServices, PeerUnreachable
@@ -72,7 +73,8 @@ class SwarmConfig:
     schedule: str = "relay"  # relay | parallel (see the module's rules)
     sync: str = "grads"  # grads: average gradients every step; params: DiLoCo every `every` steps
     every: int = 0  # local steps per round; 0 = the sync's default (grads 1, params 25)
-    codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8 (with error feedback)
+    codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8, topk (lossy ones with error feedback)
+    density: float = 0.01  # topk: the fraction of each chunk of 4096 values sent per round
     aggregate: str = "robust"  # robust: every member computes every piece, centred clipping (averaging.py rule 6);
     #                           mean: reduce-scatter, each piece's owner trusted (fewer bytes with many members)
     outer: str = "sgd"  # params only: sgd | nesterov
@@ -100,6 +102,10 @@ class SwarmConfig:
             raise ValueError("every must be >= 1 local step (0: the default)")
         if self.sync == "grads" and self.every not in (0, 1):
             raise ValueError("sync=grads averages every step: every must be 1")
+        if self.codec not in UPDATE_CODECS:
+            raise ValueError(f"averaging codec {self.codec!r}: expected one of {UPDATE_CODECS}")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"density {self.density}: expected a fraction in (0, 1]")
         if self.aggregate not in ("robust", "mean"):
             raise ValueError(f"aggregate {self.aggregate!r}: expected robust or mean")
         if self.margin < 2 or self.min_group < 1:  # margin: group.py rule 2
@@ -140,6 +146,24 @@ class _Stats:
     draft_curve: list = field(default_factory=list)  # (draft step, KL per drafted byte): the last block's draft phase
 
 
+# A fetched state's parameter norm, against a fresh block's, must lie in this range: training
+# moves it (1.6-2.0x after 1000 steps of the shipped model), it does not zero it or scale it 1000x.
+STATE_NORM_RATIO = (0.25, 8.0)
+# The top head's CE of a fetched state on the joiner's own validation windows may not exceed this
+# (a fresh block scores about ln 256 = 5.55; a state that scores worse than that by 0.5 is broken).
+MAX_STATE_CE = math.log(256) + 0.5
+STATE_CHECK_WINDOWS = 4
+
+
+def _check_norm(tensors: dict, fresh: dict, block: int) -> None:
+    def norm(ts):
+        return math.sqrt(sum(float(t.double().square().sum()) for t in ts.values() if t.is_floating_point()))
+    ratio = norm(tensors) / max(norm(fresh), 1e-12)
+    lo, hi = STATE_NORM_RATIO
+    if not lo <= ratio <= hi:
+        raise ValueError(f"block {block}: parameter norm {ratio:.3g}x a fresh block's (plausible: {lo}-{hi}x)")
+
+
 class SwarmTrainer:
     """Everything a training peer runs beside its peer: the block trainer of the block in work,
     its group and averaging, checkpoints served and fetched, and the training report."""
@@ -170,8 +194,9 @@ class SwarmTrainer:
         from blocktrain.blocks.model import Block
         with torch.random.fork_rng(devices=[]):  # counting parameters draws no random number of ours
             floats = max(sum(p.numel() for p in Block(self.mcfg, j).parameters()) for j in self.plan)
-        self.averager = Averager(peer, k, codec=scfg.codec, min_coverage=scfg.min_coverage, max_norm=scfg.max_norm,
-                                 timeout_s=scfg.round_timeout_s, aggregate=scfg.aggregate, floats=floats)
+        self.averager = Averager(peer, k, codec=scfg.codec, density=scfg.density, min_coverage=scfg.min_coverage,
+                                 max_norm=scfg.max_norm, timeout_s=scfg.round_timeout_s, aggregate=scfg.aggregate,
+                                 floats=floats)
         self.averager.on_control = self._control
         self._avg_out: torch.Tensor | None = None  # the rounds' result buffer (consumed before the next round)
         self.server = CheckpointServer(peer, self.dir / "serve")
@@ -519,6 +544,27 @@ class SwarmTrainer:
         g = int(c.extra.get("gstep", c.step))
         if not 0 <= g <= self.total_steps:
             raise ValueError(f"implausible step {g} (this run has {self.total_steps})")
+        with torch.random.fork_rng(devices=[]):  # fresh blocks to compare with draw no random number of ours
+            self._check_plausible(c, lowers)
+
+    def _check_plausible(self, c: ckpt.Checkpoint, lowers: dict):
+        """Finite is not enough: a state scaled 1000x, zeroed or scrambled is refused by its norm
+        against a fresh block's and by what it scores on our own validation windows."""
+        from blocktrain.blocks.model import Block
+        for tensors, b in [(c.tensors, c.block)] + [(t, j) for j, t in lowers.items()]:
+            _check_norm(tensors, Block(self.mcfg, b).state_dict(), b)
+        if self.relay or c.block == 0:  # the whole chain is in hand: what it scores on our own windows
+            chain = []
+            for j in range(c.block + 1):
+                blk = Block(self.mcfg, j)
+                blk.load_state_dict(c.tensors if j == c.block else lowers[j])
+                chain.append(blk)
+            from blocktrain.blocks.train import eval_chain
+            ce = eval_chain(chain, self.valid, self.tcfg.seq_len, STATE_CHECK_WINDOWS)[-1]
+            if not ce <= MAX_STATE_CE:  # also NaN
+                raise ValueError(f"block {c.block}: the state scores CE {ce:.3g} on our validation windows "
+                                 f"(a fresh block scores about {math.log(256):.2f}; more than {MAX_STATE_CE} is "
+                                 f"not a state any training reached)")
 
     # --- parallel: the input handoff -------------------------------------------------------------
     async def refresh_lower(self, wait: bool) -> bool:

@@ -143,6 +143,25 @@ def test_a_crafted_group_state_is_not_adopted(tmp_path):
             sp._check_state(bad, {})
     with pytest.raises(ValueError, match="NaN"):
         sp._check_state(good, {0: nan})
+    # issue 29, finding 6: finite but destroyed: scaled 1000x, zeroed, or noise of the right norm
+    big = {k: v * 1e3 for k, v in good.tensors.items()}
+    zero = {k: torch.zeros_like(v) for k, v in good.tensors.items()}
+    for bad, why in (({**good.tensors}, None), (big, "norm"), (zero, "norm")):
+        state = ckpt.Checkpoint(mc.to_dict(), 0, 5, bad, extra={"gstep": 5})
+        if why is None:
+            sp._check_state(state, {})
+        else:
+            with pytest.raises(ValueError, match=why):
+                sp._check_state(state, {})
+    top = Block(mc, 1).state_dict()  # forced logits: byte 0 always, by 20 nats; the norm still plausible
+    unit = torch.zeros(mc.d_model)
+    unit[0] = 1
+    lm = top["head.lm.weight"].clone()
+    lm[0] = 10 * unit
+    forced = {**top, "head.ln.bias": 2 * unit, "head.lm.weight": lm}
+    sp._check_state(ckpt.Checkpoint(mc.to_dict(), 1, 5, top, extra={"gstep": 15}), {0: Block(mc, 0).state_dict()})
+    with pytest.raises(ValueError, match="scores CE"):
+        sp._check_state(ckpt.Checkpoint(mc.to_dict(), 1, 5, forced, extra={"gstep": 15}), {0: Block(mc, 0).state_dict()})
 
 
 async def test_many_stream_requests_cost_a_few_chunks_not_a_file_each(tmp_path):
@@ -461,10 +480,7 @@ def test_a_dead_member_is_redialled_with_backoff_for_a_bounded_time():
     p = Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST, redial_for_s=300)
     dials, now = [], [0.0]
 
-    def spawn(coro, name):
-        coro.close()
-        dials.append(now[0])
-    p.spawn = spawn
+    p._quiet_dial = lambda addr: dials.append(now[0])  # the dial itself is not the point here
     p._schedule_redial("127.0.0.1:9", "b" * 64)
     start = p._redial["127.0.0.1:9"].next_at - REDIAL_MIN_S
     for i in range(800):  # 400 s of heartbeats, 0.5 s apart

@@ -1,0 +1,61 @@
+"""Every option README or a command's --help names is accepted by the command (issue 28: README
+documented an --outer that no command took)."""
+
+import re
+from pathlib import Path
+
+import click
+import pytest
+
+from blocktrain.bench.cli import main as bench
+from blocktrain.blocks.cli import main as train
+from blocktrain.p2p.cli import main as peer
+
+OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+
+
+def _commands(cmd: click.Command, name: str):
+    yield name, cmd
+    if isinstance(cmd, click.Group):
+        for sub, c in cmd.commands.items():
+            yield from _commands(c, f"{name} {sub}")
+
+
+COMMANDS = dict(c for root, n in ((peer, "bt-peer"), (bench, "bt-bench"), (train, "bt-train"))
+                for c in _commands(root, n))
+
+
+def _accepted(cmd: click.Command) -> set[str]:
+    out = {"--help"}
+    for p in cmd.params:
+        out |= {o for o in p.opts + p.secondary_opts if o.startswith("--")}
+    if isinstance(cmd, click.Group):
+        for c in cmd.commands.values():
+            out |= _accepted(c)
+    return out
+
+
+def test_every_option_readme_names_is_accepted_by_a_command():
+    named = set(OPTION.findall((Path(__file__).resolve().parent.parent / "README.md").read_text()))
+    accepted = set().union(*(_accepted(c) for c in COMMANDS.values()))
+    assert named - accepted == set()
+
+
+QUOTED = re.compile(r"`(bt-(?:peer|bench|train)(?: [a-z]+)?)([^`]*)`")
+
+
+def _split(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(the text without quoted commands, [(quoted command, its arguments)])."""
+    quoted = [(c if c in COMMANDS else c.split()[0], rest) for c, rest in QUOTED.findall(text)]
+    return QUOTED.sub("", text), quoted
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_a_commands_help_names_is_accepted(name):
+    """Options in a command's help are its own, except inside a quoted command line
+    (`bt-peer serve --checkpoints DIR`), whose options that command must accept."""
+    cmd = COMMANDS[name]
+    own, quoted = _split(" ".join([cmd.help or ""] + [getattr(p, "help", None) or "" for p in cmd.params]))
+    assert set(OPTION.findall(own)) - _accepted(cmd) == set()
+    for other, rest in quoted:
+        assert set(OPTION.findall(rest)) - _accepted(COMMANDS[other]) == set(), other
