@@ -1,0 +1,115 @@
+"""Which low-communication round keeps the CE of every-step averaging? W workers train block 0
+data-parallel (d 128, the relay's first block), their rounds computed by the swarm's own
+``AveragingRound`` (the codec's encoding, error feedback and the robust aggregate, byte for byte
+what travels), its messages handed from one member to another in this process instead of over
+sockets. Every variant starts from the same weights and sees the same batches.
+
+usage: python results/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
+           [--codec raw|topk] [--density D] [--outer-lr A] [--seed N]
+MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
+AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
+rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
+each chunk with error feedback: SparseLoCo-like), alone (one worker, no rounds).
+Prints one JSON line: the settings, test and valid CE of block 0's head (the whole validation
+split in 128-byte windows, 2,000 test windows), bytes each worker sent in parts, seconds.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from blocktrain.blocks.data import as_tensor, read_split
+from blocktrain.blocks.model import ModelConfig
+from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain
+from blocktrain.p2p.averaging import AveragingRound, OuterOptimizer, flatten
+
+
+def average(ids, vectors, rnd, codec, density, residuals):
+    """One robust round among the members; their results, residuals, and the bytes each sent."""
+    rounds = [AveragingRound(me, 0, rnd, ids, v, codec=codec, residual=res, aggregate="robust", density=density)
+              for me, v, res in zip(ids, vectors, residuals)]
+    by_id = dict(zip(ids, rounds))
+    sent = dict.fromkeys(ids, 0)
+    queue = [(me, p) for me, r in zip(ids, rounds) for p in r.start()]
+    while queue:
+        sender, part = queue.pop(0)
+        sent[sender] += part.stored_bytes
+        queue += [(part.peer, p) for p in by_id[part.peer].receive(sender, part.msg)]
+    outs = [r.result()[0] for r in rounds]
+    assert all(torch.equal(outs[0], o) for o in outs), "the members ended the round with different bytes"
+    return outs[0], [None if r.residual is None else r.residual.clone() for r in rounds], sent
+
+
+def set_params(block, vec):
+    i = 0
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(vec[i:i + p.numel()].view_as(p))
+            i += p.numel()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["grads", "params", "alone"])
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--codec", default="raw")
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    data, valid, test = (as_tensor(read_split(s)) for s in ("train", "valid", "test"))
+    mc = ModelConfig(d_model=128)
+    tc = TrainConfig(steps=a.steps, seed=a.seed)
+    W = 1 if a.mode == "alone" else a.workers
+    trs = [BlockTrainer(mc, tc, 0, data, shard=i, num_shards=W) for i in range(W)]
+    for t in trs[1:]:
+        t.block.load_state_dict(trs[0].block.state_dict())
+    ids = [chr(ord("a") + i) * 64 for i in range(W)]
+    residuals = [None] * W
+    outer = OuterOptimizer(a.outer_lr, 0.0, False)
+    sent = dict.fromkeys(ids, 0)
+    t0 = time.perf_counter()
+    rnd = 0
+    start = flatten(list(trs[0].block.parameters())).clone()
+    for s in range(a.steps):
+        if a.mode == "grads":
+            for t in trs:
+                t.compute_grads()
+            rnd += 1
+            avg, residuals, got = average(ids, [t.grads() for t in trs], rnd, a.codec, a.density, residuals)
+            for t in trs:
+                t.apply_grads(avg)
+        else:
+            for t in trs:
+                t.train_step()
+            if a.mode == "params" and ((s + 1) % a.every == 0 or s + 1 == a.steps):
+                rnd += 1
+                deltas = [start - flatten(list(t.block.parameters())) for t in trs]
+                avg, residuals, got = average(ids, deltas, rnd, a.codec, a.density, residuals)
+                start = outer.step(start, avg)
+                for t in trs:
+                    set_params(t.block, start)
+            else:
+                got = {}
+        for k, v in got.items():
+            sent[k] += v
+        if (s + 1) % 100 == 0:
+            print(f"step {s + 1}/{a.steps}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    block = trs[0].block
+    from blocktrain.bench.provenance import code_version
+    print(json.dumps({**vars(a), "workers": W, "code_version": code_version(),
+                      "command": "python results/lowcomm/lowcomm_ce.py " + " ".join(sys.argv[1:]), "valid_ce": eval_chain([block], valid, 128)[-1],
+                      "test_ce": eval_chain([block], test, 128, 2000)[-1],
+                      "bytes_sent_per_worker": sum(sent.values()) / W, "rounds": rnd,
+                      "seconds": round(time.perf_counter() - t0, 1)}))
+
+
+if __name__ == "__main__":
+    main()
