@@ -7,6 +7,7 @@ client.py, assemble.py and reports.py, which raise domain errors that become one
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -160,8 +161,9 @@ def _train_options(f):
     return f
 
 
-def _training(o: dict, ident):
-    """The Training for this peer, or None when it does not train."""
+def _training(o: dict):
+    """The Training for this peer, or None when it does not train; every argument checked before
+    anything is written (the work directory defaults to one named after the identity: see _run)."""
     if o["no_train"] or not o["blocks"]:
         return None
     if len(o["blocks"]) != 1:
@@ -198,8 +200,7 @@ def _training(o: dict, ident):
     except DataError as e:
         raise click.ClickException(str(e))
     torch.set_num_threads(o["threads"])
-    work = Path(o["work_dir"]) if o["work_dir"] else Path.home() / ".blocktrain" / "work" / peer_id(ident)[:16]
-    return Training(job, k, work, train, valid, shard)
+    return Training(job, k, Path(o["work_dir"]) if o["work_dir"] else None, train, valid, shard)
 
 
 def _options(o: dict, role: str):
@@ -229,8 +230,10 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
     from .app import AddressInUse, JoinError, SwarmError, TrainingFailed, build_peer, run_peer
 
     install_uvloop()
+    training = training() if callable(training) else training  # arguments checked before an identity is made
     opts, ident = _options(o, role)
-    training = training(ident) if callable(training) else training
+    if training is not None and training.work_dir is None:
+        training = dataclasses.replace(training, work_dir=Path.home() / ".blocktrain" / "work" / peer_id(ident)[:16])
     boot = _addr(bootstrap) if bootstrap else None
     peer = build_peer(opts)
 
@@ -314,7 +317,7 @@ def start(**o):
     """Start a new swarm (as its first member) and print how others join.
 
     With --block K the peer trains (as `join` does); --no-train makes a plain member."""
-    _run(o, None, "bootstrap" if o["no_train"] or not o["blocks"] else "train", lambda ident: _training(o, ident))
+    _run(o, None, "bootstrap" if o["no_train"] or not o["blocks"] else "train", lambda: _training(o))
 
 
 @main.command()
@@ -331,7 +334,7 @@ def join(bootstrap, **o):
     report (--report) holds bytes by peer, kind and direction, every round's coverage, rejected
     updates, busy time, peak memory and the CE improvement per GB moved. Ctrl-C (or SIGTERM)
     stops it cleanly."""
-    _run(o, bootstrap, "bootstrap" if o["no_train"] or not o["blocks"] else "train", lambda ident: _training(o, ident))
+    _run(o, bootstrap, "bootstrap" if o["no_train"] or not o["blocks"] else "train", lambda: _training(o))
 
 
 @main.command()
@@ -360,7 +363,9 @@ def serve(bootstrap, checkpoints, reference, **o):
 @click.argument("address")
 @_key_options
 @click.option("--prompt", required=True, help="Prompt text, at least one byte (sent as the bytes given: UTF-8 or not).")
-@click.option("--bytes", "n_bytes", default=64, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--bytes", "n_bytes", default=64, show_default=True, type=click.IntRange(1, 4096),
+              help="Bytes to generate: at most what the served model's context leaves after the prompt "
+                   "(max_seq_len, e.g. 512 with the shipped model; asked of the chain, refused with the limit).")
 @click.option("--mode", type=click.Choice(["exact", "autoregressive", "blocktrain", "reference"]), default="exact",
               show_default=True,
               help="exact: the model's own output (as autoregressive, byte for byte when greedy) in a few traversals, "

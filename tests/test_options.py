@@ -59,3 +59,15 @@ def test_every_option_a_commands_help_names_is_accepted(name):
     assert set(OPTION.findall(own)) - _accepted(cmd) == set()
     for other, rest in quoted:
         assert set(OPTION.findall(rest)) - _accepted(COMMANDS[other]) == set(), other
+
+
+def test_bad_arguments_are_refused_before_an_identity_is_created(tmp_path):
+    """Issue 30, item 12: `start --block 99` printed `created identity ...`, then the error."""
+    from click.testing import CliRunner
+
+    from blocktrain.p2p.identity import new_swarm_key
+    new_swarm_key(tmp_path / "k")
+    r = CliRunner().invoke(peer, ["start", "--block", "99", "--swarm-key", str(tmp_path / "k"),
+                                  "--identity", str(tmp_path / "id")])
+    assert r.exit_code != 0 and "blocks 0..2" in r.output
+    assert not (tmp_path / "id").exists() and "created identity" not in r.output
