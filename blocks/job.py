@@ -115,7 +115,8 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
         },
     }
     if job.reference:
-        with bar("end-to-end reference", tc.steps) as b:
+        ref_draft = tc.draft_steps if mc.draft_layers else 0  # its draft phase too (the progress went past the total)
+        with bar(f"end-to-end reference{', then the draft model' if ref_draft else ''}", tc.steps + ref_draft) as b:
             e2e = train_e2e(mc, tc, train, valid, progress_for(b))
         for k, b in enumerate(e2e.model.blocks):  # the reference, split by the same layers, for serving
             ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), extra={"model": "end-to-end"}),

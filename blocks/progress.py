@@ -14,26 +14,37 @@ import time
 
 
 class LineProgress:
-    """Progress for logs: a plain line every ``every_s`` seconds, and one at the end."""
+    """Progress for logs: a plain line every ``every_s`` seconds, and one at the end. Each line
+    gives the average rate and, apart from it, the rate since the last line (the time left comes
+    from that one: a job slowed by other work would otherwise look hung), and says when this
+    process got less than half the CPU it asks for (``threads`` cores): the machine is busy."""
 
-    def __init__(self, desc: str, total: int | None, unit: str = "step", every_s: float = 30.0, stream=None):
+    def __init__(self, desc: str, total: int | None, unit: str = "step", every_s: float = 30.0, stream=None,
+                 threads: int | None = None):
         self.desc, self.total, self.unit, self.every_s = desc, total, unit, every_s
         self.stream = stream or sys.stderr
         self.n, self.postfix, self.t0 = 0, "", time.monotonic()
-        self.last = self.t0
+        self.last, self.last_n, self.last_cpu = self.t0, 0, time.process_time()
+        self.threads = threads if threads is not None else _threads()
 
     def _line(self, done: bool = False) -> str:
-        dt = time.monotonic() - self.t0
+        now = time.monotonic()
+        dt, window = now - self.t0, now - self.last
         rate = self.n / dt if dt > 0 else 0.0
+        recent = (self.n - self.last_n) / window if window > 0 and self.n > self.last_n else rate
+        cpu = (time.process_time() - self.last_cpu) / window if window > 1.0 else None
+        self.last, self.last_n, self.last_cpu = now, self.n, time.process_time()
         of = f"/{self.total}" if self.total else ""
-        eta = (f", {((self.total - self.n) / rate):.0f} s left" if self.total and rate > 0 and not done else "")
+        eta = (f", {((self.total - self.n) / recent):.0f} s left" if self.total and recent > 0 and not done else "")
+        now_rate = f", now {recent:.2f}" if not done and abs(recent - rate) > 0.05 * max(rate, 1e-9) else ""
+        busy = (f"; machine busy: this process got {cpu:.0%} of a core, asks for {self.threads}"
+                if cpu is not None and not done and cpu < 0.5 * self.threads else "")
         return (f"{self.desc}: {'done, ' if done else ''}{self.n}{of} {self.unit}s in {dt:.0f} s "
-                f"({rate:.2f} {self.unit}/s{eta}){' ' + self.postfix if self.postfix else ''}")
+                f"({rate:.2f} {self.unit}/s{now_rate}{eta}{busy}){' ' + self.postfix if self.postfix else ''}")
 
     def update(self, k: int = 1):
         self.n += k
         if time.monotonic() - self.last >= self.every_s:
-            self.last = time.monotonic()
             print(self._line(), file=self.stream, flush=True)
 
     def set_postfix_str(self, s: str):
@@ -44,6 +55,12 @@ class LineProgress:
 
     def __exit__(self, *exc):
         print(self._line(done=True), file=self.stream, flush=True)
+
+
+def _threads() -> int:
+    """The threads torch computes with, if torch is loaded (else 1)."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else 1
 
 
 def bar(desc: str, total: int | None, unit: str = "step"):

@@ -352,6 +352,13 @@ def test_progress_lines_give_the_total_rate_and_time_left_and_bench_train_reads_
     assert first.startswith("job: 4/10 steps in") and "s left" in first and "step/s" in first
     assert first.endswith("loss 1.234")
     assert last.startswith("job: done, 4/10 steps") and "left" not in last
+    out = io.StringIO()  # a job that slowed down: the time left comes from the recent rate; a starved process
+    with LineProgress("slow", 100, every_s=1e9, stream=out, threads=2) as p:  # says the machine is busy
+        p.t0 -= 10.0
+        p.last -= 2.0
+        p.n, p.last_n = 60, 50  # 50 steps in the first 8 s, 10 in the last 2: 5/s now
+        line = p._line()
+    assert "(6.00 step/s, now 5.00, 8 s left; machine busy: this process got" in line and "asks for 2" in line
     log = tmp_path / "relay.log"
     log.write_text("relay 50/3000 {}\nsome warning\nrelay 100/3000 {0: 2.1}\nanother line\n")
     assert _log_progress(log) == "100/3000"
