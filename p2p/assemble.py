@@ -27,7 +27,9 @@ class AssembleError(Exception):
 
 async def wait_until_trained(host: str, port: int, ident: X25519PrivateKey, key: bytes, timeout: float,
                              every_s: float = 5.0, log=lambda s: None) -> dict:
-    """Ask HOST:PORT until its training is done (its work section says so); its last status."""
+    """Ask HOST:PORT until its training is done (its work section says so), then every live
+    training member it knows until each is (the last block's draft phase runs after the others
+    are done: a model fetched before it ends has no draft model); HOST:PORT's last status."""
     import asyncio
     import time
     deadline = time.monotonic() + timeout
@@ -36,7 +38,7 @@ async def wait_until_trained(host: str, port: int, ident: X25519PrivateKey, key:
         st = await query_status(host, port, ident, key, Timeouts())
         w = st.get("work") or {}
         if w.get("state") == "done" or not w:
-            return st
+            break
         if w.get("step") != last:
             last = w.get("step")
             log(f"training: step {w.get('step')}/{w.get('steps')}, block {w.get('training_block')}, "
@@ -44,6 +46,24 @@ async def wait_until_trained(host: str, port: int, ident: X25519PrivateKey, key:
         if time.monotonic() > deadline:
             raise AssembleError(f"{host}:{port} has not finished training within {timeout:.0f} s")
         await asyncio.sleep(every_s)  # polling a remote peer's status: its cadence is the behaviour
+    trainers = [m["addr"] for m in status_members(st) if m["role"] == "train" and m["state"] == "alive" and m["addr"]]
+    for addr in trainers:
+        said = False
+        while True:
+            h, _, p = addr.rpartition(":")
+            try:
+                w = (await query_status(h, int(p), ident, key, Timeouts())).get("work") or {}
+            except (OSError, ConnectionError, ValueError):
+                break  # gone: assembling fetches from whoever holds the blocks
+            if w.get("state") == "done" or not w:
+                break
+            if not said:
+                said = True
+                log(f"waiting for {addr} ({w.get('state')}) to finish")
+            if time.monotonic() > deadline:
+                raise AssembleError(f"{addr} has not finished ({w.get('state')}) within {timeout:.0f} s")
+            await asyncio.sleep(every_s)  # polling a remote peer's status: its cadence is the behaviour
+    return st
 
 
 async def assemble_from_swarm(host: str, port: int, ident: X25519PrivateKey, key: bytes, out: Path,

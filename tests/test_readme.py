@@ -64,6 +64,8 @@ def test_readme_walkthrough_runs_as_printed(tmp_path):
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("*.log")))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
     assert "assembled model: test CE" in r.stdout and (tmp_path / "model" / "assembled.json").exists()
+    # issue 30, item 1: assemble waits for the last block's draft phase too (the next line kills the peers)
+    assert "draft step 4/4" in (tmp_path / "peer2.log").read_text()
     out = r.stdout.split("wrote model/assembled.json", 1)[1]
     assert len(out.strip("\n")) >= 16, "generate printed no continuation"  # a 6-step model: any bytes
     assert "[exact: 64 bytes in" in r.stderr
