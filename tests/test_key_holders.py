@@ -289,7 +289,10 @@ async def test_stream_requests_from_many_identities_are_bounded_in_all(tmp_path)
             conns.append(pc)
             for sid in range(1, 5):
                 pc.send_nowait(StreamRequest(kind="checkpoint", name="block0", offset=0, stream_id=sid))
-        assert await a.wait_for(lambda: running[2] + len(refused) == 48, 60) or running[2] + len(refused) == 48
+        deadline = asyncio.get_running_loop().time() + 60  # generous: 48 requests on a loaded machine
+        while running[2] + len(refused) < 48:  # nothing here notifies the peer's waiters: look every 50 ms
+            assert asyncio.get_running_loop().time() < deadline, (running, len(refused))
+            await asyncio.sleep(0.05)
         assert running[1] <= MAX_STREAMS
         assert all(why.startswith("busy") for why in refused)
     finally:
