@@ -224,9 +224,9 @@ class AveragingRound:
         self.vector = vector.detach().float().reshape(-1)  # read only: our own piece is a view of it
         x, self.residual = self.vector, None
         if lossy:  # error feedback (rule 7), in the driver's buffers when it lends them
+            enc_dtype = torch.float32 if self.sparse else ENCODED_DTYPES[self.codec]
             scratch = scratch if scratch is not None and scratch["x"].numel() == n \
-                and scratch["enc"].dtype == lossy_scratch(0, self.update_codec)["enc"].dtype \
-                else lossy_scratch(n, self.update_codec)
+                and scratch["enc"].dtype == enc_dtype else lossy_scratch(n, self.update_codec)
             x = scratch["x"]
             if residual is not None and residual.numel() == n:
                 torch.add(self.vector, residual, out=x)  # before the residual's buffer is written again
