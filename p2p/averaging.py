@@ -512,6 +512,8 @@ class Averager:
         self._early: dict[int, list] = {}  # round -> (pid, msg) that came before we began it
         self._early_bytes = 0
         self._early_from: dict[str, int] = {}  # member -> bytes of it held in _early
+        self._stranger_bytes = 0  # of _early_bytes, from members that were not in our last round
+        self._last_ids: frozenset = frozenset()  # the members of our last round
         self._early_dropped: set = set()  # rounds whose early parts overflowed (logged once each)
         self._absent_told: set = set()
         self.on_control = None  # fn(msg, pc, pid) for the group's control phases
@@ -544,34 +546,38 @@ class Averager:
             if self.peer.member(pid) is None:
                 return
             size = _held_bytes(msg)
-            total, per_sender = self._early_caps()
-            if self._early_bytes + size <= total and self._early_from.get(pid, 0) + size <= per_sender:
+            per_sender, strangers = self._early_caps()
+            known = pid in self._last_ids
+            if self._early_from.get(pid, 0) + size <= per_sender and (known or self._stranger_bytes + size <= strangers):
                 self._early.setdefault(rnd, []).append((pid, msg))
                 self._early_bytes += size
                 self._early_from[pid] = self._early_from.get(pid, 0) + size
+                self._stranger_bytes += 0 if known else size
             elif rnd not in self._early_dropped:
                 self._early_dropped.add(rnd)
                 log.warning("block %d: parts for round %d came before we began it and exceed what is held "
-                            "(%d bytes in all, %d from %s); dropped (that round will miss them)",
-                            self.block, rnd, total, per_sender, pid[:12])
+                            "(%d bytes from one member, %d from members not in our last round); dropped from "
+                            "%s (that round will miss them)", self.block, rnd, per_sender, strangers, pid[:12])
         elif msg.tensors and msg.meta.get("group") and rnd != self.current:
             self._tell_absent(pid, rnd)  # a round we are not in at all
 
     def _early_caps(self) -> tuple[int, int]:
-        """(in all, from one member): bytes held of parts for rounds not begun. An honest member
-        sends us at most one vector's worth for the next round (a robust round: its part of every
-        piece); the group, that from each other member."""
-        others = max(1, self._others, min(len(self.peer.members()), 64))
-        per_sender = max(4 * self._floats + (1 << 20), MAX_EARLY_BYTES // others)
-        return max(MAX_EARLY_BYTES, per_sender * others), per_sender
+        """(from one member, from all members that were not in our last round): bytes held of
+        parts for rounds not begun. An honest member sends us at most one vector's worth for the
+        next round (a robust round: its part of every piece). The last round's members get that
+        each; anyone else (a joiner, or identities made for the purpose: they are free) shares one
+        pool, so what is held is bounded by the group we had, not by how many identities exist."""
+        vector = 4 * self._floats + (1 << 20)
+        return max(vector, MAX_EARLY_BYTES // max(1, self._others)), max(MAX_EARLY_BYTES // 4, vector)
 
     def _recount_early(self) -> None:
-        self._early_bytes, self._early_from = 0, {}
+        self._early_bytes, self._early_from, self._stranger_bytes = 0, {}, 0
         for items in self._early.values():
             for pid, m in items:
                 size = _held_bytes(m)  # re-encodes the metadata: once per message
                 self._early_bytes += size
                 self._early_from[pid] = self._early_from.get(pid, 0) + size
+                self._stranger_bytes += 0 if pid in self._last_ids else size
 
     def _membership(self, ev):
         if ev.departed and self._round is not None:
@@ -609,7 +615,7 @@ class Averager:
                            aggregate=self.aggregate, out=out, arena=self._lend_arena, scratch=self._scratch,
                            density=self.density)
         self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
-        self._floats, self._others = vector.numel(), len(r.ids) - 1
+        self._floats, self._others, self._last_ids = vector.numel(), len(r.ids) - 1, frozenset(r.ids)
         self._early_dropped = {k for k in self._early_dropped if k > rnd}
         early = self._early.pop(rnd, [])  # parts that came before we began the round
         for old in [k for k in self._early if k < rnd]:

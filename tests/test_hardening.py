@@ -220,6 +220,37 @@ async def test_update_parts_from_a_client_or_for_far_rounds_are_not_held():
         await b.stop()
 
 
+async def test_near_round_parts_from_many_identities_share_one_bounded_pool(monkeypatch):
+    """Issue 29, finding 5: 64 members (identities are free) each sent two parts for the next
+    round: every one of them was held up to one vector's worth (peak +390 MiB). Now the members of
+    our last round get that each, and everyone else shares one pool of a quarter of the early
+    buffer; the last round's member is still held in full."""
+    import blocktrain.p2p.averaging as avm
+    from blocktrain.p2p.tensors import to_wire
+    from blocktrain.protocol import BlockUpdate
+    psk = os.urandom(32)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    av = avm.Averager(a, 0, floats=1 << 16)
+    try:
+        monkeypatch.setattr(a, "member", lambda pid: object())  # every sender is a member of the swarm
+        av._last_ids, av._others = frozenset({a.id, "f" * 64}), 1  # our last round: us and f
+        part = to_wire("part", torch.randn(1 << 16))  # 256 KiB, one vector's worth
+        meta = {"phase": "reduce", "part": 0, "group": "x"}
+        for i in range(64):
+            for _ in range(2):
+                av._route(BlockUpdate(block=0, round=1, tensors=(part,), meta=meta), None, f"{i:064x}")
+        per_sender, strangers = av._early_caps()
+        assert strangers == avm.MAX_EARLY_BYTES // 4
+        assert av._stranger_bytes <= strangers and av._early_bytes == av._stranger_bytes
+        assert av._early_bytes <= strangers < 2 * 64 * part.stored_bytes  # half of what came was not held
+        for _ in range(2):
+            av._route(BlockUpdate(block=0, round=1, tensors=(part,), meta=meta), None, "f" * 64)
+        assert av._early_from["f" * 64] >= 2 * part.stored_bytes  # the group's own member: held in full
+        assert av._early_bytes <= strangers + per_sender
+    finally:
+        await a.stop()
+
+
 async def test_a_fetch_resumes_from_a_holder_of_the_same_bytes_under_another_name(tmp_path):
     """Finding 10: holders are content-addressed: the second holder keeps other bytes under the
     requested name, the first one's bytes under another; the fetch continues from where it stopped."""
