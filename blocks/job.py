@@ -56,6 +56,24 @@ def check_job(job: JobConfig):
                          f"{EVAL_CONTINUATION_BYTES} bytes) need {need}; raise it or lower train.seq_len")
 
 
+def progress_for(bar, starts=None):
+    """The runner's progress callback for ``bar``: a step, and the valid CE of the heads whose
+    blocks had begun (``starts``: the step each block begins) when the latest point was taken."""
+    point = {"ces": None, "step": 0}  # the latest curve point and the step it was measured at
+
+    def cb(t, total, ces):
+        bar.update(1)
+        if ces is not point["ces"]:  # a new point: the runner reports it at the step it was taken
+            point.update(ces=ces, step=t)
+        if ces:  # only heads measured after their block began training mean anything: a block
+            # that just began shows its untrained CE until the next evaluation (issue 30, item 6)
+            shown = [f"{c:.3f}" for k, c in enumerate(ces) if starts is None or point["step"] > starts[k]]
+            bar.set_postfix_str("valid CE " + " / ".join(shown))
+        else:
+            bar.set_postfix_str("valid CE at the first evaluation")
+    return cb
+
+
 def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     check_job(job)
     torch.set_num_threads(job.threads)
@@ -78,16 +96,6 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
 
     plans = make_plans(job.schedule, mc.n_blocks, tc.steps, tc.decay_frac)
     wall = max(p.end(tc.steps) for p in plans)
-
-    def progress_for(bar, starts=None):
-        def cb(t, total, ces):
-            bar.update(1)
-            if ces:  # only the heads of blocks that have begun training mean anything
-                shown = [f"{c:.3f}" for k, c in enumerate(ces) if starts is None or t > starts[k]]
-                bar.set_postfix_str("valid CE " + " / ".join(shown))
-            else:
-                bar.set_postfix_str("valid CE at the first evaluation")
-        return cb
 
     if job.processes:
         bt = train_in_processes(job, out / "checkpoints", log, bar)

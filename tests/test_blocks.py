@@ -363,3 +363,28 @@ def test_progress_lines_give_the_total_rate_and_time_left_and_bench_train_reads_
     log.write_text("relay 50/3000 {}\nsome warning\nrelay 100/3000 {0: 2.1}\nanother line\n")
     assert _log_progress(log) == "100/3000"
     assert _log_progress(tmp_path / "missing.log") is None
+
+
+def test_the_progress_line_shows_a_head_only_once_it_was_measured_after_its_block_began():
+    """Issue 30, item 6: at a block change the line showed the next, untrained block's CE
+    (5.608 beside 2.291) until the next evaluation, which read as a blow-up."""
+    from blocktrain.blocks.job import progress_for
+
+    class Bar:
+        def update(self, n):
+            pass
+
+        def set_postfix_str(self, s):
+            self.shown = s
+
+    bar = Bar()
+    cb = progress_for(bar, starts=[0, 10])
+    first = [2.291, 5.608]  # measured at step 10: block 1 had not trained yet
+    for t in range(10, 20):
+        cb(t, 40, first)
+        assert bar.shown == "valid CE 2.291"
+    cb(20, 40, [2.2, 2.261])  # the first point taken after block 1 began
+    assert bar.shown == "valid CE 2.200 / 2.261"
+    cb = progress_for(bar)  # no starts (one end-to-end model): every head is shown
+    cb(1, 40, [3.0])
+    assert bar.shown == "valid CE 3.000"
