@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from blocktrain.blocks import checkpoint as ckpt
 
 from .checkpoints import CHECKPOINT, CheckpointFetcher, FetchError, holders, status_members
-from .node import Peer, query_status
+from .node import Peer, query_status, status_when_listening
 from .transport import Timeouts
 
 
@@ -35,7 +35,7 @@ async def wait_until_trained(host: str, port: int, ident: X25519PrivateKey, key:
     deadline = time.monotonic() + timeout
     last = None
     while True:
-        st = await query_status(host, port, ident, key, Timeouts())
+        st = await status_when_listening(host, port, ident, key, Timeouts(), max(0.0, deadline - time.monotonic()), log)
         w = st.get("work") or {}
         if w.get("state") == "done" or not w:
             break
@@ -71,7 +71,7 @@ async def assemble_from_swarm(host: str, port: int, ident: X25519PrivateKey, key
     """Fetch, verify and write every block; returns {"blocks": {k: {step, from, bytes, sha256, final}},
     "config": model config}."""
     tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
-    st = await query_status(host, port, ident, key, tmo)
+    st = await status_when_listening(host, port, ident, key, tmo)  # assemble --wait waited already
     members = status_members(st)
     blocks = sorted({b for m in members if m["role"] == "train" and m["state"] == "alive" for b in m["blocks"]})
     if not blocks:

@@ -25,6 +25,11 @@ from .transport import Timeouts, install_uvloop
 DEFAULT_IDENTITY = Path.home() / ".blocktrain" / "identity"
 
 
+# The clients' one rule (status, generate, assemble): node.status_when_listening.
+WAIT_HELP = ("Seconds to ask again, with one line saying so, while nothing listens at ADDRESS (a peer still "
+             "starting: a training peer listens once its model is built)")
+
+
 def _addr(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
@@ -379,8 +384,12 @@ def serve(bootstrap, checkpoints, reference, **o):
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (same seed, same output).")
 @click.option("--draft-len", type=click.IntRange(0, 32), default=16, show_default=True,
               help="exact mode: bytes drafted per traversal.")
-@click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True)
-def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, top_k, seed, draft_len, timeout):
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=30.0, show_default=True,
+              help=WAIT_HELP + ", or no chain of serving peers is there yet.")
+@click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True,
+              help="Seconds for a connection, and for each traversal's answer.")
+def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, top_k, seed, draft_len, wait_s,
+             timeout):
     """Continue --prompt by N bytes through a chain of serving peers found via ADDRESS."""
     from blocktrain.blocks.decode import Sampling
 
@@ -394,7 +403,7 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
     try:
         out, st = asyncio.run(run_generate(host, port, ident, key, os.fsencode(prompt), n_bytes, mode, timeout,
                                            log=lambda s: click.echo(s, err=True), sampling=sampling,
-                                           draft_len=draft_len))
+                                           draft_len=draft_len, wait_s=wait_s))
     except (PipelineError, ConnectionError, OSError) as e:
         raise click.ClickException(f"generate via {address}: {e}")
     click.echo(out.decode("utf-8", "replace"))
@@ -414,7 +423,7 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
               help="Test windows to evaluate (0: the whole test split).")
 @click.option("--no-eval", is_flag=True, help="Only fetch and verify.")
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=0.0, show_default=True,
-              help="First wait up to this many seconds until ADDRESS has finished training (showing its progress).")
+              help=WAIT_HELP + "; then until the swarm has finished training (showing its progress).")
 @click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True)
 def assemble(address, swarm_key, identity, out, data, test_windows, no_eval, wait_s, timeout):
     """Fetch every block's newest checkpoint from the swarm via ADDRESS, verify it, evaluate test CE.
@@ -432,8 +441,7 @@ def assemble(address, swarm_key, identity, out, data, test_windows, no_eval, wai
     try:
         if wait_s:
             asyncio.run(wait_until_trained(host, port, ident, key, wait_s, log=_echo))
-        res = asyncio.run(assemble_from_swarm(host, port, ident, key, Path(out), timeout,
-                                              log=lambda s: click.echo(s, err=True)))
+        res = asyncio.run(assemble_from_swarm(host, port, ident, key, Path(out), timeout, log=_echo))
     except (AssembleError, ConnectionError, OSError) as e:
         raise click.ClickException(f"assemble via {address}: {e}")
     if not no_eval:
@@ -477,37 +485,22 @@ def show_id(identity):
 @click.argument("address")
 @_key_options
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status JSON.")
-@click.option("--wait", "wait_s", type=click.FloatRange(0), default=60.0, show_default=True,
-              help="While nothing listens at ADDRESS (a peer still starting: a training peer listens once its "
-                   "model is built), ask again for up to this many seconds.")
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=60.0, show_default=True, help=WAIT_HELP + ".")
 @click.option("--timeout", type=click.FloatRange(0.5), default=10.0, show_default=True,
               help="Seconds for the connection and the answer.")
 def status(address, swarm_key, identity, as_json, wait_s, timeout):
     """Show a peer's view of the swarm: members, blocks, liveness, what it works on, bytes moved."""
     from blocktrain.protocol import ProtocolError
 
-    from .node import query_status
+    from .node import status_when_listening
     from .reports import fmt_bytes
 
     host, port = _addr(address)
     key, ident = _keys(swarm_key, identity)
 
-    async def ask():  # a peer that is still starting is asked again, with backoff, until --wait
-        deadline, delay, said = time.monotonic() + wait_s, 0.1, False
-        while True:
-            try:
-                return await query_status(host, port, ident, key, Timeouts(connect_s=timeout, handshake_s=timeout))
-            except ConnectionRefusedError:
-                if time.monotonic() + delay > deadline:
-                    raise
-                if not said:
-                    said = True
-                    _echo(f"nothing listens at {address} yet (a peer still starting?); asking again for up to "
-                          f"{wait_s:.0f} s (--wait)")
-                await asyncio.sleep(delay)  # backoff, as the node's join
-                delay = min(2 * delay, 2.0)
     try:
-        st = asyncio.run(ask())
+        st = asyncio.run(status_when_listening(host, port, ident, key, Timeouts(connect_s=timeout, handshake_s=timeout),
+                                               wait_s, _echo))
     except (ConnectionError, OSError, ProtocolError) as e:
         raise click.ClickException(f"status of {address}: {e or type(e).__name__}")
     if as_json:

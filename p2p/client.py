@@ -32,7 +32,7 @@ from blocktrain.protocol import ConnectionClosed, PipelineForward, PipelineResul
 
 from .checkpoints import holders, status_members
 from .identity import peer_id
-from .node import query_status
+from .node import status_when_listening
 from .pipeline import MODES, PipelineError
 from .tensors import from_wire, to_wire
 from .transport import CLIENT_INFO, Timeouts, make_connection, open_connection
@@ -229,19 +229,18 @@ def chain(st: dict, avoid: set = frozenset()) -> list[str]:
     return route
 
 
-async def _chain_when_ready(host, port, ident, key, tmo, avoid, timeout: float):
-    """The swarm view and a chain through it; while the serving peers are still starting (no chain
-    yet, or the peer not yet listening), ask again until ``timeout``."""
-    deadline, delay = time.monotonic() + timeout, 0.1
-    while True:
+async def _chain_when_ready(host, port, ident, key, tmo, avoid, wait_s: float, log=lambda s: None):
+    """The swarm view and a chain through it; while the serving peers are still starting (the peer
+    not yet listening, or no chain yet: serving peers join by gossip within a heartbeat or two),
+    ask again for up to ``wait_s`` (the clients' one rule: node.status_when_listening)."""
+    def ready(st):
         try:
-            st = await query_status(host, port, ident, key, tmo)
-            return st, chain(st, avoid)
-        except (NoChain, ConnectionRefusedError):
-            if time.monotonic() + delay > deadline:
-                raise
-            await asyncio.sleep(delay)  # backoff: serving peers join by gossip within a heartbeat or two
-            delay = min(2 * delay, 2.0)
+            chain(st, avoid)
+            return True
+        except NoChain as e:
+            return f"no chain through the swarm yet ({e})"
+    st = await status_when_listening(host, port, ident, key, tmo, wait_s, log, ready)
+    return st, chain(st, avoid)
 
 
 def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None, sampling: Sampling = Sampling(),
@@ -265,10 +264,11 @@ def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = No
 
 async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode: str, timeout: float,
                    attempts: int = 3, log=lambda s: None, sampling: Sampling = Sampling(),
-                   draft_len: int = DRAFT_LEN) -> tuple[bytes, dict]:
+                   draft_len: int = DRAFT_LEN, wait_s: float | None = None) -> tuple[bytes, dict]:
     """Pick a chain from the swarm view via HOST:PORT and run the request; when a hop fails, retry
     through another peer holding that block (a session goes on where it was: the new chain
-    rebuilds its caches from the bytes committed so far)."""
+    rebuilds its caches from the bytes committed so far). While nothing listens at HOST:PORT or no
+    chain is there yet, ask again for up to ``wait_s`` (default: ``timeout``)."""
     check_request(prompt, n, mode, sampling=sampling, draft_len=draft_len)
     tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
     avoid: set[str] = set()
@@ -276,7 +276,8 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
     s: Session | None = None
     t0 = time.perf_counter()
     for attempt in range(attempts):
-        st, route = await _chain_when_ready(host, port, ident, key, tmo, avoid, timeout)
+        st, route = await _chain_when_ready(host, port, ident, key, tmo, avoid,
+                                            timeout if wait_s is None else wait_s, log)
         msl = (st.get("serving") or {}).get("max_seq_len")
         check_request(prompt, n, mode, msl, sampling, draft_len)
         client = PipelineClient(ident, key, route, list(range(len(route))), tmo, timeout_s=timeout)

@@ -802,3 +802,37 @@ async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_k
         raise ConnectionError(f"{host}:{port} did not answer within {timeouts.handshake_s} s") from None
     finally:
         await pc.close("done")
+
+
+class NothingListens(ConnectionRefusedError):
+    """Nothing listened at a client's address for as long as it was told to wait."""
+
+
+async def status_when_listening(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,
+                                timeouts: Timeouts = Timeouts(), wait_s: float = 0.0, log=lambda s: None,
+                                ready=lambda st: True) -> dict:
+    """The one rule of every client command (status, generate, assemble): ask HOST:PORT for its
+    status; while nothing listens there (connection refused: a peer still starting) or its answer
+    is not ``ready`` yet, ask again with backoff for up to ``wait_s`` seconds, saying so in one
+    line when the waiting begins. Any other failure (a wrong key, no answer within the timeouts)
+    is raised at once. NothingListens names how long it waited and how often it asked."""
+    t0, delay, tries, said = time.monotonic(), 0.1, 0, False
+    while True:
+        tries += 1
+        try:
+            st = await query_status(host, port, identity, swarm_key, timeouts)
+            why = ready(st)
+            if why is True:
+                return st
+        except ConnectionRefusedError:
+            st, why = None, f"nothing listens at {host}:{port} yet (a peer still starting?)"
+        if time.monotonic() - t0 + delay > wait_s:
+            if st is not None:
+                return st  # the caller says what is missing from the answer
+            raise NothingListens(f"nothing listens at {host}:{port} (connection refused; asked {tries} time(s) in "
+                                 f"{time.monotonic() - t0:.0f} s: is the peer running? --wait asks for longer)")
+        if not said:
+            said = True
+            log(f"{why}; asking again for up to {wait_s:g} s (--wait)")
+        await asyncio.sleep(delay)  # backoff, as the node's join
+        delay = min(2 * delay, 2.0)

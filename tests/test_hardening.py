@@ -220,6 +220,27 @@ async def test_update_parts_from_a_client_or_for_far_rounds_are_not_held():
         await b.stop()
 
 
+@pytest.mark.parametrize("command,extra", [("status", ["--wait", "1"]), ("generate", ["--prompt", "x", "--wait", "1"]),
+                                           ("assemble", ["--out", "OUT", "--wait", "1"]), ("assemble", ["--out", "OUT"])])
+def test_every_client_waits_for_an_address_by_one_rule_and_says_so(tmp_path, command, extra):
+    """Issue 30, item 7: against an address where nothing listens, generate failed after 31-40 s
+    and printed nothing while it retried, status after 9 s, assemble after 2 s. Now every client
+    asks again for --wait seconds, says so in one line when it begins, and fails naming how long
+    it waited; with --wait 0 it fails at once."""
+    from blocktrain.p2p.identity import new_swarm_key
+    new_swarm_key(str(tmp_path / "key"))
+    nobody = _free_port()
+    extra = [str(tmp_path / "out") if e == "OUT" else e for e in extra]
+    r = subprocess.run([sys.executable, "-m", "blocktrain.p2p.cli", command, f"127.0.0.1:{nobody}", *extra,
+                        "--swarm-key", str(tmp_path / "key"), "--identity", str(tmp_path / "c")],
+                       capture_output=True, text=True, timeout=120, input="")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    waited = "--wait" in extra
+    assert (f"nothing listens at 127.0.0.1:{nobody} yet" in r.stderr) == waited, r.stderr
+    assert f"nothing listens at 127.0.0.1:{nobody} (connection refused; asked" in r.stderr, r.stderr
+    assert ("asked 1 time(s)" in r.stderr) != waited, r.stderr
+
+
 async def test_near_round_parts_from_many_identities_share_one_bounded_pool(monkeypatch):
     """Issue 29, finding 5: 64 members (identities are free) each sent two parts for the next
     round: every one of them was held up to one vector's worth (peak +390 MiB). Now the members of
