@@ -5,7 +5,7 @@ what travels), its messages handed from one member to another in this process in
 sockets. Every variant starts from the same weights and sees the same batches.
 
 usage: python results/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
-           [--codec raw|topk] [--density D] [--outer-lr A] [--seed N]
+           [--codec raw|topk] [--density D] [--outer-lr A] [--outer-momentum M] [--seed N]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--codec", default="raw")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--outer-momentum", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -73,7 +74,7 @@ def main():
         t.block.load_state_dict(trs[0].block.state_dict())
     ids = [chr(ord("a") + i) * 64 for i in range(W)]
     residuals = [None] * W
-    outer = OuterOptimizer(a.outer_lr, 0.0, False)
+    outer = OuterOptimizer(a.outer_lr, a.outer_momentum, a.outer_momentum > 0)
     sent = dict.fromkeys(ids, 0)
     t0 = time.perf_counter()
     rnd = 0
