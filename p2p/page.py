@@ -205,7 +205,7 @@ function byBlock(works) {
 function curve(blocks) {
   const svg = $("curve"); const W = 560, H = 220, P = 40;
   const all = Object.values(blocks).flatMap(m => [...m.entries()]);
-  if (!all.length) { svg.innerHTML = '<text x="20" y="110" fill="#777">no valid CE points yet (swarm.eval_every)</text>'; $("legend").textContent = ""; return; }
+  if (!all.length) { svg.innerHTML = '<text x="20" y="110" fill="#777">no valid CE points yet (one comes every swarm.eval_every steps)</text>'; $("legend").textContent = ""; return; }
   const xs = all.map(p => p[0]), ys = all.map(p => p[1]);
   const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
   const X = x => P + (W - 2 * P) * (x - x0) / ((x1 - x0) || 1), Y = y => H - P - (H - 2 * P) * (y - y0) / ((y1 - y0) || 1);

@@ -66,6 +66,7 @@ READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes 
 READY_PER_MEMBER = 2  # of them from one member (an honest one tells one per admission)
 # Seconds between checkpoints of the block in training (and at every block's end).
 SAVE_EVERY_S = 30.0
+EVAL_POINTS = 20  # valid-CE points over a run when swarm.eval_every is -1 (the default)
 
 
 @dataclass
@@ -87,7 +88,8 @@ class SwarmConfig:
     ready_timeout_s: float = 300.0  # waiting for the group's state after our admission
     lower_timeout_s: float = 3600.0  # parallel: waiting for the lower blocks' checkpoints
     eval_windows: int = 16  # valid windows for the CE at start and end (CE per GB)
-    eval_every: int = 0  # steps between valid-CE points of the chain in work (0: none; the curve, time to a CE)
+    eval_every: int = -1  # steps between valid-CE points of the chain in work (the curve, time to a CE; 0: none;
+    # -1: about EVAL_POINTS over the run, so the live page draws a curve for a run of any length)
     min_group: int = 1  # start only once this many peers (us included) start together or a group exists
     margin: int = 2  # rounds between a joiner's admission and its first round
 
@@ -100,6 +102,9 @@ class SwarmConfig:
             raise ValueError(f"outer optimizer {self.outer!r}: expected sgd or nesterov")
         if self.every < 0:
             raise ValueError("every must be >= 1 local step (0: the default)")
+        if self.eval_every < -1:
+            raise ValueError(f"eval_every {self.eval_every}: steps between CE points (0: none, -1: about "
+                             f"{EVAL_POINTS} points over the run)")
         if self.sync == "grads" and self.every not in (0, 1):
             raise ValueError("sync=grads averages every step: every must be 1")
         if self.codec not in UPDATE_CODECS:
@@ -787,7 +792,8 @@ class SwarmTrainer:
             if not self.relay and self.gstep and self.gstep % max(self.H, self.tcfg.refresh_every) == 0:
                 await self.refresh_lower(wait=False)
             await self._round()
-            if self.scfg.eval_every and self.gstep % self.scfg.eval_every == 0:
+            every = self.scfg.eval_every if self.scfg.eval_every >= 0 else max(1, self.total_steps // EVAL_POINTS)
+            if every and self.gstep % every == 0:
                 t = time.monotonic()
                 heads = await asyncio.to_thread(self.eval_heads)
                 self.eval_s += time.monotonic() - t
