@@ -66,6 +66,42 @@ def clean_work(work: dict) -> dict:
     return out
 
 
+CE_DOUBT_NATS = 0.5  # a member's head CE this far below ours on the same block is doubted
+
+
+def doubts(w: dict, mine: dict | None) -> list[str]:
+    """What this peer doubts of a member's work section ``w`` (cleaned): what contradicts itself,
+    or what this peer sees of its own work (``mine``, None when it trains nothing). A member with the
+    swarm key may lie: the page shows its section as its claim, with these doubts beside it, and
+    leaves doubted claims out of the per-block summary."""
+    out = []
+    step, steps, applied = w.get("step"), w.get("steps"), w.get("rounds_applied")
+    if step is not None and steps is not None and step > steps:
+        out.append(f"step {step} beyond its {steps} steps")
+    if applied is not None and steps is not None and applied > steps:
+        out.append(f"{applied} rounds applied in {steps} steps")
+    if not mine:
+        return out
+    if steps is not None and mine.get("steps") is not None and steps != mine["steps"]:
+        out.append(f"trains {steps} steps where this peer trains {mine['steps']}")
+    elif (step is not None and mine.get("step") is not None and mine.get("state") != "done"
+          and step > mine["step"] + max(50, (steps or 0) // 10)):
+        out.append(f"step {step}, far ahead of this peer's {mine['step']}")
+    ce, my_ce = _last_ce(w), _last_ce(mine)
+    if (ce is not None and my_ce is not None and w.get("training_block") is not None
+            and w.get("training_block") == mine.get("training_block") and ce < my_ce - CE_DOUBT_NATS):
+        out.append(f"valid CE {ce:.3f}, far below this peer's {my_ce:.3f} on the same block")
+    return out
+
+
+def _last_ce(w: dict):
+    curve = w.get("curve")
+    try:
+        return _num(curve[-1][2][-1])
+    except (TypeError, IndexError, KeyError):
+        return None
+
+
 class SwarmPage:
     def __init__(self, peer, host: str = "127.0.0.1", port: int = 0):
         self.peer, self.host, self.port = peer, host, port
@@ -98,7 +134,8 @@ class SwarmPage:
             return
         work = st.get("work") if isinstance(st, dict) else None
         if isinstance(work, dict) and self.peer.member(pid) is not None:
-            self.member_work[pid] = clean_work(work) | {"time": time.time()}
+            w = clean_work(work)
+            self.member_work[pid] = w | {"time": time.time(), "doubts": doubts(w, self.peer.status().get("work"))}
 
     async def _poll(self):
         while True:
@@ -181,7 +218,7 @@ svg{background:#fff;border:1px solid #ddd}
 <h2>Blocks</h2><table id="blocks"></table>
 <h2>Valid CE of each block's head while it trained</h2><svg id="curve" width="560" height="220"></svg>
 <div id="legend" class="muted"></div>
-<h2>Peers' work</h2><table id="work"></table>
+<h2>Peers' work: what each member says of itself (a claim), with what this peer doubts of it</h2><table id="work"></table>
 <h2>Bytes by kind</h2><table id="kinds"></table>
 <h2>Bytes by peer</h2><table id="peers"></table>
 <h2>Serving</h2><div id="serving" class="muted">-</div>
@@ -229,14 +266,15 @@ async function refresh() {
       .concat(s.members.map(m => [m.peer_id.slice(0, 12), esc(m.addr), "[" + m.blocks + "]", m.role,
         '<span class="' + m.state + '">' + m.state + "</span>", m.last_heard_s.toFixed(1) + " s"])));
     const works = [], named = [];
-    const row = (id, w) => { if (!w) return; named.push(w); works.push([id, w.holds, w.training_block ?? "-", esc(w.state),
+    const row = (id, w) => { if (!w) return; if (!(w.doubts || []).length) named.push(w); works.push([id, w.holds, w.training_block ?? "-", esc(w.state),
       w.step + " / " + w.steps, w.round, (w.group || []).length, w.rounds_applied ?? "-",
       w.coverage_min == null ? "-" : (100 * w.coverage_min).toFixed(0) + "%",
-      w.curve && w.curve.length ? w.curve[w.curve.length - 1][2].slice(-1)[0].toFixed(3) : "-"]); };
+      w.curve && w.curve.length ? w.curve[w.curve.length - 1][2].slice(-1)[0].toFixed(3) : "-",
+      (w.doubts || []).length ? '<span class="suspect">' + w.doubts.map(esc).join("; ") + "</span>" : "-"]); };
     row(s.peer_id.slice(0, 12) + " (this peer)", s.work);
     for (const [pid, w] of Object.entries(s.member_work || {})) row(pid.slice(0, 12), w);
     table($("work"), ["peer", "holds block", "training block", "state", "step", "round", "group size",
-      "rounds applied", "coverage (min)", "valid CE"], works);
+      "rounds applied", "coverage (min)", "valid CE", "doubted by this peer"], works);
     const blocks = byBlock(named);
     const nb = Math.min(64, Math.max(-1, ...Object.keys(blocks).map(Number), ...named.map(w => w.holds ?? -1)) + 1);
     const rows = [];

@@ -159,3 +159,23 @@ def test_what_a_member_says_about_its_work_reaches_the_page_only_as_numbers_and_
     assert evil not in json.dumps(w)
     ok = clean_work({"state": "waiting for lower blocks", "curve": [[10, 1.5, [2.0, 1.9]]]})
     assert ok["state"] == "waiting for lower blocks" and ok["curve"] == [[10, 1.5, [2.0, 1.9]]]
+
+
+def test_a_lying_member_is_shown_as_a_claim_with_this_peers_doubts():
+    """Issue 29, finding 10: a member claiming step 10^12, 10^9 rounds, CE 0.01 was shown as fact.
+    Its claims are checked against each other and against this peer's own work; the doubts are
+    named beside them (and the page leaves doubted members out of the per-block summary)."""
+    from blocktrain.p2p.page import clean_work, doubts
+    mine = clean_work({"training_block": 0, "step": 400, "steps": 1000, "state": "training",
+                       "curve": [[400, 10.0, [2.1]]]})
+    liar = clean_work({"training_block": 0, "step": 10**12, "steps": 1000, "rounds_applied": 10**9,
+                       "coverage_min": 1.0, "state": "training", "curve": [[400, 10.0, [0.01]]]})
+    said = doubts(liar, mine)
+    assert any("beyond its 1000 steps" in d for d in said) and any("rounds applied in 1000" in d for d in said)
+    assert any("far ahead" in d for d in said) and any("far below this peer's 2.100" in d for d in said)
+    assert doubts(liar, None)  # a peer that trains nothing still sees that the claims contradict themselves
+    honest = clean_work({"training_block": 0, "step": 395, "steps": 1000, "rounds_applied": 395,
+                         "state": "training", "curve": [[400, 10.0, [2.0]]]})
+    assert doubts(honest, mine) == [] and doubts(honest, None) == []
+    other = clean_work({"training_block": 0, "step": 3, "steps": 10})
+    assert doubts(other, mine) == ["trains 10 steps where this peer trains 1000"]
