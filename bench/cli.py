@@ -223,7 +223,9 @@ def _plot_sweep(rows, path):
 @click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds (train.seed); 3 for mean and spread.")
 @click.option("--compare", default="equal-steps,equal-total", show_default=True,
               help="equal-steps: every worker the same steps (more workers, more data); equal-total: the same total "
-                   "local steps per block, shared by the workers.")
+                   "local steps per block, shared by the workers; sync: every-step averaging beside the mode that "
+                   "--sync/--every/--codec/--density/--outer-lr choose, on the same settings, data and seeds "
+                   "(bytes_ratio and ce_gap in the JSON's sync_comparison).")
 @click.option("--equal-total-lr", type=click.Choice(["sqrt", "same", "linear"]), default="sqrt", show_default=True,
               help="Equal-total runs have W/K times the batch for K/W the steps: sqrt: learning rate x sqrt(W/K), "
                    "the configured warmup (the square-root rule for Adam); same: the configured learning rate and "
@@ -312,6 +314,10 @@ def _swarm_table(result: dict, K: int) -> list[str]:
             f"{c:>14.4f}" for c in ref["head_test_ce"]) + f"  (batch {ref['batch_size']})")
         lines.append(f"one worker per block against it: top head {ref['one_per_block_gap']:+.4f} "
                      f"({'within' if ref['one_per_block_within_0_02'] else 'not within'} 0.02)")
+    for w, c in (result.get("sync_comparison") or {}).items():
+        lines.append(f"{w} workers, {c['mode']} against every-step averaging: "
+                     + (f"{c['bytes_ratio']:.0f}x fewer bytes per worker" if c["bytes_ratio"] else "no bytes")
+                     + f", top-head test CE {c['ce_gap']:+.4f}")
     if result["target_ce"] is not None:
         lines.append(f"to valid CE {result['target_ce']:g} (training seconds / global step, per seed; '-': not reached):")
         for key, s in result["summary"].items():

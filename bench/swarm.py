@@ -257,6 +257,27 @@ def summarise(runs: list[dict], K: int) -> dict:
     return out
 
 
+# --compare sync: every-step averaging beside the chosen mode, on the same settings, data and seeds.
+SYNC_BASE, SYNC_MODE = "sync-every-step", "sync-mode"
+COMPARISONS = ("equal-steps", "equal-total", "sync")
+
+
+def compare_sync(summary: dict, mode: dict) -> dict:
+    """Per worker count with both runs: their summaries, ``bytes_ratio`` (every-step bytes per
+    worker / the mode's) and ``ce_gap`` (the mode's top-head test CE - every-step's; > 0: worse)."""
+    out = {}
+    for key, base in summary.items():
+        if base["comparison"] != SYNC_BASE or f"{SYNC_MODE}/{base['workers']}" not in summary:
+            continue
+        m = summary[f"{SYNC_MODE}/{base['workers']}"]
+        b_bytes, m_bytes = base["bytes_per_worker"]["mean"], m["bytes_per_worker"]["mean"]
+        out[str(base["workers"])] = {
+            "mode": mode, "every_step": base, "low_comm": m,
+            "bytes_ratio": b_bytes / m_bytes if m_bytes else None,
+            "ce_gap": m["head_test_ce"][-1] - base["head_test_ce"][-1]}
+    return out
+
+
 class BenchError(Exception):
     """A run of the bench failed (its name first); the runs before it are in the last ``save``."""
 
@@ -289,8 +310,12 @@ class Bench:
         from blocktrain.blocks.config import apply_overrides
         from blocktrain.p2p.config import PeerJob
 
-        if set(self.compare) - {"equal-steps", "equal-total"}:
-            raise ValueError(f"unknown comparison(s) {sorted(set(self.compare) - {'equal-steps', 'equal-total'})}")
+        if set(self.compare) - set(COMPARISONS):
+            raise ValueError(f"unknown comparison(s) {sorted(set(self.compare) - set(COMPARISONS))}; "
+                             f"expected {', '.join(COMPARISONS)}")
+        if "sync" in self.compare and not self.swarm:
+            raise ValueError("--compare sync runs every-step averaging beside the mode that --sync/--every/--codec/"
+                             "--density/--outer-lr choose: choose one")
         if not (self.workers and self.seeds and self.compare):
             raise ValueError("at least one worker count, seed and comparison")
         if min(self.workers) < 1 or min(self.seeds) < 0:
@@ -315,15 +340,24 @@ class Bench:
                 "train.warmup": round(self._train.warmup * self.K / w)}
 
     def plan(self) -> list[tuple]:
-        """(comparison, workers, seed, local steps per block) of every run, in order."""
+        """(comparison, workers, seed, local steps per block) of every run, in order. ``sync`` is two
+        runs on the same peers' settings, data and seed: every-step averaging (SYNC_BASE) and the
+        chosen mode (SYNC_MODE), side by side."""
         out = []
         for seed in self.seeds:
             for comp in self.compare:
                 for w in self.workers:
                     if comp == "equal-total" and w == self.K and "equal-steps" in self.compare:
                         continue  # the same run as equal-steps with K workers
-                    out.append((comp, w, seed, self.steps if comp == "equal-steps" else self.steps * self.K // w))
+                    if comp == "sync":
+                        out += [(SYNC_BASE, w, seed, self.steps), (SYNC_MODE, w, seed, self.steps)]
+                    else:
+                        out.append((comp, w, seed, self.steps if comp == "equal-steps" else self.steps * self.K // w))
         return out
+
+    def swarm_for(self, comp: str) -> dict:
+        """A run's swarm settings: every-step averaging (the defaults) for SYNC_BASE, else ours."""
+        return {} if comp == SYNC_BASE else self.swarm
 
     def execute(self, save=None, bar=None, log=lambda s: None) -> dict:
         """Every run of the plan, then the references; ``save(result)`` after each run and at the
@@ -341,7 +375,7 @@ class Bench:
                 + (f", links {self.link}" if self.link else "") + f" (logs and reports in {self.out}/{name})")
             with contextlib.ExitStack() as shown:
                 try:
-                    r = run(w, local, ov, self.out / name, self.test_windows, self.link, self.swarm, seed,
+                    r = run(w, local, ov, self.out / name, self.test_windows, self.link, self.swarm_for(comp), seed,
                             self.eval_every, self.resume, progress=_display(shown, bar, name) if bar else None)
                 except (ValueError, RuntimeError, TimeoutError, ConfigError) as e:
                     raise BenchError(f"{name}: {e}") from e
@@ -391,6 +425,8 @@ class Bench:
                 "head_test_ce": heads, "batch_size": refs[0]["batch_size"], "runs": refs,
                 "one_per_block_gap": gap, "one_per_block_within_0_02": gap <= 0.02}
         out["equal_total_lr"] = self.equal_total_lr
+        if "sync" in self.compare:
+            out["sync_comparison"] = compare_sync(summary, self.swarm)
         return out
 
 

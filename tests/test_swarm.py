@@ -518,3 +518,30 @@ def test_equal_total_runs_take_the_scaling_rule_they_are_told(tmp_path, monkeypa
     assert got["equal-total-w12-seed0"] == (25, 0.006, None) and res["equal_total_lr"] == "sqrt"
     with pytest.raises(ValueError, match="one of sqrt, same, linear"):
         bench_swarm.Bench(**kw, equal_total_lr="cubic")
+
+
+def test_bench_swarm_compare_sync_runs_every_step_beside_the_mode_and_states_the_ratio(tmp_path, monkeypatch):
+    """Issue 28: --compare sync runs every-step averaging and the chosen mode on the same settings
+    and seeds, and summarises bytes_ratio and ce_gap from what each run measured."""
+    from blocktrain.bench import swarm as bench_swarm
+
+    got_swarm = []
+
+    def fake_run(w, local, ov, out, tw, link, swarm, seed, *a, **k):
+        got_swarm.append(swarm)
+        low = bool(swarm)
+        return {"workers": w, "seed": seed, "initial_test_ce": 5.5, "head_test_ce": [2.0, 1.9, 1.85 if low else 1.8],
+                "final_test_ce": 1.8, "busy_fraction": {"per_worker": [0.9] * w, "min": 0.9},
+                "train_seconds": 10.0, "bytes_per_worker": 1e6 if low else 2e8, "verdicts": [], "curves": []}
+    monkeypatch.setattr(bench_swarm, "run", fake_run)
+    mode = {"sync": "params", "every": 10, "codec": "topk"}
+    bench = bench_swarm.Bench(workers=[3], steps=10, seeds=[0, 1], compare=["sync"], swarm=mode,
+                              out=tmp_path / "runs", reference=False)
+    assert bench.plan() == [(bench_swarm.SYNC_BASE, 3, 0, 10), (bench_swarm.SYNC_MODE, 3, 0, 10),
+                            (bench_swarm.SYNC_BASE, 3, 1, 10), (bench_swarm.SYNC_MODE, 3, 1, 10)]
+    res = bench.execute()
+    assert got_swarm == [{}, mode, {}, mode]  # every-step: the defaults
+    c = res["sync_comparison"]["3"]
+    assert c["bytes_ratio"] == pytest.approx(200) and c["ce_gap"] == pytest.approx(0.05) and c["mode"] == mode
+    with pytest.raises(ValueError, match="choose one"):
+        bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["sync"])
