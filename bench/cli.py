@@ -248,6 +248,8 @@ def _plot_sweep(rows, path):
               help="topk: the fraction of each chunk of 4096 values sent per round (default 0.01).")
 @click.option("--outer-lr", type=click.FloatRange(0.0, min_open=True), default=None,
               help="sync params: the outer step's rate (default 1: the members' average).")
+@click.option("--overlap", is_flag=True, default=None,
+              help="sync params: each round travels while the next round's local steps compute.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Model/training/swarm config, as for bt-peer (model.d_model=128, ...).")
 @click.option("--wan", is_flag=True, help="Shape every link (--link) and report the communication's share.")
@@ -258,7 +260,7 @@ def _plot_sweep(rows, path):
 @click.option("--resume", is_flag=True, help="Resume runs from their work directories (default: fresh ones).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
 def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, eval_every, schedule, sync, every,
-          codec, density, outer_lr, overrides, wan, link, test_windows, out, resume, json_path):
+          codec, density, outer_lr, overlap, overrides, wan, link, test_windows, out, resume, json_path):
     """Train a model with real bt-peer processes on loopback, assemble it from the swarm, test it.
 
     For every seed and worker count: equal steps per worker (does adding workers, and data, help?)
@@ -274,8 +276,8 @@ def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, 
     from . import swarm as bench_swarm
 
     sw = {k: v for k, v in (("schedule", schedule), ("sync", sync), ("every", every), ("codec", codec),
-                            ("density", density), ("outer_lr", outer_lr)) if v is not None}
-    if every and not sync:
+                            ("density", density), ("outer_lr", outer_lr), ("overlap", overlap or None)) if v is not None}
+    if (every or overlap) and not sync:
         sw["sync"] = "params"
     try:
         bench = bench_swarm.Bench(

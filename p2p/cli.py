@@ -144,6 +144,10 @@ def _train_options(f):
                      help="sync params: the outer step's rate (default 1: with sgd and no momentum, the average)."),
         click.option("--outer-momentum", type=click.FloatRange(0.0, 1.0, max_open=True), default=None,
                      help="sync params: the outer optimizer's momentum (default 0)."),
+        click.option("--overlap/--no-overlap", default=None,
+                     help="sync params: each round travels while the next round's local steps compute (its "
+                          "average is applied one round late; the first, last and joiners' rounds are waited for). "
+                          "Default: off."),
         click.option("--min-coverage", type=click.FloatRange(0.0, 1.0), default=None,
                      help="A round that averaged less of the vector than this fraction fails and changes "
                           "nothing (default 1.0)."),
@@ -183,10 +187,12 @@ def _training(o: dict):
 
     try:
         job = load(PeerJob(), None, o["overrides"], **{
-            "train.steps": o["steps"], "swarm.schedule": o["schedule"], "swarm.sync": o["sync"],
+            "train.steps": o["steps"], "swarm.schedule": o["schedule"],
+            "swarm.sync": o["sync"] or ("params" if o["overlap"] else None),  # --overlap means parameter rounds
             "swarm.every": o["every"], "swarm.codec": o["codec"], "swarm.min_group": o["min_group"],
             "swarm.density": o["density"], "swarm.outer": o["outer"], "swarm.outer_lr": o["outer_lr"],
-            "swarm.outer_momentum": o["outer_momentum"], "swarm.min_coverage": o["min_coverage"]})
+            "swarm.outer_momentum": o["outer_momentum"], "swarm.min_coverage": o["min_coverage"],
+            "swarm.overlap": o["overlap"]})
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="--set")
     if o["every"] and not o["sync"] and job.swarm.sync == "grads":

@@ -389,6 +389,11 @@ class Group:
             del self._admits_due[r]
         return sorted(self._admits_due.pop(rnd, ()))
 
+    def admits_due_by(self, rnd: int) -> bool:
+        """Whether joiners take the group's state at the end of round ``rnd`` (or of one before it
+        not yet handed out): that round ends with every member at the same point."""
+        return any(r <= rnd for r in self._admits_due)
+
     def ready(self, rnd: int, joiners, name: str) -> list[Send]:
         """READY for ``joiners``, from every member: the sponsor can change between an admission and
         its round, the admitting member can leave or lie about the round, and a joiner takes the

@@ -81,6 +81,7 @@ class SwarmConfig:
     outer: str = "sgd"  # params only: sgd | nesterov
     outer_lr: float = 1.0  # with sgd and momentum 0: the plain average of the workers' parameters
     outer_momentum: float = 0.0
+    overlap: bool = False  # params only: a round is on the wire during the next round's local steps (see _round)
     min_coverage: float = 1.0
     max_norm: float = 1e4  # bound on an incoming part's L2 norm
     round_timeout_s: float = 120.0
@@ -107,6 +108,8 @@ class SwarmConfig:
                              f"{EVAL_POINTS} points over the run)")
         if self.sync == "grads" and self.every not in (0, 1):
             raise ValueError("sync=grads averages every step: every must be 1")
+        if self.overlap and self.sync != "params":
+            raise ValueError("overlap needs sync=params: a gradient is needed before the step it makes")
         if self.codec not in UPDATE_CODECS:
             raise ValueError(f"averaging codec {self.codec!r}: expected one of {UPDATE_CODECS}")
         if not 0 < self.density <= 1:
@@ -124,6 +127,16 @@ class SwarmConfig:
 
     def outer_optimizer(self) -> OuterOptimizer:
         return OuterOptimizer(self.outer_lr, self.outer_momentum, self.outer == "nesterov")
+
+
+@dataclass
+class _Pending:
+    """overlap: a round on the wire (its phase's update, sent) and what settling it needs."""
+    rnd: int
+    members: list
+    loss: float
+    t0: float
+    task: asyncio.Future
 
 
 class SwarmError(Exception):
@@ -204,6 +217,11 @@ class SwarmTrainer:
                                  floats=floats)
         self.averager.on_control = self._control
         self._avg_out: torch.Tensor | None = None  # the rounds' result buffer (consumed before the next round)
+        # overlap: the point every member of the group agrees on (the outer steps of the rounds
+        # settled so far), and the round on the wire (_Pending), settled at the end of the next phase
+        self._g: torch.Tensor | None = None
+        self._pending: _Pending | None = None
+        self._members_before: list | None = None  # the last round's members
         self.server = CheckpointServer(peer, self.dir / "serve")
         self.fetcher = CheckpointFetcher(peer)
         self.stats = _Stats()
@@ -266,6 +284,7 @@ class SwarmTrainer:
         self.trainer = tr
         self.block = b
         self.outer = self.scfg.outer_optimizer()
+        self._drop_pending()
         self.memory["grad_optimizer_bytes"] = max(self.memory["grad_optimizer_bytes"], _grad_opt_bytes(tr))
 
     async def _finish_block(self):
@@ -326,6 +345,7 @@ class SwarmTrainer:
             self.trainer = None
             self._new_trainer(c.block)
         self.trainer.restore(c)
+        self._drop_pending()
         buf = c.optim.get(OUTER_MOMENTUM)
         self.outer._buf = buf.clone() if buf is not None else None
         self.gstep = gstep
@@ -637,6 +657,8 @@ class SwarmTrainer:
     # --- the rounds ----------------------------------------------------------------------------------
     async def _round(self) -> None:
         """One round of the block in work: local step(s), averaging with the group, the update."""
+        if self.scfg.overlap:
+            return await self._overlapped_round()
         rnd = self.rnd = self.rnd + 1
         start = flatten(self.params())
         members = self.group.begin_round(rnd, digest(start), self.block)
@@ -675,6 +697,76 @@ class SwarmTrainer:
         if self.on_step is not None:
             self.on_step(self.gstep, self.total_steps, loss, len(members))
         await self._after_round(rnd, rep, loss, members, time.perf_counter() - t0)
+
+    async def _overlapped_round(self) -> None:
+        """sync=params with overlap: the round of phase r (its H local steps) is on the wire while
+        phase r+1 computes. With g the point the group agrees on (every settled round's outer step
+        applied) and d_r = (phase r's start - its end), phase r+1 starts from g - outer_lr * d_r: our
+        own phase stands in for the group's average until that arrives (an eager update). At the
+        end of phase r+1, round r is settled (g takes its outer step) and round r+1 sent.
+
+        A round is waited for at once (no overlap) where every member must end it at the same
+        point: the last round of a block (relay's handoff, the final checkpoint) and a round at
+        whose end joiners take the group's state; then every member's parameters are g, byte for
+        byte. So is a group's first round and the first after a change of members: a member
+        starting together with us counts as in step only while we have not gone past its first
+        round (group.py rule 3). A failed round changes nothing of g (its phase is lost; steps still count, so the
+        members keep one schedule)."""
+        rnd = self.rnd = self.rnd + 1
+        if self._g is None:
+            self._g = flatten(self.params()).clone()
+        members = self.group.begin_round(rnd, digest(self._g), self.block)
+        members = [m for m in members if m == self.peer.id or self.peer.member(m) is not None]
+        wait = ((self.gstep + self.H) % self.S == 0 or self.group.admits_due_by(rnd)
+                or members != self._members_before)
+        self._members_before = members
+        t0 = time.perf_counter()
+        phase_start = flatten(self.params())
+        for _ in range(self.H):
+            loss = await self._timed(self.trainer.train_step)
+        self.last_loss = loss
+        vec = phase_start - flatten(self.params())
+        del phase_start
+        if self._pending is not None:  # it had this phase's compute to arrive
+            await self._settle(self._pending)
+        self._pending = _Pending(rnd, members, loss, t0, asyncio.ensure_future(
+            self._average_or_alone(rnd, vec, members, digest(self._g))))
+        self.gstep += self.H
+        if wait:
+            await self._settle(self._pending, install=True)
+        else:
+            unflatten_(self.params(), self._g - self.outer.lr * vec)
+        if self.on_step is not None:
+            self.on_step(self.gstep, self.total_steps, loss, len(members))
+
+    async def _average_or_alone(self, rnd: int, vec: torch.Tensor, members: list, start: str):
+        if len(members) <= 1:
+            return vec, None
+        return await self.averager.average(rnd, vec, members, start=start)
+
+    async def _settle(self, p: "_Pending", install: bool = False) -> None:
+        """Round ``p`` is done (or failed): g takes its outer step (``install``: and becomes our
+        parameters, before joiners take them); its report and joiners follow."""
+        self._pending = None
+        try:
+            avg, rep = await p.task
+        except RoundFailed as e:
+            log.warning("%s; the round's phase is lost (the group's point stays)", e)
+            self.stats.failed.append({"round": p.rnd, "step": self.gstep, "reason": str(e), "silent": sorted(e.silent)})
+            for pid in e.silent:
+                self.group.depart(pid, f"silent in round {p.rnd}")
+            avg = rep = None
+        if avg is not None:
+            self._g = self.outer.step(self._g, avg)
+        if install:
+            unflatten_(self.params(), self._g)
+        await self._after_round(p.rnd, rep, p.loss, p.members, time.perf_counter() - p.t0, failed=avg is None)
+
+    def _drop_pending(self) -> None:
+        """A new start (another block, a rejoin, a restored state): the round on the wire is not ours."""
+        if self._pending is not None:
+            self._pending.task.cancel()
+        self._pending, self._g, self._members_before = None, None, None
 
     async def _timed(self, fn, *args):
         t = time.perf_counter()
@@ -782,6 +874,7 @@ class SwarmTrainer:
         while self.gstep < self.total_steps:
             if self._rejoin:
                 self._rejoin = False
+                self._drop_pending()  # we take the group's state
                 await self.join()
                 self.state = "training"
             b = self.block_at(self.gstep)

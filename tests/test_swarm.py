@@ -111,6 +111,86 @@ async def test_gradient_rounds_take_the_step_of_one_worker_on_the_groups_batches
             await p.stop()
 
 
+def _two_workers_in_process(sps, tc, H, overlap: bool):
+    """Two workers' parameter rounds (outer SGD, rate 1) computed in process on the batches the
+    swarm's two trainers saw: synchronous, or overlapped (each average applied one phase late,
+    the next phase from the group's point minus the worker's own phase; the first and the last
+    waited for)."""
+    from blocktrain.p2p.averaging import unflatten_
+    ref = [BlockTrainer(MC, tc, 0, DATA) for _ in sps]
+    for r, sp in zip(ref, sps):
+        r.batches = sp.trainer.batches  # a pure function of the step
+    g, pending = flatten(list(ref[0].block.parameters())).clone(), None
+    for rnd in range(tc.steps // H):
+        starts = [flatten(list(r.block.parameters())) for r in ref]
+        for r in ref:
+            for _ in range(H):
+                r.train_step()
+        d = [s0 - flatten(list(r.block.parameters())) for s0, r in zip(starts, ref)]
+        if not overlap or rnd == 0:  # a group's first round is waited for (rule 3: its members stay in step)
+            g = g - (d[0] + d[1]) / 2
+            for r in ref:
+                unflatten_(list(r.block.parameters()), g)
+            continue
+        if pending is not None:
+            g = g - pending
+        pending = (d[0] + d[1]) / 2
+        last = rnd == tc.steps // H - 1
+        for r, di in zip(ref, d):
+            unflatten_(list(r.block.parameters()), g - pending if last else g - di)
+    return flatten(list(ref[0].block.parameters()))
+
+
+async def test_overlapped_rounds_apply_each_average_one_phase_late_and_end_identical(tmp_path):
+    """Issue 28: with overlap, round r is on the wire while phase r+1 computes; phase r+1 starts
+    from the group's point minus our own phase r (an eager update), round r's average is applied
+    to the group's point at the end of phase r+1, and the last round is waited for, so both
+    members end byte-identical, equal to an in-process computation of the same rule."""
+    from blocktrain.p2p.averaging import unflatten_
+    peers = await mesh(2, FAST, blocks=[(0,), (0,)])
+    tc = TrainConfig(**{**TC.to_dict(), "steps": 8})
+    H = 2
+    try:
+        sc = SwarmConfig(**{**SC.__dict__, "min_group": 2, "schedule": "parallel", "sync": "params", "every": H,
+                            "overlap": True, "aggregate": "mean"})
+        sps = trainers(peers, tmp_path, sc, tc, blocks=[0, 0])
+        reps = await asyncio.gather(*(sp.run() for sp in sps))
+        assert all(r["rounds_applied"] == tc.steps // H and not r["failed_rounds"] for r in reps), \
+            json.dumps([(r["rounds_applied"], r["failed_rounds"], r["joins"]) for r in reps])
+        got = [flatten(list(sp.trainer.block.parameters())) for sp in sps]
+        assert torch.equal(got[0], got[1])
+        assert torch.allclose(got[0], _two_workers_in_process(sps, tc, H, overlap=True), atol=1e-5)
+        # not the synchronous rule (each average applied at once): that ends elsewhere
+        assert not torch.allclose(got[0], _two_workers_in_process(sps, tc, H, overlap=False), atol=1e-4)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_a_joiner_under_overlapped_rounds_takes_the_groups_point_and_ends_identical(tmp_path):
+    """A round at whose end joiners take the group's state is waited for (every member at the
+    group's point), so the joiner and the members end byte-identical."""
+    peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
+    tc = TrainConfig(**{**TC.to_dict(), "steps": 30})
+    sc = SwarmConfig(**{**SC.__dict__, "min_group": 2, "sync": "params", "every": 2, "overlap": True})
+    try:
+        sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, sc, tc)]
+        first = [asyncio.ensure_future(sp.run()) for sp in sps[:2]]
+        deadline = time.monotonic() + 60
+        while sps[0].stats.applied < 4:  # the group is under way without the third
+            assert time.monotonic() < deadline and not any(t.done() for t in first)
+            await asyncio.sleep(0.05)
+        joiner = await asyncio.wait_for(sps[2].run(), 120)
+        reps = await asyncio.gather(*first)
+        assert joiner["joins"][-1]["how"] == "fetched the group's state"
+        a, b, c = (finals(sp) for sp in sps)
+        assert torch.equal(a, b) and torch.equal(a, c)
+        assert not any(r["failed_rounds"] for r in reps + [joiner])
+    finally:
+        for p in peers:
+            await p.stop()
+
+
 async def test_a_joiner_takes_the_groups_state_and_trains_in_step(tmp_path):
     peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
     tc = TrainConfig(**{**TC.to_dict(), "steps": 30})

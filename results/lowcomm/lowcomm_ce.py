@@ -5,11 +5,13 @@ what travels), its messages handed from one member to another in this process in
 sockets. Every variant starts from the same weights and sees the same batches.
 
 usage: python results/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
-           [--codec raw|topk] [--density D] [--outer-lr A] [--outer-momentum M] [--seed N]
+           [--codec raw|topk] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
-each chunk with error feedback: SparseLoCo-like), alone (one worker, no rounds).
+each chunk with error feedback: SparseLoCo-like; --overlap: each round is applied one phase late,
+the next phase starting from the last averaged point minus the worker's own phase, so a round's
+time on the wire hides behind the next phase's compute), alone (one worker, no rounds).
 Prints one JSON line: the settings, test and valid CE of block 0's head (the whole validation
 split in 128-byte windows, 2,000 test windows), bytes each worker sent in parts, seconds.
 """
@@ -61,6 +63,7 @@ def main():
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--outer-momentum", type=float, default=0.0)
+    ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -79,6 +82,7 @@ def main():
     t0 = time.perf_counter()
     rnd = 0
     start = flatten(list(trs[0].block.parameters())).clone()
+    phase_start, pending = [start] * W, None  # --overlap: each worker's phase start; the round in flight
     for s in range(a.steps):
         if a.mode == "grads":
             for t in trs:
@@ -90,7 +94,23 @@ def main():
         else:
             for t in trs:
                 t.train_step()
-            if a.mode == "params" and ((s + 1) % a.every == 0 or s + 1 == a.steps):
+            if a.mode == "params" and a.overlap and ((s + 1) % a.every == 0 or s + 1 == a.steps):
+                # the round of this phase is on the wire during the next phase: apply the previous
+                # round's average to the global point g, start the next phase from g minus our own
+                # (not yet averaged) phase (an eager update); the last phase waits for both
+                rnd += 1
+                deltas = [ps - flatten(list(t.block.parameters())) for ps, t in zip(phase_start, trs)]
+                if pending is not None:
+                    start = outer.step(start, pending)
+                pending, residuals, got = average(ids, deltas, rnd, a.codec, a.density, residuals)
+                if s + 1 == a.steps:
+                    start, pending = outer.step(start, pending), None
+                    phase_start = [start] * W
+                else:
+                    phase_start = [start - a.outer_lr * d for d in deltas]
+                for t, ps in zip(trs, phase_start):
+                    set_params(t.block, ps)
+            elif a.mode == "params" and ((s + 1) % a.every == 0 or s + 1 == a.steps):
                 rnd += 1
                 deltas = [start - flatten(list(t.block.parameters())) for t in trs]
                 avg, residuals, got = average(ids, deltas, rnd, a.codec, a.density, residuals)
