@@ -1,0 +1,52 @@
+"""Test CE of block 0's head against the bytes each worker sent, for every mode in
+results/lowcomm/*.jsonl (one point per run; runs on uncommitted code are left out).
+
+usage: python results/lowcomm/plot.py [--out results/lowcomm/ce_vs_gb.png]
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def label(r: dict) -> str:
+    if r["mode"] == "grads":
+        return "gradients every step" + (f", topk {r['density']:g}" if r["codec"] == "topk" else "")
+    if r["mode"] == "alone":
+        return "one worker alone"
+    s = f"params every {r['every']}" + (f", topk {r['density']:g}" if r["codec"] == "topk" else "")
+    if r.get("outer_lr", 1.0) != 1.0:
+        s += f", outer lr {r['outer_lr']:g}"
+    return s + (", overlapped" if r.get("overlap") else "")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(HERE / "ce_vs_gb.png"))
+    a = ap.parse_args()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(line) for f in sorted(HERE.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
+    runs = [r for r in runs if not r["code_version"].get("dirty")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, steps in zip(axes, (300, 1000)):
+        sel = [r for r in runs if r["steps"] == steps]
+        for r in sel:
+            gb = max(r["bytes_sent_per_worker"], 1e5) / 1e9  # one worker alone sends nothing: drawn at 100 kB
+            ax.scatter(gb, r["test_ce"])
+            ax.annotate(label(r), (gb, r["test_ce"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("GB sent per worker (log)")
+        ax.set_ylabel("test CE of block 0's head (nats/byte)")
+        ax.set_title(f"3 workers, d 128, {steps} steps (block 0)")
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=110)
+    print(f"wrote {a.out} ({len(runs)} runs)")
+
+
+if __name__ == "__main__":
+    main()
