@@ -103,7 +103,7 @@ def main():
                 if pending is not None:
                     start = outer.step(start, pending)
                 pending, residuals, got = average(ids, deltas, rnd, a.codec, a.density, residuals)
-                if s + 1 == a.steps:
+                if s + 1 == a.steps or rnd == 1:  # the swarm waits for a group's first round and its last
                     start, pending = outer.step(start, pending), None
                     phase_start = [start] * W
                 else:
