@@ -82,6 +82,9 @@ CLIP_ITERS = 3
 # Rounds in a row as a suspect before a member is excluded: an honest member's batch can make it
 # an outlier once or twice (a block's first steps), an attacker's update is one every round.
 SUSPECT_ROUNDS = 5
+# An update whose cosine with the coordinate-wise median (over the whole vector) is below minus
+# this is a suspect too (a sign flipped on the wire); an honest one agrees with the median.
+OPPOSED_COS = 0.05
 AGGREGATES = ("robust", "mean")
 # Rounds ahead of the one in progress whose parts are held; anything later is dropped. A member
 # can be one round ahead of us (it finished the round we are finishing), never more.
@@ -117,6 +120,7 @@ class RoundReport:
     why: dict = field(default_factory=dict)  # departed or rejected member -> why
     robust: bool = False  # aggregated by rule 6 (no average taken on trust)
     suspects: dict = field(default_factory=dict)  # robust: member -> its distance, in median distances
+    opposed: dict = field(default_factory=dict)  # robust: member -> its cosine with the median, when < -OPPOSED_COS
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,7 @@ class AveragingRound:
         lossy = self.sparse or self.codec.lossy
         self.robust = aggregate == "robust" and len(self.ids) >= 3
         self.suspects: dict[str, float] = {}  # robust: member -> its largest distance, in median distances
+        self._agree: dict = {}  # robust: member -> [x . median, |x|^2] over the pieces; None -> |median|^2
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
         R, n = len(self.ids), vector.numel()
         self.n = n
@@ -446,7 +451,7 @@ class AveragingRound:
                                     f"round's parts ({med:.3g})")
             ids = [p for p in ids if p in self.live()]
         avg = self.out[a:b]
-        avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids) if len(ids) >= 3
+        avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree) if len(ids) >= 3
                   else torch.stack([got[p] for p in ids]).mean(0))
         self.gathered[j] = ids
 
@@ -466,11 +471,29 @@ class AveragingRound:
         rep = RoundReport(self.round, self.ids, covered / self.n if self.n else 1.0, parts, list(self.rejected),
                           departed=sorted(self.departed),
                           why={**self.departed, **{r["peer"]: r["reason"] for r in self.rejected}},
-                          robust=self.robust, suspects=dict(self.suspects))
+                          robust=self.robust, suspects=dict(self.suspects), opposed=self.opposed())
         if rep.coverage < self.min_coverage:
             raise RoundFailed(self.block, self.round, rep.coverage, sum(not p["ok"] for p in parts), self.P,
                               self.min_coverage, frozenset(self.silent()))
         return self.out, rep
+
+    def opposed(self) -> dict:
+        """Robust: members whose update points against the coordinate-wise median over the whole
+        vector (cosine below -OPPOSED_COS), as member -> cosine. A sign flipped on the wire sits
+        no farther from the median than an honest member's noise, so distance alone never names
+        it; an honest update agrees with the median (its own share of it, and the signal)."""
+        mm = self._agree.get(None, 0.0)
+        out = {}
+        for p, acc in self._agree.items():
+            if p is None or p == self.me or p not in self.live():
+                continue
+            dot, xx = acc
+            if not (xx > 0 and mm > 0):
+                continue
+            cos = dot / math.sqrt(xx * mm)
+            if cos < -OPPOSED_COS:
+                out[p] = round(cos, 3)
+        return out
 
     def silent(self) -> set:
         """Live members whose part of a piece we own never came (direct evidence only: an owner
@@ -707,14 +730,17 @@ class Averager:
         """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row is excluded (named)."""
         if not r.robust:
             return
+        opposed = r.opposed()
         for pid in r.live():
             if pid == self.peer.id:
                 continue
-            if pid in r.suspects:
+            if pid in r.suspects or pid in opposed:
                 self._suspect_streak[pid] = self._suspect_streak.get(pid, 0) + 1
                 if self._suspect_streak[pid] >= SUSPECT_ROUNDS:
-                    self._reject(pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row "
-                                      f"({r.suspects[pid]:.1f} median distances from the others' in round {rnd})", rnd)
+                    why = (f"{r.suspects[pid]:.1f} median distances from the others'" if pid in r.suspects else
+                           f"pointing against the others' median, cosine {opposed[pid]:.2f}")
+                    self._reject(pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row ({why} in round "
+                                      f"{rnd})", rnd)
             else:
                 self._suspect_streak.pop(pid, None)
 
@@ -766,13 +792,21 @@ class Averager:
             self._feed(pid, "excluded us")
 
 
-def centred_clip(x: torch.Tensor, suspects: dict, ids: list) -> torch.Tensor:
+def centred_clip(x: torch.Tensor, suspects: dict, ids: list, agree: dict | None = None) -> torch.Tensor:
     """Centred clipping of the rows of ``x`` (R x n): start at the coordinate-wise median, clip each
     row's offset to CLIP_RADIUS median distances, move to the mean of the clipped offsets; rows
     beyond SUSPECT_RADIUS median distances are recorded in ``suspects`` (id -> distance ratio).
-    The arithmetic is that of PROTOCOL.md 7.1, op for op (members must end with the same bytes),
-    in one scratch matrix instead of fresh ones."""
+    ``agree`` (id -> [row . median, |row|^2], None -> |median|^2) accumulates over the pieces of a
+    round, for AveragingRound.opposed. The arithmetic is that of PROTOCOL.md 7.1, op for op
+    (members must end with the same bytes), in one scratch matrix instead of fresh ones."""
     v = coordinate_median(x)
+    if agree is not None:
+        dots, sq = (x @ v).tolist(), (x * x).sum(1).tolist()
+        for i, p in enumerate(ids):
+            acc = agree.setdefault(p, [0.0, 0.0])
+            acc[0] += dots[i]
+            acc[1] += sq[i]
+        agree[None] = agree.get(None, 0.0) + float(v @ v)
     d = torch.sub(x, v)
     dist = torch.linalg.vector_norm(d, dim=1)
     scale = float(dist.median())

@@ -669,3 +669,30 @@ def test_a_member_flooding_ready_cannot_push_out_another_members(tmp_path):
         ready("f" * 64, at)
     assert sp._ready[(7, "b" * 64)] == "block0.r7"
     assert sorted(sp._ready) == [(7, "b" * 64), (198, "f" * 64), (199, "f" * 64)]
+
+
+async def test_a_member_whose_updates_point_against_the_median_is_excluded_after_its_streak():
+    """Issue 29, finding 11, the driver: a member reported opposed SUSPECT_ROUNDS rounds in a row is
+    excluded and named with the reason (before, only distance counted and it was never named)."""
+    import blocktrain.p2p.averaging as avm
+    psk = os.urandom(32)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    av = avm.Averager(a, 0)
+    try:
+        ids = [a.id, "b" * 64, "c" * 64, "d" * 64]
+        torch.manual_seed(4)
+        for rnd in range(1, avm.SUSPECT_ROUNDS + 1):
+            g = torch.randn(5000)
+            xs = [g + 0.5 * torch.randn(5000) for _ in range(3)] + [-(g + 0.5 * torch.randn(5000))]
+            rs = {p: avm.AveragingRound(p, 0, rnd, ids, x, aggregate="robust") for p, x in zip(ids, xs)}
+            queue = [(p, part) for p, r in rs.items() for part in r.start()]
+            while queue:
+                src, part = queue.pop(0)
+                queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+            assert "d" * 64 in rs[a.id].opposed() and not rs[a.id].suspects  # no distance outlier
+            av._suspicions(rs[a.id], rnd)
+            assert ("d" * 64 in av.banned) == (rnd == avm.SUSPECT_ROUNDS)
+        assert "pointing against the others' median" in av.banned["d" * 64]
+        assert not {"b" * 64, "c" * 64} & set(av.banned)
+    finally:
+        await a.stop()

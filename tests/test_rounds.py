@@ -290,3 +290,25 @@ def test_the_fast_median_and_clipping_give_the_bytes_of_the_protocols_arithmetic
         before = x.clone()
         assert torch.equal(av.centred_clip(x, s_fast, ids), _centred_clip_as_written(x, s_plain, ids))
         assert s_fast == s_plain and torch.equal(x, before)  # the parts are not written to
+
+
+@pytest.mark.parametrize("signal", [1.5, 2.0])
+def test_a_sign_flipped_on_the_wire_is_named_though_its_distance_is_an_honest_ones(signal):
+    """Issue 29, finding 11: a member that flips the sign of what it sends (and averages honestly
+    itself) sits as far from the median as honest noise, so the distance rule never named it.
+    Its update points against the median: the round reports it as opposed; honest ones never are
+    (each is part of the median). The limit: it is seen once the members' common direction is
+    about as large as their noise (here its per-coordinate spread is 0.75 and 1 of the noise's;
+    at 0.5 the flipped update still has a cosine of +0.28 with the median and is not named)."""
+    torch.manual_seed(3)
+    n = 20_000
+    g = signal * torch.randn(n) / 2  # the members' common direction, against unit noise per coordinate
+    honest = [g + torch.randn(n) for _ in IDS4[:3]]
+    flipped = -(g + torch.randn(n))
+    rs = run(rounds(honest + [flipped], IDS4, aggregate="robust"))
+    for p in IDS4[:3]:
+        rep = rs[p].result()[1]
+        assert "d" in rep.opposed and rep.opposed["d"] < -av.OPPOSED_COS
+        assert set(rep.opposed) == {"d"}
+    noise = run(rounds([torch.randn(n) for _ in IDS4], IDS4, aggregate="robust"))  # no common direction at all
+    assert all(not r.result()[1].opposed for r in noise.values())
