@@ -82,6 +82,24 @@ CLIP_ITERS = 3
 # Rounds in a row as a suspect before a member is excluded: an honest member's batch can make it
 # an outlier once or twice (a block's first steps), an attacker's update is one every round.
 SUSPECT_ROUNDS = 5
+# Members named (excluded, excluding us) and events kept: identities are free, so what is kept of
+# them is bounded in total; past it the oldest goes (an old identity excluded long ago may come back
+# and be judged again, as any new one).
+MAX_NAMED = 1024
+
+
+def remember(names: dict, key, value, bound: int = MAX_NAMED) -> None:
+    """``names[key] = value``, the oldest entries dropped past ``bound``."""
+    names[key] = value
+    while len(names) > bound:
+        del names[next(iter(names))]
+
+
+def log_event(events: list, event: dict, bound: int = MAX_NAMED) -> None:
+    """Append ``event``; past ``bound``, the oldest go."""
+    events.append(event)
+    if len(events) > bound:
+        del events[:len(events) - bound]
 # An update whose cosine with the coordinate-wise median (over the whole vector) is below minus
 # this is a suspect too (a sign flipped on the wire); an honest one agrees with the median.
 OPPOSED_COS = 0.05
@@ -746,7 +764,7 @@ class Averager:
 
     def _mismatch(self, pid: str, rnd: int):
         if not any(e.get("peer") == pid and e["event"] == "group mismatch" for e in self.events):
-            self.events.append({"event": "group mismatch", "peer": pid, "round": rnd, "time": time.time()})
+            log_event(self.events, {"event": "group mismatch", "peer": pid, "round": rnd, "time": time.time()})
             log.info("round %d: %s sees another group; its parts are not mixed in", rnd, pid[:12])
         self._tell_absent(pid, rnd)
 
@@ -775,8 +793,8 @@ class Averager:
         """Exclude ``pid`` from our rounds from now on, tell it, and report why."""
         if pid in self.banned:
             return
-        self.banned[pid] = why
-        self.events.append({"event": "rejected update", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
+        remember(self.banned, pid, why)
+        log_event(self.events, {"event": "rejected update", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
         log.warning("block %d round %d: rejected update from %s: %s; excluded from later rounds",
                     self.block, rnd, pid[:12], why)
         self._tell(pid, BlockUpdate(block=self.block, round=rnd, meta={"phase": Phase.EXCLUDED.value, "reason": why}))
@@ -785,8 +803,8 @@ class Averager:
         """``pid`` rejected our update and will ignore us: stop waiting for it, now and later."""
         if pid in self.shunned:
             return
-        self.shunned[pid] = why
-        self.events.append({"event": "excluded by", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
+        remember(self.shunned, pid, why)
+        log_event(self.events, {"event": "excluded by", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
         log.warning("block %d: %s rejected our update in round %d (%s) and excludes us", self.block, pid[:12], rnd, why)
         if self._round is not None:
             self._feed(pid, "excluded us")

@@ -80,12 +80,15 @@ class CheckpointServer:
         self._hashes: dict[tuple, bytes] = {}  # (inode, size, mtime_ns) -> sha256
         self._hashes_lock = threading.Lock()
         self._active: dict[str, int] = {}  # asker -> streams running
-        self._reset: set[tuple] = set()  # (asker, stream id) the asker reset: stop sending
+        self._serving: set[tuple] = set()  # (asker, stream id) of the streams we send now (MAX_STREAMS at most)
+        self._reset: set[tuple] = set()  # of them, those the asker reset: stop sending
         peer.on(StreamRequest, self.handle)
         peer.on(StreamReset, self._on_reset, inline=True)
 
     def _on_reset(self, msg: StreamReset, pc, pid):
-        if len(self._reset) < 4 * MAX_STREAMS_PER_PEER * 64:
+        """A reset of a stream we send stops it; any other (a stray, or a flood of them) is ignored,
+        so what is kept is bounded by the streams we send."""
+        if (pid, msg.stream_id) in self._serving:
             self._reset.add((pid, msg.stream_id))
 
     def path(self, kind: str, name: str) -> Path | None:
@@ -141,9 +144,11 @@ class CheckpointServer:
             return
         self._active[pid] = self._active.get(pid, 0) + 1
         self._reset.discard((pid, req.stream_id))
+        self._serving.add((pid, req.stream_id))
         try:
             await self._serve(req, pc, pid)
         finally:
+            self._serving.discard((pid, req.stream_id))
             self._reset.discard((pid, req.stream_id))
             self._active[pid] -= 1
             if not self._active[pid]:
@@ -208,15 +213,18 @@ class CheckpointFetcher:
         self.peer = peer
         self.chunk_timeout_s = chunk_timeout_s
         self._ids = itertools.count(1 << 20)
-        self._inbox: dict[int, asyncio.Queue] = {}
+        self._inbox: dict[int, tuple] = {}  # stream id -> (the connection asked, its queue)
         self.received_by_kind: dict[str, int] = {}
         for t in (StreamOpen, StreamChunk, StreamEnd, StreamReset):
             peer.on(t, self._route, inline=True)
 
     def _route(self, msg, pc, pid):
-        q = self._inbox.get(msg.stream_id)
-        if q is not None:
-            q.put_nowait(msg)
+        """A stream message reaches the fetch that asked for it only from the connection the
+        request went on: stream ids are predictable, and another key holder must not end or
+        feed someone else's fetch."""
+        entry = self._inbox.get(msg.stream_id)
+        if entry is not None and entry[0] is pc:
+            entry[1].put_nowait(msg)
 
     async def _next(self, q: asyncio.Queue, pc):
         """The next message of a stream; ConnectionError as soon as its connection closes (a holder
@@ -240,9 +248,9 @@ class CheckpointFetcher:
         PROBE_TAIL bytes before the end of our copy (``size``)."""
         sid = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
-        self._inbox[sid] = q
         try:
             pc = await self.peer.connection(holder)
+            self._inbox[sid] = (pc, q)
             pc.send_nowait(StreamRequest(kind=kind, name=name, offset=max(0, size - PROBE_TAIL), stream_id=sid))
             opened = None
             while True:  # the answer: OPEN, (chunks), END
@@ -255,7 +263,7 @@ class CheckpointFetcher:
             log.info("probe %s/%s at %s failed: %s", kind, name, holder, e)
             return None
         finally:
-            del self._inbox[sid]
+            self._inbox.pop(sid, None)
 
     async def fetch(self, holders: list[str], kind: str, name: str, source: list | None = None) -> bytes:
         """The payload (kind, name) from the first of ``holders`` able to finish it, sha256-verified.
@@ -290,9 +298,9 @@ class CheckpointFetcher:
     async def _fetch_one(self, holder: str, kind: str, name: str, rx: StreamReceiver) -> bytes:
         sid = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
-        self._inbox[sid] = q
         try:
             pc = await self.peer.connection(holder)
+            self._inbox[sid] = (pc, q)
             pc.send_nowait(StreamRequest(kind=kind, name=name, offset=rx.resume_offset, stream_id=sid))
             while True:
                 m = await self._next(q, pc)
@@ -316,7 +324,7 @@ class CheckpointFetcher:
                             pass
                     raise
         finally:
-            del self._inbox[sid]
+            self._inbox.pop(sid, None)
 
 
 def _renamed(m: StreamOpen, rx: StreamReceiver) -> StreamOpen:

@@ -83,6 +83,7 @@ MAX_FORWARDS = 4 * MAX_PENDING
 MAX_EARLY = 1024  # admissions (peer, sender) a joiner keeps before it is in (MAX_PENDING per sender);
 #                   peers whose LEAVE round is kept (the first recorded dropped first)
 EARLY_PER_KEY = 4  # first rounds kept per (peer, sender) (an admission and re-admissions after a LEAVE)
+MAX_EVENTS = 1024  # admissions, departures and yields kept for the report (the oldest go first)
 
 # What a peer answers to a JOIN in each state (rule 1). TRAINING: the sponsor welcomes, the other
 # members redirect to it; STARTING: "starting", with the step and digest it starts from (rule 3).
@@ -374,7 +375,7 @@ class Group:
         self._forget_due(peer)
         self.joined[peer] = at + 1
         self._admits_due.setdefault(at, set()).add(peer)
-        self.events.append({"event": "admitted", "peer": peer, "from_round": at + 1})
+        self._event({"event": "admitted", "peer": peer, "from_round": at + 1})
         return True
 
     def _forget_due(self, peer: str) -> None:
@@ -388,6 +389,12 @@ class Group:
         for r in [r for r in self._admits_due if r < rnd]:
             del self._admits_due[r]
         return sorted(self._admits_due.pop(rnd, ()))
+
+    def _event(self, e: dict) -> None:
+        """For the report; bounded in total (identities are free): the oldest go first."""
+        self.events.append(e)
+        if len(self.events) > MAX_EVENTS:
+            del self.events[:len(self.events) - MAX_EVENTS]
 
     def admits_due_by(self, rnd: int) -> bool:
         """Whether joiners take the group's state at the end of round ``rnd`` (or of one before it
@@ -405,7 +412,7 @@ class Group:
         was = self.joined.pop(peer, None) is not None
         self._forget_due(peer)
         if was:
-            self.events.append({"event": "departed", "peer": peer, "round": self.round, "why": why})
+            self._event({"event": "departed", "peer": peer, "round": self.round, "why": why})
         return was
 
     def on_leave(self, peer: str, rnd: int, why: str) -> bool:
@@ -473,7 +480,7 @@ class Group:
 
     def leave(self, why: str) -> list[Send]:
         out = [Send(m, self.round, {"phase": Phase.LEAVE.value, "why": why}) for m in self.joined]
-        self.events.append({"event": "left group", "round": self.round, "why": why})
+        self._event({"event": "left group", "round": self.round, "why": why})
         self.joined.clear()
         self._admits_due = {}  # the joiners of a group we left are not ours to tell READY
         self._gone = {}  # nor its LEAVE rounds ours to apply (rounds are a group's)

@@ -46,7 +46,7 @@ from blocktrain.blocks.lower import LowerInputs
 from blocktrain.protocol import BlockUpdate, ProtocolError
 from blocktrain.protocol.events import is_peer_id
 
-from .averaging import UPDATE_CODECS, Averager, OuterOptimizer, RoundFailed, flatten, unflatten_
+from .averaging import UPDATE_CODECS, Averager, OuterOptimizer, RoundFailed, flatten, remember, unflatten_
 from .checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, CheckpointServer, FetchError, holders
 from .group import Decision, Group, Phase, Send, State
 from .services import PeerServices, PeerUnreachable
@@ -635,7 +635,7 @@ class SwarmTrainer:
             except (FetchError, ckpt.CheckpointError, ValueError) as e:
                 log.info("block %d: lower block %d from %s: %s", self.k, j, addr, e)
                 if not isinstance(e, FetchError):  # bad bytes, not a bad link: not asked again
-                    self.bad_lower[addr] = f"lower block {j}: {e}"
+                    remember(self.bad_lower, addr, f"lower block {j}: {e}")  # bounded: addresses are free
                 continue
             import hashlib
             self.lower_cache[j] = (c, len(blob), hashlib.sha256(blob).digest())

@@ -408,3 +408,44 @@ async def test_a_peer_list_of_thousands_dials_at_most_a_few_and_not_again_soon()
         assert not peer._dials  # failed a moment ago: cooling down
     finally:
         await peer.stop()
+
+
+async def test_what_is_kept_of_named_identities_and_stray_stream_messages_is_bounded(tmp_path):
+    """The spec-gap review (issue 29, finding 13): exclusions, 'excluded by' and averaging and
+    group events grew by one per identity; 1,024 bogus STREAM_RESETs filled the server's reset
+    set for good (real resets were ignored after); a fetch took stream messages for its id from
+    any connection (ids are predictable: another key holder could end or feed it)."""
+    from blocktrain.p2p.averaging import MAX_NAMED, Averager
+    from blocktrain.p2p.checkpoints import CheckpointFetcher, CheckpointServer
+    from blocktrain.p2p.group import MAX_EVENTS, Group
+    from blocktrain.p2p.node import Peer
+    from blocktrain.protocol import StreamEnd, StreamReset
+    psk = os.urandom(32)
+    a = Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0)
+    av = Averager(a, 0)
+    for i in range(MAX_NAMED + 500):
+        av.reject(f"{i:064x}", "test", 1)
+        av.excluded_by(f"{i:064x}", 1, "test")
+    assert len(av.banned) == len(av.shunned) == MAX_NAMED and len(av.events) <= MAX_NAMED
+    assert f"{MAX_NAMED + 499:064x}" in av.banned and f"{0:064x}" not in av.banned  # the oldest went
+    g = Group("me" * 32)
+    for i in range(MAX_EVENTS + 10):
+        g._event({"event": "departed", "peer": str(i)})
+    assert len(g.events) == MAX_EVENTS and g.events[-1]["peer"] == str(MAX_EVENTS + 9)
+
+    server = CheckpointServer(a, tmp_path / "serve")
+    for sid in range(2000):  # resets of streams it never sent
+        server._on_reset(StreamReset(stream_id=sid + 1, code=1, reason="x"), None, "e" * 64)
+    assert not server._reset
+    server._serving.add(("e" * 64, 7))
+    server._on_reset(StreamReset(stream_id=7, code=1, reason="x"), None, "e" * 64)
+    assert server._reset == {("e" * 64, 7)}  # a reset of a stream it sends still stops it
+
+    fetcher = CheckpointFetcher(a)
+    asked, other = object(), object()
+    q = asyncio.Queue()
+    fetcher._inbox[5] = (asked, q)
+    fetcher._route(StreamEnd(stream_id=5), other, "f" * 64)
+    assert q.empty()  # the same id from another connection reaches nothing
+    fetcher._route(StreamEnd(stream_id=5), asked, "a" * 64)
+    assert q.qsize() == 1
