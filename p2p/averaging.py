@@ -60,7 +60,7 @@ import torch
 
 from blocktrain.protocol import BlockUpdate, Codec, ProtocolError
 
-from .group import CONTROL_PHASES, Phase
+from .group import CONTROL_PHASES, Phase, log_event
 from .services import PeerServices, PeerUnreachable
 from .tensors import ENCODED_DTYPES, decode_topk, encode_into, encode_topk, from_wire, to_wire, topk_count
 
@@ -94,12 +94,6 @@ def remember(names: dict, key, value, bound: int = MAX_NAMED) -> None:
     while len(names) > bound:
         del names[next(iter(names))]
 
-
-def log_event(events: list, event: dict, bound: int = MAX_NAMED) -> None:
-    """Append ``event``; past ``bound``, the oldest go."""
-    events.append(event)
-    if len(events) > bound:
-        del events[:len(events) - bound]
 # An update whose cosine with the coordinate-wise median (over the whole vector) is below minus
 # this is a suspect too (a sign flipped on the wire); an honest one agrees with the median.
 OPPOSED_COS = 0.05
@@ -555,6 +549,7 @@ class Averager:
         self._early_from: dict[str, int] = {}  # member -> bytes of it held in _early
         self._stranger_bytes = 0  # of _early_bytes, from members that were not in our last round
         self._last_ids: frozenset = frozenset()  # the members of our last round
+        self.next_members: frozenset = frozenset()  # those the group expects in our next round
         self._early_dropped: set = set()  # rounds whose early parts overflowed (logged once each)
         self._absent_told: set = set()
         self.on_control = None  # fn(msg, pc, pid) for the group's control phases
@@ -588,7 +583,7 @@ class Averager:
                 return
             size = _held_bytes(msg)
             per_sender, strangers = self._early_caps()
-            known = pid in self._last_ids
+            known = self._known(pid)
             if self._early_from.get(pid, 0) + size <= per_sender and (known or self._stranger_bytes + size <= strangers):
                 self._early.setdefault(rnd, []).append((pid, msg))
                 self._early_bytes += size
@@ -603,11 +598,12 @@ class Averager:
             self._tell_absent(pid, rnd)  # a round we are not in at all
 
     def _early_caps(self) -> tuple[int, int]:
-        """(from one member, from all members that were not in our last round): bytes held of
+        """(from one member, from all members outside our last and next rounds): bytes held of
         parts for rounds not begun. An honest member sends us at most one vector's worth for the
-        next round (a robust round: its part of every piece). The last round's members get that
-        each; anyone else (a joiner, or identities made for the purpose: they are free) shares one
-        pool, so what is held is bounded by the group we had, not by how many identities exist."""
+        next round (a robust round: its part of every piece). The members of our last round and of
+        the next one the group expects get that each; anyone else (identities made for the
+        purpose: they are free) shares one pool, so what is held is bounded by the group, not by
+        how many identities exist."""
         vector = 4 * self._floats + (1 << 20)
         return max(vector, MAX_EARLY_BYTES // max(1, self._others)), max(MAX_EARLY_BYTES // 4, vector)
 
@@ -618,11 +614,21 @@ class Averager:
                 size = _held_bytes(m)  # re-encodes the metadata: once per message
                 self._early_bytes += size
                 self._early_from[pid] = self._early_from.get(pid, 0) + size
-                self._stranger_bytes += 0 if pid in self._last_ids else size
+                self._stranger_bytes += 0 if self._known(pid) else size
 
     def _membership(self, ev):
         if ev.departed and self._round is not None:
             self._feed(ev.peer_id, ev.change.value)
+
+    def _known(self, pid: str) -> bool:
+        """A member of our last round or of the next one the group expects (the driver's word):
+        its early parts are held up to a vector's worth each (a group's first round, a joiner's)."""
+        return pid in self._last_ids or pid in self.next_members
+
+    def expect_members(self, ids) -> None:
+        """The members the group expects in our next round (the swarm's group view)."""
+        self.next_members = frozenset(ids)
+        self._recount_early()
 
     def expect(self, rnd: int) -> None:
         """Our next round is ``rnd``: its parts (and the next one's) are held if they come early;

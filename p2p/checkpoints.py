@@ -142,6 +142,9 @@ class CheckpointServer:
         if sum(self._active.values()) >= MAX_STREAMS:
             await refuse(req, pc, f"busy: serving {MAX_STREAMS} streams already; ask another holder or later")
             return
+        if (pid, req.stream_id) in self._serving:
+            await refuse(req, pc, "stream id in use: one stream per id")
+            return
         self._active[pid] = self._active.get(pid, 0) + 1
         self._reset.discard((pid, req.stream_id))
         self._serving.add((pid, req.stream_id))

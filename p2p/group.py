@@ -85,6 +85,15 @@ MAX_EARLY = 1024  # admissions (peer, sender) a joiner keeps before it is in (MA
 EARLY_PER_KEY = 4  # first rounds kept per (peer, sender) (an admission and re-admissions after a LEAVE)
 MAX_EVENTS = 1024  # admissions, departures and yields kept for the report (the oldest go first)
 
+
+
+def log_event(events: list, event: dict, bound: int = MAX_EVENTS) -> None:
+    """Append ``event`` to a report's list; past ``bound``, the oldest go (identities are free)."""
+    events.append(event)
+    if len(events) > bound:
+        del events[:len(events) - bound]
+
+
 # What a peer answers to a JOIN in each state (rule 1). TRAINING: the sponsor welcomes, the other
 # members redirect to it; STARTING: "starting", with the step and digest it starts from (rule 3).
 REPLIES = {
@@ -392,9 +401,7 @@ class Group:
 
     def _event(self, e: dict) -> None:
         """For the report; bounded in total (identities are free): the oldest go first."""
-        self.events.append(e)
-        if len(self.events) > MAX_EVENTS:
-            del self.events[:len(self.events) - MAX_EVENTS]
+        log_event(self.events, e, MAX_EVENTS)
 
     def admits_due_by(self, rnd: int) -> bool:
         """Whether joiners take the group's state at the end of round ``rnd`` (or of one before it

@@ -69,11 +69,13 @@ def clean_work(work: dict) -> dict:
 CE_DOUBT_NATS = 0.5  # a member's head CE this far below ours on the same block is doubted
 
 
-def doubts(w: dict, mine: dict | None) -> list[str]:
-    """What this peer doubts of a member's work section ``w`` (cleaned): what contradicts itself,
-    or what this peer sees of its own work (``mine``, None when it trains nothing). A member with the
-    swarm key may lie: the page shows its section as its claim, with these doubts beside it, and
-    leaves doubted claims out of the per-block summary."""
+def doubts(w: dict, mine: dict | None, pid: str = "") -> list[str]:
+    """What this peer doubts of member ``pid``'s work section ``w`` (cleaned): what contradicts
+    itself, or, for a member of our own group while we train, what this peer sees of its own work
+    (``mine``, None when it trains nothing): its step (a group trains in step) and its CE at the
+    same step on the same block. A member with the swarm key may lie: the page shows its section
+    as its claim, with these doubts beside it, and leaves doubted claims out of the per-block
+    summary."""
     out = []
     step, steps, applied = w.get("step"), w.get("steps"), w.get("rounds_applied")
     if step is not None and steps is not None and step > steps:
@@ -84,22 +86,26 @@ def doubts(w: dict, mine: dict | None) -> list[str]:
         return out
     if steps is not None and mine.get("steps") is not None and steps != mine["steps"]:
         out.append(f"trains {steps} steps where this peer trains {mine['steps']}")
-    elif (step is not None and mine.get("step") is not None and mine.get("state") != "done"
-          and step > mine["step"] + max(50, (steps or 0) // 10)):
-        out.append(f"step {step}, far ahead of this peer's {mine['step']}")
-    ce, my_ce = _last_ce(w), _last_ce(mine)
-    if (ce is not None and my_ce is not None and w.get("training_block") is not None
-            and w.get("training_block") == mine.get("training_block") and ce < my_ce - CE_DOUBT_NATS):
-        out.append(f"valid CE {ce:.3f}, far below this peer's {my_ce:.3f} on the same block")
+    if mine.get("state") != "training" or pid not in (mine.get("group") or []):
+        return out
+    if step is not None and mine.get("step") is not None and step > mine["step"] + max(50, (steps or 0) // 10):
+        out.append(f"step {step}, far ahead of this peer's {mine['step']} in one group")
+    ce, my_ce = _ce_at(w, mine)
+    if ce is not None and my_ce is not None and ce < my_ce - CE_DOUBT_NATS:
+        out.append(f"valid CE {ce:.3f}, far below this peer's {my_ce:.3f} at the same step")
     return out
 
 
-def _last_ce(w: dict):
-    curve = w.get("curve")
-    try:
-        return _num(curve[-1][2][-1])
-    except (TypeError, IndexError, KeyError):
-        return None
+def _ce_at(w: dict, mine: dict):
+    """(its CE, ours) of the top head at the newest step both curves have (None, None if none)."""
+    def points(x):
+        try:
+            return {p[0]: _num(p[2][-1]) for p in x.get("curve") or []}
+        except (TypeError, IndexError, KeyError):
+            return {}
+    theirs, ours = points(w), points(mine)
+    both = sorted(set(theirs) & set(ours), key=lambda k: (isinstance(k, (int, float)), k))
+    return (theirs[both[-1]], ours[both[-1]]) if both else (None, None)
 
 
 class SwarmPage:
@@ -135,7 +141,7 @@ class SwarmPage:
         work = st.get("work") if isinstance(st, dict) else None
         if isinstance(work, dict) and self.peer.member(pid) is not None:
             w = clean_work(work)
-            self.member_work[pid] = w | {"time": time.time(), "doubts": doubts(w, self.peer.status().get("work"))}
+            self.member_work[pid] = w | {"time": time.time(), "doubts": doubts(w, self.peer.status().get("work"), pid)}
 
     async def _poll(self):
         while True:

@@ -222,6 +222,7 @@ class SwarmTrainer:
         self._g: torch.Tensor | None = None
         self._pending: _Pending | None = None
         self._members_before: list | None = None  # the last round's members
+        self._eval_mark = 0  # gstep // eval_every at the last curve point
         self.server = CheckpointServer(peer, self.dir / "serve")
         self.fetcher = CheckpointFetcher(peer)
         self.stats = _Stats()
@@ -329,8 +330,21 @@ class SwarmTrainer:
         return f"{ckpt.block_name(self.block)}.r{rnd}"
 
     def _save_join_state(self, rnd: int) -> str:
+        """The group's state at the end of round ``rnd``, for its joiners. Under overlap that is
+        the group's point g (a member that learnt of the admission late settles ``rnd`` after its
+        next local steps: its own parameters are then ahead of g, and its round counter too)."""
         name = self._join_state_name(rnd)
-        self.server.publish(CHECKPOINT, name, self._checkpoint(False))
+        own = None
+        if self._g is not None and self._pending is None:
+            own = flatten(self.params()).clone()
+            unflatten_(self.params(), self._g)
+        try:
+            c = self._checkpoint(False)
+        finally:
+            if own is not None:
+                unflatten_(self.params(), own)
+        c.extra["round"] = rnd
+        self.server.publish(CHECKPOINT, name, c)
         for old in (self.dir / "serve" / CHECKPOINT).glob(f"block*.r*{ckpt.SUFFIX}"):
             r = old.name[:-len(ckpt.SUFFIX)].rpartition(".r")[2]
             if r.isdigit() and int(r) < rnd - 50 * self.scfg.margin:
@@ -503,6 +517,7 @@ class SwarmTrainer:
     def _joined(self, d: Decision, how: str, nbytes: int = 0):
         self.rnd = d.at
         self.averager.expect(d.at + 1)
+        self.averager.expect_members(self.group.members(d.at + 1))
         self.stats.joins.append({"round": d.at + 1, "how": how, "sponsor": d.sponsor, "members": list(d.members),
                                  "bytes": nbytes, "time": time.time(), "why": d.why})
         if len(d.members) > 1 or how != "own state":
@@ -511,6 +526,7 @@ class SwarmTrainer:
     async def _take_group_state(self, d: Decision) -> bool:
         """Wait for a member's READY for round ``d.at`` and install that state; False to retry."""
         self.averager.expect(d.at + 1)  # the group's parts for our first round may come early
+        self.averager.expect_members(d.members)
         self._say(f"admitted by {d.sponsor[:12]} from round {d.at + 1}; waiting for the group's state")
         def told():  # the first READY for our round from a member of the group that welcomed us
             return next(((p, n) for (a, p), n in self._ready.items() if a == d.at and p in d.members), None)
@@ -663,6 +679,7 @@ class SwarmTrainer:
         start = flatten(self.params())
         members = self.group.begin_round(rnd, digest(start), self.block)
         members = [m for m in members if m == self.peer.id or self.peer.member(m) is not None]
+        self.averager.expect_members(self.group.members(rnd + 1))  # whose parts for the next round we hold
         t0 = time.perf_counter()
         if self.scfg.sync == "grads":
             loss = await self._timed(self.trainer.compute_grads)
@@ -679,11 +696,8 @@ class SwarmTrainer:
                     self._avg_out = torch.empty(vec.numel())  # reused round after round: no fresh memory
                 avg, rep = await self.averager.average(rnd, vec, members, start=digest(start), out=self._avg_out)
             except RoundFailed as e:
-                log.warning("%s; %s", e, "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
-                self.stats.failed.append({"round": rnd, "step": self.gstep + self.H, "reason": str(e),
-                                          "silent": sorted(e.silent)})
-                for pid in e.silent:  # they failed the round: they join again, taking the group's state
-                    self.group.depart(pid, f"silent in round {rnd}")
+                self._round_failed(rnd, self.gstep + self.H, e,
+                                   "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
                 if self.scfg.sync == "params":
                     unflatten_(self.params(), start)
                     self.trainer.step -= self.H
@@ -717,6 +731,7 @@ class SwarmTrainer:
             self._g = flatten(self.params()).clone()
         members = self.group.begin_round(rnd, digest(self._g), self.block)
         members = [m for m in members if m == self.peer.id or self.peer.member(m) is not None]
+        self.averager.expect_members(self.group.members(rnd + 1))  # whose parts for the next round we hold
         wait = ((self.gstep + self.H) % self.S == 0 or self.group.admits_due_by(rnd)
                 or members != self._members_before)
         self._members_before = members
@@ -751,10 +766,7 @@ class SwarmTrainer:
         try:
             avg, rep = await p.task
         except RoundFailed as e:
-            log.warning("%s; the round's phase is lost (the group's point stays)", e)
-            self.stats.failed.append({"round": p.rnd, "step": self.gstep, "reason": str(e), "silent": sorted(e.silent)})
-            for pid in e.silent:
-                self.group.depart(pid, f"silent in round {p.rnd}")
+            self._round_failed(p.rnd, self.gstep, e, "the round's phase is lost (the group's point stays)")
             avg = rep = None
         if avg is not None:
             self._g = self.outer.step(self._g, avg)
@@ -762,10 +774,18 @@ class SwarmTrainer:
             unflatten_(self.params(), self._g)
         await self._after_round(p.rnd, rep, p.loss, p.members, time.perf_counter() - p.t0, failed=avg is None)
 
+    def _round_failed(self, rnd: int, step: int, e: RoundFailed, outcome: str) -> None:
+        log.warning("%s; %s", e, outcome)
+        self.stats.failed.append({"round": rnd, "step": step, "reason": str(e), "silent": sorted(e.silent)})
+        for pid in e.silent:  # they failed the round: they join again, taking the group's state
+            self.group.depart(pid, f"silent in round {rnd}")
+
     def _drop_pending(self) -> None:
         """A new start (another block, a rejoin, a restored state): the round on the wire is not ours."""
         if self._pending is not None:
-            self._pending.task.cancel()
+            task = self._pending.task
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure is not ours to raise now
         self._pending, self._g, self._members_before = None, None, None
 
     async def _timed(self, fn, *args):
@@ -886,7 +906,9 @@ class SwarmTrainer:
                 await self.refresh_lower(wait=False)
             await self._round()
             every = self.scfg.eval_every if self.scfg.eval_every >= 0 else max(1, self.total_steps // EVAL_POINTS)
-            if every and self.gstep % every == 0:
+            mark = self.gstep // every if every else None  # rounds of H steps: a point each time a multiple is passed
+            if every and mark != self._eval_mark:
+                self._eval_mark = mark
                 t = time.monotonic()
                 heads = await asyncio.to_thread(self.eval_heads)
                 self.eval_s += time.monotonic() - t

@@ -268,6 +268,14 @@ async def test_near_round_parts_from_many_identities_share_one_bounded_pool(monk
             av._route(BlockUpdate(block=0, round=1, tensors=(part,), meta=meta), None, "f" * 64)
         assert av._early_from["f" * 64] >= 2 * part.stored_bytes  # the group's own member: held in full
         assert av._early_bytes <= strangers + per_sender
+        # a group's first round (no last round): the members the group expects are held in full too
+        av2 = avm.Averager(a, 1, floats=1 << 22)  # 16 MiB vectors: 3 of them are over the shared pool
+        big = to_wire("part", torch.randn(1 << 22))
+        av2.expect_members(["b" * 64, "c" * 64, "d" * 64, a.id])
+        for pid in ("b" * 64, "c" * 64, "d" * 64):
+            av2._route(BlockUpdate(block=1, round=1, tensors=(big,), meta=meta), None, pid)
+        assert all(av2._early_from.get(p, 0) >= big.stored_bytes for p in ("b" * 64, "c" * 64, "d" * 64))
+        assert av2._stranger_bytes == 0
     finally:
         await a.stop()
 

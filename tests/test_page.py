@@ -166,16 +166,20 @@ def test_a_lying_member_is_shown_as_a_claim_with_this_peers_doubts():
     Its claims are checked against each other and against this peer's own work; the doubts are
     named beside them (and the page leaves doubted members out of the per-block summary)."""
     from blocktrain.p2p.page import clean_work, doubts
+    liar_id, honest_id = "l" * 64, "h" * 64
     mine = clean_work({"training_block": 0, "step": 400, "steps": 1000, "state": "training",
-                       "curve": [[400, 10.0, [2.1]]]})
+                       "group": [liar_id, honest_id], "curve": [[400, 10.0, [2.1]]]})
     liar = clean_work({"training_block": 0, "step": 10**12, "steps": 1000, "rounds_applied": 10**9,
                        "coverage_min": 1.0, "state": "training", "curve": [[400, 10.0, [0.01]]]})
-    said = doubts(liar, mine)
+    said = doubts(liar, mine, liar_id)
     assert any("beyond its 1000 steps" in d for d in said) and any("rounds applied in 1000" in d for d in said)
     assert any("far ahead" in d for d in said) and any("far below this peer's 2.100" in d for d in said)
-    assert doubts(liar, None)  # a peer that trains nothing still sees that the claims contradict themselves
+    assert doubts(liar, None, liar_id)  # a peer that trains nothing still sees that the claims contradict themselves
     honest = clean_work({"training_block": 0, "step": 395, "steps": 1000, "rounds_applied": 395,
-                         "state": "training", "curve": [[400, 10.0, [2.0]]]})
-    assert doubts(honest, mine) == [] and doubts(honest, None) == []
+                         "state": "training", "curve": [[400, 10.0, [2.0]], [420, 11.0, [1.2]]]})
+    assert doubts(honest, mine, honest_id) == [] and doubts(honest, None, honest_id) == []  # CE compared at one step
     other = clean_work({"training_block": 0, "step": 3, "steps": 10})
-    assert doubts(other, mine) == ["trains 10 steps where this peer trains 1000"]
+    assert doubts(other, mine, "o" * 64) == ["trains 10 steps where this peer trains 1000"]
+    # a member of another group, or while we are not training (just started): its step is not ours to judge
+    ahead = clean_work({"training_block": 1, "step": 900, "steps": 1000, "state": "training"})
+    assert doubts(ahead, mine, "o" * 64) == [] and doubts(ahead, {**mine, "state": "joining"}, liar_id) == []

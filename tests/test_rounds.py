@@ -310,5 +310,8 @@ def test_a_sign_flipped_on_the_wire_is_named_though_its_distance_is_an_honest_on
         rep = rs[p].result()[1]
         assert "d" in rep.opposed and rep.opposed["d"] < -av.OPPOSED_COS
         assert set(rep.opposed) == {"d"}
+    weak = 0.5 * torch.randn(n) / 2  # the stated limit: a direction a quarter of the noise hides the flip
+    rs = run(rounds([weak + torch.randn(n) for _ in IDS4[:3]] + [-(weak + torch.randn(n))], IDS4, aggregate="robust"))
+    assert not rs["a"].result()[1].opposed
     noise = run(rounds([torch.randn(n) for _ in IDS4], IDS4, aggregate="robust"))  # no common direction at all
     assert all(not r.result()[1].opposed for r in noise.values())

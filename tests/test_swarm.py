@@ -167,6 +167,30 @@ async def test_overlapped_rounds_apply_each_average_one_phase_late_and_end_ident
             await p.stop()
 
 
+async def test_under_overlap_a_join_state_is_the_groups_point_at_its_round(tmp_path):
+    """A member that learns of an admission late settles the joiners' round after its next local
+    steps: its own parameters are ahead of the group's point g and its round counter too. The
+    state it hands out is g at that round, and its own parameters stay as they were."""
+    from blocktrain.blocks import checkpoint as ckpt
+    from blocktrain.p2p.averaging import unflatten_
+    from blocktrain.p2p.checkpoints import CHECKPOINT
+    peers = await mesh(1, FAST, blocks=[(0,)])
+    try:
+        sc = SwarmConfig(**{**SC.__dict__, "sync": "params", "every": 2, "overlap": True})
+        sp = trainers(peers, tmp_path, sc, blocks=[0])[0]
+        sp.prepare()
+        own = flatten(sp.params()).clone()
+        sp._g, sp.rnd = own + 0.5, 8  # ahead: the group's point differs, and we are in round 8
+        name = await asyncio.to_thread(sp._save_join_state, 7)
+        c = ckpt.load(sp.server.path(CHECKPOINT, name))
+        got = [c.tensors[n] for n, _ in sp.trainer.block.named_parameters()]
+        assert torch.equal(flatten(got), own + 0.5) and c.extra["round"] == 7
+        assert torch.equal(flatten(sp.params()), own)  # our own phase goes on
+        unflatten_(sp.params(), own)
+    finally:
+        await peers[0].stop()
+
+
 async def test_a_joiner_under_overlapped_rounds_takes_the_groups_point_and_ends_identical(tmp_path):
     """A round at whose end joiners take the group's state is waited for (every member at the
     group's point), so the joiner and the members end byte-identical."""
