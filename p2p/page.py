@@ -104,8 +104,8 @@ def _ce_at(w: dict, mine: dict):
         except (TypeError, IndexError, KeyError):
             return {}
     theirs, ours = points(w), points(mine)
-    both = sorted(set(theirs) & set(ours), key=lambda k: (isinstance(k, (int, float)), k))
-    return (theirs[both[-1]], ours[both[-1]]) if both else (None, None)
+    both = set(theirs) & set(ours)  # steps: numbers (clean_work)
+    return (theirs[max(both)], ours[max(both)]) if both else (None, None)
 
 
 class SwarmPage:

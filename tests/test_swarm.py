@@ -146,7 +146,6 @@ async def test_overlapped_rounds_apply_each_average_one_phase_late_and_end_ident
     from the group's point minus our own phase r (an eager update), round r's average is applied
     to the group's point at the end of phase r+1, and the last round is waited for, so both
     members end byte-identical, equal to an in-process computation of the same rule."""
-    from blocktrain.p2p.averaging import unflatten_
     peers = await mesh(2, FAST, blocks=[(0,), (0,)])
     tc = TrainConfig(**{**TC.to_dict(), "steps": 8})
     H = 2
@@ -191,6 +190,18 @@ async def test_under_overlap_a_join_state_is_the_groups_point_at_its_round(tmp_p
         await peers[0].stop()
 
 
+async def _two_then_a_joiner(sps, applied: int):
+    """The first two trainers start a group; once it has applied ``applied`` rounds without the
+    third, the third joins. Their reports, and the joiner's."""
+    first = [asyncio.ensure_future(sp.run()) for sp in sps[:2]]
+    deadline = time.monotonic() + 60
+    while sps[0].stats.applied < applied:  # the group is under way without the third
+        assert time.monotonic() < deadline and not any(t.done() for t in first)
+        await asyncio.sleep(0.05)
+    joiner = await asyncio.wait_for(sps[2].run(), 120)
+    return await asyncio.gather(*first), joiner
+
+
 async def test_a_joiner_under_overlapped_rounds_takes_the_groups_point_and_ends_identical(tmp_path):
     """A round at whose end joiners take the group's state is waited for (every member at the
     group's point), so the joiner and the members end byte-identical."""
@@ -199,13 +210,7 @@ async def test_a_joiner_under_overlapped_rounds_takes_the_groups_point_and_ends_
     sc = SwarmConfig(**{**SC.__dict__, "min_group": 2, "sync": "params", "every": 2, "overlap": True})
     try:
         sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, sc, tc)]
-        first = [asyncio.ensure_future(sp.run()) for sp in sps[:2]]
-        deadline = time.monotonic() + 60
-        while sps[0].stats.applied < 4:  # the group is under way without the third
-            assert time.monotonic() < deadline and not any(t.done() for t in first)
-            await asyncio.sleep(0.05)
-        joiner = await asyncio.wait_for(sps[2].run(), 120)
-        reps = await asyncio.gather(*first)
+        reps, joiner = await _two_then_a_joiner(sps, 4)
         assert joiner["joins"][-1]["how"] == "fetched the group's state"
         a, b, c = (finals(sp) for sp in sps)
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -220,13 +225,7 @@ async def test_a_joiner_takes_the_groups_state_and_trains_in_step(tmp_path):
     tc = TrainConfig(**{**TC.to_dict(), "steps": 30})
     try:
         sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, SwarmConfig(**{**SC.__dict__, "min_group": 2}), tc)]
-        first = [asyncio.ensure_future(sp.run()) for sp in sps[:2]]
-        deadline = time.monotonic() + 60
-        while sps[0].stats.applied < 8:  # the group is under way without the third
-            assert time.monotonic() < deadline and not any(t.done() for t in first)
-            await asyncio.sleep(0.05)
-        joiner = await asyncio.wait_for(sps[2].run(), 120)
-        reps = await asyncio.gather(*first)
+        reps, joiner = await _two_then_a_joiner(sps, 8)
         join = joiner["joins"][-1]
         assert join["how"] == "fetched the group's state" and join["round"] > 8 and join["bytes"] > 0
         # its start CE is the group's state's (where it started), not its own initial model's
