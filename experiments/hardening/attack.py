@@ -3,7 +3,7 @@ scaled (flip4: x -4) or scaled (scale8: x 8) every round. The honest peers' fina
 the chain, under robust averaging (the default) and under a plain mean, beside an honest run;
 and whether the honest peers name the attacker.
 
-    .venv/bin/python results/hardening/attack.py none,flip4,scale8 150 > results/hardening/attack.jsonl
+    .venv/bin/python experiments/hardening/attack.py none,flip4,scale8 150 > results/hardening/attack.jsonl
 """
 import asyncio, json, sys, time, torch  # noqa: E401
 sys.path.insert(0, "tests")

@@ -1,6 +1,6 @@
 # The identity start, A/B: bt-bench swarm's in-process sequential reference (bench.swarm.reference), d 128,
 # STEPS steps per block, a batch of 48 (3 workers' data per step), with the blocktrain package of the code to
-# measure installed:  python results/identity-start/ab_init.py STEPS SEED OUT_DIR THREADS
+# measure installed:  python experiments/identity-start/ab_init.py STEPS SEED OUT_DIR THREADS
 # (writes OUT_DIR/sequential-b48-seedSEED.json and its log)
 import json
 import sys

@@ -1,14 +1,14 @@
 """Test CE of block 0's head against the bytes each worker sent, for every mode in
 results/lowcomm/*.jsonl (one point per run; runs on uncommitted code are left out).
 
-usage: python results/lowcomm/plot.py [--out results/lowcomm/ce_vs_gb.png]
+usage: python experiments/lowcomm/plot.py [--out results/lowcomm/ce_vs_gb.png]
 """
 
 import argparse
 import json
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2] / "results" / "lowcomm"  # the runs and the plot live there
 
 
 def label(r: dict) -> str:

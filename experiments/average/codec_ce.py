@@ -3,7 +3,7 @@ averaged every step), the average computed by the swarm's own round (``Averaging
 codec's encoding, error feedback and the owners' re-encoded averages, byte for byte what travels),
 its messages handed from one round to the other in this process instead of over sockets.
 
-usage: python results/average/codec_ce.py CODEC [STEPS] [D_MODEL]   (CODEC: raw, fp16, bf16, int8)
+usage: python experiments/average/codec_ce.py CODEC [STEPS] [D_MODEL]   (CODEC: raw, fp16, bf16, int8)
 Prints one JSON line: the codec, steps, valid and test CE of block 0's head (256 windows of 128
 bytes each), seconds. Every codec starts from the same initial weights and sees the same batches.
 """

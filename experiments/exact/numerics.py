@@ -5,7 +5,7 @@ traversal) and in exact mode (drafts: slots + prompt lookup, a tree), and count 
 outputs differ (and where). Settings: fp32 plain (SDPA, every row as torch computes it), fp32
 batch-invariant exact rows, fp64 plain, and each with hidden states rounded to bf16 between hops.
 
-    python results/exact/numerics.py [--prompts 200] [--bytes 256] [--ckpt DIR] [--out FILE]
+    python experiments/exact/numerics.py [--prompts 200] [--bytes 256] [--ckpt DIR] [--out FILE]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Loads the chain (a checkpoint directory, e.g. the base model trained before draf
 existed), gives its last block a draft model of ``--draft-layers``, runs ``BlockTrainer.draft_phase()``
 (the same code ``train_blocktrain`` runs after the schedule) and writes the chain to ``--out``.
 
-    python results/exact/train_draft.py --name NAME [--steps 600] [--unroll 3] [--draft-layers 1]
+    python experiments/exact/train_draft.py --name NAME [--steps 600] [--unroll 3] [--draft-layers 1]
 """
 
 from __future__ import annotations

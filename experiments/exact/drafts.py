@@ -10,7 +10,7 @@ For ``--prompts`` WikiText-2 test prompts of 64 bytes:
   autoregressive decoding of the same chain (run here, batch-invariant numerics);
 - optionally next-byte test CE of every head (``--next-byte-windows``, 0: whole split).
 
-    python results/exact/drafts.py --ckpt DIR --name NAME [--configs drafter:16,lookup:16,drafter:16+lookup]
+    python experiments/exact/drafts.py --ckpt DIR --name NAME [--configs drafter:16,lookup:16,drafter:16+lookup]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ For each test prompt, draw ``--samples`` continuations of 16 bytes by ancestral 
 (counts + ``--alpha`` x uniform). Its CE against the true byte is what slots that had learned
 this chain's marginals exactly would score (up to the estimate's noise, which only adds CE).
 
-    python results/exact/marginal_floor.py [--prompts 200] [--samples 512] [--ckpt DIR]
+    python experiments/exact/marginal_floor.py [--prompts 200] [--samples 512] [--ckpt DIR]
 """
 
 from __future__ import annotations

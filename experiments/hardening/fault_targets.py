@@ -1,6 +1,6 @@
 """Issue 12's targets 3 and 4, measured with live `bt-peer` processes on loopback.
 
-    .venv/bin/python results/hardening/fault_targets.py --json results/hardening/fault_targets.json
+    .venv/bin/python experiments/hardening/fault_targets.py --json results/hardening/fault_targets.json
 
 (`--parts 3i,3ii,4`, `--steps3 S`, `--steps4 S`, `--runs4 N` for shorter trials; the defaults are
 the measured run.)
@@ -75,7 +75,7 @@ from _live import BT_PEER, RESULTS, STARTED, TINY, finish, out, provenance, stop
 from blocktrain.p2p.transport import Timeouts
 
 N_BLOCKS = 3
-RESULTS.update({"command": "python results/hardening/fault_targets.py --json results/hardening/fault_targets.json",
+RESULTS.update({"command": "python experiments/hardening/fault_targets.py --json results/hardening/fault_targets.json",
                 "timeouts": {"heartbeat_s": Timeouts().heartbeat_s, "dead_after_s": Timeouts().dead_after_s,
                              "note": "the defaults; no --heartbeat or --dead-after given"}})
 

@@ -1,6 +1,6 @@
 """Issue 12's targets 1 and 5, measured with live `bt-peer` processes on loopback.
 
-    .venv/bin/python results/hardening/live_targets.py --json results/hardening/live_targets.json
+    .venv/bin/python experiments/hardening/live_targets.py --json results/hardening/live_targets.json
 
 Target 1 (an attacker without the swarm key), against one `bt-peer start --no-train`:
  (a) waves of 64 connections, each sending one 18-byte HANDSHAKE header announcing a 16 MiB
@@ -46,7 +46,7 @@ from blocktrain.p2p.transport import Timeouts
 from blocktrain.protocol.frames import HEADER_BYTES, MAX_FRAME_BYTES, MessageType
 
 HANDSHAKE_S = Timeouts().handshake_s
-RESULTS.update({"command": "python results/hardening/live_targets.py --json results/hardening/live_targets.json",
+RESULTS.update({"command": "python experiments/hardening/live_targets.py --json results/hardening/live_targets.json",
                 "handshake_timeout_s": HANDSHAKE_S})
 
 

@@ -1,7 +1,7 @@
 """Issue 14, item 5: every peer of a training swarm stopped at once (SIGTERM to all three within a
 millisecond), how long until each has said goodbye, written its report and exited.
 
-    .venv/bin/python results/first_hour/stop_time.py --runs 5 --json results/first_hour/stop_time.json
+    .venv/bin/python experiments/first_hour/stop_time.py --runs 5 --json results/first_hour/stop_time.json
 
 Each run: three `bt-peer` processes (start + 2 joins, the walkthrough's default model: d 128,
 relay, every peer training block 0 together) train until every one has done 5 steps; then all
@@ -86,7 +86,7 @@ def main():
             runs.append(one_run(Path(d)))
         print(json.dumps(runs[-1]), flush=True)
     worst = [max(x for x in r["exit_s"] if x is not None) if None not in r["exit_s"] else None for r in runs]
-    out = {"command": f"python results/first_hour/stop_time.py --runs {a.runs} --json {a.json}",
+    out = {"command": f"python experiments/first_hour/stop_time.py --runs {a.runs} --json {a.json}",
            "machine": "2 cores, loopback", "runs": runs, "slowest_exit_per_run_s": worst,
            "median_slowest_s": statistics.median(w for w in worst if w is not None) if any(worst) else None,
            "target_s": 3.0, "met": all(w is not None and w <= 3.0 for w in worst)

@@ -4,7 +4,7 @@ data-parallel (d 128, the relay's first block), their rounds computed by the swa
 what travels), its messages handed from one member to another in this process instead of over
 sockets. Every variant starts from the same weights and sees the same batches.
 
-usage: python results/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
+usage: python experiments/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
            [--codec raw|topk] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
@@ -126,7 +126,7 @@ def main():
     block = trs[0].block
     from blocktrain.bench.provenance import code_version
     print(json.dumps({**vars(a), "workers": W, "code_version": code_version(),
-                      "command": "python results/lowcomm/lowcomm_ce.py " + " ".join(sys.argv[1:]), "valid_ce": eval_chain([block], valid, 128)[-1],
+                      "command": "python experiments/lowcomm/lowcomm_ce.py " + " ".join(sys.argv[1:]), "valid_ce": eval_chain([block], valid, 128)[-1],
                       "test_ce": eval_chain([block], test, 128, 2000)[-1],
                       "bytes_sent_per_worker": sum(sent.values()) / W, "rounds": rnd,
                       "seconds": round(time.perf_counter() - t0, 1)}))

@@ -1,4 +1,4 @@
-"""Shared by the results/exact scripts: the trained chain, the test prompts, JSON output."""
+"""Shared by the experiments/exact scripts: the trained chain, the test prompts, JSON output (to results/exact/)."""
 
 from __future__ import annotations
 
