@@ -31,8 +31,8 @@ import msgpack
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, as_remote
-from .events import (MAX_ADDR_CHARS, MAX_PEER_BLOCKS, MAX_REASON_CHARS, ROLES, Error, Handshake, Message, StreamChunk,
-                     decode_payload, encode_payload, unpack_canonical)
+from .events import (MAX_ADDR_CHARS, MAX_PEER_BLOCKS, MAX_REASON_CHARS, ROLES, Error, Goodbye, Handshake, Message,
+                     StreamChunk, decode_payload, encode_payload, unpack_canonical)
 from .frames import (HEADER_BYTES, MAX_FRAME_BYTES, Flags, FrameBuffer, FrameHeader, MessageType, ReusableBuffer,
                      encode_header)
 from .handshake import (DHLEN, MAX_MESSAGE_BYTES, PROTOCOL_NAME, TAGLEN, CipherState, HandshakeError, NoiseHandshake,
@@ -181,6 +181,7 @@ class ByteCounter:
         t = msg.TYPE
         if t not in _STREAM_TYPES:  # the common case
             return classify(msg)
+        kind: str | None
         if t in _STREAM_BEGIN:
             kind = classify(msg)
             streams = self._streams
@@ -195,6 +196,7 @@ class ByteCounter:
             elif t in _STREAM_DONE:
                 del self._streams[msg.stream_id]
             return kind
+        return None  # not reached: every stream type begins a stream or follows its start
 
     def add(self, direction: str, mtype: MessageType, payload: int, wire: int, kind: str | None = None):
         sent = direction == "sent"
@@ -350,6 +352,7 @@ class Connection:
         if h.length > MAX_HANDSHAKE_FRAME_BYTES:
             raise LocalProtocolError(f"frame length {h.length} exceeds the handshake limit {MAX_HANDSHAKE_FRAME_BYTES}",
                                      ErrorCode.FRAME_TOO_LARGE)
+        ev: Ev | None
         if t is MessageType.ERROR:
             ev = Ev.RECV_ERROR
         else:
@@ -417,11 +420,14 @@ class Connection:
         length = _checked_length(bufs)
         logical = _logical_len(msg, length)
         if self.sealed_session or force_seal:
+            cs = self._send_cs
+            assert cs is not None  # a sealed session's frames (and the confirmation) follow _finish
             head = encode_header(msg.TYPE, flags | _SEALED, msg.stream_id, length + TAGLEN)
+            sealed: list[bytes | memoryview]
             if length >= SEAL_PARTS_MIN_BYTES:
-                sealed = [self._send_cs.seal_into(head, bufs, self._seal_buf.get(length + TAGLEN))]
+                sealed = [cs.seal_into(head, bufs, self._seal_buf.get(length + TAGLEN))]
             else:
-                sealed = [self._send_cs.encrypt(head, b"".join(bufs))]
+                sealed = [cs.encrypt(head, b"".join(bufs))]
             self.counter.add("sent", msg.TYPE, logical, HEADER_BYTES + length + TAGLEN, self.counter.kind(msg))
             return [head, *sealed]
         head = encode_header(msg.TYPE, flags, msg.stream_id, length)
@@ -473,12 +479,14 @@ class Connection:
 
     def _unseal(self, h: FrameHeader, payload: memoryview) -> memoryview:
         """Open a sealed payload (its SEALED flag was checked with the header)."""
+        cs = self._recv_cs
+        assert cs is not None  # sealed frames are accepted only after _finish
         n = h.length - TAGLEN
         if n >= SEAL_PARTS_MIN_BYTES:
             # a payload received in place is ours (a reused buffer): opened where it lies, no copy
             out = payload[:n] if not payload.readonly else self._open_buf.get(n)
-            return self._recv_cs.decrypt_into(h.pack(), payload, out)
-        return memoryview(self._recv_cs.decrypt(h.pack(), payload))
+            return cs.decrypt_into(h.pack(), payload, out)
+        return memoryview(cs.decrypt(h.pack(), payload))
 
     def _handle(self, h: FrameHeader, payload: memoryview):
         wire = HEADER_BYTES + h.length
@@ -489,12 +497,14 @@ class Connection:
             msg = decode_payload(t, h.flags & ~_SEALED, h.stream_id, payload)
             self.counter.add("received", t, _logical_len(msg, len(payload)), wire, self.counter.kind(msg))
             if t is MessageType.GOODBYE or t is MessageType.ERROR:
+                assert isinstance(msg, (Goodbye, Error))  # MESSAGES maps each type to its class
                 self._transition(Ev.RECV_CLOSE)
-                return ConnectionClosed(msg.code if t is MessageType.ERROR else 0, msg.reason)
+                return ConnectionClosed(msg.code if isinstance(msg, Error) else 0, msg.reason)
             self._transition(Ev.RECV_MESSAGE)
             return msg
         if t is MessageType.ERROR:  # a refusal during the handshake (unsealed: checked with the header)
             msg = decode_payload(t, h.flags, h.stream_id, payload)
+            assert isinstance(msg, Error)  # MESSAGES maps ERROR to Error
             self.counter.add("received", t, h.length, wire, self.counter.kind(msg))
             self._transition(Ev.RECV_ERROR)
             code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.HANDSHAKE_FAILED
@@ -553,15 +563,17 @@ class Connection:
                                  ErrorCode.HANDSHAKE_FAILED)
         return check_info(m["info"])
 
-    def _check_peer(self, remote_static: bytes):
+    def _check_peer(self, remote_static: bytes | None):
+        assert remote_static is not None  # read from message 2 (initiator) or 3 (responder)
         pid = peer_id_of(remote_static)
         if self.allowlist is not None and pid not in self.allowlist:
             raise HandshakeError(f"peer {pid[:16]}... is not on the allowlist", ErrorCode.PEER_NOT_ALLOWED)
 
     def _finish(self, info: dict):
-        self._send_cs, self._recv_cs = self._noise.result
+        result, rs = self._noise.result, self._noise.remote_static
+        assert result is not None and rs is not None  # called once the last message is read or written
+        self._send_cs, self._recv_cs = result
         self.sealed_session = self.seal
-        rs = self._noise.remote_static
         self.peer = HandshakeComplete(peer_id_of(rs), rs, info, self.seal)
 
     @property

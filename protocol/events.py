@@ -23,6 +23,7 @@ import functools
 import struct
 import threading
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import lz4.block
 import msgpack
@@ -68,8 +69,8 @@ def _is_uint(v, bits=64):
 
 @dataclass(frozen=True)
 class Message:
-    TYPE = None  # MessageType, set by subclasses
-    ON_STREAM = False  # True: sent on a stream id other than 0; False: on stream 0 only
+    TYPE: ClassVar[MessageType]  # set by every subclass
+    ON_STREAM: ClassVar[bool] = False  # True: sent on a stream id other than 0; False: on stream 0 only
     stream_id: int = field(default=0, kw_only=True)  # header stream id; 0 = control stream
 
     def __post_init__(self):
@@ -178,7 +179,9 @@ class PeerInfo:
 @dataclass(frozen=True)
 class Announce(Message):
     TYPE = MessageType.ANNOUNCE
-    peer: PeerInfo = None
+    # None only as the missing argument's mark, which __post_init__ refuses (rule 4: a
+    # LocalProtocolError, where a required field would raise TypeError)
+    peer: PeerInfo = None  # type: ignore[assignment]
 
     def __post_init__(self):
         super().__post_init__()
@@ -295,7 +298,7 @@ class StreamChunk(Message):
     TYPE = MessageType.STREAM_CHUNK
     ON_STREAM = True
     offset: int = 0
-    data: bytes = b""  # the raw (uncompressed) bytes
+    data: bytes | bytearray | memoryview = b""  # the raw (uncompressed) bytes; decoded: a view into the frame
 
     def __post_init__(self):
         super().__post_init__()
@@ -467,7 +470,7 @@ def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
         raw = memoryview(msg.data).cast("B")
         data, z = maybe_lz4(raw, "auto" if compress else "never")
         return (_COMPRESSED if z else 0), [_CHUNK.pack(msg.offset, len(raw)), data]
-    cls = type(msg)
+    cls: type = type(msg)  # plain ``type``: mypy takes a type[Message] for unhashable (the caches' key)
     if not _converted_fields(cls):  # plain fields only: the common small message
         packed = _packb({name: getattr(msg, name) for name in _wire_fields(cls)})
         if len(packed) > MAX_META_BYTES:
@@ -498,7 +501,7 @@ def encode_payload(msg: Message, compress: bool = True) -> tuple[int, list]:
 
 def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memoryview) -> Message:
     """Rebuild a message from its payload; raises LocalProtocolError (callers convert)."""
-    cls = MESSAGES[mtype]
+    cls: type = MESSAGES[mtype]  # plain ``type``: as in encode_payload
     if flags & _COMPRESSED and mtype not in COMPRESSIBLE_TYPES:  # parse_header checks it too
         raise LocalProtocolError(f"COMPRESSED flag on a {cls.__name__}", ErrorCode.BAD_FLAGS)
     if cls is Handshake:
@@ -523,7 +526,8 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
     if not (mlen <= MAX_META_BYTES and 4 + mlen <= len(payload)):
         raise _bad(f"metadata length {mlen} does not fit the payload")
     meta = unpack_canonical(payload[4:4 + mlen])
-    _check(isinstance(meta, dict), "metadata must be a msgpack map")
+    if not isinstance(meta, dict):
+        raise _bad("metadata must be a msgpack map")
     want = _wire_keys(cls)
     if not (meta.keys() == want):
         raise _bad(f"{cls.__name__} metadata keys {sorted(map(str, meta))} != {sorted(want)}")

@@ -313,7 +313,7 @@ class FrameBuffer:
         self._size -= n
         return out
 
-    def _peek(self, n: int) -> bytes:
+    def _peek(self, n: int) -> bytes | memoryview:
         first = self._chunks[0]
         if len(first) >= n:
             return first[:n]
@@ -330,6 +330,7 @@ class FrameBuffer:
             if self._direct_pos < len(self._direct):
                 return None
             h, payload = self._header, self._direct
+            assert h is not None  # receive_buffer gives a payload in place only for a parsed header
             self._header, self._direct, self._direct_pos = None, None, 0
             return h, payload
         if self._header is None and self._chunks and len(self._chunks[0]) >= HEADER_BYTES:

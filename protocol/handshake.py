@@ -82,6 +82,7 @@ class CipherState:
         """Seal the concatenation of ``parts`` into ``out`` (plaintext length + TAGLEN bytes)."""
         if self.n >= MAX_NONCE:
             raise LocalProtocolError("nonce space exhausted; reconnect", ErrorCode.DECRYPT_FAILED)
+        assert self.key is not None  # only a session's keyed states seal
         enc = Cipher(algorithms.AES(self.key), modes.GCM(_nonce(self.n))).encryptor()
         enc.authenticate_additional_data(ad)
         pos = 0
@@ -97,6 +98,7 @@ class CipherState:
         """Open ``ciphertext`` into ``out`` (len(ciphertext) - TAGLEN bytes); returns the view."""
         if self.n >= MAX_NONCE:
             raise LocalProtocolError("nonce space exhausted; reconnect", ErrorCode.DECRYPT_FAILED)
+        assert self._aead is not None  # only a session's keyed states open in place
         try:
             self._aead.decrypt_into(_nonce(self.n), ciphertext, ad, out)
         except InvalidTag:
@@ -126,7 +128,7 @@ class SymmetricState:
         self.ck = h
         self.cs = CipherState()
 
-    def mix_hash(self, data: bytes):
+    def mix_hash(self, data: bytes | memoryview):
         self.h = hashlib.sha256(self.h + data).digest()
 
     def mix_key(self, ikm: bytes):
@@ -143,7 +145,7 @@ class SymmetricState:
         self.mix_hash(ct)
         return ct
 
-    def decrypt_and_hash(self, ct: bytes) -> bytes:
+    def decrypt_and_hash(self, ct: bytes | memoryview) -> bytes:
         pt = self.cs.decrypt(self.h, ct)
         self.mix_hash(ct)
         return pt
@@ -199,7 +201,9 @@ class NoiseHandshake:
     def my_turn(self) -> bool:
         return not self.complete and (self.index % 2 == 0) == self.initiator
 
-    def _dh(self, priv: X25519PrivateKey, pub: bytes) -> bytes:
+    def _dh(self, priv: X25519PrivateKey | None, pub: bytes | None) -> bytes:
+        # the pattern's tokens come after the "e"/"s" tokens that set the keys they use
+        assert priv is not None and pub is not None
         try:
             return priv.exchange(X25519PublicKey.from_public_bytes(pub))
         except ValueError:  # low-order point: cryptography refuses an all-zero shared secret
