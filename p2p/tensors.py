@@ -30,7 +30,7 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
+    return t.view(-1).view(torch.uint8).numpy().data  # the array's buffer (numpy's stubs type it only there)
 
 
 def to_wire(name: str, t: torch.Tensor, codec: Codec | str = Codec.RAW, compress: str = "auto",
@@ -39,7 +39,8 @@ def to_wire(name: str, t: torch.Tensor, codec: Codec | str = Codec.RAW, compress
     if t.dtype not in DTYPE_NAMES:
         raise TypeError(f"tensor {name!r}: unsupported dtype {t.dtype}")
     t = t.detach().cpu().contiguous()
-    dtype, scales = DTYPE_NAMES[t.dtype], ()
+    dtype = DTYPE_NAMES[t.dtype]
+    scales: tuple[float, ...] = ()
     if codec is Codec.FP16:
         enc = t.to(torch.float16)
     elif codec is Codec.BF16:
@@ -74,7 +75,7 @@ def encode_into(name: str, x: torch.Tensor, codec: Codec | str, enc: torch.Tenso
     codec = Codec(codec)
     if enc.dtype is not ENCODED_DTYPES[codec] or enc.numel() != x.numel():
         raise ValueError(f"enc is {enc.numel()} {enc.dtype}, expected {x.numel()} {ENCODED_DTYPES[codec]}")
-    scales = ()
+    scales: tuple[float, ...] = ()
     if codec is Codec.INT8:
         sc = []
         for i in range(0, x.numel(), segment_elems):
@@ -110,9 +111,8 @@ def from_wire(w: WireTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=dtype).view(w.shape)
     if out is not None and w.dtype == "float32" and out.is_contiguous():  # lossy, straight into out
         data = w.decoded()
-        if data.readonly:
-            data = bytearray(data)  # torch wants writable memory (it is not written)
-        src = torch.frombuffer(data, dtype=ENCODED_DTYPES[w.codec])
+        # torch wants writable memory (it is not written)
+        src = torch.frombuffer(bytearray(data) if data.readonly else data, dtype=ENCODED_DTYPES[w.codec])
         flat = out.view(-1)
         flat.copy_(src)
         if w.codec is Codec.INT8:

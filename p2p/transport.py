@@ -35,8 +35,9 @@ import time
 import dataclasses
 from dataclasses import dataclass
 
-from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
-                                 Message, Ping, Pong, ProtocolError, Role)
+from blocktrain.protocol import (NEED_DATA, BlockUpdate, Connection, ConnectionClosed, ErrorCode, Goodbye, Handshake,
+                                 HandshakeComplete, Message, PipelineForward, PipelineResult, Ping, Pong, ProtocolError,
+                                 Role, StreamChunk)
 
 from .link import LinkShaper, LinkSpec
 
@@ -240,7 +241,8 @@ class PeerConnection(asyncio.BufferedProtocol):
         if self.closed.done():
             raise ConnectionError(f"connection to {self.name or self.peer_addr} is closed: {self.close_reason}")
         if (not bulk and self.shaper is None and not self._control and not self._bulk and self._writer_idle
-                and not self._writing_paused and self.established.done() and not self.transport.is_closing()):
+                and not self._writing_paused and self.established.done() and self.transport is not None
+                and not self.transport.is_closing()):
             # fast path: nothing queued, so nothing to order against: seal and write now
             try:
                 self._write(self.conn.send_buffers(msg))
@@ -364,10 +366,12 @@ class PeerConnection(asyncio.BufferedProtocol):
             raise
 
     def _write(self, frames: list):
+        transport = self.transport
+        assert transport is not None  # frames are written only once established (after connection_made)
         if len(frames) > 1 and sum(map(len, frames)) < SMALL_FRAME_BYTES:
-            self.transport.write(b"".join(frames))  # one syscall for a small frame
+            transport.write(b"".join(frames))  # one syscall for a small frame
         else:
-            self.transport.writelines(frames)
+            transport.writelines(frames)
 
     # --- closing -------------------------------------------------------------------------------
     def _shutdown(self, reason: str, exc: BaseException | None = None, cause: CloseCause = CloseCause.LOCAL):
@@ -430,10 +434,10 @@ class PeerConnection(asyncio.BufferedProtocol):
 
 def _owning_copy(msg: Message) -> Message:
     """``msg`` with its tensors' segments (or a chunk's data) copied into bytes of its own."""
-    if hasattr(msg, "tensors"):
+    if isinstance(msg, (BlockUpdate, PipelineForward, PipelineResult)):  # the messages with tensors
         return dataclasses.replace(msg, tensors=tuple(
             dataclasses.replace(t, segments=tuple(bytes(s) for s in t.segments)) for t in msg.tensors))
-    if hasattr(msg, "data"):
+    if isinstance(msg, (StreamChunk, Handshake)):  # the messages with data
         return dataclasses.replace(msg, data=bytes(msg.data))
     return msg
 
