@@ -5,7 +5,7 @@ Rules:
   work directory and report; the first starts the swarm, the others join through it, all with
   ``--min-group W`` so they start together. Nothing is shared but the swarm key. Every run starts
   from fresh work directories unless ``resume``. Worker i's identity is derived from (seed, i):
-  a worker's data order follows its peer id (p2p/swarm.py), so a seed's run repeats, and worker i
+  a worker's data order follows its peer id (p2p/swarm/trainer.py), so a seed's run repeats, and worker i
   sees the same data in every run of that seed (the runs of a comparison are paired).
 - Comparisons, at every seed: ``equal-steps``: every worker takes ``steps`` steps per block
   (adding workers adds data); ``equal-total``: the workers of a run share ``steps x K`` local

@@ -1,6 +1,6 @@
 """A training peer's configuration: the model, its training and the swarm's rules, one tree.
 
-Defaults are the dataclasses' own (blocks/model.py, blocks/train.py, p2p/swarm.py); ``--set
+Defaults are the dataclasses' own (blocks/model.py, blocks/train.py, p2p/swarm/settings.py); ``--set
 section.key=value`` overrides any of them (blocks/config.py). Every peer of a swarm must use the
 same model and training config.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import TrainConfig
 
-from .swarm import SwarmConfig
+from .swarm.settings import SwarmConfig
 
 
 @dataclass

@@ -132,7 +132,7 @@ def test_a_crafted_group_state_is_not_adopted(tmp_path):
     data = as_tensor(read_split("valid"))
     sp = SwarmTrainer(_Peer(), 1, mc, tc, SwarmConfig(), tmp_path, data, data)
     good = ckpt.Checkpoint(mc.to_dict(), 0, 5, Block(mc, 0).state_dict(), extra={"gstep": 5})
-    sp._check_state(good, {})
+    sp.check.state(good, {})
     nan = {k: torch.full_like(v, float("nan")) for k, v in good.tensors.items()}
     wrong = {**good.tensors, "layers.0.fc.weight": torch.zeros(3, 3)}
     for bad, why in ((ckpt.Checkpoint(mc.to_dict(), 0, 5, nan, extra={"gstep": 5}), "NaN"),
@@ -140,28 +140,28 @@ def test_a_crafted_group_state_is_not_adopted(tmp_path):
                      (ckpt.Checkpoint(mc.to_dict(), 0, 10**15, good.tensors, extra={"gstep": 10**15}), "step"),
                      (ckpt.Checkpoint({**mc.to_dict(), "d_model": 64}, 0, 5, good.tensors), "config")):
         with pytest.raises(ValueError, match=why):
-            sp._check_state(bad, {})
+            sp.check.state(bad, {})
     with pytest.raises(ValueError, match="NaN"):
-        sp._check_state(good, {0: nan})
+        sp.check.state(good, {0: nan})
     # issue 29, finding 6: finite but destroyed: scaled 1000x, zeroed, or noise of the right norm
     big = {k: v * 1e3 for k, v in good.tensors.items()}
     zero = {k: torch.zeros_like(v) for k, v in good.tensors.items()}
     for bad, why in (({**good.tensors}, None), (big, "norm"), (zero, "norm")):
         state = ckpt.Checkpoint(mc.to_dict(), 0, 5, bad, extra={"gstep": 5})
         if why is None:
-            sp._check_state(state, {})
+            sp.check.state(state, {})
         else:
             with pytest.raises(ValueError, match=why):
-                sp._check_state(state, {})
+                sp.check.state(state, {})
     top = Block(mc, 1).state_dict()  # forced logits: byte 0 always, by 20 nats; the norm still plausible
     unit = torch.zeros(mc.d_model)
     unit[0] = 1
     lm = top["head.lm.weight"].clone()
     lm[0] = 10 * unit
     forced = {**top, "head.ln.bias": 2 * unit, "head.lm.weight": lm}
-    sp._check_state(ckpt.Checkpoint(mc.to_dict(), 1, 5, top, extra={"gstep": 15}), {0: Block(mc, 0).state_dict()})
+    sp.check.state(ckpt.Checkpoint(mc.to_dict(), 1, 5, top, extra={"gstep": 15}), {0: Block(mc, 0).state_dict()})
     with pytest.raises(ValueError, match="scores CE"):
-        sp._check_state(ckpt.Checkpoint(mc.to_dict(), 1, 5, forced, extra={"gstep": 15}), {0: Block(mc, 0).state_dict()})
+        sp.check.state(ckpt.Checkpoint(mc.to_dict(), 1, 5, forced, extra={"gstep": 15}), {0: Block(mc, 0).state_dict()})
 
 
 async def test_many_stream_requests_cost_a_few_chunks_not_a_file_each(tmp_path):
@@ -491,11 +491,11 @@ async def test_a_member_serving_a_bad_state_is_named_and_not_asked_again(tmp_pat
     def poisoned(rnd, sp):  # what a member gone bad serves to joiners
         c = sp._checkpoint(False)
         c.tensors = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in c.tensors.items()}
-        name = sp._join_state_name(rnd)
+        name = sp.store.join_state_name(c.block, rnd)
         ckpt.save(c, sp.dir / "serve" / "checkpoint" / (name + ckpt.SUFFIX))
         return name
     for sp in sps[:2]:  # slow enough that the joiner arrives mid-run
-        sp._save_join_state = lambda rnd, sp=sp: poisoned(rnd, sp)
+        sp.rounds.save_join_state = lambda rnd, sp=sp: poisoned(rnd, sp)
         orig = sp._new_trainer
 
         def new_trainer(b, sp=sp, orig=orig):
@@ -519,7 +519,7 @@ async def test_a_member_serving_a_bad_state_is_named_and_not_asked_again(tmp_pat
         (bad, *_) = members & set(sps[2].averager.banned)
         assert "served a bad state" in sps[2].averager.banned[bad]
         assert "NaN" in sps[2].averager.banned[bad]
-        assert bad not in sps[2].candidates()
+        assert bad not in sps[2].membership.candidates()
         assert not any(j["how"] == "fetched the group's state" for j in sps[2].stats.joins)
         assert all(torch.isfinite(t).all() for t in sps[2].params())
         rep = sps[2].training_report()
@@ -596,7 +596,7 @@ def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_rou
         sp = _swarm_trainer(node, tmp_path)
         sp.group.state, sp.group.round = State.TRAINING, 816
         sp.sent = []
-        sp._send = sp.sent.extend
+        sp.membership.send = sp.sent.extend
         return sp
     a, b = trainer("a" * 64), trainer("b" * 64)  # a's group ranks higher (same size, smaller sponsor)
 
@@ -604,27 +604,27 @@ def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_rou
         (s,) = src.sent
         src.sent.clear()
         assert s.peer == dst.peer.id and s.meta["phase"] == Phase.STATUS.value
-        dst._control(BlockUpdate(block=0, round=s.round, meta={**s.meta, "scope": dst.scope}), None, src.peer.id)
+        dst.membership.on_control(BlockUpdate(block=0, round=s.round, meta={**s.meta, "scope": dst.scope}), None, src.peer.id)
     b.group.joined[a.peer.id] = 1  # b still counts a in: a's STATUS is ignored
-    a._send([a.group.status_for(b.peer.id)])
+    a.membership.send([a.group.status_for(b.peer.id)])
     deliver(a, b)
     assert b.group.state is State.TRAINING and not b.sent
     del b.group.joined[a.peer.id]  # b drops a too, and tells it its status
-    b._send([b.group.status_for(a.peer.id)])
+    b.membership.send([b.group.status_for(a.peer.id)])
     deliver(b, a)  # a ranks higher: it answers at once
     assert a.group.state is State.TRAINING
     deliver(a, b)  # and b yields: it leaves its group of one and joins a's
-    assert b.group.state is State.IDLE and b._rejoin
+    assert b.group.state is State.IDLE and b.membership.rejoin
     b.group.state = State.TRAINING  # a second STATUS from b within STATUS_REPLY_S is not answered
-    b._send([b.group.status_for(a.peer.id)])
+    b.membership.send([b.group.status_for(a.peer.id)])
     deliver(b, a)
     assert not a.sent
-    a._status_sent.clear()  # a STATUS of equal rank, a size no group here can have, or from an
+    a.membership._status_sent.clear()  # a STATUS of equal rank, a size no group here can have, or from an
     for meta in ({"size": 1, "sponsor": "a" * 64}, {"size": 10**6, "sponsor": "0" * 64}):  # excluded peer: no answer
-        a._control(BlockUpdate(block=0, round=1, meta={"phase": "status", "scope": a.scope, **meta}), None, b.peer.id)
+        a.membership.on_control(BlockUpdate(block=0, round=1, meta={"phase": "status", "scope": a.scope, **meta}), None, b.peer.id)
         assert not a.sent and a.group.state is State.TRAINING
     a.averager.banned[b.peer.id] = "test"
-    a._control(BlockUpdate(block=0, round=1, meta={"phase": "status", "scope": a.scope, "size": 1,
+    a.membership.on_control(BlockUpdate(block=0, round=1, meta={"phase": "status", "scope": a.scope, "size": 1,
                                                    "sponsor": b.peer.id}), None, b.peer.id)
     assert not a.sent
 
@@ -654,7 +654,7 @@ def test_a_joiner_named_in_an_admit_is_never_dialled_as_an_address(tmp_path):
     g = sp.group
     g.state, g.round, g.joined = State.TRAINING, 5, {"b" * 64: 1, "j" * 64: 8}  # j pending
     for joiner in ("10.9.9.9:22", "e" * 64):
-        sp._control(BlockUpdate(block=0, round=5, meta={"phase": "admit", "peer": joiner, "at": 7,
+        sp.membership.on_control(BlockUpdate(block=0, round=5, meta={"phase": "admit", "peer": joiner, "at": 7,
                                                         "scope": sp.scope}), None, "b" * 64)
     assert "10.9.9.9:22" not in g.joined  # not a peer id: not taken
     assert g.joined["e" * 64] == 8 and set(dialled) == {"j" * 64}  # e is no member we know: not dialled
@@ -667,16 +667,16 @@ def test_a_member_flooding_ready_cannot_push_out_another_members(tmp_path):
     from blocktrain.protocol import BlockUpdate
 
     sp = _swarm_trainer(_FakeNode("a" * 64), tmp_path)
-    sp.state = "joining"
+    sp.membership.joining = True
 
     def ready(pid, at):
-        sp._control(BlockUpdate(block=0, round=at, meta={"phase": "ready", "at": at, "name": f"block0.r{at}",
+        sp.membership.on_control(BlockUpdate(block=0, round=at, meta={"phase": "ready", "at": at, "name": f"block0.r{at}",
                                                          "scope": sp.scope}), None, pid)
     ready("b" * 64, 7)
     for at in range(8, 200):
         ready("f" * 64, at)
-    assert sp._ready[(7, "b" * 64)] == "block0.r7"
-    assert sorted(sp._ready) == [(7, "b" * 64), (198, "f" * 64), (199, "f" * 64)]
+    assert sp.membership._ready[(7, "b" * 64)] == "block0.r7"
+    assert sorted(sp.membership._ready) == [(7, "b" * 64), (198, "f" * 64), (199, "f" * 64)]
 
 
 async def test_a_member_whose_updates_point_against_the_median_is_excluded_after_its_streak():

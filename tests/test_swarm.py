@@ -179,8 +179,8 @@ async def test_under_overlap_a_join_state_is_the_groups_point_at_its_round(tmp_p
         sp = trainers(peers, tmp_path, sc, blocks=[0])[0]
         sp.prepare()
         own = flatten(sp.params()).clone()
-        sp._g, sp.rnd = own + 0.5, 8  # ahead: the group's point differs, and we are in round 8
-        name = await asyncio.to_thread(sp._save_join_state, 7)
+        sp.rounds._g, sp.pos.rnd = own + 0.5, 8  # ahead: the group's point differs, and we are in round 8
+        name = await asyncio.to_thread(sp.save_join_state, 7)
         c = ckpt.load(sp.server.path(CHECKPOINT, name))
         got = [c.tensors[n] for n, _ in sp.trainer.block.named_parameters()]
         assert torch.equal(flatten(got), own + 0.5) and c.extra["round"] == 7
@@ -240,8 +240,8 @@ async def test_a_joiner_takes_the_groups_state_and_trains_in_step(tmp_path):
 
 
 async def test_a_restarted_peer_resumes_from_its_own_checkpoint(tmp_path, monkeypatch):
-    import blocktrain.p2p.swarm as swarm
-    monkeypatch.setattr(swarm, "SAVE_EVERY_S", 0.0)  # a checkpoint after every round
+    from blocktrain.p2p.swarm import store
+    monkeypatch.setattr(store, "SAVE_EVERY_S", 0.0)  # a checkpoint after every round
     peers = await mesh(1, FAST, blocks=[(1,)])
     try:
         sp = trainers(peers, tmp_path, blocks=[1])[0]
@@ -252,7 +252,7 @@ async def test_a_restarted_peer_resumes_from_its_own_checkpoint(tmp_path, monkey
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         again = trainers(peers, tmp_path, blocks=[1])[0]
-        assert again._resume_own() and again.block == 1 and again.gstep >= TC.steps + 4  # the last save, at most a round back
+        assert again.prepare() and again.block == 1 and again.gstep >= TC.steps + 4  # the last save, at most a round back
         assert torch.equal(finals(again), finals(sp)[:finals(again).numel()])
         rep = await again.run()
         assert rep["step"] == 3 * TC.steps and not rep["joins"][0]["members"][1:]

@@ -1,0 +1,101 @@
+"""What a training peer accepts from others: the group's state and the lower blocks it fetches.
+
+Rules:
+- A fetched state is used only if it is one of ours: block of our plan, our model config, the
+  model's names and shapes, finite values, a step this run can have.
+- Finite is not enough: a state scaled 1000x, zeroed or scrambled is refused by its parameter
+  norm against a fresh block's (``STATE_NORM_RATIO``) and, where the whole chain is in hand, by the
+  CE it scores on our own validation windows (``MAX_STATE_CE``).
+- A lower block (parallel schedule) must be that block of our model, finite, at a plausible step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from blocktrain.blocks import checkpoint as ckpt
+
+from .schedule import Schedule
+
+# A fetched state's parameter norm, against a fresh block's, must lie in this range: training
+# moves it (1.6-2.0x after 1000 steps of the shipped model), it does not zero it or scale it 1000x.
+STATE_NORM_RATIO = (0.25, 8.0)
+# The top head's CE of a fetched state on the joiner's own validation windows may not exceed this
+# (a fresh block scores about ln 256 = 5.55; a state that scores worse than that by 0.5 is broken).
+MAX_STATE_CE = math.log(256) + 0.5
+STATE_CHECK_WINDOWS = 4
+
+
+def check_norm(tensors: dict, fresh: dict, block: int) -> None:
+    def norm(ts):
+        return math.sqrt(sum(float(t.double().square().sum()) for t in ts.values() if t.is_floating_point()))
+    ratio = norm(tensors) / max(norm(fresh), 1e-12)
+    lo, hi = STATE_NORM_RATIO
+    if not lo <= ratio <= hi:
+        raise ValueError(f"block {block}: parameter norm {ratio:.3g}x a fresh block's (plausible: {lo}-{hi}x)")
+
+
+def _finite(tensors: dict) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+
+
+@dataclass
+class StateCheck:
+    mcfg: object  # ModelConfig
+    schedule: Schedule
+    valid: torch.Tensor
+    seq_len: int
+
+    def _shapes(self, b: int) -> dict:
+        from blocktrain.blocks.model import Block
+        return {n: t.shape for n, t in Block(self.mcfg, b).state_dict().items()}
+
+    def state(self, c: ckpt.Checkpoint, lowers: dict) -> None:
+        """The group's state (and, relay, the final blocks below it); ValueError if not one of ours."""
+        from blocktrain.blocks.model import ModelConfig
+        if ModelConfig.from_dict(c.config) != self.mcfg:
+            raise ValueError("the group's model config differs from ours")
+        if c.block not in self.schedule.plan:
+            raise ValueError(f"the group trains block {c.block}, not one of ours {list(self.schedule.plan)}")
+        for tensors, b in [(c.tensors, c.block)] + [(t, j) for j, t in lowers.items()]:
+            if {n: t.shape for n, t in tensors.items()} != self._shapes(b):
+                raise ValueError(f"block {b}: tensors do not match the model (names or shapes)")
+            if not _finite(tensors):
+                raise ValueError(f"block {b}: NaN or inf in the parameters")
+        g = int(c.extra.get("gstep", c.step))
+        if not 0 <= g <= self.schedule.total_steps:
+            raise ValueError(f"implausible step {g} (this run has {self.schedule.total_steps})")
+        with torch.random.fork_rng(devices=[]):  # fresh blocks to compare with draw no random number of ours
+            self._plausible(c, lowers)
+
+    def _plausible(self, c: ckpt.Checkpoint, lowers: dict) -> None:
+        from blocktrain.blocks.model import Block
+        for tensors, b in [(c.tensors, c.block)] + [(t, j) for j, t in lowers.items()]:
+            check_norm(tensors, Block(self.mcfg, b).state_dict(), b)
+        if self.schedule.relay or c.block == 0:  # the whole chain is in hand: what it scores on our own windows
+            chain = []
+            for j in range(c.block + 1):
+                blk = Block(self.mcfg, j)
+                blk.load_state_dict(c.tensors if j == c.block else lowers[j])
+                chain.append(blk)
+            from blocktrain.blocks.train import eval_chain
+            ce = eval_chain(chain, self.valid, self.seq_len, STATE_CHECK_WINDOWS)[-1]
+            if not ce <= MAX_STATE_CE:  # also NaN
+                raise ValueError(f"block {c.block}: the state scores CE {ce:.3g} on our validation windows "
+                                 f"(a fresh block scores about {math.log(256):.2f}; more than {MAX_STATE_CE} is "
+                                 f"not a state any training reached)")
+
+    def lower(self, c: ckpt.Checkpoint, j: int) -> None:
+        """A lower block fetched from a holder (parallel schedule)."""
+        from blocktrain.blocks.model import ModelConfig
+        if c.block != j or ModelConfig.from_dict(c.config) != self.mcfg:
+            raise ValueError(f"not block {j} of our model")
+        if {n: t.shape for n, t in c.tensors.items()} != self._shapes(j):
+            raise ValueError("tensors do not match the model")
+        if not _finite(c.tensors):
+            raise ValueError("NaN or inf in the parameters")
+        if not 0 <= c.step <= self.schedule.S:
+            raise ValueError(f"implausible step {c.step}")

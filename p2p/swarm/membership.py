@@ -1,0 +1,268 @@
+"""The membership driver: runs a ``Group`` (group.py, sans-IO) over the peer.
+
+Rules:
+- Control messages (``BlockUpdate`` with a ``phase``) arrive in the connections' readers and go
+  to ``Group``; what it wants said goes out on the live connection at once, else after dialling a
+  member we know. A peer id from a message (an ADMIT's joiner) is never dialled as an address.
+- Scope: relay peers form one group; parallel peers one group per block. A JOIN from another
+  scope is answered ABSENT (we are not in its group).
+- Joining (``join``): ask the candidates, then start alone or together, or take the group's state:
+  wait for a READY for our admission round from a member of the group that admitted us, fetch
+  that state (with, relay, the final blocks below), check it (checks.py) and install it. A state
+  that fails the checks and came from one peer gets that peer rejected by the averager.
+- READYs are kept only while joining: the newest ``READY_KEPT`` rounds, ``READY_PER_MEMBER``
+  from one member (one member's flood pushes out only its own), names bounded.
+- STATUS (group.py rule 6): a size no group here can have, or a STATUS from an excluded peer, is
+  ignored; a larger group makes us leave ours and join it (``rejoin``); a lower-ranked group's
+  member hears ours at once (at most every ``STATUS_REPLY_S``), peers outside our group every
+  ``STATUS_EVERY_S``.
+- After each round, joiners admitted at it are told the name of the state they take (READY).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.protocol import BlockUpdate, ProtocolError
+from blocktrain.protocol.events import is_peer_id
+
+from ..averaging import Averager
+from ..checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, FetchError
+from ..group import Decision, Group, Phase, Send, State
+from ..services import PeerServices, PeerUnreachable
+from .checks import StateCheck
+from .schedule import Position
+
+log = logging.getLogger("blocktrain.p2p")
+
+# A peer outside our group is told our group's status at most this often (rule 6 of group.py).
+STATUS_EVERY_S = 5.0
+# ... and answered at most this often when its STATUS ranks below ours (so that it yields at once).
+STATUS_REPLY_S = 0.5
+READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes first
+READY_PER_MEMBER = 2  # of them from one member (an honest one tells one per admission)
+
+
+class Membership:
+    def __init__(self, peer: PeerServices, group: Group, averager: Averager, pos: Position, scope: str,
+                 block_filter: int | None, fetcher: CheckpointFetcher, check: StateCheck, joins: list,
+                 say: Callable[[str], None]):
+        self.peer, self.group, self.averager, self.pos = peer, group, averager, pos
+        self.scope, self.block_filter = scope, block_filter  # parallel: our block; relay: None
+        self.fetcher, self.check, self.joins, self.say = fetcher, check, joins, say
+        self.joining = False
+        self.rejoin = False  # a larger group exists: leave ours and join it before the next round
+        self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
+        self._status_sent: dict[str, float] = {}
+        peer.on_membership(self._membership)
+
+    def candidates(self) -> list[str]:
+        """Live training peers in our group's scope (relay: all; parallel: those on our block)."""
+        return [m.peer_id for m in self.peer.members(role="train", block=self.block_filter)
+                if m.peer_id not in self.averager.banned and m.peer_id not in self.averager.shunned]
+
+    # --- in: control messages (in the connections' readers) ----------------------------------------
+    def on_control(self, msg: BlockUpdate, pc, pid: str) -> None:
+        meta = msg.meta
+        try:
+            phase = Phase(meta.get("phase"))
+        except ValueError:
+            return
+        if meta.get("scope") != self.scope:
+            if phase is Phase.JOIN:  # another scope's join: we are not in its group
+                self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value})])
+            return
+        if phase is Phase.JOIN:
+            self.send(self.group.on_join(pid, meta))
+        elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
+            self.group.on_reply(pid, phase, meta)
+        elif phase is Phase.ADMIT:
+            if is_peer_id(meta.get("peer")):  # never an address or a name of any length
+                self.send(self.group.on_admit(pid, meta))
+        elif phase is Phase.READY:
+            self._on_ready(pid, meta)
+        elif phase is Phase.LEAVE:
+            if self.group.on_leave(pid, msg.round, str(meta.get("why", ""))[:200]):
+                self.averager.depart(pid, "left the group")
+        elif phase is Phase.STATUS:
+            self._on_status(pid, meta)
+        self.peer.notify()
+
+    def _on_ready(self, pid: str, meta: dict) -> None:
+        """Every member's READY, kept while we join: the newest rounds, names bounded."""
+        at, name = meta.get("at"), meta.get("name")
+        if not (self.joining and type(at) is int and isinstance(name, str) and len(name) <= 64):
+            return
+        theirs = sorted(k for k in self._ready if k[1] == pid)
+        if (at, pid) not in self._ready and len(theirs) >= READY_PER_MEMBER:
+            del self._ready[theirs[0]]  # one member's flood pushes out only its own
+        self._ready[(at, pid)] = name
+        while len(self._ready) > READY_KEPT:
+            del self._ready[min(self._ready)]
+
+    def _on_status(self, pid: str, meta: dict) -> None:
+        size = meta.get("size")
+        if pid in self.averager.banned or pid in self.averager.shunned or type(size) is not int \
+                or not 1 <= size <= len(self.candidates()) + 1:  # a size no group here can have
+            return
+        leave = self.group.on_status(pid, meta)
+        if leave is not None:
+            self.say(f"another group is larger; leaving ours to join it ({len(leave)} member(s) told)")
+            self.send(leave)
+            self.rejoin = True
+        elif self.group.state is State.TRAINING and pid not in self.group.joined and self.group.outranks(meta) \
+                and time.monotonic() - self._status_sent.get(pid, 0.0) > STATUS_REPLY_S:
+            # ours ranks higher: say so now. Two members that dropped a dead third at different
+            # rounds each see the other outside; the first one's STATUS reached the other while
+            # it still counted the first in, and without this reply the split lasted STATUS_EVERY_S.
+            self._status_sent[pid] = time.monotonic()
+            self.send([self.group.status_for(pid)])
+
+    def _membership(self, ev) -> None:
+        if ev.departed and self.group.depart(ev.peer_id, ev.change.value):
+            log.info("%s left the group (%s)", ev.peer_id[:12], ev.change.value)
+
+    # --- out ---------------------------------------------------------------------------------------
+    def send(self, sends: list[Send]) -> None:
+        """Control messages, in order: on the live connection at once, else after dialling a member
+        we know. A peer id from a message (an ADMIT's joiner) is never dialled as an address."""
+        for s in sends:
+            msg = BlockUpdate(block=self.pos.block, round=max(0, s.round), meta={**s.meta, "scope": self.scope})
+            pc = self.peer.live_connection(s.peer)
+            if pc is not None:
+                try:
+                    pc.send_nowait(msg)
+                    continue
+                except (ConnectionError, ProtocolError):
+                    pass
+            if self.peer.member(s.peer) is None:
+                log.info("not telling %s %s: not a member we know", s.peer[:12], s.meta.get("phase"))
+                continue
+            self.peer.spawn(self._dial_send(s.peer, msg), "group control")
+
+    async def _dial_send(self, pid: str, msg: BlockUpdate) -> None:
+        try:
+            (await self.peer.connection(pid)).send_nowait(msg)
+        except (ConnectionError, ProtocolError, PeerUnreachable) as e:
+            log.info("cannot tell %s %s: %s", pid[:12], msg.meta.get("phase"), e)
+
+    async def round_done(self, rnd: int, save_join_state: Callable[[int], str]) -> None:
+        """After round ``rnd``: joiners admitted at it take the state we have now; outsiders hear ours."""
+        due = self.group.ready_due(rnd)
+        if due:
+            name = await asyncio.to_thread(save_join_state, rnd)  # disk work off the event loop
+            self.send(self.group.ready(rnd, due, name))
+        self.tell_outsiders()
+
+    def tell_outsiders(self) -> None:
+        """Rule 6 of group.py: training peers in scope but outside our group hear our status."""
+        now = time.monotonic()
+        members = set(self.group.members()) | set(self.group.joined)
+        for pid in self.candidates():
+            if pid not in members and now - self._status_sent.get(pid, 0.0) > STATUS_EVERY_S:
+                self._status_sent[pid] = now
+                self.send([self.group.status_for(pid)])
+
+    # --- joining -----------------------------------------------------------------------------------
+    async def join(self, start_digest: Callable[[], str], min_group: int, join_timeout_s: float,
+                   ready_timeout_s: float, install: Callable[[ckpt.Checkpoint, dict, str], None]) -> None:
+        """Find our group (group.py): start it, start together, or take its state (``install``d).
+        Returns when we are a member (or alone)."""
+        delay, said = 0.2, None
+        self.joining = True
+        try:
+            while True:
+                self._ready.clear()  # an earlier attempt's admission is not this one's
+                rnd = self.pos.rnd + 1
+                self.send(self.group.start_join(self.candidates(), self.pos.gstep, start_digest(), rnd))
+                await self.peer.wait_for(lambda: not self.group.waiting_for(), join_timeout_s)
+                d = self.group.decide(min_group)
+                if d.action == "train":
+                    self._joined(d, "own state")
+                    return
+                if d.action == "fetch":
+                    if await self._take_group_state(d, ready_timeout_s, install):
+                        return
+                    continue
+                if d.why and d.why != said:
+                    said = d.why
+                    self.say(f"waiting: {d.why}")
+                await asyncio.sleep(delay)  # backoff: ask again
+                delay = min(2 * delay, 2.0)
+        finally:
+            self.joining = False
+
+    def _joined(self, d: Decision, how: str, nbytes: int = 0) -> None:
+        self.pos.rnd = d.at
+        self.averager.expect(d.at + 1)
+        self.averager.expect_members(self.group.members(d.at + 1))
+        self.joins.append({"round": d.at + 1, "how": how, "sponsor": d.sponsor, "members": list(d.members),
+                           "bytes": nbytes, "time": time.time(), "why": d.why})
+        if len(d.members) > 1 or how != "own state":
+            self.say(f"in a group of {len(self.group.members(d.at + 1))} from round {d.at + 1} ({d.why})")
+
+    def _told(self, d: Decision) -> tuple | None:
+        """The first READY for our round from a member of the group that welcomed us."""
+        return next(((p, n) for (a, p), n in self._ready.items() if a == d.at and p in d.members), None)
+
+    async def _take_group_state(self, d: Decision, timeout_s: float, install) -> bool:
+        """Wait for a member's READY for round ``d.at`` and install that state; False to retry."""
+        self.averager.expect(d.at + 1)  # the group's parts for our first round may come early
+        self.averager.expect_members(d.members)
+        self.say(f"admitted by {d.sponsor[:12]} from round {d.at + 1}; waiting for the group's state")
+        ok = await self.peer.wait_for(lambda: self._told(d) is not None or self.peer.member(d.sponsor) is None,
+                                      timeout_s)
+        told = self._told(d)
+        if not ok or told is None:
+            self.say("the group's state did not come; asking again")
+            self.send(self.group.give_up(d.at, d.members, "no state"))
+            return False
+        teller, name = told
+        by: list = []  # whose version of the state we got (not always the sponsor's)
+        try:
+            c, lowers, nbytes = await self._fetch_state(self._sources(d, teller), name, by)
+            self.check.state(c, lowers)
+        except (FetchError, ckpt.CheckpointError, ValueError) as e:
+            if not isinstance(e, FetchError) and len(set(by)) == 1:  # one peer's bytes, not a state of ours:
+                bad = next((m.peer_id for m in self.peer.members() if m.addr == by[0]), None)  # never asked again
+                if bad is not None:
+                    self.averager.reject(bad, f"served a bad state: {e}", d.at)
+            self.say(f"could not take the group's state: {e}; asking again")
+            self.send(self.group.give_up(d.at, d.members, "state fetch failed"))
+            return False
+        self._ready.clear()
+        install(c, lowers, f"the group's state after round {d.at} ({name})")
+        self.group.joined_group(d.at, d.members)
+        self._joined(d, "fetched the group's state", nbytes)
+        return True
+
+    def _sources(self, d: Decision, teller: str) -> list[str]:
+        others = [m.addr for m in (self.peer.member(p) for p in d.members) if m is not None and m.peer_id != teller]
+        return [a for a in [getattr(self.peer.member(teller), "addr", None)] + others if a]
+
+    async def _fetch_state(self, sources: list[str], name: str, by: list) -> tuple:
+        blob = await self.fetcher.fetch(sources, CHECKPOINT, name, source=by)
+        c = ckpt.decode(blob, f"the group's state {name}")
+        lowers, nbytes = {}, len(blob)
+        if self.check.schedule.relay:
+            for j in range(c.block):
+                lb = await self.fetcher.fetch(sources, LOWER, ckpt.block_name(j), source=by)
+                lowers[j] = ckpt.decode(lb, f"lower block {j}").tensors
+                nbytes += len(lb)
+        return c, lowers, nbytes
+
+
+def refuse_joins(peer: PeerServices) -> None:
+    """For a peer that trains nothing: every JOIN is answered ABSENT at once (nobody waits on it)."""
+    def handler(msg: BlockUpdate, pc, pid):
+        if msg.meta.get("phase") == Phase.JOIN.value:
+            try:
+                pc.send_nowait(BlockUpdate(block=msg.block, round=msg.round,
+                                           meta={"phase": Phase.ABSENT.value, "scope": msg.meta.get("scope")}))
+            except (ConnectionError, ProtocolError):
+                pass
+    peer.on(BlockUpdate, handler, inline=True)

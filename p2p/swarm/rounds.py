@@ -1,0 +1,236 @@
+"""The round step: local steps of the block in work, averaging with the group, the update.
+
+Rules:
+- A round's group is fixed when it begins (group.py); its identity covers its number and the
+  digest of its start point, so members that diverged never average together unnoticed.
+- ``sync="grads"``: a round is one step whose gradients are averaged before the optimizer step,
+  so every member takes the same step.
+- ``sync="params"`` (DiLoCo): ``H`` local steps, then the pseudo-gradient (round start - now) is
+  averaged and the outer optimizer (averaging/outer.py) moves the round's start point.
+- A failed round (coverage below the threshold) changes nothing: grads, no step; params, the
+  round's start point is kept (the steps are taken back). Members silent in it leave the group and
+  join again, taking the group's state.
+- ``overlap`` (params only): see ``_overlapped``.
+- Training steps run off the event loop (heartbeats and streams go on meanwhile); their time is
+  ``busy_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..averaging import Averager, RoundFailed, flatten, unflatten_
+from ..group import Group
+from ..services import PeerServices
+from .membership import Membership
+from .report import Stats, round_entry
+from .schedule import Position, Schedule
+
+log = logging.getLogger("blocktrain.p2p")
+
+
+def digest(t: torch.Tensor) -> str:
+    """A digest of a start point (crc32 of its float32 bytes): cheap, for divergence, not security."""
+    return f"{zlib.crc32(t.detach().float().contiguous().numpy()):08x}"
+
+
+@dataclass
+class _Pending:
+    """overlap: a round on the wire (its phase's update, sent) and what settling it needs."""
+    rnd: int
+    members: list
+    loss: float
+    t0: float
+    task: asyncio.Future
+
+
+class Rounds:
+    def __init__(self, peer: PeerServices, group: Group, averager: Averager, membership: Membership,
+                 scfg, schedule: Schedule, pos: Position, stats: Stats):
+        self.peer, self.group, self.averager, self.membership = peer, group, averager, membership
+        self.scfg, self.schedule, self.pos, self.stats = scfg, schedule, pos, stats
+        self.trainer = None  # the BlockTrainer of the block in work (set by the run loop)
+        self.outer = scfg.outer_optimizer()
+        self.busy_s = 0.0
+        self.last_loss = float("nan")
+        self.on_step: Callable | None = None  # on_step(global step, total, loss, group size)
+        self.save_join_state: Callable[[int], str] = lambda rnd: ""  # the store's, via the run loop
+        self._avg_out: torch.Tensor | None = None  # the rounds' result buffer (consumed before the next round)
+        # overlap: the point every member of the group agrees on (the outer steps of the rounds
+        # settled so far), and the round on the wire (_Pending), settled at the end of the next phase
+        self._g: torch.Tensor | None = None
+        self._pending: _Pending | None = None
+        self._members_before: list | None = None  # the last round's members
+
+    def params(self) -> list:
+        return list(self.trainer.block.parameters())
+
+    def reset(self) -> None:
+        """Another block: a fresh outer optimizer, and the round on the wire is not ours."""
+        self.outer = self.scfg.outer_optimizer()
+        self.drop_pending()
+
+    def drop_pending(self) -> None:
+        """A new start (another block, a rejoin, a restored state): the round on the wire is not ours."""
+        if self._pending is not None:
+            task = self._pending.task
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure is not ours to raise now
+        self._pending, self._g, self._members_before = None, None, None
+
+    @contextlib.contextmanager
+    def at_agreed_point(self):
+        """Under overlap with no round on the wire, our parameters are ahead of the group's point g:
+        inside this block they are g (a member that learnt of an admission late settles the
+        joiners' round after its next local steps), and ours again after it."""
+        own = None
+        if self._g is not None and self._pending is None:
+            own = flatten(self.params()).clone()
+            unflatten_(self.params(), self._g)
+        try:
+            yield
+        finally:
+            if own is not None:
+                unflatten_(self.params(), own)
+
+    def _begin(self, start: torch.Tensor) -> tuple[int, list]:
+        rnd = self.pos.rnd = self.pos.rnd + 1
+        members = self.group.begin_round(rnd, digest(start), self.pos.block)
+        members = [m for m in members if m == self.peer.id or self.peer.member(m) is not None]
+        self.averager.expect_members(self.group.members(rnd + 1))  # whose parts for the next round we hold
+        return rnd, members
+
+    async def _timed(self, fn, *args):
+        t = time.perf_counter()
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            self.busy_s += time.perf_counter() - t
+
+    async def _local_steps(self) -> float:
+        for _ in range(self.schedule.H):
+            loss = await self._timed(self.trainer.train_step)
+        self.last_loss = loss
+        return loss
+
+    def _stepped(self, loss: float, members: list) -> None:
+        self.pos.gstep += self.schedule.H
+        if self.on_step is not None:
+            self.on_step(self.pos.gstep, self.schedule.total_steps, loss, len(members))
+
+    async def step(self) -> None:
+        """One round of the block in work."""
+        if self.scfg.overlap:
+            return await self._overlapped()
+        start = flatten(self.params())
+        rnd, members = self._begin(start)
+        t0 = time.perf_counter()
+        if self.scfg.sync == "grads":
+            loss = self.last_loss = await self._timed(self.trainer.compute_grads)
+            vec = self.trainer.grads()
+        else:
+            loss = await self._local_steps()
+            vec = start - flatten(self.params())
+        rep, avg = None, vec
+        if len(members) > 1:
+            try:
+                if self._avg_out is None or self._avg_out.numel() != vec.numel():
+                    self._avg_out = torch.empty(vec.numel())  # reused round after round: no fresh memory
+                avg, rep = await self.averager.average(rnd, vec, members, start=digest(start), out=self._avg_out)
+            except RoundFailed as e:
+                self._failed(rnd, self.pos.gstep + self.schedule.H, e,
+                             "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
+                if self.scfg.sync == "params":
+                    unflatten_(self.params(), start)
+                    self.trainer.step -= self.schedule.H
+                await self._after(rnd, None, loss, members, time.perf_counter() - t0, failed=True)
+                return
+        if self.scfg.sync == "grads":
+            await self._timed(self.trainer.apply_grads, avg)
+        else:
+            unflatten_(self.params(), self.outer.step(start, avg))
+        self._stepped(loss, members)
+        await self._after(rnd, rep, loss, members, time.perf_counter() - t0)
+
+    async def _overlapped(self) -> None:
+        """sync=params with overlap: the round of phase r (its H local steps) is on the wire while
+        phase r+1 computes. With g the point the group agrees on (every settled round's outer step
+        applied) and d_r = (phase r's start - its end), phase r+1 starts from g - outer_lr * d_r: our
+        own phase stands in for the group's average until that arrives (an eager update). At the
+        end of phase r+1, round r is settled (g takes its outer step) and round r+1 sent.
+
+        A round is waited for at once (no overlap) where every member must end it at the same
+        point: the last round of a block (relay's handoff, the final checkpoint) and a round at
+        whose end joiners take the group's state; then every member's parameters are g, byte for
+        byte. So is a group's first round and the first after a change of members: a member
+        starting together with us counts as in step only while we have not gone past its first
+        round (group.py rule 3). A failed round changes nothing of g (its phase is lost; steps
+        still count, so the members keep one schedule)."""
+        if self._g is None:
+            self._g = flatten(self.params()).clone()
+        rnd, members = self._begin(self._g)
+        wait = (self.schedule.last_round(self.pos.gstep) or self.group.admits_due_by(rnd)
+                or members != self._members_before)
+        self._members_before = members
+        t0 = time.perf_counter()
+        phase_start = flatten(self.params())
+        loss = await self._local_steps()
+        vec = phase_start - flatten(self.params())
+        del phase_start
+        if self._pending is not None:  # it had this phase's compute to arrive
+            await self._settle(self._pending)
+        self._pending = _Pending(rnd, members, loss, t0, asyncio.ensure_future(
+            self._average_or_alone(rnd, vec, members, digest(self._g))))
+        self.pos.gstep += self.schedule.H
+        if wait:
+            await self._settle(self._pending, install=True)
+        else:
+            unflatten_(self.params(), self._g - self.outer.lr * vec)
+        if self.on_step is not None:
+            self.on_step(self.pos.gstep, self.schedule.total_steps, loss, len(members))
+
+    async def _average_or_alone(self, rnd: int, vec: torch.Tensor, members: list, start: str):
+        if len(members) <= 1:
+            return vec, None
+        return await self.averager.average(rnd, vec, members, start=start)
+
+    async def _settle(self, p: _Pending, install: bool = False) -> None:
+        """Round ``p`` is done (or failed): g takes its outer step (``install``: and becomes our
+        parameters, before joiners take them); its report and joiners follow."""
+        self._pending = None
+        try:
+            avg, rep = await p.task
+        except RoundFailed as e:
+            self._failed(p.rnd, self.pos.gstep, e, "the round's phase is lost (the group's point stays)")
+            avg = rep = None
+        assert self._g is not None
+        if avg is not None:
+            self._g = self.outer.step(self._g, avg)
+        if install:
+            unflatten_(self.params(), self._g)
+        await self._after(p.rnd, rep, p.loss, p.members, time.perf_counter() - p.t0, failed=avg is None)
+
+    def _failed(self, rnd: int, step: int, e: RoundFailed, outcome: str) -> None:
+        log.warning("%s; %s", e, outcome)
+        self.stats.failed.append({"round": rnd, "step": step, "reason": str(e), "silent": sorted(e.silent)})
+        for pid in e.silent:  # they failed the round: they join again, taking the group's state
+            self.group.depart(pid, f"silent in round {rnd}")
+
+    async def _after(self, rnd: int, rep, loss: float, members: list, seconds: float, failed: bool = False):
+        if not failed:
+            cand = set(self.membership.candidates()) | {self.peer.id}
+            entry = round_entry(rnd, self.pos.block, self.pos.gstep, loss, rep, self.peer.id, members, cand, seconds)
+            if rep:
+                for pid in rep.departed:  # gone from the round: gone from the group (rule 5 of group.py),
+                    if self.group.joined.get(pid, 0) <= rnd:  # unless it was admitted for a later round
+                        self.group.depart(pid, rep.why.get(pid, "departed mid-round"))
+            self.stats.record_round(entry, rep, self.pos.gstep, loss)
+        await self.membership.round_done(rnd, self.save_join_state)

@@ -1,0 +1,76 @@
+"""The swarm's rules of one training run (``--set swarm.key=value``): schedule, averaging, rounds, timeouts.
+
+Every peer of a swarm must use the same values; the model's and the block training's settings
+are ``ModelConfig`` (blocks/model.py) and ``TrainConfig`` (blocks/train.py); p2p/config.py
+binds the three into a peer's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..averaging import UPDATE_CODECS, OuterOptimizer
+from .schedule import EVAL_POINTS
+
+SCHEDULES = ("relay", "parallel")
+SYNCS = ("grads", "params")
+
+
+@dataclass
+class SwarmConfig:
+    schedule: str = "relay"  # relay | parallel (see the module's rules)
+    sync: str = "grads"  # grads: average gradients every step; params: DiLoCo every `every` steps
+    every: int = 0  # local steps per round; 0 = the sync's default (grads 1, params 25)
+    codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8, topk (lossy ones with error feedback)
+    density: float = 0.01  # topk: the fraction of each chunk of 4096 values sent per round
+    aggregate: str = "robust"  # robust: every member computes every piece, centred clipping (averaging.py rule 6);
+    #                           mean: reduce-scatter, each piece's owner trusted (fewer bytes with many members)
+    outer: str = "sgd"  # params only: sgd | nesterov
+    outer_lr: float = 1.0  # with sgd and momentum 0: the plain average of the workers' parameters
+    outer_momentum: float = 0.0
+    overlap: bool = False  # params only: a round is on the wire during the next round's local steps (see _round)
+    min_coverage: float = 1.0
+    max_norm: float = 1e4  # bound on an incoming part's L2 norm
+    round_timeout_s: float = 120.0
+    join_timeout_s: float = 10.0  # waiting for the answers to a JOIN
+    ready_timeout_s: float = 300.0  # waiting for the group's state after our admission
+    lower_timeout_s: float = 3600.0  # parallel: waiting for the lower blocks' checkpoints
+    eval_windows: int = 16  # valid windows for the CE at start and end (CE per GB)
+    eval_every: int = -1  # steps between valid-CE points of the chain in work (the curve, time to a CE; 0: none;
+    # -1: about EVAL_POINTS over the run, so the live page draws a curve for a run of any length)
+    min_group: int = 1  # start only once this many peers (us included) start together or a group exists
+    margin: int = 2  # rounds between a joiner's admission and its first round
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"swarm schedule {self.schedule!r}: expected one of {SCHEDULES}")
+        if self.sync not in SYNCS:
+            raise ValueError(f"swarm sync {self.sync!r}: expected one of {SYNCS}")
+        if self.outer not in ("sgd", "nesterov"):
+            raise ValueError(f"outer optimizer {self.outer!r}: expected sgd or nesterov")
+        if self.every < 0:
+            raise ValueError("every must be >= 1 local step (0: the default)")
+        if self.eval_every < -1:
+            raise ValueError(f"eval_every {self.eval_every}: steps between CE points (0: none, -1: about "
+                             f"{EVAL_POINTS} points over the run)")
+        if self.sync == "grads" and self.every not in (0, 1):
+            raise ValueError("sync=grads averages every step: every must be 1")
+        if self.overlap and self.sync != "params":
+            raise ValueError("overlap needs sync=params: a gradient is needed before the step it makes")
+        if self.codec not in UPDATE_CODECS:
+            raise ValueError(f"averaging codec {self.codec!r}: expected one of {UPDATE_CODECS}")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"density {self.density}: expected a fraction in (0, 1]")
+        if self.aggregate not in ("robust", "mean"):
+            raise ValueError(f"aggregate {self.aggregate!r}: expected robust or mean")
+        if self.margin < 2 or self.min_group < 1:  # margin: group.py rule 2
+            raise ValueError("margin must be >= 2 and min_group >= 1")
+        if not 0 <= self.min_coverage <= 1:
+            raise ValueError("min_coverage must be in [0, 1]")
+
+    @property
+    def steps_per_round(self) -> int:
+        return self.every or (1 if self.sync == "grads" else 25)
+
+    def outer_optimizer(self) -> OuterOptimizer:
+        return OuterOptimizer(self.outer_lr, self.outer_momentum, self.outer == "nesterov")

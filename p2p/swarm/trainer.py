@@ -1,0 +1,346 @@
+"""The training peer's run loop: the rooms of p2p/swarm/ put together.
+
+Rules:
+- Schedules (schedule.py): ``relay`` trains every block in turn, lowest first, as a data-parallel
+  replica of the group; at a block's end every peer keeps its parameters as a frozen lower block,
+  drops its optimizer state and starts the next block as the identity with the head of the block
+  below (blocks/train.py). ``parallel`` trains the peer's own block on the newest lower blocks of
+  their holders (lower.py). A peer serves and reports its own ``--block``.
+- Rounds (rounds.py): ``every`` steps, averaged with the group (grads or params, optional overlap).
+- Joining (membership.py): ``Group`` decides; a joiner admitted at round ``at`` takes the group's
+  state after ``at`` (store.py writes it, checks.py checks it).
+- Restart: a peer restarted with its work directory resumes from its newest checkpoint
+  (store.py), and joins the group (taking the group's state) if one is training.
+- Memory: one block's gradients and optimizer state at a time; lower blocks run forward only.
+- The last block's draft model (exact-mode serving) trains after the schedule, locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from blocktrain.blocks import checkpoint as ckpt
+
+from ..averaging import Averager, flatten
+from ..checkpoints import CheckpointFetcher, CheckpointServer
+from ..group import Group
+from ..services import PeerServices
+from .checks import StateCheck
+from .draft import train_drafter
+from .lower import LowerFeed
+from .membership import Membership
+from .report import RunState, Stats, progress_line, training_report, work_status
+from .rounds import Rounds, digest
+from .schedule import Position, Schedule
+from .settings import SwarmConfig
+from .store import OUTER_MOMENTUM, CheckpointStore, Found
+
+log = logging.getLogger("blocktrain.p2p")
+
+
+class SwarmTrainer:
+    """Everything a training peer runs beside its peer: the block trainer of the block in work,
+    its group and averaging, checkpoints served and fetched, and the training report."""
+
+    def __init__(self, peer: PeerServices, k: int, mcfg, tcfg, scfg: SwarmConfig, workdir: str | Path,
+                 data: torch.Tensor, valid: torch.Tensor, shard: tuple[int, int] | None = None, progress=None,
+                 on_step=None):
+        self.peer, self.k, self.mcfg, self.tcfg, self.scfg = peer, k, mcfg, tcfg, scfg
+        self.relay = scfg.schedule == "relay"
+        self.schedule = Schedule(k, mcfg.n_blocks, tcfg.steps, scfg.steps_per_round, self.relay,
+                                 scfg.eval_every, tcfg.refresh_every)
+        self.dir = Path(workdir)
+        self.data, self.valid, self.shard = data, valid, shard
+        self.progress = progress or (lambda s: None)  # events, as lines
+        self.scope = "relay" if self.relay else f"block:{k}"
+        self.pos = Position(self.schedule.plan[0])
+        self.trainer = None  # the BlockTrainer of the block in work
+        self.finals: dict[int, dict] = {}  # relay: block -> final parameters
+        self.group = Group(peer.id, margin=scfg.margin)
+        self.averager = Averager(peer, k, codec=scfg.codec, density=scfg.density, min_coverage=scfg.min_coverage,
+                                 max_norm=scfg.max_norm, timeout_s=scfg.round_timeout_s, aggregate=scfg.aggregate,
+                                 floats=self._most_floats())
+        self.server = CheckpointServer(peer, self.dir / "serve")
+        self.fetcher = CheckpointFetcher(peer)
+        self.stats = Stats()
+        self.check = StateCheck(mcfg, self.schedule, valid, tcfg.seq_len)
+        self.store = CheckpointStore(self.server, self.dir, mcfg, tcfg, scfg, self.schedule)
+        self.membership = Membership(peer, self.group, self.averager, self.pos, self.scope,
+                                     None if self.relay else k, self.fetcher, self.check, self.stats.joins, self._say)
+        self.averager.on_control = self.membership.on_control
+        self.rounds = Rounds(peer, self.group, self.averager, self.membership, scfg, self.schedule, self.pos,
+                             self.stats)
+        self.rounds.on_step, self.rounds.save_join_state = on_step, self.save_join_state
+        self.feed = None if self.relay else LowerFeed(peer, k, self.fetcher, self.check, self.stats.lower,
+                                                      scfg.lower_timeout_s, self._waiting_for_lower)
+        self.state = RunState.STARTING
+        self.ce: dict = {}
+        self.eval_s = 0.0  # time spent on the curve's evaluations (not training, not waiting)
+        self.draft_seconds = 0.0  # the last block's draft phase (after the schedule; not in the busy fraction)
+        self.t_start: float | None = None
+        self.t_end: float | None = None
+        self.memory = {"grad_optimizer_bytes": 0}
+        self._eval_mark = 0  # the CE period's multiple at the last curve point
+        self._resumed: bool | None = None  # prepare(): None until the first trainer is built
+        peer.report_section("training", self.training_report)
+        peer.report_section("work", lambda: work_status(self))
+
+    def _most_floats(self) -> int:
+        from blocktrain.blocks.model import Block
+        with torch.random.fork_rng(devices=[]):  # counting parameters draws no random number of ours
+            return max(sum(p.numel() for p in Block(self.mcfg, j).parameters()) for j in self.schedule.plan)
+
+    # --- where we are (the rooms share ``pos``) ----------------------------------------------------
+    block = property(lambda self: self.pos.block)
+    gstep = property(lambda self: self.pos.gstep)
+    rnd = property(lambda self: self.pos.rnd)
+    H = property(lambda self: self.schedule.H)
+    total_steps = property(lambda self: self.schedule.total_steps)
+
+    def params(self) -> list:
+        return list(self.trainer.block.parameters())
+
+    def training_report(self) -> dict:
+        return training_report(self)
+
+    def wall_seconds(self) -> float:
+        """Since training began, without the curve's evaluations."""
+        return ((self.t_end or time.monotonic()) - self.t_start - self.eval_s) if self.t_start else 0.0
+
+    def _say(self, text: str) -> None:
+        self.progress(text)
+
+    def _waiting_for_lower(self) -> None:
+        if self.state is not RunState.WAITING_FOR_LOWER:
+            self._say(f"block {self.k}: waiting for blocks 0..{self.k - 1} from the swarm")
+        self.state = RunState.WAITING_FOR_LOWER
+
+    # --- trainers --------------------------------------------------------------------------------
+    def _new_trainer(self, b: int) -> None:
+        from blocktrain.blocks.data import ByteBatches
+        from blocktrain.blocks.train import BlockTrainer
+
+        old = self.trainer
+        self.trainer = self.rounds.trainer = None  # one block's optimizer at a time: the old one goes first
+        tr = BlockTrainer(self.mcfg, self.tcfg, b, self.data, shard=self.shard[0] if self.shard else 0,
+                          num_shards=self.shard[1] if self.shard else 1)
+        if self.shard is None:  # this peer's own stream of random windows over all the data
+            tr.batches = ByteBatches(self.data, self.tcfg.batch_size, self.tcfg.seq_len, seed=_seed(self.peer.id, b))
+        if b > 0 and self.relay:
+            tr.set_lower([self.finals[j] for j in range(b)], [self.schedule.S] * b)
+            if old is not None and old.k == b - 1:
+                tr.init_from_below(old.block)  # identity start: the head of the block below
+        self.trainer = self.rounds.trainer = tr
+        self.pos.block = b
+        self.rounds.reset()
+        held = tr.trainable_bytes()
+        self.memory["grad_optimizer_bytes"] = max(self.memory["grad_optimizer_bytes"],
+                                                  held["grads"] + held["optim_state"])
+
+    # --- checkpoints (store.py) --------------------------------------------------------------------
+    def _checkpoint(self, final: bool) -> ckpt.Checkpoint:
+        return self.store.checkpoint(self.trainer, self.rounds.outer._buf, final, self.gstep, self.rnd, self.block)
+
+    def _save(self, final: bool = False) -> None:
+        self.store.save(self._checkpoint(final))
+
+    def save_join_state(self, rnd: int) -> str:
+        """The group's state at the end of round ``rnd``, for its joiners (under overlap the group's
+        point, not our parameters ahead of it)."""
+        with self.rounds.at_agreed_point():
+            c = self._checkpoint(False)
+        return self.store.save_join_state(c, rnd)
+
+    def _restore(self, c: ckpt.Checkpoint, lowers: dict, source: str) -> None:
+        """Install a checkpoint of the block in work (and, relay, the final blocks below it)."""
+        gstep = int(c.extra.get("gstep", c.step))
+        if self.relay:
+            self.finals.update(lowers)
+            self.trainer = None
+            self._new_trainer(c.block)
+        self.trainer.restore(c)
+        self.rounds.drop_pending()
+        buf = c.optim.get(OUTER_MOMENTUM)
+        self.rounds.outer._buf = buf.clone() if buf is not None else None
+        self.pos.gstep = gstep
+        self.pos.rnd = int(c.extra.get("round", self.rnd))
+        log.info("block %d: resumed from %s at step %d (global step %d)", c.block, source, c.step, gstep)
+
+    def _take_group_state(self, c: ckpt.Checkpoint, lowers: dict, source: str) -> None:
+        self._restore(c, lowers, source)
+        for j, tensors in lowers.items():  # final blocks we did not train: we hold and serve them too
+            self.store.save_final_params(j, tensors)
+
+    def _resume(self, found: Found) -> None:
+        """After a restart: the state ``store.find_own`` found."""
+        if found.state is not None:
+            self._restore(found.state, found.finals, found.path)
+            return
+        finals = found.finals
+        self.finals.update(finals)
+        self.pos.gstep = len(finals) * self.schedule.S
+        K = self.mcfg.n_blocks
+        if len(finals) < K:
+            from blocktrain.blocks.model import Block
+            below = Block(self.mcfg, len(finals) - 1)
+            below.load_state_dict(finals[len(finals) - 1])
+            self._new_trainer(len(finals))
+            self.trainer.init_from_below(below)
+        else:  # everything is final: we only serve
+            self._new_trainer(K - 1)
+            self.trainer.block.load_state_dict(finals[K - 1])
+        log.info("resumed with blocks %s final (global step %d)", sorted(finals), self.gstep)
+
+    # --- the whole run -----------------------------------------------------------------------------
+    def eval_heads(self) -> list[float]:
+        """Valid CE of every head along the chain this peer holds (relay: up to the block in work)."""
+        from blocktrain.blocks.model import Block
+        from blocktrain.blocks.train import eval_chain
+        if self.relay:
+            chain = []
+            for j in range(self.block):
+                b = Block(self.mcfg, j)
+                b.load_state_dict(self.finals[j])
+                chain.append(b)
+        else:
+            chain = list(self.trainer.lower)
+        return eval_chain(chain + [self.trainer.block], self.valid, self.tcfg.seq_len, self.scfg.eval_windows)
+
+    def prepare(self) -> bool:
+        """The first block's trainer, resumed from our own checkpoint if we have one (True then).
+        Seconds of CPU the first time in a process (the first optimizer imports much of torch),
+        10-20 s on a starved machine: a peer process runs it before it listens (app.run_peer),
+        since an event loop busy with it answers no handshake and no ping (joiners time out,
+        members declare it dead). Idempotent; ``run`` calls it if nobody did."""
+        if self._resumed is None:
+            self._new_trainer(self.schedule.plan[0])
+            found = self.store.find_own()
+            if found is not None:
+                self._resume(found)
+            self._resumed = found is not None
+        return self._resumed
+
+    async def run(self, steps: int | None = None) -> dict:
+        """Train every block of the plan to ``steps`` steps each (default: the config's)."""
+        if steps is not None and steps != self.schedule.S:
+            if self._resumed is not None:  # where a checkpoint's step lies depends on the steps per block
+                raise ValueError(f"prepared for {self.schedule.S} steps per block, asked to run {steps}")
+            self.schedule.set_steps(steps)
+        await self._start()
+        while self.gstep < self.total_steps:
+            await self._next_round()
+        self.membership.send(self.group.finish())
+        self.t_end = time.monotonic()
+        if self.relay and self.block != self.k:  # serve our own block
+            self._restore_final_own()
+        if self.k == self.mcfg.n_blocks - 1 and self.tcfg.draft_steps and self.trainer.block.drafter is not None:
+            await self._draft_phase()
+        heads = await asyncio.to_thread(self.eval_heads)
+        self.ce["end"], self.ce["heads"] = heads[-1], heads
+        self.state = RunState.DONE
+        self.peer.write_report()
+        return self.training_report()
+
+    async def _start(self) -> None:
+        """Prepared, members known, (parallel) lower blocks in, the start CE, in a group."""
+        resumed = self.prepare()
+        self.state = RunState.WAITING_FOR_MEMBERS
+        await self.peer.wait_for(self.peer.settled, self.scfg.join_timeout_s)  # who is there, before asking
+        await self.peer.wait_for(lambda: len(self.membership.candidates()) + 1 >= self.scfg.min_group,
+                                 self.scfg.lower_timeout_s)
+        if self.feed is not None:
+            await self.feed.refresh(self.trainer, wait=True)
+        self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]  # before training began: not in eval_s
+        self.ce["start_step"] = self.gstep
+        if resumed:
+            self._say(f"resumed at global step {self.gstep} (block {self.block})")
+        self.t_start = time.monotonic()
+        await self._join()
+        if self.stats.joins and self.stats.joins[-1]["how"] == "fetched the group's state":
+            await self._start_ce()  # we start from the group's state, not our own
+        self._say(f"training block {self.block} from step {self.gstep} of {self.total_steps}, group of "
+                  f"{len(self.group.members())}, rounds of {self.H} step(s) ({self.scfg.sync})")
+        if not self.stats.phases or self.stats.phases[-1]["block"] != self.block:
+            self.stats.phases.append({"block": self.block, "start_step": self.gstep, "started": time.time()})
+
+    async def _join(self) -> None:
+        self.state = RunState.JOINING
+        await self.membership.join(lambda: digest(flatten(self.params())), self.scfg.min_group,
+                                   self.scfg.join_timeout_s, self.scfg.ready_timeout_s, self._take_group_state)
+        self.state = RunState.TRAINING
+
+    async def _next_round(self) -> None:
+        """The schedule's next round: a rejoin or the next block first if due; CE points, saves and
+        reports after it."""
+        if self.membership.rejoin:
+            self.membership.rejoin = False
+            self.rounds.drop_pending()  # we take the group's state
+            await self._join()
+        b = self.schedule.block_at(self.gstep)
+        if b != self.block:  # relay: the next block, on the final ones below
+            self._new_trainer(b)
+            self.stats.phases.append({"block": b, "start_step": self.gstep, "started": time.time()})
+            self._say(f"block {b - 1} is final; training block {b} (holding block {self.k})")
+        if self.feed is not None and self.schedule.refresh_due(self.gstep):
+            await self.feed.refresh(self.trainer, wait=False)
+        await self.rounds.step()
+        await self._curve_point()
+        if self.schedule.ends_block(self.gstep):
+            await self._finish_block()
+        elif self.store.due() or self.gstep >= self.total_steps:
+            await asyncio.to_thread(self._save, self.gstep >= self.total_steps)
+        if self.schedule.report_due(self.gstep):
+            self.peer.write_report()
+            if self.rounds.on_step is None:
+                self._say(progress_line(self, self.wall_seconds()))
+
+    async def _curve_point(self) -> None:
+        mark = self.schedule.eval_mark(self.gstep)
+        if mark is not None and mark != self._eval_mark:
+            self._eval_mark = mark
+            t = time.monotonic()
+            heads = await asyncio.to_thread(self.eval_heads)
+            self.eval_s += time.monotonic() - t
+            self.stats.curve.append((self.gstep, round(self.wall_seconds(), 3), heads))
+
+    async def _finish_block(self) -> None:
+        """Relay: the block in work is final; keep its parameters, drop its optimizer."""
+        self.finals[self.block] = {n: t.detach().clone() for n, t in self.trainer.block.state_dict().items()}
+        await asyncio.to_thread(self._save, True)
+        self.stats.phases[-1]["end_step"] = self.gstep
+        self.stats.phases[-1]["ended"] = time.time()
+
+    async def _start_ce(self) -> None:
+        """The CE we start from, on a few windows (so the group's next round waits on us a moment at most)."""
+        t = time.monotonic()
+        self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]
+        self.ce["start_step"] = self.gstep
+        self.eval_s += time.monotonic() - t
+
+    async def _draft_phase(self) -> None:
+        """The last block's draft model (draft.py); its checkpoint says so."""
+        if self.store.own_has_drafter():
+            return  # done before a restart
+        self.state = RunState.DRAFT_PHASE
+        n = self.tcfg.draft_steps
+        self.draft_seconds = await train_drafter(self.trainer, n, self.stats.draft_curve, self._say)
+        tensors = {k: v.detach().clone() for k, v in self.trainer.block.state_dict().items()}
+        c = ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.schedule.S, tensors,
+                            extra={"final": True, "gstep": self.total_steps, "drafter_steps": n,
+                                   "train": self.tcfg.to_dict()})
+        await asyncio.to_thread(self.store.publish_own, c)
+
+    def _restore_final_own(self) -> None:
+        c = self.store.load_own()
+        self.trainer = None
+        self._new_trainer(self.k)
+        self.trainer.restore(c)
+
+
+def _seed(peer_id: str, block: int) -> int:
+    return (int(peer_id[:8], 16) * 1_000_003 + block) % (1 << 62)
