@@ -1,4 +1,6 @@
-"""Configuration: one dataclass tree per job, defaults stated once, typed overrides.
+"""Configuration, in one home: the model (``ModelConfig``), a block's training (``TrainConfig``),
+``bt-train``'s job (``JobConfig``), and the loader of overrides. The swarm's rules (``SwarmConfig``)
+and a training peer's job (``PeerJob``) are p2p/swarm/settings.py (they name the network's codecs).
 
 Rules:
 - Defaults live in the dataclasses themselves (ModelConfig, TrainConfig, and the job's own
@@ -14,11 +16,107 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .model import ModelConfig
-from .train import TrainConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 128  # residual width (the default model trains in minutes on 2 cores)
+    n_head: int = 4  # attention heads; d_model % n_head == 0
+    n_layer: int = 6  # layers of the whole model (end-to-end reference = assembled model)
+    n_blocks: int = 3  # K: blocks the layers are cut into, n_layer % n_blocks == 0
+    max_seq_len: int = 512  # positions the embedding knows (prompt + placeholders)
+    mlp_ratio: int = 4  # MLP hidden = mlp_ratio * d_model
+    head_layers: int = 1  # extra Transformer layers in the local heads of blocks 0..K-2
+    identity_init: bool = True  # blocks 1..K-1 start as the identity (zeroed output projections)
+    draft_layers: int = 1  # layers of the last block's draft model (exact-mode drafts, ``Drafter``); 0: none
+    slot_offsets: int = 16  # learned embeddings of a placeholder's offset after the last byte (clamped); 0: none
+
+    def __post_init__(self):
+        if min(self.d_model, self.n_head, self.n_layer, self.n_blocks, self.max_seq_len, self.mlp_ratio) < 1:
+            raise ValueError("d_model, n_head, n_layer, n_blocks, max_seq_len and mlp_ratio must be >= 1")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
+        if self.n_layer % self.n_blocks:
+            raise ValueError(f"n_layer {self.n_layer} does not split into {self.n_blocks} blocks")
+        if self.head_layers < 0:
+            raise ValueError("head_layers must be >= 0")
+        if self.identity_init and self.n_blocks > 1 and self.head_layers > self.n_layer // self.n_blocks:
+            raise ValueError(f"head_layers {self.head_layers} is more than a block's {self.n_layer // self.n_blocks} "
+                             "layers: the top block could not start from the head below (identity_init)")
+        if self.draft_layers < 0 or self.slot_offsets < 0:
+            raise ValueError("draft_layers and slot_offsets must be >= 0")
+
+    @property
+    def layers_per_block(self) -> int:
+        return self.n_layer // self.n_blocks
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Missing keys take their defaults, except in a complete config saved before a field
+        existed, which takes the value that reproduces the model it describes (``LEGACY``)."""
+        older = {f.name for f in fields(cls)} - set(LEGACY)
+        if older <= set(d):
+            d = {**{k: v for k, v in LEGACY.items() if k not in d}, **d}
+        return config_from_dict(cls, d)
+
+
+# Fields added after the first checkpoints, with the value a config saved before them means.
+LEGACY = {"draft_layers": 0, "slot_offsets": 0}
+
+
+def config_from_dict(cls, d: dict):
+    """Build config dataclass ``cls`` from a dict; unknown keys are errors, never ignored."""
+    unknown = set(d) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
+    return cls(**d)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300  # optimizer steps per block, and for the end-to-end reference
+    batch_size: int = 16  # sequences per step
+    seq_len: int = 128  # bytes per sequence
+    lr: float = 2e-3  # peak AdamW learning rate
+    weight_decay: float = 0.1
+    warmup: int = 30  # linear warmup steps
+    decay_frac: float = 0.3  # WSD: fraction of a block's steps spent in the final decay
+    lr_floor: float = 0.05  # LR after the decay, as a fraction of peak
+    slot_branches: int = 4  # per row: branches of placeholders after random bytes (tree attention); 0: masked tails
+    slot_len: int = 15  # placeholders per branch: one traversal predicts slot_len + 1 bytes
+    slot_weight: float = 0.2  # weight of the placeholders' mean CE beside the next-byte mean CE
+    mask_frac: float = 0.25  # slot_branches == 0 only: fraction of rows whose tail is placeholders
+    position_shift: bool = False  # each row at a random absolute offset, so positions past seq_len train too
+    refresh_every: int = 25  # wall steps between refreshes of the lower-block checkpoints
+    seed: int = 0
+    eval_every: int = 50  # steps between curve points (valid CE on eval_windows windows)
+    eval_windows: int = 32
+    grad_clip: float = 1.0
+    draft_frac: float = 0.6  # draft phase of the last block's draft model, in ``steps`` (0: none), on top of them
+    draft_unroll: int = 3  # drafting steps unrolled in training (the draft model reads its own predictions)
+
+    @property
+    def draft_steps(self) -> int:
+        return round(self.draft_frac * self.steps)
+
+    def __post_init__(self):
+        if min(self.steps, self.batch_size, self.seq_len, self.eval_every, self.eval_windows, self.refresh_every) < 1:
+            raise ValueError("steps, batch_size, seq_len, eval_every, eval_windows and refresh_every must be >= 1")
+        if self.lr <= 0 or self.warmup < 0 or not 0 <= self.decay_frac <= 1 or not 0 <= self.mask_frac <= 1:
+            raise ValueError("lr must be > 0, warmup >= 0, decay_frac and mask_frac in [0, 1]")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        return config_from_dict(cls, d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class ConfigError(ValueError):

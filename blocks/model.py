@@ -31,11 +31,12 @@ Rules:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+from .config import ModelConfig  # the config's home is config.py (imported from here too)
 
 VOCAB_SIZE = 256  # bytes
 MASK_ID = 256  # the placeholder input id; never an output
@@ -46,63 +47,6 @@ MASK_ID = 256  # the placeholder input id; never an output
 # on the machine it runs on. (A batched p @ v also depends on where zero weights sit among the
 # keys, which is why exact rows sum sequentially instead.)
 MIN_ROWS = 4
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    d_model: int = 128  # residual width (the default model trains in minutes on 2 cores)
-    n_head: int = 4  # attention heads; d_model % n_head == 0
-    n_layer: int = 6  # layers of the whole model (end-to-end reference = assembled model)
-    n_blocks: int = 3  # K: blocks the layers are cut into, n_layer % n_blocks == 0
-    max_seq_len: int = 512  # positions the embedding knows (prompt + placeholders)
-    mlp_ratio: int = 4  # MLP hidden = mlp_ratio * d_model
-    head_layers: int = 1  # extra Transformer layers in the local heads of blocks 0..K-2
-    identity_init: bool = True  # blocks 1..K-1 start as the identity (zeroed output projections)
-    draft_layers: int = 1  # layers of the last block's draft model (exact-mode drafts, ``Drafter``); 0: none
-    slot_offsets: int = 16  # learned embeddings of a placeholder's offset after the last byte (clamped); 0: none
-
-    def __post_init__(self):
-        if min(self.d_model, self.n_head, self.n_layer, self.n_blocks, self.max_seq_len, self.mlp_ratio) < 1:
-            raise ValueError("d_model, n_head, n_layer, n_blocks, max_seq_len and mlp_ratio must be >= 1")
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
-        if self.n_layer % self.n_blocks:
-            raise ValueError(f"n_layer {self.n_layer} does not split into {self.n_blocks} blocks")
-        if self.head_layers < 0:
-            raise ValueError("head_layers must be >= 0")
-        if self.identity_init and self.n_blocks > 1 and self.head_layers > self.n_layer // self.n_blocks:
-            raise ValueError(f"head_layers {self.head_layers} is more than a block's {self.n_layer // self.n_blocks} "
-                             "layers: the top block could not start from the head below (identity_init)")
-        if self.draft_layers < 0 or self.slot_offsets < 0:
-            raise ValueError("draft_layers and slot_offsets must be >= 0")
-
-    @property
-    def layers_per_block(self) -> int:
-        return self.n_layer // self.n_blocks
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        """Missing keys take their defaults, except in a complete config saved before a field
-        existed, which takes the value that reproduces the model it describes (``LEGACY``)."""
-        older = {f.name for f in fields(cls)} - set(LEGACY)
-        if older <= set(d):
-            d = {**{k: v for k, v in LEGACY.items() if k not in d}, **d}
-        return config_from_dict(cls, d)
-
-
-# Fields added after the first checkpoints, with the value a config saved before them means.
-LEGACY = {"draft_layers": 0, "slot_offsets": 0}
-
-
-def config_from_dict(cls, d: dict):
-    """Build config dataclass ``cls`` from a dict; unknown keys are errors, never ignored."""
-    unknown = set(d) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
-    return cls(**d)
 
 
 class Entries:

@@ -15,55 +15,13 @@ Rules:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 from torch.nn import functional as F
 
 from . import checkpoint as ckpt
 from .data import ByteBatches, eval_windows
-from .model import MASK_ID, Block, EndToEnd, KVCache, ModelConfig, config_from_dict, lr_at
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 300  # optimizer steps per block, and for the end-to-end reference
-    batch_size: int = 16  # sequences per step
-    seq_len: int = 128  # bytes per sequence
-    lr: float = 2e-3  # peak AdamW learning rate
-    weight_decay: float = 0.1
-    warmup: int = 30  # linear warmup steps
-    decay_frac: float = 0.3  # WSD: fraction of a block's steps spent in the final decay
-    lr_floor: float = 0.05  # LR after the decay, as a fraction of peak
-    slot_branches: int = 4  # per row: branches of placeholders after random bytes (tree attention); 0: masked tails
-    slot_len: int = 15  # placeholders per branch: one traversal predicts slot_len + 1 bytes
-    slot_weight: float = 0.2  # weight of the placeholders' mean CE beside the next-byte mean CE
-    mask_frac: float = 0.25  # slot_branches == 0 only: fraction of rows whose tail is placeholders
-    position_shift: bool = False  # each row at a random absolute offset, so positions past seq_len train too
-    refresh_every: int = 25  # wall steps between refreshes of the lower-block checkpoints
-    seed: int = 0
-    eval_every: int = 50  # steps between curve points (valid CE on eval_windows windows)
-    eval_windows: int = 32
-    grad_clip: float = 1.0
-    draft_frac: float = 0.6  # draft phase of the last block's draft model, in ``steps`` (0: none), on top of them
-    draft_unroll: int = 3  # drafting steps unrolled in training (the draft model reads its own predictions)
-
-    @property
-    def draft_steps(self) -> int:
-        return round(self.draft_frac * self.steps)
-
-    def __post_init__(self):
-        if min(self.steps, self.batch_size, self.seq_len, self.eval_every, self.eval_windows, self.refresh_every) < 1:
-            raise ValueError("steps, batch_size, seq_len, eval_every, eval_windows and refresh_every must be >= 1")
-        if self.lr <= 0 or self.warmup < 0 or not 0 <= self.decay_frac <= 1 or not 0 <= self.mask_frac <= 1:
-            raise ValueError("lr must be > 0, warmup >= 0, decay_frac and mask_frac in [0, 1]")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        return config_from_dict(cls, d)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from .config import TrainConfig  # the config's home is config.py (imported from here too)
+from .model import MASK_ID, Block, EndToEnd, KVCache, ModelConfig, lr_at
 
 
 def wsd_plan(cfg: TrainConfig) -> tuple[int, int]:
