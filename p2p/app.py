@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
@@ -29,6 +30,9 @@ from .node import JoinError, Peer
 from .pipeline import PipelineServer, ServedBlocks, refuse_requests
 from .swarm import SwarmError, SwarmTrainer, refuse_joins
 from .transport import Timeouts
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("blocktrain.p2p")
 
@@ -67,9 +71,9 @@ class Training:
     """What a training peer trains, with which data, where it keeps its checkpoints."""
     job: PeerJob
     block: int
-    work_dir: Path
-    train_data: object  # uint8 tensor
-    valid_data: object
+    work_dir: Path | None  # None: bt-peer's default (cli._run names one after the identity before running)
+    train_data: torch.Tensor  # uint8 tensor
+    valid_data: torch.Tensor
     shard: tuple[int, int] | None = None
 
 
@@ -127,6 +131,7 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
     trainer = None
     if training is not None:
         j = training.job
+        assert training.work_dir is not None  # a default is chosen before any peer runs (cli._run)
         trainer = SwarmTrainer(peer, training.block, j.model, j.train, j.swarm, training.work_dir,
                                training.train_data, training.valid_data, training.shard, progress=on_line,
                                on_step=on_step)

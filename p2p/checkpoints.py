@@ -343,7 +343,8 @@ def holders(members, block: int, role: str = "train") -> list[str]:
     ``members``: MemberViews, or status-reply member dicts."""
     out = []
     for m in members:
-        get = m.get if isinstance(m, dict) else (lambda k, m=m: getattr(m, k))
+        def get(k: str, m=m):
+            return m.get(k) if isinstance(m, dict) else getattr(m, k)
         alive = get("state") == "alive" if isinstance(m, dict) else m.alive
         if alive and get("role") == role and block in get("blocks"):
             out.append((get("peer_id"), get("addr")))

@@ -35,7 +35,7 @@ from .identity import peer_id
 from .node import status_when_listening
 from .pipeline import MODES, PipelineError
 from .tensors import from_wire, to_wire
-from .transport import CLIENT_INFO, Timeouts, make_connection, open_connection
+from .transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
 
 
 DRAFT_LEN = 16  # bytes drafted per traversal in exact mode
@@ -63,7 +63,7 @@ class PipelineClient:
         self.route, self.blocks = list(route), list(blocks)
         self.timeouts = timeouts or Timeouts()
         self.link, self.codec, self.timeout_s = link, codec, timeout_s
-        self.conns: dict[str, object] = {}
+        self.conns: dict[str, PeerConnection] = {}
         self.pending: dict[int, asyncio.Future] = {}
         self._readers: list[asyncio.Task] = []
         self.id = peer_id(identity)
@@ -109,7 +109,7 @@ class PipelineClient:
         self.pending[rid] = fut
         meta = {**meta, "blocks": self.blocks, "reply_to": self.id, "codec": self.codec}
         tensors = () if x is None else (to_wire("x", x, self.codec, "never"),)
-        self.conns[self.route[0]].send_nowait(PipelineForward(request_id=rid, route=self.route, hop=0,
+        self.conns[self.route[0]].send_nowait(PipelineForward(request_id=rid, route=tuple(self.route), hop=0,
                                                               tensors=tensors, meta=meta))
         try:
             res = await asyncio.wait_for(fut, self.timeout_s)
@@ -130,7 +130,7 @@ class PipelineClient:
         """Free the session's caches along the chain (no answer comes back)."""
         try:
             self.conns[self.route[0]].send_nowait(PipelineForward(
-                request_id=_request_id(), route=self.route, hop=0,
+                request_id=_request_id(), route=tuple(self.route), hop=0,
                 meta={"mode": mode, "session": session, "end": True, "blocks": self.blocks, "reply_to": self.id}))
         except ConnectionError:
             pass  # the hops free it when it idles
@@ -212,7 +212,7 @@ def new_session(prompt: bytes, n: int, mode: str, sampling: Sampling = Sampling(
 MAX_ROUTE_BLOCKS = 256  # bound on a peer's word for how many blocks a model has
 
 
-def chain(st: dict, avoid: set = frozenset()) -> list[str]:
+def chain(st: dict, avoid: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """One live serving peer per block 0..K-1 from a status reply, avoiding ``avoid``."""
     members = [m for m in status_members(st) if m["addr"] not in avoid]
     blocks = sorted({b for m in members if m["role"] == "serve" and m["state"] == "alive" for b in m["blocks"]})

@@ -203,9 +203,9 @@ class Group:
             p, r = max(welcome, key=lambda w: (len(_members(w[1])), _neg(w[0])))
             # two welcomes of that group (sponsors either side of a change, rule 2): the earliest,
             # the admission its members keep
-            same = [(q, w) for q, w in welcome if q in _members(r) and type(w.meta.get("at")) is int]
-            if same and type(r.meta.get("at")) is int:
-                p, r = min(same, key=lambda w: (w[1].meta["at"], w[0]))
+            twins = [(q, w) for q, w in welcome if q in _members(r) and type(w.meta.get("at")) is int]
+            if twins and type(r.meta.get("at")) is int:
+                p, r = min(twins, key=lambda w: (w[1].meta["at"], w[0]))
             members = _members(r)
             at, block = r.meta.get("at"), r.meta.get("block")
             if type(at) is not int or at < 0:
@@ -262,7 +262,8 @@ class Group:
         for (p, sender), (firsts, after) in self._early_admits.items():
             if p != self.me:
                 by_sender.setdefault(sender, []).append((p, firsts, after))
-        trusted, todo, heard = set(members), [m for m in members if m in by_sender], {}
+        trusted, todo = set(members), [m for m in members if m in by_sender]
+        heard: dict = {}
         while todo:
             sender = todo.pop()
             for p, firsts, after in by_sender.pop(sender, ()):

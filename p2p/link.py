@@ -93,7 +93,7 @@ def load_topology(path: str | Path) -> dict:
         raise ValueError(f"topology {path}: {e}") from None
     if not isinstance(raw, dict) or set(raw) - {"default", "links"}:
         raise ValueError(f"topology {path}: expected keys 'default' and 'links'")
-    out = {"default": LinkSpec.parse(raw.get("default", "")), "links": {}}
+    out: dict = {"default": LinkSpec.parse(raw.get("default", "")), "links": {}}
     for k, v in (raw.get("links") or {}).items():
         out["links"][k] = LinkSpec.parse(v)
     return out

@@ -35,7 +35,7 @@ def read_report(path: str | Path) -> dict:
 
 def summarise(files) -> dict:
     """The aggregate of several reports (JSON-able)."""
-    kinds = {d: {} for d in DIRECTIONS}
+    kinds: dict[str, dict] = {d: {} for d in DIRECTIONS}
     peers = []
     for f in files:
         r = read_report(f)
