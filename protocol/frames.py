@@ -165,7 +165,7 @@ class ReusableBuffer:
     POOL = 3  # a frame being consumed, one being assembled, one spare
     SPARE_BYTES = 64 * 1024 * 1024
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._pool: list[bytearray] = []
 
     @staticmethod
