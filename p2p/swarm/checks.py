@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.config import ModelConfig
 
 from .schedule import Schedule
 
@@ -44,7 +45,7 @@ def _finite(tensors: dict) -> bool:
 
 @dataclass
 class StateCheck:
-    mcfg: object  # ModelConfig
+    mcfg: ModelConfig
     schedule: Schedule
     valid: torch.Tensor
     seq_len: int
@@ -55,10 +56,9 @@ class StateCheck:
 
     def state(self, c: ckpt.Checkpoint, lowers: dict) -> None:
         """The group's state (and, relay, the final blocks below it); ValueError if not one of ours."""
-        from blocktrain.blocks.model import ModelConfig
         if ModelConfig.from_dict(c.config) != self.mcfg:
             raise ValueError("the group's model config differs from ours")
-        if c.block not in self.schedule.plan:
+        if c.block is None or c.block not in self.schedule.plan:
             raise ValueError(f"the group trains block {c.block}, not one of ours {list(self.schedule.plan)}")
         for tensors, b in [(c.tensors, c.block)] + [(t, j) for j, t in lowers.items()]:
             if {n: t.shape for n, t in tensors.items()} != self._shapes(b):
@@ -73,6 +73,7 @@ class StateCheck:
 
     def _plausible(self, c: ckpt.Checkpoint, lowers: dict) -> None:
         from blocktrain.blocks.model import Block
+        assert c.block is not None  # state() checked it
         for tensors, b in [(c.tensors, c.block)] + [(t, j) for j, t in lowers.items()]:
             check_norm(tensors, Block(self.mcfg, b).state_dict(), b)
         if self.schedule.relay or c.block == 0:  # the whole chain is in hand: what it scores on our own windows
@@ -90,7 +91,6 @@ class StateCheck:
 
     def lower(self, c: ckpt.Checkpoint, j: int) -> None:
         """A lower block fetched from a holder (parallel schedule)."""
-        from blocktrain.blocks.model import ModelConfig
         if c.block != j or ModelConfig.from_dict(c.config) != self.mcfg:
             raise ValueError(f"not block {j} of our model")
         if {n: t.shape for n, t in c.tensors.items()} != self._shapes(j):

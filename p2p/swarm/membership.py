@@ -247,6 +247,8 @@ class Membership:
     async def _fetch_state(self, sources: list[str], name: str, by: list) -> tuple:
         blob = await self.fetcher.fetch(sources, CHECKPOINT, name, source=by)
         c = ckpt.decode(blob, f"the group's state {name}")
+        if c.block is None:  # checked before it counts the lower blocks to fetch
+            raise ValueError(f"{name} is an end-to-end checkpoint, not a block's state")
         lowers, nbytes = {}, len(blob)
         if self.check.schedule.relay:
             for j in range(c.block):

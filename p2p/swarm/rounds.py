@@ -23,7 +23,7 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -34,12 +34,15 @@ from .membership import Membership
 from .report import Stats, round_entry
 from .schedule import Position, Schedule
 
+if TYPE_CHECKING:
+    from blocktrain.blocks.train import BlockTrainer
+
 log = logging.getLogger("blocktrain.p2p")
 
 
 def digest(t: torch.Tensor) -> str:
     """A digest of a start point (crc32 of its float32 bytes): cheap, for divergence, not security."""
-    return f"{zlib.crc32(t.detach().float().contiguous().numpy()):08x}"
+    return f"{zlib.crc32(t.detach().float().contiguous().numpy().data):08x}"
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Rounds:
                  scfg, schedule: Schedule, pos: Position, stats: Stats):
         self.peer, self.group, self.averager, self.membership = peer, group, averager, membership
         self.scfg, self.schedule, self.pos, self.stats = scfg, schedule, pos, stats
-        self.trainer = None  # the BlockTrainer of the block in work (set by the run loop)
+        self.trainer: BlockTrainer | None = None  # the block in work's (set by the run loop)
         self.outer = scfg.outer_optimizer()
         self.busy_s = 0.0
         self.last_loss = float("nan")
@@ -70,8 +73,14 @@ class Rounds:
         self._pending: _Pending | None = None
         self._members_before: list | None = None  # the last round's members
 
+    @property
+    def tr(self) -> "BlockTrainer":
+        """The block in work's trainer (there is one from ``prepare`` on)."""
+        assert self.trainer is not None, "no block in work yet"
+        return self.trainer
+
     def params(self) -> list:
-        return list(self.trainer.block.parameters())
+        return list(self.tr.block.parameters())
 
     def reset(self) -> None:
         """Another block: a fresh outer optimizer, and the round on the wire is not ours."""
@@ -117,7 +126,7 @@ class Rounds:
 
     async def _local_steps(self) -> float:
         for _ in range(self.schedule.H):
-            loss = await self._timed(self.trainer.train_step)
+            loss = await self._timed(self.tr.train_step)
         self.last_loss = loss
         return loss
 
@@ -134,8 +143,8 @@ class Rounds:
         rnd, members = self._begin(start)
         t0 = time.perf_counter()
         if self.scfg.sync == "grads":
-            loss = self.last_loss = await self._timed(self.trainer.compute_grads)
-            vec = self.trainer.grads()
+            loss = self.last_loss = await self._timed(self.tr.compute_grads)
+            vec = self.tr.grads()
         else:
             loss = await self._local_steps()
             vec = start - flatten(self.params())
@@ -150,11 +159,11 @@ class Rounds:
                              "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
                 if self.scfg.sync == "params":
                     unflatten_(self.params(), start)
-                    self.trainer.step -= self.schedule.H
+                    self.tr.step -= self.schedule.H
                 await self._after(rnd, None, loss, members, time.perf_counter() - t0, failed=True)
                 return
         if self.scfg.sync == "grads":
-            await self._timed(self.trainer.apply_grads, avg)
+            await self._timed(self.tr.apply_grads, avg)
         else:
             unflatten_(self.params(), self.outer.step(start, avg))
         self._stepped(loss, members)

@@ -60,7 +60,7 @@ class CheckpointStore:
 
     def save(self, c: ckpt.Checkpoint) -> None:
         """The block in work: its full checkpoint ``c``, and its parameters as a lower block."""
-        b, final = c.block, bool(c.extra.get("final"))
+        b, final = _block(c), bool(c.extra.get("final"))
         self.server.publish(CHECKPOINT, ckpt.block_name(b), c)
         extra = {"final": final, "round": c.extra["round"], "gstep": c.extra["gstep"]}
         self.server.publish(LOWER, ckpt.block_name(b), ckpt.Checkpoint(c.config, c.block, c.step, c.tensors, extra=extra))
@@ -83,7 +83,7 @@ class CheckpointStore:
 
     def save_join_state(self, c: ckpt.Checkpoint, rnd: int) -> str:
         """The group's state ``c`` at the end of round ``rnd``, for its joiners; its name."""
-        name = self.join_state_name(c.block, rnd)
+        name = self.join_state_name(_block(c), rnd)
         c.extra["round"] = rnd
         self.server.publish(CHECKPOINT, name, c)
         for old in (self.dir / "serve" / CHECKPOINT).glob(f"block*.r*{ckpt.SUFFIX}"):
@@ -93,7 +93,7 @@ class CheckpointStore:
         return name
 
     def publish_own(self, c: ckpt.Checkpoint) -> None:
-        self.server.publish(CHECKPOINT, ckpt.block_name(c.block), c)
+        self.server.publish(CHECKPOINT, ckpt.block_name(_block(c)), c)
 
     def load_own(self) -> ckpt.Checkpoint:
         return ckpt.load(self._own)
@@ -122,3 +122,10 @@ class CheckpointStore:
             if c.block == len(finals) and not c.extra.get("final"):
                 return Found(finals, c, str(path))
         return Found(finals) if finals else None
+
+
+def _block(c: ckpt.Checkpoint) -> int:
+    """A block checkpoint's index (the trainer's own checkpoints are never end-to-end)."""
+    if c.block is None:
+        raise ckpt.CheckpointError("an end-to-end checkpoint where a block's was expected")
+    return c.block

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from .rounds import Rounds, digest
 from .schedule import Position, Schedule
 from .settings import SwarmConfig
 from .store import OUTER_MOMENTUM, CheckpointStore, Found
+
+if TYPE_CHECKING:
+    from blocktrain.blocks.train import BlockTrainer
 
 log = logging.getLogger("blocktrain.p2p")
 
@@ -59,7 +63,7 @@ class SwarmTrainer:
         self.progress = progress or (lambda s: None)  # events, as lines
         self.scope = "relay" if self.relay else f"block:{k}"
         self.pos = Position(self.schedule.plan[0])
-        self.trainer = None  # the BlockTrainer of the block in work
+        self.trainer: BlockTrainer | None = None  # the block in work's
         self.finals: dict[int, dict] = {}  # relay: block -> final parameters
         self.group = Group(peer.id, margin=scfg.margin)
         self.averager = Averager(peer, k, codec=scfg.codec, density=scfg.density, min_coverage=scfg.min_coverage,
@@ -102,8 +106,14 @@ class SwarmTrainer:
     H = property(lambda self: self.schedule.H)
     total_steps = property(lambda self: self.schedule.total_steps)
 
+    @property
+    def tr(self) -> "BlockTrainer":
+        """The block in work's trainer (there is one from ``prepare`` on)."""
+        assert self.trainer is not None, "no block in work yet"
+        return self.trainer
+
     def params(self) -> list:
-        return list(self.trainer.block.parameters())
+        return list(self.tr.block.parameters())
 
     def training_report(self) -> dict:
         return training_report(self)
@@ -144,7 +154,7 @@ class SwarmTrainer:
 
     # --- checkpoints (store.py) --------------------------------------------------------------------
     def _checkpoint(self, final: bool) -> ckpt.Checkpoint:
-        return self.store.checkpoint(self.trainer, self.rounds.outer._buf, final, self.gstep, self.rnd, self.block)
+        return self.store.checkpoint(self.tr, self.rounds.outer._buf, final, self.gstep, self.rnd, self.block)
 
     def _save(self, final: bool = False) -> None:
         self.store.save(self._checkpoint(final))
@@ -159,11 +169,13 @@ class SwarmTrainer:
     def _restore(self, c: ckpt.Checkpoint, lowers: dict, source: str) -> None:
         """Install a checkpoint of the block in work (and, relay, the final blocks below it)."""
         gstep = int(c.extra.get("gstep", c.step))
+        if c.block is None:  # checks.py and the store refuse one before it gets here
+            raise ValueError("an end-to-end checkpoint is not a block's state")
         if self.relay:
             self.finals.update(lowers)
             self.trainer = None
             self._new_trainer(c.block)
-        self.trainer.restore(c)
+        self.tr.restore(c)
         self.rounds.drop_pending()
         buf = c.optim.get(OUTER_MOMENTUM)
         self.rounds.outer._buf = buf.clone() if buf is not None else None
@@ -190,10 +202,10 @@ class SwarmTrainer:
             below = Block(self.mcfg, len(finals) - 1)
             below.load_state_dict(finals[len(finals) - 1])
             self._new_trainer(len(finals))
-            self.trainer.init_from_below(below)
+            self.tr.init_from_below(below)
         else:  # everything is final: we only serve
             self._new_trainer(K - 1)
-            self.trainer.block.load_state_dict(finals[K - 1])
+            self.tr.block.load_state_dict(finals[K - 1])
         log.info("resumed with blocks %s final (global step %d)", sorted(finals), self.gstep)
 
     # --- the whole run -----------------------------------------------------------------------------
@@ -208,8 +220,8 @@ class SwarmTrainer:
                 b.load_state_dict(self.finals[j])
                 chain.append(b)
         else:
-            chain = list(self.trainer.lower)
-        return eval_chain(chain + [self.trainer.block], self.valid, self.tcfg.seq_len, self.scfg.eval_windows)
+            chain = list(self.tr.lower)
+        return eval_chain(chain + [self.tr.block], self.valid, self.tcfg.seq_len, self.scfg.eval_windows)
 
     def prepare(self) -> bool:
         """The first block's trainer, resumed from our own checkpoint if we have one (True then).
@@ -238,7 +250,7 @@ class SwarmTrainer:
         self.t_end = time.monotonic()
         if self.relay and self.block != self.k:  # serve our own block
             self._restore_final_own()
-        if self.k == self.mcfg.n_blocks - 1 and self.tcfg.draft_steps and self.trainer.block.drafter is not None:
+        if self.k == self.mcfg.n_blocks - 1 and self.tcfg.draft_steps and self.tr.block.drafter is not None:
             await self._draft_phase()
         heads = await asyncio.to_thread(self.eval_heads)
         self.ce["end"], self.ce["heads"] = heads[-1], heads
@@ -254,7 +266,7 @@ class SwarmTrainer:
         await self.peer.wait_for(lambda: len(self.membership.candidates()) + 1 >= self.scfg.min_group,
                                  self.scfg.lower_timeout_s)
         if self.feed is not None:
-            await self.feed.refresh(self.trainer, wait=True)
+            await self.feed.refresh(self.tr, wait=True)
         self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]  # before training began: not in eval_s
         self.ce["start_step"] = self.gstep
         if resumed:
@@ -287,7 +299,7 @@ class SwarmTrainer:
             self.stats.phases.append({"block": b, "start_step": self.gstep, "started": time.time()})
             self._say(f"block {b - 1} is final; training block {b} (holding block {self.k})")
         if self.feed is not None and self.schedule.refresh_due(self.gstep):
-            await self.feed.refresh(self.trainer, wait=False)
+            await self.feed.refresh(self.tr, wait=False)
         await self.rounds.step()
         await self._curve_point()
         if self.schedule.ends_block(self.gstep):
@@ -310,7 +322,7 @@ class SwarmTrainer:
 
     async def _finish_block(self) -> None:
         """Relay: the block in work is final; keep its parameters, drop its optimizer."""
-        self.finals[self.block] = {n: t.detach().clone() for n, t in self.trainer.block.state_dict().items()}
+        self.finals[self.block] = {n: t.detach().clone() for n, t in self.tr.block.state_dict().items()}
         await asyncio.to_thread(self._save, True)
         self.stats.phases[-1]["end_step"] = self.gstep
         self.stats.phases[-1]["ended"] = time.time()
@@ -328,8 +340,8 @@ class SwarmTrainer:
             return  # done before a restart
         self.state = RunState.DRAFT_PHASE
         n = self.tcfg.draft_steps
-        self.draft_seconds = await train_drafter(self.trainer, n, self.stats.draft_curve, self._say)
-        tensors = {k: v.detach().clone() for k, v in self.trainer.block.state_dict().items()}
+        self.draft_seconds = await train_drafter(self.tr, n, self.stats.draft_curve, self._say)
+        tensors = {k: v.detach().clone() for k, v in self.tr.block.state_dict().items()}
         c = ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.schedule.S, tensors,
                             extra={"final": True, "gstep": self.total_steps, "drafter_steps": n,
                                    "train": self.tcfg.to_dict()})
@@ -339,7 +351,7 @@ class SwarmTrainer:
         c = self.store.load_own()
         self.trainer = None
         self._new_trainer(self.k)
-        self.trainer.restore(c)
+        self.tr.restore(c)
 
 
 def _seed(peer_id: str, block: int) -> int:
