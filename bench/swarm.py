@@ -73,7 +73,7 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
     from blocktrain.blocks.data import as_tensor, read_split
     from blocktrain.blocks.evaluate import evaluate
     from blocktrain.p2p.assemble import assemble_from_swarm
-    from blocktrain.p2p.config import PeerJob
+    from blocktrain.p2p.swarm.settings import PeerJob
     from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key, new_swarm_key, write_identity
 
     swarm = dict(swarm or {})
@@ -214,7 +214,7 @@ def reference(steps: int, overrides: dict, out: Path, seed: int, test_windows: i
     the data per step of ``workers`` workers averaging their gradients: a batch ``workers`` times
     a worker's."""
     from blocktrain.blocks.config import apply_overrides
-    from blocktrain.p2p.config import PeerJob
+    from blocktrain.p2p.swarm.settings import PeerJob
 
     job = apply_overrides(PeerJob(), {**overrides, "train.steps": steps, "train.seed": seed})
     job = apply_overrides(job, {"train.batch_size": job.train.batch_size * workers})
@@ -308,7 +308,7 @@ class Bench:
 
     def __post_init__(self):
         from blocktrain.blocks.config import apply_overrides
-        from blocktrain.p2p.config import PeerJob
+        from blocktrain.p2p.swarm.settings import PeerJob
 
         if set(self.compare) - set(COMPARISONS):
             raise ValueError(f"unknown comparison(s) {sorted(set(self.compare) - set(COMPARISONS))}; "

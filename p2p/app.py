@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from .checkpoints import refuse_streams
-from .config import PeerJob
 from .link import LinkSpec
 from .node import JoinError, Peer
 from .pipeline import PipelineServer, ServedBlocks, refuse_requests
-from .swarm import SwarmError, SwarmTrainer, refuse_joins
+from .swarm import PeerJob, SwarmError, SwarmTrainer, refuse_joins
 from .transport import Timeouts
 
 if TYPE_CHECKING:

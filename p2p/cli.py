@@ -183,7 +183,7 @@ def _training(o: dict):
     from blocktrain.blocks.data import DataError, as_tensor, read_split
 
     from .app import Training
-    from .config import PeerJob
+    from .swarm.settings import PeerJob
 
     try:
         job = load(PeerJob(), None, o["overrides"], **{

@@ -4,7 +4,8 @@ The training peer is a few rooms, each with its rules in its docstring:
 
 - ``schedule.py``: which block, which round, what falls due at each global step (pure; the relay
   schedule in one place), and ``Position``, where the run is.
-- ``settings.py``: ``SwarmConfig``, the swarm's rules of a run (``--set swarm.key=value``).
+- ``settings.py``: ``SwarmConfig``, the swarm's rules of a run, and ``PeerJob``, a training peer's
+  whole configuration (model, training, swarm).
 - ``rounds.py``: the round step (local steps, averaging, the update; overlap).
 - ``membership.py``: the driver of ``Group`` (group.py): control messages, joining, outsiders.
 - ``store.py``: checkpoints saved, published for joiners and lower blocks, found after a restart.
@@ -17,7 +18,7 @@ The training peer is a few rooms, each with its rules in its docstring:
 from .lower import SwarmError
 from .membership import refuse_joins
 from .rounds import digest
-from .settings import SCHEDULES, SYNCS, SwarmConfig
+from .settings import SCHEDULES, SYNCS, PeerJob, SwarmConfig
 from .trainer import SwarmTrainer
 
-__all__ = ["SCHEDULES", "SYNCS", "SwarmConfig", "SwarmError", "SwarmTrainer", "digest", "refuse_joins"]
+__all__ = ["SCHEDULES", "SYNCS", "PeerJob", "SwarmConfig", "SwarmError", "SwarmTrainer", "digest", "refuse_joins"]

@@ -1,13 +1,16 @@
-"""The swarm's rules of one training run (``--set swarm.key=value``): schedule, averaging, rounds, timeouts.
+"""A training peer's configuration: ``PeerJob``, one tree of the model (``ModelConfig``), its
+training (``TrainConfig``), both at home in blocks/config.py, and the swarm's rules (``SwarmConfig``:
+schedule, averaging, rounds, timeouts).
 
-Every peer of a swarm must use the same values; the model's and the block training's settings
-are ``ModelConfig`` (blocks/model.py) and ``TrainConfig`` (blocks/train.py); p2p/config.py
-binds the three into a peer's job.
+Defaults are the dataclasses' own; ``--set section.key=value`` overrides any of them (the loader
+in blocks/config.py). Every peer of a swarm must use the same values.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from blocktrain.blocks.config import ModelConfig, TrainConfig
 
 from ..averaging import UPDATE_CODECS, OuterOptimizer
 from .schedule import EVAL_POINTS
@@ -74,3 +77,10 @@ class SwarmConfig:
 
     def outer_optimizer(self) -> OuterOptimizer:
         return OuterOptimizer(self.outer_lr, self.outer_momentum, self.outer == "nesterov")
+
+
+@dataclass
+class PeerJob:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
