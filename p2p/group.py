@@ -4,7 +4,7 @@ Rules:
 - Rule 1: everything that changes who is in the group happens in ``Group``'s methods, through the
   one table ``REPLIES`` (what each state answers to each control phase). Messages, departures
   and decisions go in; messages (``Send``) and decisions come out. No sockets, clocks or tasks:
-  the driver (swarm.py) sends, waits and times out.
+  the driver (swarm/membership.py) sends, waits and times out.
 - Rule 2: a group has one sponsor, its member with the smallest peer id. Only the sponsor admits
   a joiner: it picks the round ``at`` = its current round + ``margin``, answers ``welcome`` and
   tells every member ``admit``. Members finish a round only with the sponsor's parts, which it
@@ -131,6 +131,72 @@ class _Reply:
 
 
 @dataclass
+class EarlyAdmits:
+    """Joiner side of rule 2: the admissions heard before we are in, (peer, sender) -> (first
+    rounds, the LEAVE round they follow). Whose word counts is known only when we are in
+    (``told_of``); bounded: MAX_EARLY in all, MAX_PENDING per sender."""
+    by: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.by)
+
+    def clear(self) -> None:
+        self.by = {}
+
+    def stale(self, peer: str, rnd: int) -> None:
+        """``peer`` left in round ``rnd``: its admissions up to that round go."""
+        early = {}
+        for (p, sender), (firsts, after) in self.by.items():
+            firsts = firsts if p != peer else tuple(f for f in firsts if f - 1 > rnd)
+            if firsts:
+                early[p, sender] = (firsts, after)
+        self.by = early
+
+    def keep(self, peer: str, sender: str, first: int, after: int, asked: set) -> None:
+        """An admission heard before we are in, kept per (peer, sender) for _enter (whose word counts
+        is known only then): its EARLY_PER_KEY earliest rounds and the latest LEAVE round it
+        follows. MAX_EARLY in all, MAX_PENDING per sender, room made for the peers we asked."""
+        key = (peer, sender)
+        if key not in self.by:
+            if sum(k[1] == sender for k in self.by) >= MAX_PENDING:
+                return
+            if len(self.by) >= MAX_EARLY:
+                other = next((k for k in self.by if k[1] not in asked), None)
+                if sender not in asked or other is None:
+                    return
+                del self.by[other]
+        firsts, prev_after = self.by.get(key, ((), -1))
+        self.by[key] = (tuple(sorted({*firsts, first}))[:EARLY_PER_KEY], max(after, prev_after))
+
+    def told_of(self, members, me: str, gone: dict) -> dict:
+        """Peer -> [(sender, first round)] of the admissions we take when we are in (rule 2): those
+        sent by a member our welcome names, or by a peer counted in this way (a joiner in before us
+        passes admissions on), less those up to the peer's last LEAVE (its own, or the ``after`` of
+        one of these admissions: rule 5). The same whatever order the ADMITs came in."""
+        by_sender: dict = {}
+        for (p, sender), (firsts, after) in self.by.items():
+            if p != me:
+                by_sender.setdefault(sender, []).append((p, firsts, after))
+        trusted, todo = set(members), [m for m in members if m in by_sender]
+        heard: dict = {}
+        while todo:
+            sender = todo.pop()
+            for p, firsts, after in by_sender.pop(sender, ()):
+                heard.setdefault(p, []).append((sender, firsts, after))
+                if p not in trusted:
+                    trusted.add(p)
+                    if p in by_sender:
+                        todo.append(p)
+        counted = {}
+        for p, entries in heard.items():
+            cut = max([after for _, _, after in entries] + [gone.get(p, -1)])
+            told = [(q, f) for q, firsts, _ in entries for f in firsts if f - 1 > cut]
+            if told:
+                counted[p] = told
+        return counted
+
+
+@dataclass
 class Group:
     """Membership of one averaging group, as one member sees it."""
 
@@ -147,8 +213,7 @@ class Group:
     _asked: set = field(default_factory=set)  # joiner side: peers our JOIN went to
     _admits_due: dict = field(default_factory=dict)  # round -> joiners that take the state written then
     _starters: dict = field(default_factory=dict)  # STARTING side: peer -> (step, digest) it starts from
-    _early_admits: dict = field(default_factory=dict)  # joiner side: (peer, sender) -> (first rounds, after)
-    #                                                    before we are in (MAX_EARLY)
+    _early: "EarlyAdmits" = field(default_factory=lambda: EarlyAdmits())  # joiner side: before we are in
     _gone: dict = field(default_factory=dict)  # peer -> round of its LEAVE (MAX_EARLY; rule 5)
     _left: set = field(default_factory=set)  # joiner side: peers whose LEAVE came in this join attempt
     _forwards: int = 0  # ADMITs passed on in the round in progress (MAX_FORWARDS)
@@ -198,39 +263,10 @@ class Group:
 
     def decide(self, min_group: int = 1) -> Decision:
         """Rules 2-4, once every asked peer answered or the driver's timeout passed."""
-        welcome = [(p, r) for p, r in self._replies.items() if r.phase is Phase.WELCOME]
-        if welcome:  # two groups' welcomes: join the larger (rule 6 merges the other)
-            p, r = max(welcome, key=lambda w: (len(_members(w[1])), _neg(w[0])))
-            # two welcomes of that group (sponsors either side of a change, rule 2): the earliest,
-            # the admission its members keep
-            twins = [(q, w) for q, w in welcome if q in _members(r) and type(w.meta.get("at")) is int]
-            if twins and type(r.meta.get("at")) is int:
-                p, r = min(twins, key=lambda w: (w[1].meta["at"], w[0]))
-            members = _members(r)
-            at, block = r.meta.get("at"), r.meta.get("block")
-            if type(at) is not int or at < 0:
-                return Decision("retry", why=f"{p[:12]} sent a malformed welcome")
-            if r.meta.get("same") is True and self.me in members:
-                self._enter(at, members)
-                return Decision("train", at, min(members), members, block if type(block) is int else None,
-                                "counted in by the others from the start; joining them as we stand")
-            return Decision("fetch", at, p, members, block if type(block) is int else None,
-                            f"the group's state after round {at}")
-        if any(r.phase is Phase.REDIRECT for r in self._replies.values()):
-            return Decision("retry", why="a group is training; its sponsor has not answered yet")
-        same = sorted(p for p, sd in self._starters.items() if sd == (self.step, self.digest))
-        if len(same) + 1 >= max(min_group, 2):  # rule 3: start together
-            self._enter(self.round - 1, same)
-            return Decision("train", self.round - 1, min([self.me, *same]), tuple(sorted([self.me, *same])), None,
-                            f"starting together with {len(same)} peer(s) from the same state")
-        if len(same) + 1 < min_group:
-            return Decision("retry", why=f"{len(same) + 1} of {min_group} peers ready to start together")
-        ahead = [p for p, (step, _) in self._starters.items() if (-step, p) < (-self.step, self.me)]
-        if ahead:
-            first = min(ahead, key=lambda p: (-self._starters[p][0], p))
-            return Decision("retry", sponsor=first, why=f"{first[:12]} starts the group")
-        self._enter(self.round - 1, ())
-        return Decision("train", self.round - 1, self.me, (self.me,), None, "no group in scope: we start it")
+        d, enter = _decide(self._replies, self._starters, self.me, (self.step, self.digest), self.round, min_group)
+        if enter is not None:
+            self._enter(*enter)
+        return d
 
     def joined_group(self, at: int, members) -> None:
         """The joiner took the group's state after round ``at``: a member from ``at + 1``."""
@@ -247,50 +283,25 @@ class Group:
         # welcome's snapshot is in from our start; one the welcome names, later only on the
         # sponsor's word (it came back unseen), never past ADMIT_AHEAD
         sponsor = min(named, default=self.me)
-        for p, told in self._told_of(named).items():
+        for p, told in self._early.told_of(named, self.me, self._gone).items():
             first = min((f for q, f in told if q == sponsor or p not in self.joined), default=None)
             if first is not None and first <= at + 1 + ADMIT_AHEAD:
                 self.joined[p] = max(first, at + 1)
-        self._replies, self._asked, self._early_admits, self._admits_due, self._left = {}, set(), {}, {}, set()
-
-    def _told_of(self, members) -> dict:
-        """Peer -> [(sender, first round)] of the admissions we take when we are in (rule 2): those
-        sent by a member our welcome names, or by a peer counted in this way (a joiner in before us
-        passes admissions on), less those up to the peer's last LEAVE (its own, or the ``after`` of
-        one of these admissions: rule 5). The same whatever order the ADMITs came in."""
-        by_sender: dict = {}
-        for (p, sender), (firsts, after) in self._early_admits.items():
-            if p != self.me:
-                by_sender.setdefault(sender, []).append((p, firsts, after))
-        trusted, todo = set(members), [m for m in members if m in by_sender]
-        heard: dict = {}
-        while todo:
-            sender = todo.pop()
-            for p, firsts, after in by_sender.pop(sender, ()):
-                heard.setdefault(p, []).append((sender, firsts, after))
-                if p not in trusted:
-                    trusted.add(p)
-                    if p in by_sender:
-                        todo.append(p)
-        counted = {}
-        for p, entries in heard.items():
-            cut = max([after for _, _, after in entries] + [self._gone.get(p, -1)])
-            told = [(q, f) for q, firsts, _ in entries for f in firsts if f - 1 > cut]
-            if told:
-                counted[p] = told
-        return counted
+        self._replies, self._asked, self._admits_due, self._left = {}, set(), {}, set()
+        self._early.clear()
 
     def give_up(self, at: int, members, why: str) -> list[Send]:
         """We do not take the state we were admitted to (it did not come, or was bad): LEAVE for the
         members of our welcome and for the pending joiners we would have counted in (they count us
         in too, from the ADMITs members passed on: rule 2), who would otherwise wait for our parts
         until their round fails. We ask again with ``start_join``."""
-        told = sorted((set(members) | set(self._told_of(members))) - {self.me})
+        told = sorted((set(members) | set(self._early.told_of(members, self.me, self._gone))) - {self.me})
         # the LEAVE's round covers every admission of this attempt (each sponsor that admitted us
         # welcomed us: rule 2), so that none of them passed on after it counts us in again
         last = max([at] + [w.meta["at"] for q, w in self._replies.items() if w.phase is Phase.WELCOME
                            and q in members and type(w.meta.get("at")) is int and at < w.meta["at"] <= at + ADMIT_AHEAD])
-        self._early_admits, self._left = {}, set()  # the next attempt's welcome and ADMITs are new
+        self._early.clear()  # the next attempt's welcome and ADMITs are new
+        self._left = set()
         return [Send(m, last, {"phase": Phase.LEAVE.value, "why": why}) for m in told]
 
     # --- as a member ---------------------------------------------------------------------------
@@ -335,7 +346,7 @@ class Group:
         after = meta.get("after")
         after = after if type(after) is int and 0 <= after < at else -1  # its LEAVE, before this admission
         if self.state is State.STARTING:  # we are admitted too, not yet in: keep it for _enter
-            self._keep_early(peer, sponsor, at + 1, after)
+            self._early.keep(peer, sponsor, at + 1, after, self._asked)
             return []
         if not (self.state is State.TRAINING and self.joined.get(sponsor, self.round + 2) <= self.round + 1
                 and self.round - 1 <= at <= self.round + ADMIT_AHEAD):
@@ -441,28 +452,7 @@ class Group:
         if peer not in self._gone and len(self._gone) >= MAX_EARLY:
             del self._gone[next(iter(self._gone))]
         self._gone[peer] = max(rnd, self._gone.get(peer, rnd))
-        early = {}
-        for (p, sender), (firsts, after) in self._early_admits.items():
-            firsts = firsts if p != peer else tuple(f for f in firsts if f - 1 > rnd)
-            if firsts:
-                early[p, sender] = (firsts, after)
-        self._early_admits = early
-
-    def _keep_early(self, peer: str, sender: str, first: int, after: int) -> None:
-        """An admission heard before we are in, kept per (peer, sender) for _enter (whose word counts
-        is known only then): its EARLY_PER_KEY earliest rounds and the latest LEAVE round it
-        follows. MAX_EARLY in all, MAX_PENDING per sender, room made for the peers we asked."""
-        key = (peer, sender)
-        if key not in self._early_admits:
-            if sum(k[1] == sender for k in self._early_admits) >= MAX_PENDING:
-                return
-            if len(self._early_admits) >= MAX_EARLY:
-                other = next((k for k in self._early_admits if k[1] not in self._asked), None)
-                if sender not in self._asked or other is None:
-                    return
-                del self._early_admits[other]
-        firsts, prev_after = self._early_admits.get(key, ((), -1))
-        self._early_admits[key] = (tuple(sorted({*firsts, first}))[:EARLY_PER_KEY], max(after, prev_after))
+        self._early.stale(peer, rnd)
 
     # --- merging (rule 6) ------------------------------------------------------------------------
     def status_for(self, peer: str) -> Send:
@@ -509,3 +499,38 @@ def _members(reply: _Reply) -> tuple:
 def _neg(peer_id: str) -> tuple:
     """Sort key under which a smaller peer id ranks higher."""
     return tuple(-ord(c) for c in peer_id)
+
+
+def _decide(replies: dict, starters: dict, me: str, start: tuple, rnd: int, min_group: int) -> tuple:
+    """Rules 2-4 for a joiner that starts from ``start`` = (step, digest) and asks in round ``rnd``:
+    the Decision, and the (at, members) it enters the group with now (None: not now)."""
+    welcome = [(p, r) for p, r in replies.items() if r.phase is Phase.WELCOME]
+    if welcome:  # two groups' welcomes: join the larger (rule 6 merges the other)
+        p, r = max(welcome, key=lambda w: (len(_members(w[1])), _neg(w[0])))
+        # two welcomes of that group (sponsors either side of a change, rule 2): the earliest,
+        # the admission its members keep
+        twins = [(q, w) for q, w in welcome if q in _members(r) and type(w.meta.get("at")) is int]
+        if twins and type(r.meta.get("at")) is int:
+            p, r = min(twins, key=lambda w: (w[1].meta["at"], w[0]))
+        members = _members(r)
+        at, block = r.meta.get("at"), r.meta.get("block")
+        block = block if type(block) is int else None
+        if type(at) is not int or at < 0:
+            return Decision("retry", why=f"{p[:12]} sent a malformed welcome"), None
+        if r.meta.get("same") is True and me in members:
+            return Decision("train", at, min(members), members, block,
+                            "counted in by the others from the start; joining them as we stand"), (at, members)
+        return Decision("fetch", at, p, members, block, f"the group's state after round {at}"), None
+    if any(r.phase is Phase.REDIRECT for r in replies.values()):
+        return Decision("retry", why="a group is training; its sponsor has not answered yet"), None
+    same = sorted(p for p, sd in starters.items() if sd == start)
+    if len(same) + 1 >= max(min_group, 2):  # rule 3: start together
+        return Decision("train", rnd - 1, min([me, *same]), tuple(sorted([me, *same])), None,
+                        f"starting together with {len(same)} peer(s) from the same state"), (rnd - 1, same)
+    if len(same) + 1 < min_group:
+        return Decision("retry", why=f"{len(same) + 1} of {min_group} peers ready to start together"), None
+    ahead = [p for p, (step, _) in starters.items() if (-step, p) < (-start[0], me)]
+    if ahead:
+        first = min(ahead, key=lambda p: (-starters[p][0], p))
+        return Decision("retry", sponsor=first, why=f"{first[:12]} starts the group"), None
+    return Decision("train", rnd - 1, me, (me,), None, "no group in scope: we start it"), (rnd - 1, ())

@@ -492,7 +492,7 @@ def test_what_a_member_can_make_a_joiner_count_in_is_bounded():
     for i in range(MAX_EARLY):
         j.on_admit("f", {"peer": f"p{i:04d}", "at": 9})
     j.on_admit("c", {"peer": "j2", "at": 8})
-    assert len(j._early_admits) == MAX_PENDING + 3  # f's are bounded, c's still kept
+    assert len(j._early) == MAX_PENDING + 3  # f's are bounded, c's still kept
     j.joined_group(8, ["b", "c"])
     assert j.members(9) == ["b", "c", "j2", "j3"] and "x" not in j.joined
 
