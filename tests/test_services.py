@@ -1,0 +1,65 @@
+"""Services over ``PeerServices`` alone (p2p/services.py): the swarm trainer, its averaging, group
+control and checkpoint streams driven on in-memory peers (tests/fakes.py), no sockets; and the
+contract itself, checked on both implementations."""
+
+import asyncio
+import inspect
+import time
+
+import torch
+
+from blocktrain.blocks.data import as_tensor, read_split
+from blocktrain.blocks.model import ModelConfig
+from blocktrain.blocks.train import TrainConfig
+from blocktrain.p2p.averaging import flatten
+from blocktrain.p2p.node import Peer
+from blocktrain.p2p.services import PeerServices
+from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+
+from fakes import FakeNet, FakePeer
+
+MC = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
+TC = TrainConfig(steps=8, batch_size=4, seq_len=32, warmup=1, draft_frac=0)
+DATA = as_tensor(read_split("valid"))
+
+
+def _contract() -> dict:
+    return {n: inspect.signature(f) for n, f in vars(PeerServices).items()
+            if callable(f) and not n.startswith("_")}
+
+
+def test_the_node_and_the_fake_implement_every_method_of_the_contract():
+    for cls in (Peer, FakePeer):
+        for name, sig in _contract().items():
+            impl = getattr(cls, name, None)
+            assert impl is not None, f"{cls.__name__} lacks {name}"
+            want = [p.name for p in sig.parameters.values()]
+            assert [p.name for p in inspect.signature(impl).parameters.values()][:len(want)] == want, \
+                f"{cls.__name__}.{name}{inspect.signature(impl)} is not {name}{sig}"
+            assert inspect.iscoroutinefunction(impl) == inspect.iscoroutinefunction(getattr(PeerServices, name)), name
+
+
+async def test_a_swarm_trains_and_takes_a_joiner_on_the_interface_alone(tmp_path):
+    """Two trainers start a relay group on fake peers, a third joins once rounds are under way and
+    fetches the group's state (a checkpoint stream); all three end byte-identical."""
+    net = FakeNet()
+    peers = [net.peer(i + 1, blocks=(i % 2,)) for i in range(3)]
+    sc = SwarmConfig(round_timeout_s=20, join_timeout_s=1, eval_windows=2, min_group=2)
+    sps = [SwarmTrainer(p, i % 2, MC, TC, sc, tmp_path / f"w{i}", DATA, DATA) for i, p in enumerate(peers)]
+    try:
+        first = [asyncio.ensure_future(sp.run()) for sp in sps[:2]]
+        deadline = time.monotonic() + 60
+        while sps[0].stats.applied < 3:
+            assert time.monotonic() < deadline and not any(t.done() for t in first)
+            await asyncio.sleep(0.02)
+        joiner = await asyncio.wait_for(sps[2].run(), 120)
+        reps = await asyncio.wait_for(asyncio.gather(*first), 120)
+        assert joiner["joins"][-1]["how"] == "fetched the group's state"
+        assert all(r["step"] == 2 * TC.steps for r in reps + [joiner])
+        assert max(len(r["group"]) for r in reps) == 3 or any(len(e["members"]) == 3 for e in reps[0]["rounds"])
+        ends = [torch.cat([flatten([sp.finals[j][n] for n in sorted(sp.finals[j])]) for j in sorted(sp.finals)])
+                for sp in sps]
+        assert torch.equal(ends[0], ends[1]) and torch.equal(ends[0], ends[2])
+    finally:
+        for p in peers:
+            await p.stop()
