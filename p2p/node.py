@@ -1,110 +1,73 @@
 """A peer: listens, joins a swarm through any member, keeps the membership, reports bytes moved.
 
+``Peer`` implements ``PeerServices`` (services.py) for the services that run on it, over parts
+that each open with their own rules:
+- connections.py: accepting, dialling, registering and reading connections; clients;
+- mesh.py: the membership kept by gossip (admissions, duplicates, liveness, events), over
+  members.py (the bounded member table) and redial.py (redials and the dial cool-down);
+- ledger.py: bytes moved per remote peer (the bounded traffic rows);
+- handlers.py: the handler registry, and what a handler's failure costs;
+- waiters.py: ``wait_for``, woken by events (a membership change, ``notify()``), never polling.
+
 Rules:
-- Membership is a full mesh kept by gossip: on every new connection both sides send Announce
-  (themselves) and PeerList (every live member they know); a peer dials each member it learns
-  of. Every ``heartbeat_s`` it pings each connection and gossips its list to one member at random.
-- Everything that changes the membership goes through ``_set_liveness`` / ``_drop``, which emit
-  one ``MembershipEvent`` each to the subscribers and wake ``wait_for``.
-- A member whose connection closes without a Goodbye is SUSPECT and redialled; one that sent
-  nothing for ``dead_after_s`` is DEAD: dropped, and redialled with backoff for ``redial_for_s``
-  (a member that comes back is BACK, with the same identity). One that says Goodbye is dropped.
-  When this peer's own event loop stalled (the process was stopped, or starved of CPU), the
-  silence of others during the stall is not held against them.
-- One connection per pair: when two appear, the one opened by the smaller peer id stays; the
-  other is closed with the Goodbye reason DUPLICATE_REASON on both sides.
-- Clients (role "client", e.g. ``bt-peer status``) are served but never become members; a client
-  silent for ``client_idle_s`` is closed.
-- Before authentication a connection costs at most one pending-handshake slot: at most
-  MAX_PENDING_HANDSHAKES at once; a new one evicts the oldest, so silent sockets cannot lock
-  out a legitimate caller; each is closed after ``handshake_s``.
-- Bytes are counted per remote peer, message type, kind and direction (traffic.py); the report
-  is written every ``report_every_s`` and at stop.
+- The peer owns its parts and its tasks: ``stop`` says Goodbye on every connection, aborts the
+  pending handshakes, cancels and awaits every task, wakes every waiter and writes the report.
+- Every ``heartbeat_s`` the mesh pings each member and gossips its member list, idle clients are
+  closed and due redials dialled. When this peer's own event loop stalled (the process was
+  stopped, or starved of CPU; a tick STALL_TICKS intervals late), the silence of others during
+  the stall is not held against them.
+- Bytes are counted per remote peer, message type, kind and direction (traffic.py, ledger.py);
+  the report is written every ``report_every_s`` and at stop, atomically.
 - Identities are free (any key holder makes as many as it likes), so nothing kept per remote
-  identity grows with their number: members (MAX_MEMBERS; a new identity first displaces a
-  member that is not alive, else is refused), membership events (MAX_EVENTS), traffic rows
-  (MAX_TRAFFIC_ROWS; departed peers' counts fold into one row, so totals stay exact), identities
-  remembered as seen (MAX_KNOWN_IDS), redials (MAX_REDIALS) and dials in flight (MAX_DIALS, with
-  a cool-down for an address that failed): a PEER_LIST cannot make this peer dial the world.
-- A handler that raises on a peer's message never takes the reader down: the message is the
-  sender's fault, its connection is closed with an Error frame (MALFORMED_METADATA, or the
-  ProtocolError's own code) and the reader goes on with the next connection.
+  identity grows with their number: members (MAX_MEMBERS), identities remembered as seen
+  (MAX_KNOWN_IDS), membership events (MAX_EVENTS), traffic rows (MAX_TRAFFIC_ROWS), redials
+  (MAX_REDIALS), failed addresses (MAX_FAILED_ADDRS), dials in flight (MAX_DIALS), pending
+  handshakes (MAX_PENDING_HANDSHAKES) and clients (MAX_CLIENTS). Each is defined (and justified)
+  where it is applied, re-exported here, and handed to its part when the peer is built.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import os
-import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from blocktrain.protocol import (Announce, BlockUpdate, Connection, ConnectionClosed, ErrorCode, PeerInfo, PeerList,
-                                 Ping, ProtocolError, Role, Status)
+from blocktrain.protocol import Announce, ConnectionClosed, PeerInfo, PeerList, Role, Status
 
+from .connections import MAX_CLIENTS, MAX_DIALS, MAX_PENDING_HANDSHAKES, MEMBER_ONLY, Connections
+from .handlers import Handlers
 from .identity import peer_id
-from .link import LinkShaper, LinkSpec
-from .services import Change, Liveness, MembershipEvent, MemberView, PeerUnreachable
-from .traffic import PeerTraffic, merge_counts, traffic_totals
-from .transport import (CLIENT_INFO, DUPLICATE_REASON, CloseCause, PeerConnection, Timeouts, make_connection,
-                        open_connection)
+from .ledger import DEPARTED_ROW, MAX_TRAFFIC_ROWS, TrafficLedger
+from .link import LinkSpec
+from .members import MAX_KNOWN_IDS, MAX_MEMBERS, MemberTable
+from .members import Member as _Member  # noqa: F401 - tests build members under this name
+from .mesh import MAX_EVENTS, Mesh
+from .redial import DIAL_COOLDOWN_S, MAX_FAILED_ADDRS, MAX_REDIALS, REDIAL_MAX_S, REDIAL_MIN_S, Redials
+from .services import MemberView, PeerUnreachable
+from .transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
+from .waiters import Waiters
+
+__all__ = ["DEPARTED_ROW", "DIAL_COOLDOWN_S", "MAX_CLIENTS", "MAX_DIALS", "MAX_EVENTS", "MAX_FAILED_ADDRS",
+           "MAX_KNOWN_IDS", "MAX_MEMBERS", "MAX_PENDING_HANDSHAKES", "MAX_REDIALS", "MAX_TRAFFIC_ROWS", "MEMBER_ONLY",
+           "REDIAL_MAX_S", "REDIAL_MIN_S", "STALL_TICKS", "STATUS_SECTIONS", "JoinError", "NothingListens", "Peer",
+           "query_status", "status_when_listening"]
 
 log = logging.getLogger("blocktrain.p2p")
 
-# Connections accepted before their handshake completes. An honest handshake takes a few round
-# trips; 64 covers a swarm's worth of simultaneous joins. Past it the oldest pending one is
-# evicted, so unauthenticated sockets hold at most 64 fds and a few KiB each.
-MAX_PENDING_HANDSHAKES = 64
-# Clients (status, assemble, generate) connected at once; past it the least recently heard goes.
-MAX_CLIENTS = 256
-# A dead member is redialled with backoff from REDIAL_MIN_S up to REDIAL_MAX_S, for redial_for_s.
-REDIAL_MIN_S = 1.0
-REDIAL_MAX_S = 30.0
 # The event loop counts as stalled when a heartbeat tick comes this many intervals late.
 STALL_TICKS = 3
-# Bounds on what the peer keeps per remote identity, in total (identities are free). A swarm of a
-# few hundred members fits each; past them the oldest or least useful entry goes.
-MAX_MEMBERS = 1024  # members known at once (alive, suspect or dead)
-MAX_EVENTS = 1024  # membership events kept for the report; the oldest go (``events_dropped`` counts them)
-MAX_TRAFFIC_ROWS = 256  # per-peer traffic rows; departed peers past it fold into DEPARTED_ROW
-MAX_KNOWN_IDS = 4096  # identities remembered as seen before (BACK rather than JOINED)
-MAX_REDIALS = 64  # lost members redialled at once
-MAX_DIALS = 16  # dials in flight at once; a PEER_LIST naming more waits for the next gossip
-DIAL_COOLDOWN_S = 30.0  # an address whose dial failed is not dialled again from gossip this soon
-MAX_FAILED_ADDRS = 1024  # addresses remembered as failed (for the cool-down)
-# The traffic row that holds the counts of departed peers folded together.
-DEPARTED_ROW = "departed"
+# Report sections that are also part of the STATUS reply (small, and useful to `bt-peer status`).
+STATUS_SECTIONS = ("work", "serving")
 
 
 class JoinError(ConnectionError):
     """No connection to the bootstrap peer within the join timeout."""
-
-
-@dataclass
-class _Member:
-    info: PeerInfo
-    last_heard: float
-    conn: PeerConnection | None = None
-    liveness: Liveness = Liveness.ALIVE
-
-    def view(self, now: float) -> MemberView:
-        heard = max(self.last_heard, self.conn.last_heard if self.conn is not None else 0.0)
-        return MemberView(self.info.peer_id, self.info.addr, tuple(self.info.blocks), self.info.role, self.liveness,
-                          round(now - heard, 3))
-
-
-@dataclass
-class _Redial:
-    peer: str
-    next_at: float
-    backoff: float
-    until: float
 
 
 class Peer:
@@ -128,34 +91,36 @@ class Peer:
         self.redial_for_s = redial_for_s
         self.addr = ""
         self.started_at = time.time()
-        self.events: collections.deque[dict] = collections.deque(maxlen=MAX_EVENTS)  # membership changes
-        self.events_dropped = 0
-        self.input_failures: dict[str, int] = {}  # exception type -> messages refused (report)
-        self._members: dict[str, _Member] = {}
-        self._known: collections.OrderedDict[str, None] = collections.OrderedDict()  # identities seen
-        self._traffic: collections.OrderedDict[str, PeerTraffic] = collections.OrderedDict()
-        self._departed_peers = 0  # peers whose traffic rows were folded into DEPARTED_ROW
-        self._failed: collections.OrderedDict[str, float] = collections.OrderedDict()  # addr -> when a dial failed
-        self._clients: dict[str, PeerConnection] = {}
-        self._client_conns: set[PeerConnection] = set()
-        self._pending: collections.OrderedDict[PeerConnection, float] = collections.OrderedDict()
-        self._dials: dict[str, asyncio.Future] = {}  # addr -> the dial in flight
-        self._redial: dict[str, _Redial] = {}  # addr -> schedule, for members we lost
-        self._handlers: dict[type, object] = {}
-        self._inline: dict[type, object] = {}
-        self._subscribers: list = []
-        self._waiters: set[asyncio.Future] = set()
-        self._sections: dict[str, object] = {}
-        self._server = None
+        # the parts, each bound read from this module when the peer is built (tests shrink them here)
+        self._table = MemberTable(MAX_MEMBERS, MAX_KNOWN_IDS)
+        self._redials = Redials(redial_for_s, MAX_REDIALS, MAX_FAILED_ADDRS)
+        self._ledger = TrafficLedger(MAX_TRAFFIC_ROWS)
+        self._mesh = Mesh(self, self._table, self._redials, MAX_EVENTS)
+        self._connections = Connections(self, self._mesh, self._ledger, MAX_PENDING_HANDSHAKES, MAX_CLIENTS, MAX_DIALS)
+        self._handlers = Handlers(self.spawn)
+        self._waiters = Waiters(lambda: self._stopping)
+        self._sections: dict[str, Callable[[], object]] = {}
+        self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self._heard_list = False  # a member has told us its member list
+
+    # what the report and the tests read of the parts
+    events = property(lambda self: self._mesh.events, doc="membership changes (at most MAX_EVENTS)")
+    events_dropped = property(lambda self: self._mesh.events_dropped, doc="membership events let go")
+    input_failures = property(lambda self: self._handlers.input_failures, doc="exception type -> refused")
+    stopping = property(lambda self: self._stopping, doc="stop() has begun")
+    _members = property(lambda self: self._table.by_id)
+    _known = property(lambda self: self._table.known)
+    _traffic = property(lambda self: self._ledger.rows)
+    _redial = property(lambda self: self._redials.by_addr)
+    _dials = property(lambda self: self._connections.dials)
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self):
         """Listen; raises OSError (e.g. the port is in use)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._accept, self.host, self.port)
+        self._server = await loop.create_server(self._connections.accept, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         self.addr = self.advertise or f"{self.host}:{self.port}"
         self.spawn(self._supervised("heartbeat", self._heartbeat_loop), "heartbeat")
@@ -193,16 +158,13 @@ class Peer:
         t0 = time.monotonic()
         if self._server is not None:
             self._server.close()
-        conns = [m.conn for m in self._members.values() if m.conn is not None] + list(self._client_conns)
+        conns = self._table.conns() + list(self._connections.client_conns)
         await asyncio.gather(*(c.close(reason) for c in conns), return_exceptions=True)
-        for pc in list(self._pending):
-            pc.abort("peer shutting down")
+        self._connections.abort_pending()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for f in self._waiters:
-            if not f.done():
-                f.set_result(None)
+        self._waiters.notify()
         if self._server is not None:
             await self._server.wait_closed()
         self.write_report()
@@ -232,63 +194,56 @@ class Peer:
                 log.error("%s loop failed (%r); restarting it in 1 s", name, e)
                 await asyncio.sleep(1.0)
 
+    async def _heartbeat_loop(self):
+        interval = self.timeouts.heartbeat_s
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)  # the heartbeat: time is the behaviour here
+            now = time.monotonic()
+            if now - last_tick > STALL_TICKS * interval + 1.0:  # we, not they, were silent
+                log.warning("event loop stalled %.1f s; not counting it against the members",
+                            now - last_tick - interval)
+                self._table.forgive(now)
+            last_tick = now
+            self._mesh.heartbeat(now)
+            self._connections.close_idle_clients(now)
+            self._redial_due(now)
+            self._mesh.gossip()
+
     def info(self) -> PeerInfo:
         return PeerInfo(self.id, self.addr, self.blocks, self.role, 0)
 
-    def _hello(self) -> dict:
-        return {"addr": self.addr, "blocks": list(self.blocks), "role": self.role}
-
-    def _link_for(self, addr: str, pid: str | None = None) -> LinkSpec:
-        links = self.links.get("links", {})
-        return links.get(pid) or links.get(addr) or self.links.get("default") or LinkSpec()
-
-    def _new_connection(self, role: Role) -> Connection:
-        return make_connection(role, self.identity, self.swarm_key, allowlist=self.allowlist, info=self._hello(),
-                               seal=self.seal)
-
     # --- services: handlers, members, connections, events ------------------------------------
     def on(self, msg_type: type, handler, *, inline: bool = False) -> None:
-        (self._inline if inline else self._handlers)[msg_type] = handler
+        self._handlers.on(msg_type, handler, inline=inline)
 
     def handles(self, msg_type: type) -> bool:
-        return msg_type in self._inline or msg_type in self._handlers
+        return self._handlers.handles(msg_type)
 
     def members(self, *, block: int | None = None, role: str | None = None, alive: bool = True) -> list[MemberView]:
-        now = time.monotonic()
-        return [m.view(now) for pid, m in sorted(self._members.items())
-                if (not alive or m.liveness is Liveness.ALIVE) and (block is None or block in m.info.blocks)
-                and (role is None or m.info.role == role)]
+        return self._table.views(time.monotonic(), block=block, role=role, alive=alive)
 
     def member(self, peer_id: str) -> MemberView | None:
-        m = self._members.get(peer_id)
-        return m.view(time.monotonic()) if m is not None else None
+        return self._table.view(peer_id, time.monotonic())
 
     def settled(self) -> bool:
         """The membership view is as complete as gossip makes it: alone, or told a member list and
         every member learnt from it dialled (successfully or not)."""
-        return (not self._members or self._heard_list) and not self._dials
+        return (not self._table or self._heard_list) and not self._connections.dials
 
     def live_connection(self, peer: str) -> PeerConnection | None:
         """The live connection to a member (by id or address), or None: never dials."""
-        return self._live_conn(peer)
-
-    def _live_conn(self, peer: str) -> PeerConnection | None:
-        m = self._members.get(peer)
-        if m is None:
-            m = next((x for x in self._members.values() if x.info.addr == peer), None)
-        if m is not None and m.conn is not None and not m.conn.closed.done():
-            return m.conn
-        return None
+        return self._table.live_conn(peer)
 
     async def connection(self, peer: str) -> PeerConnection:
-        pc = self._live_conn(peer)
+        pc = self._table.live_conn(peer)
         if pc is not None:
             return pc
-        m = self._members.get(peer)
+        m = self._table.get(peer)
         addr = m.info.addr if m is not None else peer
         if not addr or ":" not in addr or addr == self.addr:
             raise PeerUnreachable(m.info.peer_id if m else "", addr, "no address to dial")
-        pc = await self._dial(addr)
+        pc = await self._connections.dial(addr)
         if pc is None or pc.closed.done():
             raise PeerUnreachable(m.info.peer_id if m else "", addr, "connection closed right after the handshake")
         return pc
@@ -298,256 +253,25 @@ class Peer:
         return await self.connection(addr)
 
     def client_connection(self, peer_id: str) -> PeerConnection | None:
-        pc = self._clients.get(peer_id)
-        return pc if pc is not None and not pc.closed.done() else None
+        return self._connections.client(peer_id)
 
     def on_membership(self, callback):
-        self._subscribers.append(callback)
-
-        def unsubscribe():
-            if callback in self._subscribers:
-                self._subscribers.remove(callback)
-        return unsubscribe
+        return self._mesh.subscribe(callback)
 
     async def wait_for(self, predicate, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        loop = asyncio.get_running_loop()
-        while not predicate():
-            if self._stopping:
-                return False
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            fut = loop.create_future()
-            self._waiters.add(fut)
-            try:
-                await asyncio.wait_for(fut, left)
-            except asyncio.TimeoutError:
-                return predicate()
-            finally:
-                self._waiters.discard(fut)
-        return True
+        return await self._waiters.wait_for(predicate, timeout)
 
     def notify(self) -> None:
-        for f in list(self._waiters):
-            if not f.done():
-                f.set_result(None)
+        self._waiters.notify()
 
-    def _emit(self, change: Change, pid: str, addr: str):
-        if len(self.events) == self.events.maxlen:
-            self.events_dropped += 1
-        self.events.append({"event": change.value, "peer": pid, "addr": addr, "time": time.time()})
-        ev = MembershipEvent(change, pid, addr)
-        for cb in list(self._subscribers):
-            try:
-                cb(ev)
-            except Exception:  # a subscriber's bug must not break membership
-                log.exception("membership subscriber failed on %s", ev)
-        self.notify()
-
-    # --- connections ---------------------------------------------------------------------------
-    def _accept(self) -> PeerConnection:
-        pc = PeerConnection(self._new_connection(Role.RESPONDER), self.timeouts, self.links.get("default"),
-                            name="inbound")
-        if self._stopping:
-            pc.abort("peer shutting down", CloseCause.REFUSED)
-            return pc
-        if len(self._pending) >= MAX_PENDING_HANDSHAKES:  # the oldest unauthenticated one makes room
-            oldest, _ = self._pending.popitem(last=False)
-            oldest.abort_with(ErrorCode.OVERLOADED, "too many pending handshakes", CloseCause.REFUSED)
-        self._pending[pc] = time.monotonic()
-        self.spawn(self._serve_inbound(pc), "serve inbound")
-        return pc
-
-    async def _serve_inbound(self, pc: PeerConnection):
-        try:
-            try:
-                await asyncio.wait_for(asyncio.shield(pc.established), self.timeouts.handshake_s)
-            except asyncio.TimeoutError:
-                log.info("handshake from %s timed out", pc.peer_addr)
-                pc.abort_timeout("handshake timed out")
-                return
-            except Exception as e:  # refused: wrong key, garbage, not allowed, evicted
-                log.info("rejected connection from %s: %s", pc.peer_addr, e)
-                return
-            finally:
-                self._pending.pop(pc, None)
-            await self._run(pc, pc.established.result())
-        finally:
-            await pc.wait_closed()
-
-    async def _dial(self, addr: str) -> PeerConnection | None:
-        """Dial ``addr`` (one dial per address at a time) and register the connection; returns
-        the member's live connection, or None when it was not kept. Raises PeerUnreachable."""
-        return await asyncio.shield(self._start_dial(addr))
-
-    def _start_dial(self, addr: str) -> asyncio.Future:
-        """The dial to ``addr`` in flight, started now if none is (counted in ``_dials`` at once)."""
-        fut = self._dials.get(addr)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            self._dials[addr] = fut
-            self.spawn(self._dial_task(addr, fut), f"dial {addr}")
-        return fut
-
-    async def _dial_task(self, addr: str, fut: asyncio.Future):
-        try:
-            host, _, port = addr.rpartition(":")
-            pc = await open_connection(host, int(port), self._new_connection(Role.INITIATOR), self.timeouts,
-                                       self._link_for(addr), name=addr)
-        except (OSError, ConnectionError, ValueError) as e:
-            self._failed[addr] = time.monotonic()
-            self._failed.move_to_end(addr)
-            while len(self._failed) > MAX_FAILED_ADDRS:
-                self._failed.popitem(last=False)
-            self._dials.pop(addr, None)
-            self.notify()
-            fut.set_exception(PeerUnreachable("", addr, str(e)))
-            fut.exception()  # retrieved: nobody may be waiting
-            return
-        hc = pc.established.result()
-        kept = self._register(pc, hc)
-        self._dials.pop(addr, None)
-        self.notify()  # settled() may hold now
-        fut.set_result(self._live_conn(hc.peer_id))  # ours, or the one kept instead of a duplicate
-        if kept is None:
-            await pc.wait_closed()
-            return
-        try:
-            await self._read(pc, hc.peer_id, client=False)
-        finally:
-            await pc.wait_closed()
-
-    async def _run(self, pc: PeerConnection, hc):
-        kept = self._register(pc, hc)
-        if kept is None:
-            return
-        await self._read(pc, hc.peer_id, client=self._is_client(hc))
-
-    @staticmethod
-    def _is_client(hc) -> bool:
-        return isinstance(hc.info, dict) and hc.info.get("role") == "client"
-
-    def _register(self, pc: PeerConnection, hc) -> PeerConnection | None:
-        """Make an established connection a member's (or a client's); None if it is not kept."""
-        pid, hello = hc.peer_id, hc.info
-        if self._is_client(hc):
-            if len(self._clients) >= MAX_CLIENTS:
-                oldest = min(self._client_conns, key=lambda c: c.last_heard)
-                oldest.abort("too many clients", CloseCause.REFUSED)
-            old = self._clients.get(pid)
-            if old is not None and old is not pc:
-                self._client_conns.discard(old)
-            self._clients[pid] = pc
-            self._client_conns.add(pc)
-            return pc
-        try:
-            if not isinstance(hello, dict):
-                raise ValueError("hello info is not a map")
-            info = PeerInfo(pid, str(hello.get("addr", "")), tuple(hello.get("blocks", ())),
-                            str(hello.get("role", "train")), 0)
-        except Exception as e:
-            pc.abort(f"bad peer info: {e}", CloseCause.REFUSED)
-            return None
-        pc.name = info.addr or pid[:12]
-        if self.links.get("links") and pc.shaper is None:
-            spec = self._link_for(info.addr, pid)
-            if spec.shaped:
-                pc.shaper = LinkShaper(spec)
-        m = self._members.get(pid)
-        if m is not None and m.conn is not None and not m.conn.closed.done() and m.conn is not pc:
-            if self._opener(pc, pid) > self._opener(m.conn, pid):  # keep the one opened by the smaller id
-                self.spawn(pc.close(DUPLICATE_REASON, CloseCause.DUPLICATE), "close duplicate")
-                return None
-            old, m.conn = m.conn, pc
-            self.spawn(old.close(DUPLICATE_REASON, CloseCause.DUPLICATE), "close duplicate")
-        elif m is None:
-            if not self._make_room():
-                pc.abort_with(ErrorCode.OVERLOADED, f"{MAX_MEMBERS} members already", CloseCause.REFUSED)
-                return None
-            self._members[pid] = m = _Member(info, time.monotonic(), pc)
-            log.info("peer %s joined (%s, blocks %s)", pid[:12], info.addr, list(info.blocks))
-            self._redial.pop(info.addr, None)
-            self._emit(Change.BACK if pid in self._known else Change.JOINED, pid, info.addr)
-            self._remember(pid)
-        else:
-            m.conn, m.info = pc, info
-        m.last_heard = time.monotonic()
-        self._redial.pop(info.addr, None)
-        if m.liveness is not Liveness.ALIVE:
-            m.liveness = Liveness.ALIVE
-            log.info("peer %s is back (%s)", pid[:12], info.addr)
-            self._emit(Change.BACK, pid, info.addr)
-        if self.role != "client":  # a client (assemble, status) tells nobody about itself
-            try:
-                pc.send_nowait(Announce(peer=self.info()))
-                pc.send_nowait(PeerList(peers=self._peer_list()))
-            except ConnectionError:
-                pass
-        self.notify()
-        return pc
-
-    def _make_room(self) -> bool:
-        """Room for one more member: a member that is not alive (the longest silent) makes way."""
-        if len(self._members) < MAX_MEMBERS:
-            return True
-        gone = [(m.last_heard, pid) for pid, m in self._members.items() if m.liveness is not Liveness.ALIVE]
-        if not gone:
-            return False
-        self._drop(min(gone)[1], Change.DEAD, redial=False)
-        return True
-
-    def _remember(self, pid: str):
-        self._known[pid] = None
-        self._known.move_to_end(pid)
-        while len(self._known) > MAX_KNOWN_IDS:
-            self._known.popitem(last=False)
-
-    def _opener(self, pc: PeerConnection, pid: str) -> str:
-        return self.id if pc.conn.role is Role.INITIATOR else pid
-
-    async def _read(self, pc: PeerConnection, pid: str, client: bool):
-        try:
-            while True:
-                msg = None  # the last message (and the receive buffer its tensors view) is let go first
-                msg = await pc.recv()
-                if isinstance(msg, ConnectionClosed):
-                    return
-                m = None if client else self._members.get(pid)
-                if m is not None:
-                    m.last_heard = time.monotonic()
-                if client and type(msg) in MEMBER_ONLY:
-                    continue  # a client asks (status, streams, requests); it takes no part in rounds
-                if not self.dispatch(msg, pc, pid, client):
-                    return
-        except (ConnectionError, ProtocolError) as e:  # the connection's end; already logged by it
-            log.debug("connection to %s ended: %s", pid[:12], e)
-        finally:
-            self._account(pid, pc)
-            if client:
-                self._client_conns.discard(pc)
-                if self._clients.get(pid) is pc:
-                    del self._clients[pid]
-            else:
-                self._connection_ended(pid, pc)
-
+    # --- what members say --------------------------------------------------------------------
     def dispatch(self, msg, pc: PeerConnection, pid: str, client: bool = False) -> bool:
         """Hand one message from ``pid`` (a member, or a client) to its handler; False when the
         message was refused and its connection closed. Raises only ConnectionError (``pc`` ended)."""
-        inline = self._inline.get(type(msg))
-        if inline is not None:  # in order, in the reader (stream chunks, round parts)
-            try:
-                inline(msg, pc, pid)
-            except (ConnectionError, asyncio.CancelledError):
-                raise
-            except Exception as e:  # noqa: BLE001 - the sender's message did it: close its connection
-                self._bad_input(pc, pid, msg, e)
-                return False
-            return True
-        handler = self._handlers.get(type(msg))
-        if handler is not None:
-            self.spawn(self._guarded(handler, msg, pc, pid), f"handle {type(msg).__name__}")
-        elif isinstance(msg, Status):
+        handed = self._handlers.deliver(msg, pc, pid)
+        if handed is not None:
+            return handed
+        if isinstance(msg, Status):
             if not msg.status:
                 pc.send_nowait(Status(status=self.status()))
         elif client:
@@ -563,181 +287,24 @@ class Peer:
                 self.notify()
         return True
 
-    async def _guarded(self, handler, msg, pc: PeerConnection, pid: str):
-        """A spawned handler: what it raises on a peer's message closes that peer's connection."""
-        try:
-            await handler(msg, pc, pid)
-        except (ConnectionError, asyncio.CancelledError):
-            raise
-        except Exception as e:  # noqa: BLE001 - see _bad_input
-            self._bad_input(pc, pid, msg, e)
-
-    def _bad_input(self, pc: PeerConnection, pid: str, msg, e: Exception):
-        """A handler raised on ``msg``: the sender's fault (its message did not fit what the handler
-        needs). Closed with an Error frame; a ProtocolError keeps its own code. A TypeError or the
-        like is also logged with its traceback: the handler should have refused the input by name."""
-        code = e.code if isinstance(e, ProtocolError) else ErrorCode.MALFORMED_METADATA
-        typed = isinstance(e, (ProtocolError, ValueError))
-        (log.info if typed else log.warning)("closing %s: its %s was refused: %r", pid[:12], type(msg).__name__, e,
-                                             exc_info=not typed)
-        self.input_failures[type(e).__name__] = self.input_failures.get(type(e).__name__, 0) + 1
-        pc.abort_with(code, f"bad {type(msg).__name__}: {type(e).__name__}: {str(e)[:200]}", CloseCause.REFUSED)
-
-    def _connection_ended(self, pid: str, pc: PeerConnection):
-        m = self._members.get(pid)
-        if m is None or m.conn is not pc or self._stopping:
-            return
-        m.conn = None
-        cause = pc.close_cause
-        if cause is CloseCause.GOODBYE:
-            self._drop(pid, Change.LEFT)
-        elif cause is CloseCause.DUPLICATE:  # the peer kept the other connection: it is on its way
-            self._schedule_redial(m.info.addr, pid, soon=True)
-        elif m.liveness is Liveness.ALIVE:
-            m.liveness = Liveness.SUSPECT
-            log.info("peer %s: connection %s; redialling", pid[:12], pc.close_reason)
-            self._schedule_redial(m.info.addr, pid, soon=True)
-            self._emit(Change.SUSPECT, pid, m.info.addr)
-
-    def _account(self, pid: str, pc: PeerConnection):
-        t = self._traffic.get(pid)
-        if t is None:
-            m = self._members.get(pid)
-            self._traffic[pid] = t = PeerTraffic(addr=m.info.addr if m is not None else "")
-        t.add(pc.conn.counter.snapshot())
-        self._fold_departed()
-
-    def _fold_departed(self):
-        """Past MAX_TRAFFIC_ROWS, the oldest rows of peers no longer connected fold into one."""
-        excess = len(self._traffic) - MAX_TRAFFIC_ROWS
-        if excess <= 0:
-            return
-        folded = self._traffic.get(DEPARTED_ROW) or PeerTraffic()
-        for pid in [p for p in self._traffic if p != DEPARTED_ROW and p not in self._members and p not in self._clients]:
-            folded.add(self._traffic.pop(pid).closed)
-            self._departed_peers += 1
-            excess -= 1
-            if excess < 0:  # the folded row itself takes one
-                break
-        self._traffic[DEPARTED_ROW] = folded
-
     def _learn(self, p: PeerInfo, direct: bool = False):
-        if p.peer_id == self.id or p.role == "client" or not p.addr or self.role == "client":
-            return
-        m = self._members.get(p.peer_id)
-        if m is not None and direct:
-            if m.info != p:
-                m.info = p
-                self.notify()
-            return
-        if (m is None or m.conn is None) and p.addr not in self._dials and not self._stopping \
-                and len(self._dials) < MAX_DIALS and not self._cooling(p.addr):
+        if self._mesh.learn(p, direct) and self._connections.may_dial(p.addr):
             self._quiet_dial(p.addr)
-
-    def _cooling(self, addr: str) -> bool:
-        """A dial to ``addr`` failed less than DIAL_COOLDOWN_S ago (gossip does not retry it yet)."""
-        t = self._failed.get(addr)
-        if t is not None and time.monotonic() - t > DIAL_COOLDOWN_S:
-            del self._failed[addr]
-            return False
-        return t is not None
 
     def _quiet_dial(self, addr: str):
         """Start a dial nobody awaits (gossip, redials): a failure is logged, not raised."""
-        def done(f: asyncio.Future):
-            if not f.cancelled() and f.exception() is not None:
-                log.info("cannot connect to %s: %s", addr, getattr(f.exception(), "why", f.exception()))
-        self._start_dial(addr).add_done_callback(done)
-
-    def _peer_list(self) -> list[PeerInfo]:
-        now = time.monotonic()
-        return [PeerInfo(pid, m.info.addr, m.info.blocks, m.info.role, min(int((now - m.last_heard) * 1000), 2**32 - 1))
-                for pid, m in self._members.items() if m.liveness is Liveness.ALIVE]
-
-    def _drop(self, pid: str, change: Change, redial: bool = True):
-        m = self._members.pop(pid, None)
-        if m is None:
-            return
-        log.info("peer %s %s (%s)", pid[:12], change.value, m.info.addr)
-        if m.conn is not None:
-            m.conn.abort(f"peer {change.value}")
-        if change is Change.DEAD and redial:
-            self._schedule_redial(m.info.addr, pid)
-        else:
-            self._redial.pop(m.info.addr, None)
-        self._emit(change, pid, m.info.addr)
+        self._connections.quiet_dial(addr)
 
     def _schedule_redial(self, addr: str, pid: str, soon: bool = False):
-        if not addr or self._stopping:
-            return
-        now = time.monotonic()
-        r = self._redial.get(addr)
-        if r is None and len(self._redial) >= MAX_REDIALS:  # the one closest to giving up makes room
-            del self._redial[min(self._redial, key=lambda a: self._redial[a].until)]
-        if r is None:
-            self._redial[addr] = _Redial(pid, now + (0.0 if soon else REDIAL_MIN_S), REDIAL_MIN_S,
-                                         now + self.redial_for_s)
-        elif soon:
-            r.next_at = min(r.next_at, now)
+        self._mesh.schedule_redial(addr, pid, soon)
 
     def _redial_due(self, now: float):
-        for addr, r in list(self._redial.items()):
-            if now > r.until:
-                del self._redial[addr]
-            elif now >= r.next_at and addr not in self._dials:
-                r.next_at = now + r.backoff
-                r.backoff = min(2 * r.backoff, REDIAL_MAX_S)
-                self._quiet_dial(addr)
-
-    async def _heartbeat_loop(self):
-        nonce = 0
-        interval = self.timeouts.heartbeat_s
-        last_tick = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)  # the heartbeat: time is the behaviour here
-            now = time.monotonic()
-            if now - last_tick > STALL_TICKS * interval + 1.0:  # we, not they, were silent
-                log.warning("event loop stalled %.1f s; not counting it against the members", now - last_tick - interval)
-                for m in self._members.values():
-                    m.last_heard = now
-                    if m.conn is not None:
-                        m.conn.last_heard = now
-            last_tick = now
-            for pid, m in list(self._members.items()):
-                silent = now - max(m.last_heard, m.conn.last_heard if m.conn else 0)
-                if silent > self.timeouts.dead_after_s:
-                    self._drop(pid, Change.DEAD)
-                elif m.conn is not None and not m.conn.closed.done():
-                    nonce += 1
-                    try:
-                        m.conn.send_nowait(Ping(nonce=nonce))
-                    except ConnectionError:
-                        pass
-            for pc in list(self._client_conns):
-                if now - pc.last_heard > self.timeouts.client_idle_s:
-                    pc.abort("client idle", CloseCause.TIMEOUT)
-            self._redial_due(now)
-            live = [m.conn for m in self._members.values() if m.conn is not None and not m.conn.closed.done()]
-            if live:
-                try:
-                    random.choice(live).send_nowait(PeerList(peers=self._peer_list()))
-                except ConnectionError:
-                    pass
+        for addr in self._redials.due(now, self._connections.dials):
+            self._quiet_dial(addr)
 
     # --- reports -------------------------------------------------------------------------------
     def traffic_report(self) -> dict:
-        peers = {}
-        for pid in set(self._traffic) | set(self._members) | set(self._clients):
-            m = self._members.get(pid)
-            pc = m.conn if m is not None else self._clients.get(pid)
-            row = self._traffic.get(pid) or PeerTraffic()
-            t = merge_counts(row.closed, pc.conn.counter.snapshot() if pc is not None else None)
-            t["addr"] = m.info.addr if m else row.addr
-            t["client"] = (m is None and pid in self._clients) or t["addr"] == ""
-            if pid == DEPARTED_ROW:
-                t.update(client=False, departed_peers=self._departed_peers)
-            peers[pid] = t
-        return {"peers": peers, **traffic_totals(peers.values())}
+        return self._ledger.report(self._table.by_id, self._connections.clients)
 
     def traffic_totals(self) -> dict:
         return self.traffic_report()["totals"]
@@ -752,7 +319,7 @@ class Peer:
             **{k: f() for k, f in self._sections.items() if k in STATUS_SECTIONS},
         }
 
-    def report_section(self, name: str, fn) -> None:
+    def report_section(self, name: str, fn: Callable[[], object]) -> None:
         self._sections[name] = fn
 
     def report(self) -> dict:
@@ -777,12 +344,6 @@ class Peer:
         while True:
             await asyncio.sleep(self.report_every_s)  # the report cadence
             self.write_report()
-
-
-# Messages only members may send: a client's are dropped unread.
-MEMBER_ONLY = frozenset({BlockUpdate, Announce, PeerList})
-# Report sections that are also part of the STATUS reply (small, and useful to `bt-peer status`).
-STATUS_SECTIONS = ("work", "serving")
 
 
 async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,
