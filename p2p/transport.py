@@ -4,17 +4,18 @@ Rules:
 - One ``asyncio.Protocol`` per TCP connection feeds bytes to the sans-IO ``Connection`` and
   queues its events for one reader (``recv``). Above ``HIGH_WATER_EVENTS`` queued events reading
   pauses; below ``LOW_WATER_EVENTS`` it resumes.
-- One writer task per connection takes frames from two queues, control (stream 0) first, then
-  bulk (chunked streams), so a transfer never delays a heartbeat by more than one frame. Each
-  frame is sealed as it is taken and written whole; a writer that cannot finish a frame (its
-  task is cancelled, the link dies) marks the connection broken and closes it: a half-written
-  sealed stream cannot be resynchronized.
+- One writer task per connection takes frames from two queues (``SendQueue``, flow.py), control
+  (stream 0) first, then bulk (chunked streams), so a transfer never delays a heartbeat by more
+  than one frame. Each frame is sealed as it is taken and written whole; a writer that cannot
+  finish a frame (its task is cancelled, the link dies) marks the connection broken and closes
+  it: a half-written sealed stream cannot be resynchronized.
 - Writers wait for drain when the transport buffer is above its high-water mark or the bulk
   queue is long; all of them share one drain waiter (aiohttp's ``_drain_helper``), and
   ``connection_lost`` wakes every waiter with ``ConnectionError``.
 - Why a connection closed is typed (``CloseCause``); nothing parses the reason text.
 - Every phase has a named timeout (``Timeouts``); a timeout never swallows an outer cancel.
-- A ``LinkShaper`` (optional) delays each frame as a WAN link would (see link.py).
+- A ``LinkShaper`` (optional) delays each frame as a WAN link would (see link.py); a ``ShapedLink``
+  (flow.py) writes the frames at their arrival times.
 - Pings are answered by the driver as they are parsed (``auto_pong``): liveness does not wait
   for the application's reader.
 - A message's buffers (tensor segments, chunk data) are read when the writer takes it: sealed
@@ -32,13 +33,12 @@ import logging
 import socket
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 
-from blocktrain.protocol import (NEED_DATA, BlockUpdate, Connection, ConnectionClosed, ErrorCode, Goodbye, Handshake,
-                                 HandshakeComplete, Message, PipelineForward, PipelineResult, Ping, Pong, ProtocolError,
-                                 Role, StreamChunk)
+from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete, Message,
+                                 Ping, Pong, ProtocolError, Role)
 
+from .flow import SendQueue, ShapedLink
 from .link import LinkShaper, LinkSpec
 
 log = logging.getLogger("blocktrain.p2p")
@@ -49,11 +49,6 @@ LOW_WATER_EVENTS = 64
 # Transport write buffer limits (bytes): above high, writers wait for drain.
 WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
 WRITE_LOW_WATER_BYTES = 1024 * 1024
-# A shaped link accepts frames until this much serialization time is queued (its send buffer).
-SHAPER_BUFFER_S = 0.05
-# Bulk frames queued per connection before senders wait in drain(): enough to keep the writer busy
-# while a sender prepares the next frame, few enough that a heartbeat never waits behind much.
-BULK_QUEUE_FRAMES = 2
 # Frames smaller than this are joined into one buffer before writing: one syscall, one segment.
 SMALL_FRAME_BYTES = 64 * 1024
 
@@ -110,17 +105,10 @@ class PeerConnection(asyncio.BufferedProtocol):
         self._events: collections.deque = collections.deque()
         self._event_waiter: asyncio.Future | None = None
         self._paused_reading = False
-        self._control: collections.deque = collections.deque()
-        self._bulk: collections.deque = collections.deque()
-        self._write_wakeup = asyncio.Event()
-        self._drain_waiter: asyncio.Future | None = None
-        self._writing_paused = False
+        self._sendq = SendQueue(self.loop, self.closed)
         self._writer: asyncio.Task | None = None
-        self._writer_idle = False  # True while the writer waits with empty queues
         self.shaper = LinkShaper(link) if link is not None and link.shaped else None
-        self._in_flight: collections.deque = collections.deque()  # (arrival time, frames) on a shaped link
-        self._in_flight_event = asyncio.Event()
-        self._deliverer: asyncio.Task | None = None
+        self._shaped: ShapedLink | None = None  # made with the first frame sent through the shaper
         self.last_heard = time.monotonic()
         self.close_reason: str | None = None  # for people: logs and error messages
         self.close_cause: CloseCause | None = None  # for code
@@ -205,11 +193,10 @@ class PeerConnection(asyncio.BufferedProtocol):
                        CloseCause.LOST)
 
     def pause_writing(self):
-        self._writing_paused = True
+        self._sendq.paused = True
 
     def resume_writing(self):
-        self._writing_paused = False
-        self._wake_drain()
+        self._sendq.resume()
 
     # --- events --------------------------------------------------------------------------------
     def _push(self, ev):
@@ -240,9 +227,8 @@ class PeerConnection(asyncio.BufferedProtocol):
     def send_nowait(self, msg: Message, bulk: bool = False):
         if self.closed.done():
             raise ConnectionError(f"connection to {self.name or self.peer_addr} is closed: {self.close_reason}")
-        if (not bulk and self.shaper is None and not self._control and not self._bulk and self._writer_idle
-                and not self._writing_paused and self.established.done() and self.transport is not None
-                and not self.transport.is_closing()):
+        if (not bulk and self.shaper is None and self._sendq.ready() and self.established.done()
+                and self.transport is not None and not self.transport.is_closing()):
             # fast path: nothing queued, so nothing to order against: seal and write now
             try:
                 self._write(self.conn.send_buffers(msg))
@@ -251,24 +237,16 @@ class PeerConnection(asyncio.BufferedProtocol):
                 self._shutdown(f"cannot send: {e}", err)
                 raise err from e
             return
-        (self._bulk if bulk else self._control).append(msg)
-        self._write_wakeup.set()
+        self._sendq.put(msg, bulk)
 
     async def send(self, msg: Message, bulk: bool = False):
         """Queue ``msg`` and wait until the transport can take more (backpressure)."""
         self.send_nowait(msg, bulk)
         await self.drain()
 
-    def _must_wait(self) -> bool:
-        return (self._writing_paused or len(self._bulk) > BULK_QUEUE_FRAMES) and not self.closed.done()
-
     async def drain(self):
-        """Wait until the transport and the bulk queue can take more; every concurrent drainer
-        waits on the same future, which ``_wake_drain`` and ``_shutdown`` resolve."""
-        while self._must_wait():
-            if self._drain_waiter is None or self._drain_waiter.done():
-                self._drain_waiter = self.loop.create_future()
-            await asyncio.shield(self._drain_waiter)  # a cancelled drainer leaves it to the others
+        """Wait until the transport and the bulk queue can take more (``SendQueue.drain``)."""
+        await self._sendq.drain()
         if self.closed.done():
             raise ConnectionError(f"connection to {self.name or self.peer_addr} closed: {self.close_reason}")
 
@@ -277,39 +255,23 @@ class PeerConnection(asyncio.BufferedProtocol):
             if self.conn.role is Role.INITIATOR or not self.established.done():
                 await asyncio.wait({self.established, self.closed}, return_when=asyncio.FIRST_COMPLETED)
             while not self.closed.done():
-                if not self._control and not self._bulk:
-                    self._write_wakeup.clear()
-                    self._writer_idle = True
-                    try:
-                        await self._write_wakeup.wait()
-                    finally:
-                        self._writer_idle = False
+                if self._sendq.empty():
+                    await self._sendq.wait_for_frames()
                     continue
                 if self.shaper is not None:
-                    # the link's send buffer: at most SHAPER_BUFFER_S of serialization queued ahead; the
-                    # next message waits in its queue meanwhile (where release_queued finds it)
-                    while self.shaper.busy_until() - time.monotonic() > SHAPER_BUFFER_S and not self.closed.done():
-                        await asyncio.sleep(self.shaper.busy_until() - time.monotonic() - SHAPER_BUFFER_S / 2)
-                    if self.closed.done() or not (self._control or self._bulk):
+                    # the link's send buffer is full: the next message waits in its queue meanwhile
+                    # (where release_queued finds it)
+                    await self._link().room(self.shaper)
+                    if self.closed.done() or self._sendq.empty():
                         continue
-                msg = self._control.popleft() if self._control else self._bulk.popleft()
-                self._wake_drain()
-                if self.shaper is not None:
-                    frames = self._owned(self.conn.send_buffers(msg))  # from here the frame must go out whole
-                    arrive = self.shaper.schedule(time.monotonic(), sum(len(b) for b in frames))
-                    self._in_flight.append((arrive, frames))  # frames in flight on the link: they pipeline
-                    if self._deliverer is None:
-                        self._deliverer = self.loop.create_task(self._deliver_loop(), name=f"link {self.name}")
-                    self._in_flight_event.set()
-                    if isinstance(msg, Goodbye):
-                        while self._in_flight and not self.closed.done():
-                            await asyncio.sleep(max(0.001, self._in_flight[-1][0] - time.monotonic()))
-                        break
-                    continue
+                msg = self._sendq.pop()
                 frames = self._owned(self.conn.send_buffers(msg))  # from here the frame must go out whole
-                if self.transport.is_closing():
+                if self.shaper is not None:
+                    self._link().put(self.shaper, frames)  # frames in flight on the link: they pipeline
+                    if isinstance(msg, Goodbye):
+                        await self._link().flush()
+                elif not self._write(frames):
                     break
-                self._write(frames)
                 if isinstance(msg, Goodbye):
                     break
         except asyncio.CancelledError:
@@ -318,6 +280,11 @@ class PeerConnection(asyncio.BufferedProtocol):
             raise
         except ProtocolError as e:
             self._shutdown(f"cannot send: {e}", e)
+
+    def _link(self) -> ShapedLink:
+        if self._shaped is None:
+            self._shaped = ShapedLink(self.loop, self.closed, self._write, self._shutdown, self.name)
+        return self._shaped
 
     def _owned(self, frames: list) -> list:
         """Frames that view no caller's memory: sealed ones are (the seal wrote them into our
@@ -329,49 +296,19 @@ class PeerConnection(asyncio.BufferedProtocol):
     def release_queued(self, msgs) -> int:
         """Queued messages among ``msgs`` (compared by identity) are replaced by copies that own
         their bytes: the caller may reuse the buffers they viewed at once. Returns how many."""
-        ids = {id(m) for m in msgs}
-        n = 0
-        for q in (self._bulk, self._control):
-            for i in range(len(q)):
-                if id(q[i]) in ids:
-                    q[i] = _owning_copy(q[i])
-                    n += 1
-        return n
+        return self._sendq.release(msgs)
 
-    def _wake_drain(self):
-        """Senders waiting in drain() may go on once the transport takes more and the bulk queue is
-        short again (both the shaped and the plain path take frames off it)."""
-        if self._drain_waiter is not None and not self._drain_waiter.done() and not self._must_wait():
-            self._drain_waiter.set_result(None)
-
-    async def _deliver_loop(self):
-        """Write each shaped frame at its arrival time, in order (the link's far end)."""
-        try:
-            while not self.closed.done():
-                if not self._in_flight:
-                    self._in_flight_event.clear()
-                    await self._in_flight_event.wait()
-                    continue
-                arrive, frames = self._in_flight[0]
-                wait = arrive - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                if self.transport.is_closing():
-                    break
-                self._write(frames)
-                self._in_flight.popleft()
-        except asyncio.CancelledError:
-            if self._in_flight and not self.closed.done():
-                self._shutdown("link cancelled with frames in flight", ConnectionError("link cancelled"))
-            raise
-
-    def _write(self, frames: list):
+    def _write(self, frames: list) -> bool:
+        """Write ``frames`` whole; False (nothing written) if the transport is closing."""
         transport = self.transport
         assert transport is not None  # frames are written only once established (after connection_made)
+        if transport.is_closing():
+            return False
         if len(frames) > 1 and sum(map(len, frames)) < SMALL_FRAME_BYTES:
             transport.write(b"".join(frames))  # one syscall for a small frame
         else:
             transport.writelines(frames)
+        return True
 
     # --- closing -------------------------------------------------------------------------------
     def _shutdown(self, reason: str, exc: BaseException | None = None, cause: CloseCause = CloseCause.LOCAL):
@@ -384,9 +321,7 @@ class PeerConnection(asyncio.BufferedProtocol):
             self.established.exception()  # mark retrieved: the caller may have given up waiting
         if self._event_waiter is not None and not self._event_waiter.done():
             self._event_waiter.set_result(None)
-        if self._drain_waiter is not None and not self._drain_waiter.done():
-            self._drain_waiter.set_result(None)
-        self._write_wakeup.set()
+        self._sendq.close()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
@@ -405,7 +340,7 @@ class PeerConnection(asyncio.BufferedProtocol):
         await self.wait_closed()
 
     async def wait_closed(self):
-        for task in (self._writer, self._deliverer):
+        for task in (self._writer, self._shaped.task if self._shaped is not None else None):
             if task is not None and not task.done():
                 task.cancel()
                 try:
@@ -430,16 +365,6 @@ class PeerConnection(asyncio.BufferedProtocol):
         self._shutdown(reason, ConnectionError(reason), cause)
         if self.transport is not None:
             self.transport.abort()
-
-
-def _owning_copy(msg: Message) -> Message:
-    """``msg`` with its tensors' segments (or a chunk's data) copied into bytes of its own."""
-    if isinstance(msg, (BlockUpdate, PipelineForward, PipelineResult)):  # the messages with tensors
-        return dataclasses.replace(msg, tensors=tuple(
-            dataclasses.replace(t, segments=tuple(bytes(s) for s in t.segments)) for t in msg.tensors))
-    if isinstance(msg, (StreamChunk, Handshake)):  # the messages with data
-        return dataclasses.replace(msg, data=bytes(msg.data))
-    return msg
 
 
 def make_connection(role: Role, identity, swarm_key: bytes, *, allowlist=None, info: dict | None = None,
