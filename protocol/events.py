@@ -507,20 +507,44 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
     if cls is Handshake:
         return Handshake(bytes(payload), stream_id=stream_id)
     if cls is StreamChunk:
-        _check(len(payload) >= _CHUNK.size, "stream chunk shorter than its 12-byte prefix")
-        offset, raw_len = _CHUNK.unpack_from(payload, 0)
-        data = payload[_CHUNK.size:]
-        if flags & _COMPRESSED:
-            _check(raw_len <= 16 * 1024 * 1024 and 0 < len(data) < raw_len, "bad compressed chunk lengths")
-            try:
-                data = lz4.block.decompress(data, uncompressed_size=raw_len)
-            except lz4.block.LZ4BlockError as e:
-                raise _bad(f"bad lz4 chunk: {e}") from None
-            _check(len(data) == raw_len, "lz4 chunk decompressed to the wrong length")
-        else:
-            if not (len(data) == raw_len):
-                raise _bad(f"chunk holds {len(data)} bytes, prefix says {raw_len}")
-        return StreamChunk(offset=offset, data=data, stream_id=stream_id)  # a view: zero-copy
+        return _chunk_from_wire(flags, stream_id, payload)
+    meta, end = _meta_from_wire(cls, payload)
+    if not _converted_fields(cls):  # plain fields only: the common small message
+        if end != len(payload):
+            raise _bad(f"{len(payload) - end} trailing payload bytes after the metadata")
+        return cls(**meta, stream_id=stream_id)  # the constructor validates every field
+    kwargs = _fields_from_wire(cls, meta, payload[end:])
+    if mtype in _TENSOR_MESSAGES:
+        want_flag = any(any(t.lz4) for t in kwargs["tensors"])
+        if bool(flags & _COMPRESSED) != want_flag:
+            raise LocalProtocolError("COMPRESSED flag disagrees with the tensors' lz4 flags", ErrorCode.BAD_FLAGS)
+    try:
+        return cls(**kwargs, stream_id=stream_id)  # the constructor validates every field
+    except TypeError as e:  # pragma: no cover - keys were checked above
+        raise _bad(str(e)) from None
+
+
+def _chunk_from_wire(flags: int, stream_id: int, payload: memoryview) -> StreamChunk:
+    """A StreamChunk: its 12-byte prefix (offset, raw length), then its data, raw or lz4."""
+    _check(len(payload) >= _CHUNK.size, "stream chunk shorter than its 12-byte prefix")
+    offset, raw_len = _CHUNK.unpack_from(payload, 0)
+    data = payload[_CHUNK.size:]
+    if flags & _COMPRESSED:
+        _check(raw_len <= 16 * 1024 * 1024 and 0 < len(data) < raw_len, "bad compressed chunk lengths")
+        try:
+            data = lz4.block.decompress(data, uncompressed_size=raw_len)
+        except lz4.block.LZ4BlockError as e:
+            raise _bad(f"bad lz4 chunk: {e}") from None
+        _check(len(data) == raw_len, "lz4 chunk decompressed to the wrong length")
+    else:
+        if not (len(data) == raw_len):
+            raise _bad(f"chunk holds {len(data)} bytes, prefix says {raw_len}")
+    return StreamChunk(offset=offset, data=data, stream_id=stream_id)  # a view: zero-copy
+
+
+def _meta_from_wire(cls: type, payload: memoryview) -> tuple[dict, int]:
+    """``(metadata, where it ends)``: a u32 length, then a canonical msgpack map with exactly
+    ``cls``'s wire keys."""
     _check(len(payload) >= 4, "payload shorter than its metadata length")
     (mlen,) = _U32.unpack_from(payload, 0)
     if not (mlen <= MAX_META_BYTES and 4 + mlen <= len(payload)):
@@ -531,40 +555,45 @@ def decode_payload(mtype: MessageType, flags: int, stream_id: int, payload: memo
     want = _wire_keys(cls)
     if not (meta.keys() == want):
         raise _bad(f"{cls.__name__} metadata keys {sorted(map(str, meta))} != {sorted(want)}")
-    if not _converted_fields(cls):  # plain fields only: the common small message
-        if 4 + mlen != len(payload):
-            raise _bad(f"{len(payload) - 4 - mlen} trailing payload bytes after the metadata")
-        return cls(**meta, stream_id=stream_id)  # the constructor validates every field
-    body = payload[4 + mlen:]
-    kwargs, pos = meta, 0
+    return meta, 4 + mlen
+
+
+def _fields_from_wire(cls: type, meta: dict, body: memoryview) -> dict:
+    """``meta`` with ``cls``'s converted fields in their Python form; the tensors' bytes are read
+    from ``body`` in order, and must use all of it."""
+    pos = 0
     for name in _converted_fields(cls):
-        v = meta[name]
         if name == "tensors":
-            _check(isinstance(v, list), "tensors must be a list")
-            ts = []
-            for d in v:
-                t, pos = from_description(d, body, pos)
-                ts.append(t)
-            v = tuple(ts)
-        elif name == "peer":
-            v = PeerInfo.from_wire(v)
-        elif name == "peers":
-            _check(isinstance(v, list), "peers must be a list")
-            v = tuple(PeerInfo.from_wire(p) for p in v)
-        elif name == "route":
-            _check(isinstance(v, list), "route must be a list")
-            v = tuple(v)
-        kwargs[name] = v
+            meta[name], pos = _tensors_from_wire(meta[name], body, pos)
+        else:
+            meta[name] = _FROM_WIRE[name](meta[name])
     if not (pos == len(body)):
         raise _bad(f"{len(body) - pos} trailing payload bytes after the tensors")
-    if mtype in _TENSOR_MESSAGES:
-        want_flag = any(any(t.lz4) for t in kwargs["tensors"])
-        if bool(flags & _COMPRESSED) != want_flag:
-            raise LocalProtocolError("COMPRESSED flag disagrees with the tensors' lz4 flags", ErrorCode.BAD_FLAGS)
-    try:
-        return cls(**kwargs, stream_id=stream_id)  # the constructor validates every field
-    except TypeError as e:  # pragma: no cover - keys were checked above
-        raise _bad(str(e)) from None
+    return meta
+
+
+def _tensors_from_wire(v, body: memoryview, pos: int) -> tuple[tuple, int]:
+    _check(isinstance(v, list), "tensors must be a list")
+    ts = []
+    for d in v:
+        t, pos = from_description(d, body, pos)
+        ts.append(t)
+    return tuple(ts), pos
+
+
+def _peers_from_wire(v) -> tuple:
+    _check(isinstance(v, list), "peers must be a list")
+    return tuple(PeerInfo.from_wire(p) for p in v)
+
+
+def _route_from_wire(v) -> tuple:
+    _check(isinstance(v, list), "route must be a list")
+    return tuple(v)
+
+
+# The converted fields (_CONVERTED) other than tensors, from their wire form.
+_FROM_WIRE = {"peer": PeerInfo.from_wire, "peers": _peers_from_wire, "route": _route_from_wire}
+assert _FROM_WIRE.keys() == _CONVERTED - {"tensors"}, "every converted field has its decoder"
 
 
 # --- plain framing (unsealed): the form used before the handshake and in test vectors ------
