@@ -14,8 +14,10 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from .checkpoints import refuse_streams
 from .link import LinkSpec
+from .identity import peer_id
 from .node import JoinError, Peer
 from .pipeline import PipelineServer, ServedBlocks, refuse_requests
 from .swarm import PeerJob, SwarmError, SwarmTrainer, refuse_joins
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("blocktrain.p2p")
 
 __all__ = ["AddressInUse", "JoinError", "PeerOptions", "SwarmError", "Training", "TrainingFailed", "build_peer",
-           "run_peer"]
+           "run_peer", "run_until_signalled", "with_work_dir"]
 
 
 class AddressInUse(OSError):
@@ -70,10 +73,17 @@ class Training:
     """What a training peer trains, with which data, where it keeps its checkpoints."""
     job: PeerJob
     block: int
-    work_dir: Path | None  # None: bt-peer's default (cli._run names one after the identity before running)
+    work_dir: Path | None  # None: bt-peer's default (with_work_dir names one after the identity before running)
     train_data: torch.Tensor  # uint8 tensor
     valid_data: torch.Tensor
     shard: tuple[int, int] | None = None
+
+
+def with_work_dir(training: Training, identity: X25519PrivateKey) -> Training:
+    """``training`` with a work directory: the default, ~/.blocktrain/work/PEER_ID, if it has none."""
+    if training.work_dir is not None:
+        return training
+    return dataclasses.replace(training, work_dir=Path.home() / ".blocktrain" / "work" / peer_id(identity)[:16])
 
 
 def build_peer(o: PeerOptions) -> Peer:
@@ -129,27 +139,55 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
     training report, if it trained."""
     trainer = None
     if training is not None:
-        j = training.job
-        assert training.work_dir is not None  # a default is chosen before any peer runs (cli._run)
-        trainer = SwarmTrainer(peer, training.block, j.model, j.train, j.swarm, training.work_dir,
-                               training.train_data, training.valid_data, training.shard, progress=on_line,
-                               on_step=on_step)
-        try:  # before listening: seconds of CPU that would keep the event loop from answering anyone
-            await asyncio.to_thread(trainer.prepare)
-        except Exception as e:  # e.g. a damaged own checkpoint: the operator must see it
-            raise TrainingFailed(f"{type(e).__name__}: {e}") from e
+        trainer = await _prepared_trainer(peer, training, on_line, on_step)
         if stop.is_set():  # told to stop meanwhile: nothing has started yet
             return None
     await start_peer(peer, bootstrap, join_timeout_s, on_line)
     page = await _start_page(peer, http, on_line) if http is not None else None
+    _answer_requests(peer, served, trainer is not None)
+    task = asyncio.ensure_future(trainer.run()) if trainer is not None else None
+    try:
+        result, failed = await _supervise(peer, stop, task, exit_when_done, on_line, status_every_s)
+    finally:
+        await _stop_trainer(task)
+        if page is not None:
+            await page.stop()
+        await peer.stop("peer shutting down")
+    if failed is not None:
+        if isinstance(failed, SwarmError):
+            raise failed
+        raise TrainingFailed(f"{type(failed).__name__}: {failed}") from failed
+    return result
+
+
+async def _prepared_trainer(peer: Peer, training: Training, on_line, on_step) -> SwarmTrainer:
+    j = training.job
+    assert training.work_dir is not None  # a default is chosen before any peer runs (with_work_dir)
+    trainer = SwarmTrainer(peer, training.block, j.model, j.train, j.swarm, training.work_dir,
+                           training.train_data, training.valid_data, training.shard, progress=on_line,
+                           on_step=on_step)
+    try:  # before listening: seconds of CPU that would keep the event loop from answering anyone
+        await asyncio.to_thread(trainer.prepare)
+    except Exception as e:  # e.g. a damaged own checkpoint: the operator must see it
+        raise TrainingFailed(f"{type(e).__name__}: {e}") from e
+    return trainer
+
+
+def _answer_requests(peer: Peer, served: ServedBlocks | None, trains: bool):
+    """Every request type is answered: served, or refused at once."""
     if served is not None:
         PipelineServer(peer, served)
     else:
         refuse_requests(peer)
-    if trainer is None:
+    if not trains:
         refuse_streams(peer)
         refuse_joins(peer)
-    task = asyncio.ensure_future(trainer.run()) if trainer is not None else None
+
+
+async def _supervise(peer: Peer, stop: asyncio.Event, task: asyncio.Future | None, exit_when_done: bool, on_line,
+                     status_every_s: float) -> tuple[dict | None, BaseException | None]:
+    """Wait for ``stop`` (or the training's end, with ``exit_when_done``), saying how the peer does
+    every ``status_every_s`` (0: never). Returns (the training report, what the trainer raised)."""
     stopping = asyncio.ensure_future(stop.wait())
     result, failed = None, None
     last = time.monotonic()
@@ -162,11 +200,7 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
                     failed = task.exception()
                     break
                 result = task.result()
-                on_line(f"training done: block {result['block']} at step {result['step']}, "
-                        f"valid CE {_f(result['ce_start'])} (at step {result.get('ce_start_step')}) -> "
-                        f"{_f(result['ce_end'])}, "
-                        f"{result['rounds_applied']} rounds applied, {len(result['failed_rounds'])} failed"
-                        + ("" if exit_when_done else "; serving the checkpoint until stopped"))
+                on_line(_done_line(result, exit_when_done))
                 if exit_when_done:
                     break
             if status_every_s and time.monotonic() - last >= status_every_s:
@@ -176,22 +210,51 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
                         f"received {_mib(t['received']['wire_bytes'])}")
     finally:
         stopping.cancel()
-        if task is not None and not task.done():
-            t0 = time.monotonic()
-            # Python 3.11's wait_for can swallow a cancellation that lands as the awaited thing
-            # completes (gh-86296): cancel again until the trainer has really stopped.
-            while not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=0.5)
-            log.info("trainer stopped in %.2f s", time.monotonic() - t0)
-        if page is not None:
-            await page.stop()
-        await peer.stop("peer shutting down")
-    if failed is not None:
-        if isinstance(failed, SwarmError):
-            raise failed
-        raise TrainingFailed(f"{type(failed).__name__}: {failed}") from failed
-    return result
+    return result, failed
+
+
+def _done_line(result: dict, exit_when_done: bool) -> str:
+    return (f"training done: block {result['block']} at step {result['step']}, "
+            f"valid CE {_f(result['ce_start'])} (at step {result.get('ce_start_step')}) -> "
+            f"{_f(result['ce_end'])}, "
+            f"{result['rounds_applied']} rounds applied, {len(result['failed_rounds'])} failed"
+            + ("" if exit_when_done else "; serving the checkpoint until stopped"))
+
+
+async def _stop_trainer(task: asyncio.Future | None):
+    if task is not None and not task.done():
+        t0 = time.monotonic()
+        # Python 3.11's wait_for can swallow a cancellation that lands as the awaited thing
+        # completes (gh-86296): cancel again until the trainer has really stopped.
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.5)
+        log.info("trainer stopped in %.2f s", time.monotonic() - t0)
+
+
+async def run_until_signalled(peer: Peer, bootstrap: tuple[str, int] | None, *, on_listening=lambda peer: None,
+                              **kw) -> dict | None:
+    """``run_peer`` until SIGINT or SIGTERM (or its training is done, with ``exit_when_done``);
+    ``on_listening(peer)`` once the peer listens (a training peer prepares before it listens)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    task = asyncio.ensure_future(run_peer(peer, bootstrap, stop=stop, **kw))
+    announce = asyncio.ensure_future(_when_listening(peer, on_listening))
+    await asyncio.wait({task, announce}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():  # e.g. the port is taken: say so now, not after the announcement's wait
+        announce.cancel()
+    try:
+        return await task
+    finally:
+        announce.cancel()
+        await asyncio.gather(announce, return_exceptions=True)
+
+
+async def _when_listening(peer: Peer, then):
+    if await peer.wait_for(lambda: bool(peer.addr)):  # no bound: a training peer prepares before it listens
+        then(peer)
 
 
 def _f(x) -> str:

@@ -7,11 +7,9 @@ client.py, assemble.py and reports.py, which raise domain errors that become one
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -112,13 +110,32 @@ def _peer_options(f):
         click.option("--quiet", is_flag=True, help="No periodic status line."),
         click.option("-v", "--verbose", count=True, help="-v: log joins and leaves; -vv: debug."),
     ]
+    return _key_options(_apply(f, opts))
+
+
+def _apply(f, opts: list):
+    """``f`` with ``opts``, which --help lists in this order."""
     for o in reversed(opts):
         f = o(f)
-    return _key_options(f)
+    return f
 
 
 def _train_options(f):
-    opts = [
+    """What a training peer trains (start, join): its job, its rounds (_round_options), its data."""
+    f = _apply(f, [
+        click.option("--shard", default=None, metavar="I/N",
+                     help="Train on shard I of N of the data (default: this peer's own random windows)."),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="Any setting: model.d_model=128, train.steps=300, swarm.round_timeout_s=60, ... "
+                          "Every peer of a swarm must use the same model and train settings."),
+        click.option("--data", type=click.Path(file_okay=False, exists=True), default=None,
+                     help="Directory of the standard WikiText files (default: the embedded WikiText-2)."),
+        click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="torch threads."),
+        click.option("--no-train", is_flag=True, help="Join as a plain member (no training), e.g. a bootstrap peer."),
+        click.option("--exit-when-done", is_flag=True,
+                     help="Leave once training is done (default: stay and serve the checkpoint until stopped)."),
+    ])
+    return _apply(_round_options(f), [
         click.option("--work-dir", type=click.Path(file_okay=False), default=None,
                      help="Where this peer keeps and serves its checkpoints (default: ~/.blocktrain/work/PEER_ID). "
                           "A restart with the same directory resumes from its checkpoint."),
@@ -128,6 +145,12 @@ def _train_options(f):
                      help="relay (default): every peer trains block 0 together, then block 1 on the final block 0, "
                           "...; each peer ends holding its --block. parallel: each peer trains its own --block from "
                           "the start, on the newest lower blocks."),
+    ])
+
+
+def _round_options(f):
+    """How the training peers average (the swarm.* settings of their rounds)."""
+    return _apply(f, [
         click.option("--sync", type=click.Choice(["grads", "params"]), default=None,
                      help="grads (default): average gradients every step; params: DiLoCo, average the parameter "
                           "change every --every steps (far fewer bytes on slow links)."),
@@ -153,26 +176,12 @@ def _train_options(f):
                           "nothing (default 1.0)."),
         click.option("--min-group", type=click.IntRange(1), default=None,
                      help="Start only once this many peers (this one included) start together, or join a group."),
-        click.option("--shard", default=None, metavar="I/N",
-                     help="Train on shard I of N of the data (default: this peer's own random windows)."),
-        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                     help="Any setting: model.d_model=128, train.steps=300, swarm.round_timeout_s=60, ... "
-                          "Every peer of a swarm must use the same model and train settings."),
-        click.option("--data", type=click.Path(file_okay=False, exists=True), default=None,
-                     help="Directory of the standard WikiText files (default: the embedded WikiText-2)."),
-        click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="torch threads."),
-        click.option("--no-train", is_flag=True, help="Join as a plain member (no training), e.g. a bootstrap peer."),
-        click.option("--exit-when-done", is_flag=True,
-                     help="Leave once training is done (default: stay and serve the checkpoint until stopped)."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    ])
 
 
 def _training(o: dict):
     """The Training for this peer, or None when it does not train; every argument checked before
-    anything is written (the work directory defaults to one named after the identity: see _run)."""
+    anything is written (the work directory defaults to one named after the identity: app.with_work_dir)."""
     if o["no_train"] or not o["blocks"]:
         return None
     if len(o["blocks"]) != 1:
@@ -238,42 +247,23 @@ def _options(o: dict, role: str):
 
 
 def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
-    from .app import AddressInUse, JoinError, SwarmError, TrainingFailed, build_peer, run_peer
+    from .app import AddressInUse, JoinError, SwarmError, TrainingFailed, build_peer, run_until_signalled, with_work_dir
 
     install_uvloop()
     training = training() if callable(training) else training  # arguments checked before an identity is made
     opts, ident = _options(o, role)
-    if training is not None and training.work_dir is None:
-        training = dataclasses.replace(training, work_dir=Path.home() / ".blocktrain" / "work" / peer_id(ident)[:16])
+    if training is not None:
+        training = with_work_dir(training, ident)
     boot = _addr(bootstrap) if bootstrap else None
     peer = build_peer(opts)
 
     step_bar = _StepBar() if training is not None and sys.stderr.isatty() else None
-
-    async def main_():
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        task = asyncio.ensure_future(run_peer(peer, boot, stop=stop, training=training, served=served,
-                                              exit_when_done=o.get("exit_when_done", False),
-                                              on_line=_echo,
-                                              status_every_s=0 if o["quiet"] else 5.0 if sys.stderr.isatty() else 30.0,
-                                              join_timeout_s=o["join_timeout"],
-                                              http=_http_addr(o["http"]) if o["http"] else None,
-                                              on_step=step_bar))
-        announce = asyncio.ensure_future(_announce(peer, role, o, training))
-        await asyncio.wait({task, announce}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():  # e.g. the port is taken: say so now, not after the announcement's wait
-            announce.cancel()
-        try:
-            return await task
-        finally:
-            announce.cancel()
-            await asyncio.gather(announce, return_exceptions=True)
-
     try:
-        asyncio.run(main_())
+        asyncio.run(run_until_signalled(
+            peer, boot, on_listening=lambda p: _announce(p, role, o, training), training=training, served=served,
+            exit_when_done=o.get("exit_when_done", False), on_line=_echo,
+            status_every_s=0 if o["quiet"] else 5.0 if sys.stderr.isatty() else 30.0,
+            join_timeout_s=o["join_timeout"], http=_http_addr(o["http"]) if o["http"] else None, on_step=step_bar))
     except (AddressInUse, JoinError, SwarmError, TrainingFailed) as e:
         raise click.ClickException(str(e))
     finally:
@@ -281,9 +271,13 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
             step_bar.close()
     click.echo("stopped: said goodbye to the peers" + (f", report in {o['report_path']}" if o["report_path"] else ""),
                err=True)
-    # Everything is written and closed (reports, checkpoints, goodbyes; asyncio.run waited for the
-    # worker threads). Skip the interpreter's teardown of torch and its thread pools, which takes
-    # seconds: a whole swarm stopped at once should be gone at once.
+    _exit_now()
+
+
+def _exit_now():
+    """Everything is written and closed (reports, checkpoints, goodbyes; asyncio.run waited for the
+    worker threads). Skip the interpreter's teardown of torch and its thread pools, which takes
+    seconds: a whole swarm stopped at once should be gone at once."""
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
@@ -309,10 +303,8 @@ class _StepBar:
             self.bar.close()
 
 
-async def _announce(peer, role: str, o: dict, training):
+def _announce(peer, role: str, o: dict, training):
     """Once listening: where we are and how others join (for the role that they would take)."""
-    if not await peer.wait_for(lambda: bool(peer.addr)):  # no bound: a training peer prepares before it listens
-        return
     key = f"--swarm-key {o['swarm_key']}" if o["swarm_key"] else "(with BT_SWARM_KEY set)"
     what = (f"training block {training.block} ({training.job.swarm.schedule}) in {training.work_dir}" if training
             else f"serving block(s) {list(o['blocks'])}" if role == "serve" else "a plain member (no training)")

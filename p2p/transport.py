@@ -35,8 +35,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete, Message,
-                                 Ping, Pong, ProtocolError, Role)
+from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
+                                 Message, Ping, Pong, ProtocolError, Role)
 
 from .flow import SendQueue, ShapedLink
 from .link import LinkShaper, LinkSpec
