@@ -2,8 +2,10 @@
 handler's failure costs.
 
 Rules:
-- One handler per message type, inline or spawned; a later ``on`` for a type replaces the
-  earlier one (inline and spawned are kept apart; the inline one is asked first).
+- Every handler registered for a message type gets each message of it (fan-out), in the order
+  they were registered, inline ones first: services that share a type (a training peer's
+  checkpoint server and fetcher both take STREAM_RESET) each ignore what is not theirs. A later
+  ``on`` never silently replaces an earlier one (it did: the server's resets were lost).
 - An inline handler runs in the connection's reader, in arrival order (stream chunks, round
   parts); any other runs as a task of the peer, named ``handle <Type>``.
 - A handler that raises on a peer's message never takes the reader down: the message is the
@@ -35,34 +37,33 @@ class Handlers:
 
     def __init__(self, spawn: Spawn):
         self._spawn = spawn
-        self._spawned: dict[type, Callable] = {}
-        self._inline: dict[type, Callable] = {}
+        self._spawned: dict[type, list[Callable]] = {}
+        self._inline: dict[type, list[Callable]] = {}
         self.input_failures: dict[str, int] = {}  # exception type -> messages refused (report)
 
     def on(self, msg_type: type, handler: Callable, *, inline: bool = False) -> None:
-        (self._inline if inline else self._spawned)[msg_type] = handler
+        (self._inline if inline else self._spawned).setdefault(msg_type, []).append(handler)
 
     def handles(self, msg_type: type) -> bool:
         return msg_type in self._inline or msg_type in self._spawned
 
     def deliver(self, msg: object, pc: PeerConnection, pid: str) -> bool | None:
-        """Hand ``msg`` from ``pid`` to its handler: True when handed (or spawned), False when it
-        was refused and ``pc`` closed, None when no handler takes its type. Raises only
-        ConnectionError (``pc`` ended)."""
-        inline = self._inline.get(type(msg))
-        if inline is not None:  # in order, in the reader (stream chunks, round parts)
+        """Hand ``msg`` from ``pid`` to its handlers: True when handed (or spawned), False when one
+        refused it and ``pc`` was closed (the others are not asked), None when no handler takes its
+        type. Raises only ConnectionError (``pc`` ended)."""
+        inline, spawned = self._inline.get(type(msg), ()), self._spawned.get(type(msg), ())
+        if not inline and not spawned:
+            return None
+        for fn in inline:  # in order, in the reader (stream chunks, round parts)
             try:
-                inline(msg, pc, pid)
+                fn(msg, pc, pid)
             except (ConnectionError, asyncio.CancelledError):
                 raise
             except Exception as e:  # noqa: BLE001 - the sender's message did it: close its connection
                 self.bad_input(pc, pid, msg, e)
                 return False
-            return True
-        handler = self._spawned.get(type(msg))
-        if handler is None:
-            return None
-        self._spawn(self._guarded(handler, msg, pc, pid), f"handle {type(msg).__name__}")
+        for fn in spawned:
+            self._spawn(self._guarded(fn, msg, pc, pid), f"handle {type(msg).__name__}")
         return True
 
     async def _guarded(self, handler: Callable, msg: object, pc: PeerConnection, pid: str) -> None:

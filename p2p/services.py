@@ -81,7 +81,9 @@ class PeerServices(Protocol):
 
     def on(self, msg_type: type, handler, *, inline: bool = False) -> None:
         """Route every message of ``msg_type`` to ``handler(msg, conn, peer_id)``: awaited as its own
-        task, or (``inline``) called in the connection's reader, in arrival order."""
+        task, or (``inline``) called in the connection's reader, in arrival order. Every handler of
+        a type hears each message (in registration order, inline ones first); each ignores what is
+        not its own."""
 
     def members(self, *, block: int | None = None, role: str | None = None,
                 alive: bool = True) -> list[MemberView]:

@@ -214,15 +214,36 @@ async def test_a_connection_error_in_a_handler_is_not_the_senders_fault():
     assert pc.refused is None and not h.input_failures
 
 
-def test_a_later_handler_for_a_type_replaces_the_earlier():
-    """Issue 27 item 2 is open: callers register some types twice on one peer (a training peer's
-    CheckpointServer and CheckpointFetcher both take STREAM_RESET), so ``on`` still replaces."""
+def test_every_handler_for_a_type_gets_each_message():
+    """Issue 27 item 2: a second ``on`` replaced the first, so a training peer's checkpoint server
+    never heard a STREAM_RESET (its fetcher's handler had replaced the server's). Now both hear it,
+    in the order they registered."""
     got = []
     h = Handlers(_Spawner())
     h.on(Ping, lambda m, pc, pid: got.append("first"), inline=True)
     h.on(Ping, lambda m, pc, pid: got.append("second"), inline=True)
-    h.deliver(Ping(nonce=1), _Conn(), "p")
-    assert got == ["second"]
+    assert h.deliver(Ping(nonce=1), _Conn(), "p") is True
+    assert got == ["first", "second"]
+
+
+async def test_a_training_peers_checkpoint_server_hears_a_reset_of_a_stream_it_sends(tmp_path):
+    """The server and the fetcher on one peer (as a SwarmTrainer builds them) both take STREAM_RESET:
+    the reset of a stream the server sends reaches the server."""
+    from blocktrain.p2p.checkpoints import CheckpointFetcher, CheckpointServer
+    from blocktrain.protocol import StreamReset
+
+    class _Peer:
+        def __init__(self):
+            self.handlers = Handlers(_Spawner())
+
+        def on(self, t, fn, *, inline=False):
+            self.handlers.on(t, fn, inline=inline)
+    peer = _Peer()
+    server = CheckpointServer(peer, tmp_path)
+    CheckpointFetcher(peer)
+    server._serving.add(("p" * 64, 7))
+    peer.handlers.deliver(StreamReset(code=1, reason="enough", stream_id=7), _Conn(), "p" * 64)
+    assert ("p" * 64, 7) in server._reset
 
 
 # --- waiters.py -------------------------------------------------------------------------------------
