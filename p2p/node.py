@@ -49,7 +49,7 @@ from .members import MAX_KNOWN_IDS, MAX_MEMBERS, MemberTable
 from .members import Member as _Member  # noqa: F401 - tests build members under this name
 from .mesh import MAX_EVENTS, Mesh
 from .redial import DIAL_COOLDOWN_S, MAX_FAILED_ADDRS, MAX_REDIALS, REDIAL_MAX_S, REDIAL_MIN_S, Redials
-from .services import MemberView, PeerUnreachable
+from .services import MemberView, PeerServices, PeerUnreachable
 from .transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
 from .waiters import Waiters
 
@@ -70,7 +70,7 @@ class JoinError(ConnectionError):
     """No connection to the bootstrap peer within the join timeout."""
 
 
-class Peer:
+class Peer(PeerServices):
     """One BlockTrain peer; implements ``PeerServices`` for the services that run on it."""
 
     def __init__(self, identity: X25519PrivateKey, swarm_key: bytes, host: str = "127.0.0.1", port: int = 0,

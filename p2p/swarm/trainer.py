@@ -68,7 +68,7 @@ class SwarmTrainer:
         self.group = Group(peer.id, margin=scfg.margin)
         self.averager = Averager(peer, k, codec=scfg.codec, density=scfg.density, min_coverage=scfg.min_coverage,
                                  max_norm=scfg.max_norm, timeout_s=scfg.round_timeout_s, aggregate=scfg.aggregate,
-                                 floats=self._most_floats())
+                                 floats=_largest_block(mcfg, self.schedule.plan))
         self.server = CheckpointServer(peer, self.dir / "serve")
         self.fetcher = CheckpointFetcher(peer)
         self.stats = Stats()
@@ -93,11 +93,6 @@ class SwarmTrainer:
         self._resumed: bool | None = None  # prepare(): None until the first trainer is built
         peer.report_section("training", self.training_report)
         peer.report_section("work", lambda: work_status(self))
-
-    def _most_floats(self) -> int:
-        from blocktrain.blocks.model import Block
-        with torch.random.fork_rng(devices=[]):  # counting parameters draws no random number of ours
-            return max(sum(p.numel() for p in Block(self.mcfg, j).parameters()) for j in self.schedule.plan)
 
     # --- where we are (the rooms share ``pos``) ----------------------------------------------------
     block = property(lambda self: self.pos.block)
@@ -211,16 +206,8 @@ class SwarmTrainer:
     # --- the whole run -----------------------------------------------------------------------------
     def eval_heads(self) -> list[float]:
         """Valid CE of every head along the chain this peer holds (relay: up to the block in work)."""
-        from blocktrain.blocks.model import Block
         from blocktrain.blocks.train import eval_chain
-        if self.relay:
-            chain = []
-            for j in range(self.block):
-                b = Block(self.mcfg, j)
-                b.load_state_dict(self.finals[j])
-                chain.append(b)
-        else:
-            chain = list(self.tr.lower)
+        chain = _frozen(self.mcfg, self.finals, self.block) if self.relay else list(self.tr.lower)
         return eval_chain(chain + [self.tr.block], self.valid, self.tcfg.seq_len, self.scfg.eval_windows)
 
     def prepare(self) -> bool:
@@ -356,3 +343,21 @@ class SwarmTrainer:
 
 def _seed(peer_id: str, block: int) -> int:
     return (int(peer_id[:8], 16) * 1_000_003 + block) % (1 << 62)
+
+
+def _largest_block(mcfg, plan) -> int:
+    """The most parameters of a block in ``plan`` (the averager's buffers are sized once)."""
+    from blocktrain.blocks.model import Block
+    with torch.random.fork_rng(devices=[]):  # counting parameters draws no random number of ours
+        return max(sum(p.numel() for p in Block(mcfg, j).parameters()) for j in plan)
+
+
+def _frozen(mcfg, finals: dict, upto: int) -> list:
+    """Blocks 0..upto-1 built from their final parameters."""
+    from blocktrain.blocks.model import Block
+    chain = []
+    for j in range(upto):
+        b = Block(mcfg, j)
+        b.load_state_dict(finals[j])
+        chain.append(b)
+    return chain
