@@ -16,9 +16,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.blocks import checkpoint as ckpt
 
-from .checkpoints import CHECKPOINT, CheckpointFetcher, FetchError, holders, status_members
+from .checkpoints import CHECKPOINT, CheckpointFetcher, FetchError
 from .node import Peer, query_status, status_when_listening
 from .transport import Timeouts
+from .view import holders, status_members
 
 
 class AssembleError(Exception):

@@ -43,6 +43,8 @@ from blocktrain.protocol.streams import StreamFailed
 from blocktrain.protocol.streams import CHUNK_SIZE_BYTES
 
 from .services import PeerServices
+# ``holders`` lives in view.py (the client's view of the swarm); swarm/lower.py still imports it from here.
+from .view import holders  # noqa: F401
 
 log = logging.getLogger("blocktrain.p2p")
 
@@ -336,23 +338,3 @@ def _renamed(m: StreamOpen, rx: StreamReceiver) -> StreamOpen:
         return StreamOpen(kind=m.kind, name=rx.open.name, total_size=m.total_size, sha256=m.sha256, offset=m.offset,
                           meta=m.meta, stream_id=m.stream_id)
     return m
-
-
-def holders(members, block: int, role: str = "train") -> list[str]:
-    """Addresses of the live members with ``role`` that hold ``block``, smallest peer id first.
-    ``members``: MemberViews, or status-reply member dicts."""
-    out = []
-    for m in members:
-        def get(k: str, m=m):
-            return m.get(k) if isinstance(m, dict) else getattr(m, k)
-        alive = get("state") == "alive" if isinstance(m, dict) else m.alive
-        if alive and get("role") == role and block in get("blocks"):
-            out.append((get("peer_id"), get("addr")))
-    return [a for _, a in sorted(out)]
-
-
-def status_members(st: dict) -> list[dict]:
-    """The members of a status reply, the answering peer included (as a live member)."""
-    me = {"peer_id": st["peer_id"], "addr": st["addr"], "blocks": st["blocks"], "role": st["role"], "state": "alive"}
-    return [me] + list(st["members"])
-

@@ -13,10 +13,12 @@ Rules:
   traversal for the whole output (prompt + placeholders, greedy), the paper's one-shot mode.
 - A hop that lost the session's caches (fault "session") costs one rebuild on the same chain;
   a failed hop costs a new chain: ``generate`` keeps the session and rebuilds the caches there.
-- ``generate`` asks a member for its view (STATUS), builds a chain (one live serving peer per
-  block, smallest peer id first, avoiding peers that failed), and on a failure that names a block
-  avoids that hop the next time; a request that gets no answer lets the swarm notice the silent
-  peer (``dead_after_s``) before asking again.
+- ``generate`` asks a member for its view (STATUS) and builds a chain through it (view.py: one
+  live serving peer per block, smallest peer id first, avoiding peers that failed); on a failure
+  that names a block it avoids that hop the next time; a request that gets no answer lets the
+  swarm notice the silent peer (``dead_after_s``) before asking again.
+- The request's vocabulary (modes, faults, refusals) is serving.py's, shared with the hops; the
+  client imports no server module.
 """
 
 from __future__ import annotations
@@ -30,12 +32,11 @@ import torch
 from blocktrain.blocks.decode import MAX_TREE, Sampling, Session, one_traversal_spec
 from blocktrain.protocol import ConnectionClosed, PipelineForward, PipelineResult, Role
 
-from .checkpoints import holders, status_members
 from .identity import peer_id
-from .node import status_when_listening
-from .pipeline import MODES, PipelineError
+from .serving import DEFAULT_CODEC, MODES, PipelineError
 from .tensors import from_wire, to_wire
 from .transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
+from .view import chain_when_ready
 
 
 DRAFT_LEN = 16  # bytes drafted per traversal in exact mode
@@ -47,10 +48,6 @@ def _request_id() -> int:
     return secrets.randbits(63)
 
 
-class NoChain(PipelineError):
-    """The swarm has no live serving peer for some block."""
-
-
 class PipelineClient:
     """Sends requests into a chain of serving peers and collects the answers.
 
@@ -58,7 +55,7 @@ class PipelineClient:
     """
 
     def __init__(self, identity, swarm_key, route: list[str], blocks: list[int], timeouts: Timeouts | None = None,
-                 link=None, codec: str = "bf16", timeout_s: float = 30.0):
+                 link=None, codec: str = DEFAULT_CODEC, timeout_s: float = 30.0):
         self.identity, self.swarm_key = identity, swarm_key
         self.route, self.blocks = list(route), list(blocks)
         self.timeouts = timeouts or Timeouts()
@@ -118,12 +115,7 @@ class PipelineClient:
             raise PipelineError(f"no answer within {self.timeout_s}s from the chain {self.route} "
                                 f"(blocks {self.blocks})") from None
         if "error" in res.meta:
-            b, hop = res.meta.get("block"), res.meta.get("hop")
-            fault = res.meta.get("fault") if res.meta.get("fault") in ("request", "session") else "hop"
-            where = f"block {b}" if isinstance(b, int) else "the chain"
-            text = (f"the request was refused by {where}: {res.meta['error']}" if fault == "request"
-                    else f"{where} failed (reported by hop {hop}): {res.meta['error']}")
-            raise PipelineError(text, b if isinstance(b, int) else None, hop if isinstance(hop, int) else None, fault)
+            raise PipelineError.from_meta(res.meta)
         return res
 
     def _end(self, session: int, mode: str):
@@ -209,40 +201,6 @@ def new_session(prompt: bytes, n: int, mode: str, sampling: Sampling = Sampling(
                    sampling=sampling, invariant=True)
 
 
-MAX_ROUTE_BLOCKS = 256  # bound on a peer's word for how many blocks a model has
-
-
-def chain(st: dict, avoid: set[str] | frozenset[str] = frozenset()) -> list[str]:
-    """One live serving peer per block 0..K-1 from a status reply, avoiding ``avoid``."""
-    members = [m for m in status_members(st) if m["addr"] not in avoid]
-    blocks = sorted({b for m in members if m["role"] == "serve" and m["state"] == "alive" for b in m["blocks"]})
-    if not blocks:
-        raise NoChain("no live serving peers known" + (f" (avoiding {sorted(avoid)})" if avoid else ""))
-    n = (st.get("serving") or {}).get("n_blocks")  # the model's blocks, if the peer asked serves
-    n = n if type(n) is int and 1 <= n <= MAX_ROUTE_BLOCKS else max(blocks) + 1
-    route = []
-    for b in range(n):  # every block: a chain cut short (a peer not yet joined) is refused by hop 0
-        h = holders(members, b, "serve")
-        if not h:
-            raise NoChain(f"no live peer serves block {b}" + (f" (avoiding {sorted(avoid)})" if avoid else ""), b)
-        route.append(h[0])
-    return route
-
-
-async def _chain_when_ready(host, port, ident, key, tmo, avoid, wait_s: float, log=lambda s: None):
-    """The swarm view and a chain through it; while the serving peers are still starting (the peer
-    not yet listening, or no chain yet: serving peers join by gossip within a heartbeat or two),
-    ask again for up to ``wait_s`` (the clients' one rule: node.status_when_listening)."""
-    def ready(st):
-        try:
-            chain(st, avoid)
-            return True
-        except NoChain as e:
-            return f"no chain through the swarm yet ({e})"
-    st = await status_when_listening(host, port, ident, key, tmo, wait_s, log, ready)
-    return st, chain(st, avoid)
-
-
 def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None, sampling: Sampling = Sampling(),
                   draft_len: int = DRAFT_LEN):
     """Bad requests fail here, with the fix, before anything is sent."""
@@ -276,8 +234,8 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
     s: Session | None = None
     t0 = time.perf_counter()
     for attempt in range(attempts):
-        st, route = await _chain_when_ready(host, port, ident, key, tmo, avoid,
-                                            timeout if wait_s is None else wait_s, log)
+        st, route = await chain_when_ready(host, port, ident, key, tmo, avoid,
+                                           timeout if wait_s is None else wait_s, log)
         msl = (st.get("serving") or {}).get("max_seq_len")
         check_request(prompt, n, mode, msl, sampling, draft_len)
         client = PipelineClient(ident, key, route, list(range(len(route))), tmo, timeout_s=timeout)

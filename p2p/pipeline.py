@@ -38,13 +38,15 @@ import torch
 
 from blocktrain.blocks.decode import BadSpec, SessionMismatch, check_spec, hop_step
 from blocktrain.blocks.model import Block, BlockCache
-from blocktrain.protocol import Codec, PipelineForward, PipelineResult, ProtocolError
+from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
 
 from .fair import FairSlots, Saturated
+# PipelineError lives in serving.py; cli.py and tests/test_hardening.py still import it from here.
+from .serving import (DEFAULT_CODEC, FORWARDED, HIDDEN_CODECS, MODES, PipelineError, bad_request, block_at, refusal,
+                      refusal_meta)
 from .services import PeerServices, PeerUnreachable
 from .tensors import from_wire, to_wire
 
-MODES = ("exact", "autoregressive", "blocktrain", "reference")
 SESSION_IDLE_S = 60.0  # caches unused this long are freed
 # Sessions one hop holds at once (the least recently used goes), and per client. A session's
 # caches are at most (max_seq_len + 256) tokens per layer plus the draft model's drafting steps:
@@ -56,25 +58,8 @@ COMPUTE_SLOTS = 2  # traversals computed at once by one hop (the rest wait their
 # Traversals waiting for a compute slot at one hop, in all (fair.py: past it the client with the
 # most waiting gives way). Each holds its request's input (at most a frame, usually a few KiB).
 MAX_WAITING = 32
-# Codecs of the hidden states between hops (PROTOCOL.md section 6).
-HIDDEN_CODECS = frozenset(c.value for c in Codec)
-# The meta keys a hop reads and passes on (anything else a client sends is dropped).
-FORWARDED = ("mode", "blocks", "reply_to", "session", "spec", "end", "codec", "compute_s")
 # Seconds the last hop waits for the client's own connection to register (it dialled us at once).
 CLIENT_WAIT_S = 5.0
-
-
-class PipelineError(Exception):
-    """A request could not be served; ``block`` and ``hop`` say where (None: the chain as a whole);
-    ``fault`` says whose: "hop" (retry elsewhere) or "request" (the request itself is bad)."""
-
-    def __init__(self, msg: str, block: int | None = None, hop: int | None = None, fault: str = "hop"):
-        super().__init__(msg)
-        self.block, self.hop, self.fault = block, hop, fault
-
-
-def _bad_request(msg: str, block=None, hop=None) -> PipelineError:
-    return PipelineError(msg, block, hop, fault="request")
 
 
 @dataclass
@@ -149,16 +134,16 @@ class PipelineServer:
         """Who may send this, and where it may go: hop 0 takes requests from the client itself;
         later hops only from members. The route is one hop per block 0..K-1 of this model."""
         if msg.hop == 0 and meta.get("reply_to") != pid:
-            raise _bad_request("reply_to must be the sender's own peer id", k, msg.hop)
+            raise bad_request("reply_to must be the sender's own peer id", k, msg.hop)
         if msg.hop > 0 and self.peer.member(pid) is None:
-            raise _bad_request("only a member forwards a request past hop 0", k, msg.hop)
+            raise bad_request("only a member forwards a request past hop 0", k, msg.hop)
         if not isinstance(k, int) or k not in self.served.held(mode):
             hint = (": it was started without --reference DIR (the end-to-end model's checkpoints)"
                     if mode == "reference" and isinstance(k, int) and k in self.served.held("exact") else "")
             raise PipelineError(f"peer {self.peer.addr} does not serve block {k} ({mode}){hint}", k, msg.hop)
         n = self.served.held(mode)[k].cfg.n_blocks
         if len(msg.route) != n or meta.get("blocks") != list(range(n)):
-            raise _bad_request(f"a route is one hop per block 0..{n - 1}, in order", k, msg.hop)
+            raise bad_request(f"a route is one hop per block 0..{n - 1}, in order", k, msg.hop)
         if msg.hop + 1 < n:  # before any compute: the next hop must be a member serving the next block
             nxt = msg.route[msg.hop + 1]
             if not any(m.addr == nxt for m in self.peer.members(block=k + 1, role="serve")):
@@ -171,7 +156,7 @@ class PipelineServer:
         # request: a refusal at hop 0 goes back to the sender alone. Later hops take reply_to
         # from the member below, which checked it at hop 0.
         client = pid if msg.hop == 0 else meta.get("reply_to")
-        k = _block_at(meta, msg.hop)
+        k = block_at(meta, msg.hop)
         if "error" in msg.meta:  # a hop without the client's connection reports through the last hop
             if msg.hop + 1 == len(msg.route) and self.peer.member(pid) is not None and isinstance(client, str):
                 self._tell_client(client, msg.request_id, dict(msg.meta))
@@ -180,17 +165,17 @@ class PipelineServer:
         try:
             mode = meta.get("mode")
             if mode not in MODES:
-                raise _bad_request(f"unknown mode {mode!r}", k, msg.hop)
+                raise bad_request(f"unknown mode {mode!r}", k, msg.hop)
             if not isinstance(client, str) or type(meta.get("session")) is not int:
-                raise _bad_request("reply_to (a peer id) and session (an int) are required", k, msg.hop)
-            if meta.get("codec", "bf16") not in HIDDEN_CODECS:  # before any compute: the request's fault
-                raise _bad_request(f"codec must be one of {sorted(HIDDEN_CODECS)}", k, msg.hop)
+                raise bad_request("reply_to (a peer id) and session (an int) are required", k, msg.hop)
+            if meta.get("codec", DEFAULT_CODEC) not in HIDDEN_CODECS:  # before any compute: the request's fault
+                raise bad_request(f"codec must be one of {sorted(HIDDEN_CODECS)}", k, msg.hop)
             self._check_route(msg, meta, pid, k, mode)
             b = self.served.held(mode)[k]
             self._expire()
             if meta.get("spec") is None:  # the session is over: free its caches along the chain
                 if not meta.get("end"):
-                    raise _bad_request("a request needs a spec (or end, to free a session)", k, msg.hop)
+                    raise bad_request("a request needs a spec (or end, to free a session)", k, msg.hop)
                 self._drop(self._key(client, meta, k))
                 if msg.hop + 1 < len(msg.route):
                     await self._forward(msg, meta, None)
@@ -198,9 +183,9 @@ class PipelineServer:
             try:
                 spec = check_spec(meta["spec"], b.cfg.max_seq_len)
             except BadSpec as e:
-                raise _bad_request(f"bad spec: {e}", k, msg.hop) from None
+                raise bad_request(f"bad spec: {e}", k, msg.hop) from None
             if self._inflight.get(client, 0) >= MAX_INFLIGHT_PER_CLIENT:
-                raise _bad_request(f"more than {MAX_INFLIGHT_PER_CLIENT} requests in flight at this hop", k, msg.hop)
+                raise bad_request(f"more than {MAX_INFLIGHT_PER_CLIENT} requests in flight at this hop", k, msg.hop)
             key = self._key(client, meta, k)
             if key in self._busy:  # one traversal at a time per session
                 raise PipelineError("this session's previous traversal is still running here", k, msg.hop,
@@ -233,29 +218,25 @@ class PipelineServer:
             self.served_requests += 1
             if isinstance(out, dict):  # the last block: the answer
                 if msg.hop + 1 != len(msg.route):
-                    raise _bad_request(f"block {k} is the last block, but the route goes on", k, msg.hop)
+                    raise bad_request(f"block {k} is the last block, but the route goes on", k, msg.hop)
                 reply = await self._client(client)
                 meta.pop("spec", None)  # the client has it
                 meta["drafter"] = b.drafter is not None
                 reply.send_nowait(PipelineResult(request_id=msg.request_id, meta=meta, tensors=(
                     to_wire("logits", out["logits"].float()), to_wire("drafts", out["drafts"].to(torch.int16)))))
                 return
-            await self._forward(msg, meta, to_wire("x", out, meta.get("codec", "bf16"), "never"))
+            await self._forward(msg, meta, to_wire("x", out, meta.get("codec", DEFAULT_CODEC), "never"))
         except Exception as e:  # noqa: BLE001 - every failure is answered; a hop's state stays consistent
             if key is not None and not isinstance(e, PipelineError):
                 self._drop(key)  # a cache half-way through a traversal is not trusted again
-            failed = e.block if isinstance(e, PipelineError) else k
-            hop = e.hop if isinstance(e, PipelineError) and e.hop is not None else msg.hop
-            fault = e.fault if isinstance(e, PipelineError) else "hop"
-            text = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
-            err = {"error": text[:1000], "hop": hop, "block": failed, "fault": fault}
+            err = refusal_meta(e, k, msg.hop)
             if msg.hop == 0:  # the sender, on its own connection
                 _send_error(pc, msg.request_id, err)
             elif isinstance(client, str) and self.peer.client_connection(client) is not None:
                 self._tell_client(client, msg.request_id, err)
             elif msg.hop + 1 < len(msg.route) and msg.hop > 0:  # the client dialled the first and last hops only
                 try:
-                    last = await self._member_connection(msg.route[-1], _block_at(meta, len(msg.route) - 1),
+                    last = await self._member_connection(msg.route[-1], block_at(meta, len(msg.route) - 1),
                                                          len(msg.route) - 1)
                     last.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route,
                                                      hop=len(msg.route) - 1, meta={**err, "reply_to": client}))
@@ -273,7 +254,7 @@ class PipelineServer:
             raise PipelineError(f"block {block} is unreachable", block, hop) from None
 
     async def _forward(self, msg: PipelineForward, meta: dict, tensor):
-        nxt_block = _block_at(meta, msg.hop + 1)
+        nxt_block = block_at(meta, msg.hop + 1)
         nxt = await self._member_connection(msg.route[msg.hop + 1], nxt_block, msg.hop + 1)
         nxt.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route, hop=msg.hop + 1,
                                         tensors=() if tensor is None else (tensor,), meta=meta))
@@ -292,8 +273,7 @@ class PipelineServer:
 def _send_error(pc, request_id: int, meta: dict):
     """A refusal (PipelineResult with ``error``, ``hop``, ``block``, ``fault``) on ``pc``."""
     try:
-        pc.send_nowait(PipelineResult(request_id=request_id, tensors=(), meta={
-            "error": str(meta.get("error"))[:1000], **{k: meta.get(k) for k in ("hop", "block", "fault")}}))
+        pc.send_nowait(refusal(request_id, meta))
     except ConnectionError:
         pass
 
@@ -302,7 +282,7 @@ def refuse_requests(peer: PeerServices):
     """For a peer that serves nothing: every request is answered with an error at once."""
     async def handler(msg: PipelineForward, pc, pid):
         _send_error(pc, msg.request_id, {"error": f"peer {peer.addr} serves no blocks", "hop": msg.hop,
-                                         "block": _block_at(msg.meta, msg.hop), "fault": "hop"})
+                                         "block": block_at(msg.meta, msg.hop), "fault": "hop"})
     peer.on(PipelineForward, handler)
 
 
@@ -312,29 +292,22 @@ def _input(msg: PipelineForward, b: Block, spec: dict) -> torch.Tensor | None:
     hop). Hop 0 takes its ids from the spec: no tensor."""
     if b.is_first:
         if msg.tensors:
-            raise _bad_request("block 0 takes its token ids from the spec, not a tensor", b.index)
+            raise bad_request("block 0 takes its token ids from the spec, not a tensor", b.index)
         return None
     if len(msg.tensors) != 1:
-        raise _bad_request("expected one tensor of hidden states", b.index)
+        raise bad_request("expected one tensor of hidden states", b.index)
     w = msg.tensors[0]
     want = (1, len(spec["ids"]), b.cfg.d_model)
     if tuple(w.shape) != want or w.dtype != "float32":  # checked before anything is decompressed
-        raise _bad_request(f"hidden states of shape {tuple(w.shape)} ({w.dtype}); block {b.index} takes "
+        raise bad_request(f"hidden states of shape {tuple(w.shape)} ({w.dtype}); block {b.index} takes "
                            f"{want} float32 for this spec", b.index)
     try:
         x = from_wire(w).float()
     except (ProtocolError, ValueError) as e:
-        raise _bad_request(f"hidden states do not decode: {e}", b.index) from None
+        raise bad_request(f"hidden states do not decode: {e}", b.index) from None
     if not torch.isfinite(x).all():
-        raise _bad_request("hidden states hold NaN or infinity", b.index)
+        raise bad_request("hidden states hold NaN or infinity", b.index)
     return x
-
-
-def _block_at(meta: dict, hop: int):
-    blocks = meta.get("blocks")
-    if isinstance(blocks, list) and type(hop) is int and 0 <= hop < len(blocks) and type(blocks[hop]) is int:
-        return blocks[hop]
-    return None
 
 
 class ServeError(Exception):

@@ -11,7 +11,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from blocktrain.blocks.model import Block, EndToEnd, ModelConfig
 from blocktrain.p2p.node import Peer
 from blocktrain.p2p.client import PipelineClient
-from blocktrain.p2p.pipeline import PipelineError, PipelineServer, ServedBlocks
+from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
+from blocktrain.p2p.serving import PipelineError
 
 from conftest import crash
 from blocktrain.p2p.transport import Timeouts
@@ -255,7 +256,7 @@ async def _raw(client, meta, tail):
 def test_a_chain_waits_for_every_block_of_the_model_not_only_those_seen():
     """A serving peer says how many blocks its model has; until a peer for every one has joined,
     there is no chain (the client asks again) rather than a chain cut short that hop 0 refuses."""
-    from blocktrain.p2p.client import NoChain, chain
+    from blocktrain.p2p.view import NoChain, chain
 
     def member(i, b):
         return {"peer_id": f"{i}" * 64, "addr": f"127.0.0.1:{7000 + i}", "blocks": [b], "role": "serve",

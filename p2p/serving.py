@@ -1,0 +1,77 @@
+"""The serving API: what a serving client and a serving hop both speak (PROTOCOL.md section 7.3).
+
+Rules:
+- This module is the one home of the request's vocabulary: the modes, the meta keys a hop reads
+  and passes on, the hidden-state codecs, and the faults. The client (client.py) and the server
+  (pipeline.py) import it; it imports neither, and no socket or task lives here.
+- A refusal travels as PipelineResult(meta {"error", "hop", "block", "fault"}); ``refusal_meta``
+  writes it from a failure, ``PipelineError.from_meta`` reads it back. ``fault`` says whose the
+  failure is (FAULTS): "hop" (retry through another holder), "request" (the request itself is
+  bad: no chain would serve it) or "session" (a hop lost the session's caches: rebuild them).
+- Failures are typed: ``PipelineError`` carries the block, hop and fault, never a string to parse.
+"""
+
+from __future__ import annotations
+
+from blocktrain.protocol import Codec, PipelineResult
+
+MODES = ("exact", "autoregressive", "blocktrain", "reference")
+# Whose a failure is (meta "fault"); anything else a hop reports is read as "hop".
+FAULTS = ("hop", "request", "session")
+# Codecs of the hidden states between hops (PROTOCOL.md section 6), and the one a request without
+# "codec" gets.
+HIDDEN_CODECS = frozenset(c.value for c in Codec)
+DEFAULT_CODEC = "bf16"
+# The meta keys a hop reads and passes on (anything else a client sends is dropped).
+FORWARDED = ("mode", "blocks", "reply_to", "session", "spec", "end", "codec", "compute_s")
+# Characters of a refusal's error text kept (a hop's exception text is not ours to bound).
+MAX_ERROR_CHARS = 1000
+
+
+class PipelineError(Exception):
+    """A request could not be served; ``block`` and ``hop`` say where (None: the chain as a whole);
+    ``fault`` says whose: "hop" (retry elsewhere), "request" (the request itself is bad) or
+    "session" (a hop lost the session's caches)."""
+
+    def __init__(self, msg: str, block: int | None = None, hop: int | None = None, fault: str = "hop"):
+        super().__init__(msg)
+        self.block, self.hop, self.fault = block, hop, fault
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> PipelineError:
+        """The failure a refusal's meta reports, as the client raises it."""
+        b, hop = meta.get("block"), meta.get("hop")
+        fault = str(meta["fault"]) if meta.get("fault") in ("request", "session") else "hop"
+        where = f"block {b}" if isinstance(b, int) else "the chain"
+        text = (f"the request was refused by {where}: {meta['error']}" if fault == "request"
+                else f"{where} failed (reported by hop {hop}): {meta['error']}")
+        return cls(text, b if isinstance(b, int) else None, hop if isinstance(hop, int) else None, fault)
+
+
+def bad_request(msg: str, block=None, hop=None) -> PipelineError:
+    """A failure that is the request's own fault: no other chain would serve it either."""
+    return PipelineError(msg, block, hop, fault="request")
+
+
+def refusal_meta(e: Exception, block, hop: int) -> dict:
+    """The refusal meta for failure ``e`` at ``hop`` running ``block``: a PipelineError's own
+    block, hop and fault; any other exception is the hop's fault, named by its type."""
+    if isinstance(e, PipelineError):
+        failed, at, fault, text = e.block, e.hop if e.hop is not None else hop, e.fault, str(e)
+    else:
+        failed, at, fault, text = block, hop, "hop", f"{type(e).__name__}: {e}"
+    return {"error": text[:MAX_ERROR_CHARS], "hop": at, "block": failed, "fault": fault}
+
+
+def refusal(request_id: int, meta: dict) -> PipelineResult:
+    """A refusal (PipelineResult with ``error``, ``hop``, ``block``, ``fault``) of ``request_id``."""
+    return PipelineResult(request_id=request_id, tensors=(), meta={
+        "error": str(meta.get("error"))[:MAX_ERROR_CHARS], **{k: meta.get(k) for k in ("hop", "block", "fault")}})
+
+
+def block_at(meta: dict, hop: int):
+    """The block the request's ``blocks`` names for ``hop``, or None."""
+    blocks = meta.get("blocks")
+    if isinstance(blocks, list) and type(hop) is int and 0 <= hop < len(blocks) and type(blocks[hop]) is int:
+        return blocks[hop]
+    return None

@@ -1,0 +1,23 @@
+"""The serving API (p2p/serving.py) shared by the client and the hops: a refusal a hop writes reads
+back as the same typed failure; a peer's word is bounded and checked."""
+
+from blocktrain.p2p.serving import MAX_ERROR_CHARS, PipelineError, block_at, refusal, refusal_meta
+
+
+def test_a_refusal_written_by_a_hop_reads_back_as_the_same_typed_failure():
+    for e in (PipelineError("no caches", 1, 2, fault="session"), PipelineError("bad", 0, None, fault="request"),
+              PipelineError("x" * 5000, None, None)):
+        meta = refusal(3, refusal_meta(e, 2, 4)).meta
+        got = PipelineError.from_meta(meta)
+        assert (got.block, got.hop, got.fault) == (e.block, 4 if e.hop is None else e.hop, e.fault)
+        assert len(meta["error"]) <= MAX_ERROR_CHARS
+    assert "refused by block 0" in str(PipelineError.from_meta({"error": "bad", "block": 0, "fault": "request"}))
+    odd = PipelineError.from_meta({"error": "?", "block": "1", "hop": [], "fault": "mine"})  # a peer's word
+    assert (odd.block, odd.hop, odd.fault) == (None, None, "hop") and "the chain failed" in str(odd)
+
+
+def test_block_at_reads_only_an_int_at_a_hop_in_range():
+    assert block_at({"blocks": [0, 1, 2]}, 1) == 1
+    for meta, hop in (({"blocks": [0, 1]}, 2), ({"blocks": [0, 1]}, -1), ({"blocks": [0, "1"]}, 1),
+                      ({"blocks": (0, 1)}, 0), ({}, 0), ({"blocks": [0, True]}, 1)):
+        assert block_at(meta, hop) is None
