@@ -268,13 +268,13 @@ class Peer(PeerServices):
     def dispatch(self, msg, pc: PeerConnection, pid: str, client: bool = False) -> bool:
         """Hand one message from ``pid`` (a member, or a client) to its handler; False when the
         message was refused and its connection closed. Raises only ConnectionError (``pc`` ended)."""
-        handed = self._handlers.deliver(msg, pc, pid)
+        if isinstance(msg, Status) and not msg.status:  # a request: the node's own to answer, always
+            pc.send_nowait(Status(status=self.status()))
+            return True
+        handed = self._handlers.deliver(msg, pc, pid)  # a reply (the swarm page) and every service's
         if handed is not None:
             return handed
-        if isinstance(msg, Status):
-            if not msg.status:
-                pc.send_nowait(Status(status=self.status()))
-        elif client:
+        if client:
             pass
         elif isinstance(msg, Announce):
             if msg.peer.peer_id == pid:  # a member speaks for itself only (PROTOCOL.md 3.2)

@@ -22,6 +22,8 @@ import time
 
 from blocktrain.protocol import Status
 
+from .services import PeerServices
+
 log = logging.getLogger("blocktrain.p2p")
 
 MAX_HEAD_BYTES = 8192
@@ -109,7 +111,7 @@ def _ce_at(w: dict, mine: dict):
 
 
 class SwarmPage:
-    def __init__(self, peer, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, peer: PeerServices, host: str = "127.0.0.1", port: int = 0):
         self.peer, self.host, self.port = peer, host, port
         self.member_work: dict[str, dict] = {}  # peer id -> its work section, as it last told us
         self._server = None
@@ -131,13 +133,7 @@ class SwarmPage:
 
     # --- the members' work sections -----------------------------------------------------------
     def _on_status(self, msg: Status, pc, pid):
-        st = msg.status
-        if not st:  # a request: answered as the node always does
-            try:
-                pc.send_nowait(Status(status=self.peer.status()))
-            except ConnectionError:
-                pass
-            return
+        st = msg.status  # a member's reply to our poll (the node answers requests itself)
         work = st.get("work") if isinstance(st, dict) else None
         if isinstance(work, dict) and self.peer.member(pid) is not None:
             w = clean_work(work)

@@ -127,3 +127,11 @@ class PeerServices(Protocol):
 
     def traffic_totals(self) -> dict:
         """Wire bytes sent and received so far, all peers and clients together."""
+
+    def status(self) -> dict:
+        """This peer's answer to a STATUS request: itself, its members as it sees them, its traffic
+        totals and the small report sections (``work``, ``serving``)."""
+
+    def report(self) -> dict:
+        """This peer's whole transfer report (what ``write_report`` writes): traffic by peer, kind
+        and direction, membership events, and every report section."""

@@ -148,6 +148,14 @@ class FakePeer:
     def write_report(self) -> None:
         pass
 
+    def status(self) -> dict:
+        return {"peer_id": self.id, "addr": self.addr, "blocks": list(self.blocks), "role": self.role,
+                "members": [{"peer_id": m.peer_id, "addr": m.addr} for m in self.members()],
+                "traffic": self.traffic_totals(), **{k: f() for k, f in self.sections.items() if k == "work"}}
+
+    def report(self) -> dict:
+        return {"peer_id": self.id, "totals": self.traffic_totals(), **{k: f() for k, f in self.sections.items()}}
+
     def traffic_totals(self) -> dict:
         sent = sum(c.sent_bytes for c in self.conns.values())
         got = sum(p.conns[self.id].sent_bytes for p in self.net.peers.values() if self.id in p.conns)
