@@ -24,26 +24,31 @@ Rules:
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
 - Compute runs off the event loop; every hop adds its compute time to meta ``compute_s``.
+- Where things live: the request's vocabulary (modes, faults, refusals) is serving.py's, shared
+  with the client; what a hop checks and where a request goes next is hop.py's pure plan;
+  this module runs the plan (sessions' caches, compute slots, forwarding, relaying errors).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from blocktrain.blocks.decode import BadSpec, SessionMismatch, check_spec, hop_step
+from blocktrain.blocks.decode import SessionMismatch, hop_step
 from blocktrain.blocks.model import Block, BlockCache
 from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
 
 from .fair import FairSlots, Saturated
+from .hop import HopPlan, Step, plan_hop
 # PipelineError lives in serving.py; cli.py and tests/test_hardening.py still import it from here.
-from .serving import (DEFAULT_CODEC, FORWARDED, HIDDEN_CODECS, MODES, PipelineError, bad_request, block_at, refusal,
-                      refusal_meta)
+from .serving import DEFAULT_CODEC, PipelineError, bad_request, block_at, refusal, refusal_meta
 from .services import PeerServices, PeerUnreachable
 from .tensors import from_wire, to_wire
 
@@ -53,7 +58,6 @@ SESSION_IDLE_S = 60.0  # caches unused this long are freed
 # about 13 MiB for the d 128 model at the spec bounds, 1.5 MiB for 256 bytes of d 192.
 MAX_SESSIONS = 64
 MAX_SESSIONS_PER_CLIENT = 8
-MAX_INFLIGHT_PER_CLIENT = 8  # requests of one client computing or waiting at one hop
 COMPUTE_SLOTS = 2  # traversals computed at once by one hop (the rest wait their turn, round-robin by client)
 # Traversals waiting for a compute slot at one hop, in all (fair.py: past it the client with the
 # most waiting gives way). Each holds its request's input (at most a frame, usually a few KiB).
@@ -74,6 +78,8 @@ class ServedBlocks:
 
 
 class PipelineServer:
+    """One hop: ``handle`` runs hop.py's plan of each request; the server is the plan's HopState."""
+
     def __init__(self, peer: PeerServices, served: ServedBlocks):
         self.peer, self.served = peer, served
         self.sessions: collections.OrderedDict[tuple, BlockCache] = collections.OrderedDict()
@@ -89,15 +95,32 @@ class PipelineServer:
                                                 "max_seq_len": self._cfg("max_seq_len"),
                                                 "n_blocks": self._cfg("n_blocks")})
 
+    # The plan's view of this hop (hop.HopState).
+    @property
+    def addr(self) -> str:
+        return self.peer.addr
+
+    def held(self, mode: str) -> dict:
+        return self.served.held(mode)
+
+    def is_member(self, peer_id: str) -> bool:
+        return self.peer.member(peer_id) is not None
+
+    def serves(self, addr: str, block: int | None) -> bool:
+        return any(m.addr == addr for m in self.peer.members(block=block, role="serve"))
+
+    def in_flight(self, client: str) -> int:
+        return self._inflight.get(client, 0)
+
+    def is_busy(self, key: tuple) -> bool:
+        return key in self._busy
+
     def _cfg(self, key: str) -> int | None:
         """A setting of the served model (max_seq_len, n_blocks), for clients building a chain."""
         for held in (self.served.blocktrain, self.served.reference):
             for b in held.values():
                 return getattr(b.cfg, key)
         return None
-
-    def _key(self, client: str, meta: dict, k: int) -> tuple:
-        return (client, meta["session"], meta["mode"] == "reference", k)
 
     def _cache(self, key: tuple, b: Block, start: int) -> BlockCache:
         """The session's cache at this hop; a new one only for a session's first traversal
@@ -130,123 +153,103 @@ class PipelineServer:
         for key in [key for key, t in self._used.items() if now - t > SESSION_IDLE_S and key not in self._busy]:
             self._drop(key)
 
-    def _check_route(self, msg: PipelineForward, meta: dict, pid: str, k, mode: str):
-        """Who may send this, and where it may go: hop 0 takes requests from the client itself;
-        later hops only from members. The route is one hop per block 0..K-1 of this model."""
-        if msg.hop == 0 and meta.get("reply_to") != pid:
-            raise bad_request("reply_to must be the sender's own peer id", k, msg.hop)
-        if msg.hop > 0 and self.peer.member(pid) is None:
-            raise bad_request("only a member forwards a request past hop 0", k, msg.hop)
-        if not isinstance(k, int) or k not in self.served.held(mode):
-            hint = (": it was started without --reference DIR (the end-to-end model's checkpoints)"
-                    if mode == "reference" and isinstance(k, int) and k in self.served.held("exact") else "")
-            raise PipelineError(f"peer {self.peer.addr} does not serve block {k} ({mode}){hint}", k, msg.hop)
-        n = self.served.held(mode)[k].cfg.n_blocks
-        if len(msg.route) != n or meta.get("blocks") != list(range(n)):
-            raise bad_request(f"a route is one hop per block 0..{n - 1}, in order", k, msg.hop)
-        if msg.hop + 1 < n:  # before any compute: the next hop must be a member serving the next block
-            nxt = msg.route[msg.hop + 1]
-            if not any(m.addr == nxt for m in self.peer.members(block=k + 1, role="serve")):
-                raise PipelineError(f"the route's hop {nxt} is not a live member serving block {k + 1}", k + 1,
-                                    msg.hop + 1)
-
     async def handle(self, msg: PipelineForward, pc, pid):
-        meta = {key: msg.meta[key] for key in FORWARDED if key in msg.meta}
-        # The client is who sent hop 0 over its authenticated connection, never a name in the
-        # request: a refusal at hop 0 goes back to the sender alone. Later hops take reply_to
-        # from the member below, which checked it at hop 0.
-        client = pid if msg.hop == 0 else meta.get("reply_to")
-        k = block_at(meta, msg.hop)
-        if "error" in msg.meta:  # a hop without the client's connection reports through the last hop
-            if msg.hop + 1 == len(msg.route) and self.peer.member(pid) is not None and isinstance(client, str):
-                self._tell_client(client, msg.request_id, dict(msg.meta))
+        """Run the plan of ``msg`` (hop.py): relay an error, free a session, or compute, then
+        forward or answer; every failure is answered (``_refuse``)."""
+        plan = plan_hop(msg, pid, self)
+        if plan.step is Step.IGNORE:
             return
-        key = None
+        if plan.step is Step.RELAY:
+            self._tell_client(plan.client, msg.request_id, plan.meta)
+            return
         try:
-            mode = meta.get("mode")
-            if mode not in MODES:
-                raise bad_request(f"unknown mode {mode!r}", k, msg.hop)
-            if not isinstance(client, str) or type(meta.get("session")) is not int:
-                raise bad_request("reply_to (a peer id) and session (an int) are required", k, msg.hop)
-            if meta.get("codec", DEFAULT_CODEC) not in HIDDEN_CODECS:  # before any compute: the request's fault
-                raise bad_request(f"codec must be one of {sorted(HIDDEN_CODECS)}", k, msg.hop)
-            self._check_route(msg, meta, pid, k, mode)
-            b = self.served.held(mode)[k]
-            self._expire()
-            if meta.get("spec") is None:  # the session is over: free its caches along the chain
-                if not meta.get("end"):
-                    raise bad_request("a request needs a spec (or end, to free a session)", k, msg.hop)
-                self._drop(self._key(client, meta, k))
-                if msg.hop + 1 < len(msg.route):
-                    await self._forward(msg, meta, None)
-                return
-            try:
-                spec = check_spec(meta["spec"], b.cfg.max_seq_len)
-            except BadSpec as e:
-                raise bad_request(f"bad spec: {e}", k, msg.hop) from None
-            if self._inflight.get(client, 0) >= MAX_INFLIGHT_PER_CLIENT:
-                raise bad_request(f"more than {MAX_INFLIGHT_PER_CLIENT} requests in flight at this hop", k, msg.hop)
-            key = self._key(client, meta, k)
-            if key in self._busy:  # one traversal at a time per session
-                raise PipelineError("this session's previous traversal is still running here", k, msg.hop,
-                                    fault="session")
-            x = _input(msg, b, spec)
-            cache = self._cache(key, b, spec["start"])
-            self._busy.add(key)
-            self._inflight[client] = self._inflight.get(client, 0) + 1
-            t0 = time.perf_counter()
-            try:
-                await self._compute.acquire(client)
-                try:
-                    out = await asyncio.to_thread(hop_step, b, cache, x, spec)
-                finally:
-                    self._compute.release()
-            except Saturated as e:
-                raise PipelineError(f"block {k} at {self.peer.addr}: {e}", k, msg.hop) from None
-            except SessionMismatch as e:
-                self._drop(key)
-                raise PipelineError(str(e), k, msg.hop, fault="session") from None
-            finally:
-                self._busy.discard(key)
-                self._inflight[client] -= 1
-                if not self._inflight[client]:
-                    del self._inflight[client]
-                if meta.get("end"):
-                    self._drop(key)
-            compute = meta.get("compute_s", 0.0)
-            meta["compute_s"] = (float(compute) if isinstance(compute, (int, float)) else 0.0) + time.perf_counter() - t0
-            self.served_requests += 1
-            if isinstance(out, dict):  # the last block: the answer
-                if msg.hop + 1 != len(msg.route):
-                    raise bad_request(f"block {k} is the last block, but the route goes on", k, msg.hop)
-                reply = await self._client(client)
-                meta.pop("spec", None)  # the client has it
-                meta["drafter"] = b.drafter is not None
-                reply.send_nowait(PipelineResult(request_id=msg.request_id, meta=meta, tensors=(
-                    to_wire("logits", out["logits"].float()), to_wire("drafts", out["drafts"].to(torch.int16)))))
-                return
-            await self._forward(msg, meta, to_wire("x", out, meta.get("codec", DEFAULT_CODEC), "never"))
+            if plan.served is not None:  # the request reached a block served here
+                self._expire()
+            if plan.error is not None:
+                raise plan.error
+            if plan.step is Step.END:
+                await self._end(msg, plan)
+            else:
+                await self._traverse(msg, plan)
         except Exception as e:  # noqa: BLE001 - every failure is answered; a hop's state stays consistent
-            if key is not None and not isinstance(e, PipelineError):
-                self._drop(key)  # a cache half-way through a traversal is not trusted again
-            err = refusal_meta(e, k, msg.hop)
-            if msg.hop == 0:  # the sender, on its own connection
-                _send_error(pc, msg.request_id, err)
-            elif isinstance(client, str) and self.peer.client_connection(client) is not None:
-                self._tell_client(client, msg.request_id, err)
-            elif msg.hop + 1 < len(msg.route) and msg.hop > 0:  # the client dialled the first and last hops only
-                try:
-                    last = await self._member_connection(msg.route[-1], block_at(meta, len(msg.route) - 1),
-                                                         len(msg.route) - 1)
-                    last.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route,
-                                                     hop=len(msg.route) - 1, meta={**err, "reply_to": client}))
-                except (PipelineError, ConnectionError):
-                    pass  # the client's timeout reports it
+            if plan.key is not None and not isinstance(e, PipelineError):
+                self._drop(plan.key)  # a cache half-way through a traversal is not trusted again
+            await self._refuse(msg, pc, plan, refusal_meta(e, plan.block, msg.hop))
+
+    async def _end(self, msg: PipelineForward, plan: HopPlan):
+        """The plan's END: free the session's caches here, then at the next hop."""
+        assert plan.key is not None, "an END plan names the session"
+        self._drop(plan.key)
+        if not plan.last:
+            await self._forward(msg, plan.meta, None)
+
+    async def _traverse(self, msg: PipelineForward, plan: HopPlan):
+        """The plan's COMPUTE: this block's share of the traversal, then forward or answer."""
+        b, key, spec, meta = plan.served, plan.key, plan.spec, plan.meta
+        assert b is not None and key is not None and spec is not None, "a COMPUTE plan names block, session, spec"
+        x = _input(msg, b, spec)
+        cache = self._cache(key, b, spec["start"])
+        t0 = time.perf_counter()
+        out = await self._run_block(msg, plan, key, functools.partial(hop_step, b, cache, x, spec))
+        compute = meta.get("compute_s", 0.0)
+        meta["compute_s"] = (float(compute) if isinstance(compute, (int, float)) else 0.0) + time.perf_counter() - t0
+        self.served_requests += 1
+        if isinstance(out, dict):  # the last block: the answer
+            if not plan.last:
+                raise bad_request(f"block {plan.block} is the last block, but the route goes on", plan.block, msg.hop)
+            reply = await self._client(plan.client)
+            meta.pop("spec", None)  # the client has it
+            meta["drafter"] = b.drafter is not None
+            reply.send_nowait(PipelineResult(request_id=msg.request_id, meta=meta, tensors=(
+                to_wire("logits", out["logits"].float()), to_wire("drafts", out["drafts"].to(torch.int16)))))
+            return
+        await self._forward(msg, meta, to_wire("x", out, meta.get("codec", DEFAULT_CODEC), "never"))
+
+    async def _run_block(self, msg: PipelineForward, plan: HopPlan, key: tuple, step: Callable[[], Any]):
+        """``step`` (the block's hop_step) off the loop in a compute slot; the session is busy meanwhile."""
+        client, k = plan.client, plan.block
+        self._busy.add(key)
+        self._inflight[client] = self._inflight.get(client, 0) + 1
+        try:
+            await self._compute.acquire(client)
+            try:
+                return await asyncio.to_thread(step)
+            finally:
+                self._compute.release()
+        except Saturated as e:
+            raise PipelineError(f"block {k} at {self.peer.addr}: {e}", k, msg.hop) from None
+        except SessionMismatch as e:
+            self._drop(key)
+            raise PipelineError(str(e), k, msg.hop, fault="session") from None
+        finally:
+            self._busy.discard(key)
+            self._inflight[client] -= 1
+            if not self._inflight[client]:
+                del self._inflight[client]
+            if plan.meta.get("end"):
+                self._drop(key)
+
+    async def _refuse(self, msg: PipelineForward, pc, plan: HopPlan, err: dict):
+        """Answer a failure: to the sender at hop 0, else on the client's connection if we hold
+        it, else (a middle hop: the client dialled the first and last hops only) via the last hop."""
+        client = plan.client
+        if msg.hop == 0:  # the sender, on its own connection
+            _send_error(pc, msg.request_id, err)
+        elif isinstance(client, str) and self.peer.client_connection(client) is not None:
+            self._tell_client(client, msg.request_id, err)
+        elif msg.hop + 1 < len(msg.route) and msg.hop > 0:
+            try:
+                last = await self._member_connection(msg.route[-1], block_at(plan.meta, len(msg.route) - 1),
+                                                     len(msg.route) - 1)
+                last.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route,
+                                                 hop=len(msg.route) - 1, meta={**err, "reply_to": client}))
+            except (PipelineError, ConnectionError):
+                pass  # the client's timeout reports it
 
     async def _member_connection(self, addr: str, block: int | None, hop: int | None):
         """The connection to the live member at ``addr`` serving ``block``: a hop forwards only to
         members it knows, never to an address a request merely names."""
-        if not any(m.addr == addr for m in self.peer.members(block=block, role="serve")):
+        if not self.serves(addr, block):
             raise PipelineError(f"the route's hop {addr} is not a live member serving block {block}", block, hop)
         try:
             return await self.peer.connection(addr)
