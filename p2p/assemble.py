@@ -17,7 +17,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from blocktrain.blocks import checkpoint as ckpt
 
 from .checkpoints import CHECKPOINT, CheckpointFetcher, FetchError
-from .node import Peer, query_status, status_when_listening
+from .node import Peer
+from .view import query_status, status_when_listening
 from .transport import Timeouts
 from .view import holders, status_members
 

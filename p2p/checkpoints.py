@@ -43,8 +43,6 @@ from blocktrain.protocol.streams import StreamFailed
 from blocktrain.protocol.streams import CHUNK_SIZE_BYTES
 
 from .services import PeerServices
-# ``holders`` lives in view.py (the client's view of the swarm); swarm/lower.py still imports it from here.
-from .view import holders  # noqa: F401
 
 log = logging.getLogger("blocktrain.p2p")
 

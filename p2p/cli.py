@@ -23,7 +23,7 @@ from .transport import Timeouts, install_uvloop
 DEFAULT_IDENTITY = Path.home() / ".blocktrain" / "identity"
 
 
-# The clients' one rule (status, generate, assemble): node.status_when_listening.
+# The clients' one rule (status, generate, assemble): view.status_when_listening.
 WAIT_HELP = ("Seconds to ask again, with one line saying so, while nothing listens at ADDRESS (a peer still "
              "starting: a training peer listens once its model is built)")
 
@@ -490,7 +490,7 @@ def status(address, swarm_key, identity, as_json, wait_s, timeout):
     """Show a peer's view of the swarm: members, blocks, liveness, what it works on, bytes moved."""
     from blocktrain.protocol import ProtocolError
 
-    from .node import status_when_listening
+    from .view import status_when_listening
     from .reports import fmt_bytes
 
     host, port = _addr(address)

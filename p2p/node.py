@@ -38,7 +38,7 @@ from typing import Callable
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from blocktrain.protocol import Announce, ConnectionClosed, PeerInfo, PeerList, Role, Status
+from blocktrain.protocol import Announce, PeerInfo, PeerList, Status
 
 from .connections import MAX_CLIENTS, MAX_DIALS, MAX_PENDING_HANDSHAKES, MEMBER_ONLY, Connections
 from .handlers import Handlers
@@ -50,7 +50,8 @@ from .members import Member as _Member  # noqa: F401 - tests build members under
 from .mesh import MAX_EVENTS, Mesh
 from .redial import DIAL_COOLDOWN_S, MAX_FAILED_ADDRS, MAX_REDIALS, REDIAL_MAX_S, REDIAL_MIN_S, Redials
 from .services import MemberView, PeerServices, PeerUnreachable
-from .transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
+from .transport import PeerConnection, Timeouts
+from .view import NothingListens, query_status, status_when_listening  # noqa: F401 (the clients' queries: view.py)
 from .waiters import Waiters
 
 __all__ = ["DEPARTED_ROW", "DIAL_COOLDOWN_S", "MAX_CLIENTS", "MAX_DIALS", "MAX_EVENTS", "MAX_FAILED_ADDRS",
@@ -344,56 +345,3 @@ class Peer(PeerServices):
         while True:
             await asyncio.sleep(self.report_every_s)  # the report cadence
             self.write_report()
-
-
-async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,
-                       timeouts: Timeouts = Timeouts()) -> dict:
-    """Ask one peer for its view of the swarm (as a client, never a member)."""
-    conn = make_connection(Role.INITIATOR, identity, swarm_key, info=CLIENT_INFO)
-    pc = await open_connection(host, port, conn, timeouts, name=f"{host}:{port}")
-    try:
-        pc.send_nowait(Status(status={}))
-        while True:
-            msg = await asyncio.wait_for(pc.recv(), timeouts.handshake_s)
-            if isinstance(msg, Status):
-                return msg.status
-            if isinstance(msg, ConnectionClosed):
-                raise ConnectionError(f"{host}:{port} closed before answering: {msg.reason}")
-    except asyncio.TimeoutError:
-        raise ConnectionError(f"{host}:{port} did not answer within {timeouts.handshake_s} s") from None
-    finally:
-        await pc.close("done")
-
-
-class NothingListens(ConnectionRefusedError):
-    """Nothing listened at a client's address for as long as it was told to wait."""
-
-
-async def status_when_listening(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,
-                                timeouts: Timeouts = Timeouts(), wait_s: float = 0.0, log=lambda s: None,
-                                ready=lambda st: True) -> dict:
-    """The one rule of every client command (status, generate, assemble): ask HOST:PORT for its
-    status; while nothing listens there (connection refused: a peer still starting) or its answer
-    is not ``ready`` yet, ask again with backoff for up to ``wait_s`` seconds, saying so in one
-    line when the waiting begins. Any other failure (a wrong key, no answer within the timeouts)
-    is raised at once. NothingListens names how long it waited and how often it asked."""
-    t0, delay, tries, said = time.monotonic(), 0.1, 0, False
-    while True:
-        tries += 1
-        try:
-            st = await query_status(host, port, identity, swarm_key, timeouts)
-            why = ready(st)
-            if why is True:
-                return st
-        except ConnectionRefusedError:
-            st, why = None, f"nothing listens at {host}:{port} yet (a peer still starting?)"
-        if time.monotonic() - t0 + delay > wait_s:
-            if st is not None:
-                return st  # the caller says what is missing from the answer
-            raise NothingListens(f"nothing listens at {host}:{port} (connection refused; asked {tries} time(s) in "
-                                 f"{time.monotonic() - t0:.0f} s: is the peer running? --wait asks for longer)")
-        if not said:
-            said = True
-            log(f"{why}; asking again for up to {wait_s:g} s (--wait)")
-        await asyncio.sleep(delay)  # backoff, as the node's join
-        delay = min(2 * delay, 2.0)

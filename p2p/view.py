@@ -2,7 +2,7 @@
 
 Rules:
 - A client (generate, assemble, status) is never a member: it sees the swarm through one
-  member's status reply (node.status_when_listening, the clients' one rule). ``status_members``
+  member's status reply (``status_when_listening``, the clients' one rule). ``status_members``
   reads the reply's members, the answering peer included; nothing else parses a reply's members.
 - ``holders`` reads a member list the same way whether it comes from a status reply (dicts) or
   from a peer's own membership (MemberViews): live members with the role that hold the block,
@@ -15,10 +15,71 @@ Rules:
 
 from __future__ import annotations
 
-from .node import status_when_listening
+import asyncio
+import time
+
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from blocktrain.protocol import ConnectionClosed, Role, Status
+
 from .serving import PipelineError
+from .transport import CLIENT_INFO, Timeouts, make_connection, open_connection
 
 MAX_ROUTE_BLOCKS = 256  # bound on a peer's word for how many blocks a model has
+
+
+async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,
+                       timeouts: Timeouts = Timeouts()) -> dict:
+    """Ask one peer for its view of the swarm (as a client, never a member)."""
+    conn = make_connection(Role.INITIATOR, identity, swarm_key, info=CLIENT_INFO)
+    pc = await open_connection(host, port, conn, timeouts, name=f"{host}:{port}")
+    try:
+        pc.send_nowait(Status(status={}))
+        while True:
+            msg = await asyncio.wait_for(pc.recv(), timeouts.handshake_s)
+            if isinstance(msg, Status):
+                return msg.status
+            if isinstance(msg, ConnectionClosed):
+                raise ConnectionError(f"{host}:{port} closed before answering: {msg.reason}")
+    except asyncio.TimeoutError:
+        raise ConnectionError(f"{host}:{port} did not answer within {timeouts.handshake_s} s") from None
+    finally:
+        await pc.close("done")
+
+
+class NothingListens(ConnectionRefusedError):
+    """Nothing listened at a client's address for as long as it was told to wait."""
+
+
+async def status_when_listening(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,
+                                timeouts: Timeouts = Timeouts(), wait_s: float = 0.0, log=lambda s: None,
+                                ready=lambda st: True) -> dict:
+    """The one rule of every client command (status, generate, assemble): ask HOST:PORT for its
+    status; while nothing listens there (connection refused: a peer still starting) or its answer
+    is not ``ready`` yet, ask again with backoff for up to ``wait_s`` seconds, saying so in one
+    line when the waiting begins. Any other failure (a wrong key, no answer within the timeouts)
+    is raised at once. NothingListens names how long it waited and how often it asked."""
+    t0, delay, tries, said = time.monotonic(), 0.1, 0, False
+    while True:
+        tries += 1
+        try:
+            st = await query_status(host, port, identity, swarm_key, timeouts)
+            why = ready(st)
+            if why is True:
+                return st
+        except ConnectionRefusedError:
+            st, why = None, f"nothing listens at {host}:{port} yet (a peer still starting?)"
+        if time.monotonic() - t0 + delay > wait_s:
+            if st is not None:
+                return st  # the caller says what is missing from the answer
+            raise NothingListens(f"nothing listens at {host}:{port} (connection refused; asked {tries} time(s) in "
+                                 f"{time.monotonic() - t0:.0f} s: is the peer running? --wait asks for longer)")
+        if not said:
+            said = True
+            log(f"{why}; asking again for up to {wait_s:g} s (--wait)")
+        await asyncio.sleep(delay)  # backoff, as the node's join
+        delay = min(2 * delay, 2.0)
+
 
 
 class NoChain(PipelineError):
@@ -64,7 +125,7 @@ def chain(st: dict, avoid: set[str] | frozenset[str] = frozenset()) -> list[str]
 async def chain_when_ready(host, port, ident, key, tmo, avoid, wait_s: float, log=lambda s: None):
     """The swarm view and a chain through it; while the serving peers are still starting (the peer
     not yet listening, or no chain yet: serving peers join by gossip within a heartbeat or two),
-    ask again for up to ``wait_s`` (the clients' one rule: node.status_when_listening)."""
+    ask again for up to ``wait_s`` (the clients' one rule: ``status_when_listening``)."""
     def ready(st):
         try:
             chain(st, avoid)

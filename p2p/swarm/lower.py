@@ -22,7 +22,8 @@ from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.lower import LowerInputs
 
 from ..averaging import remember
-from ..checkpoints import LOWER, CheckpointFetcher, FetchError, holders
+from ..checkpoints import LOWER, CheckpointFetcher, FetchError
+from ..view import holders
 from ..services import PeerServices
 from .checks import StateCheck
 
