@@ -1,0 +1,76 @@
+"""Same-block averaging: one round as a sans-IO object, and a thin asyncio driver.
+
+The package, by concern; each module opens with the rules it implements, numbered as here:
+
+- ``round.py``: ``AveragingRound``, one round (sans-IO): its pieces and their owners, departures,
+  coverage, ``RoundReport`` and ``RoundFailed``.
+- ``robust.py``: pure functions: what a part may be (``validate_part``), the robust aggregate
+  (the norm test, centred clipping, the coordinate-wise median, the opposed-member test).
+- ``codec.py``: the update codecs, a lossy codec's encoding with error feedback and its scratch,
+  the arena's slots.
+- ``early.py``: parts held for rounds not begun yet, within bounds.
+- ``driver.py``: ``Averager``, the thin asyncio driver: it sends, feeds the round as parts come,
+  excludes members and lends the round its buffers.
+- ``outer.py``: ``OuterOptimizer`` (the outer step), ``flatten`` and ``unflatten_``.
+
+Rules (the module named holds the full text; a rule that spans modules is in each, its part):
+- Rule 1 (round.py): everything a round does happens in ``AveragingRound``: parts, departures and
+  the deadline in; messages and, once done, a result with its coverage out. No socket, clock or
+  task: the ``Averager`` feeds it and sends what it returns.
+- Rule 2 (round.py): the vector is cut into P >= R pieces of at most PIECE_FLOATS; piece j is owned
+  by member j mod R; reduce to the owner, gather from it; ``group`` digests members, round number
+  and start point.
+- Rule 3 (robust.py; round.py, driver.py): every incoming part is validated before use; a sender
+  whose part fails is rejected, the round goes on without it, and the driver excludes it from
+  later rounds and tells it.
+- Rule 4 (round.py): a member that departs mid-round is dropped; its pieces move to live members.
+- Rule 5 (round.py): coverage; below ``min_coverage`` the result raises ``RoundFailed``.
+- Rule 6 (robust.py; round.py, driver.py): ``aggregate="robust"`` (3 or more members): every member
+  computes every piece, by norm test and centred clipping; suspects SUSPECT_ROUNDS rounds in a row
+  are excluded.
+- Rule 7 (codec.py; round.py): lossy codecs keep their rounding error for the next round (error
+  feedback); every member ends the round with the same bytes.
+- Rule 8 (driver.py; codec.py): parts are fed to the round as they arrive and decoded where they
+  belong (the result, or an arena kept from round to round); queued messages are released when
+  ``average`` returns.
+
+Every name here was importable from the one module ``averaging.py`` this package replaces.
+Setting one on the package (``monkeypatch.setattr(averaging, "PIECE_FLOATS", ...)``) sets it in
+every module of the package that holds it, as it did then.
+"""
+
+import sys
+import types
+
+from . import codec, driver, early, outer, robust
+from . import round as round_
+from .codec import TOPK, UPDATE_CODECS, lossy_scratch
+from .driver import MAX_NAMED, SUSPECT_ROUNDS, Averager, remember
+from .early import AHEAD_ROUNDS, MAX_EARLY_BYTES
+from .outer import OuterOptimizer, flatten, unflatten_
+from .robust import (CLIP_ITERS, CLIP_RADIUS, OPPOSED_COS, RELATIVE_NORM, SUSPECT_RADIUS, Bounds, centred_clip,
+                     coordinate_median, validate_part)
+from .round import AGGREGATES, PIECE_FLOATS, AveragingRound, Part, RoundFailed, RoundReport, group_digest
+
+__all__ = [
+    "AGGREGATES", "AHEAD_ROUNDS", "CLIP_ITERS", "CLIP_RADIUS", "MAX_EARLY_BYTES", "MAX_NAMED", "OPPOSED_COS",
+    "PIECE_FLOATS", "RELATIVE_NORM", "SUSPECT_RADIUS", "SUSPECT_ROUNDS", "TOPK", "UPDATE_CODECS",
+    "Averager", "AveragingRound", "Bounds", "OuterOptimizer", "Part", "RoundFailed", "RoundReport",
+    "centred_clip", "coordinate_median", "flatten", "group_digest", "lossy_scratch", "remember", "unflatten_",
+    "validate_part",
+]
+
+_MODULES = (codec, robust, round_, early, driver, outer)
+
+
+class _Package(types.ModuleType):
+    """The package's module type: a name set on the package is set in its modules too."""
+
+    def __setattr__(self, name: str, value) -> None:
+        for mod in _MODULES:
+            if name in vars(mod):
+                setattr(mod, name, value)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,319 @@
+"""The thin asyncio driver of averaging rounds: ``Averager``.
+
+Rules (numbered as in the package's index, ``__init__.py``):
+- Rule 3 (here): a member whose part the round rejected is excluded from our later rounds and
+  told (phase ``excluded``); one that tells us we are excluded is not waited for again.
+- Rule 6 (here): a member that is a suspect of the robust aggregate (robust.py) SUSPECT_ROUNDS
+  rounds in a row is excluded, named.
+- Rule 8: every part is fed to the round as it arrives, in the connection's reader, and decoded
+  at once where it belongs: the result (``out``, the caller's buffer when given) or the sender's
+  place in an arena the ``Averager`` keeps from round to round, like a lossy codec's buffers
+  (codec.py). A round so touches no fresh memory and no frame waits in a queue holding its
+  receive buffer. When ``average`` returns, the round's messages still queued on a connection are
+  released (copied), so nothing it sent views the buffers the next round writes. Parts for a
+  round not begun yet are held within bounds (early.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from blocktrain.protocol import BlockUpdate, ProtocolError
+
+from ..group import CONTROL_PHASES, Phase, log_event
+from ..services import PeerServices, PeerUnreachable
+from .codec import UPDATE_CODECS, lossy_scratch
+from .early import AHEAD_ROUNDS, EarlyParts
+from .robust import Bounds
+from .round import AveragingRound, Part, RoundReport
+
+if TYPE_CHECKING:
+    from ..transport import PeerConnection
+
+log = logging.getLogger("blocktrain.p2p")
+
+# Rounds in a row as a suspect before a member is excluded: an honest member's batch can make it
+# an outlier once or twice (a block's first steps), an attacker's update is one every round.
+SUSPECT_ROUNDS = 5
+# Members named (excluded, excluding us) and events kept: identities are free, so what is kept of
+# them is bounded in total; past it the oldest goes (an old identity excluded long ago may come back
+# and be judged again, as any new one).
+MAX_NAMED = 1024
+
+
+def remember(names: dict, key, value, bound: int = MAX_NAMED) -> None:
+    """``names[key] = value``, the oldest entries dropped past ``bound``."""
+    names[key] = value
+    while len(names) > bound:
+        del names[next(iter(names))]
+
+
+class Averager(EarlyParts):
+    """Drives averaging rounds for one block over the peer's connections (the thin asyncio part)."""
+
+    def __init__(self, peer: PeerServices, block: int, codec: str = "raw", min_coverage: float = 1.0,
+                 max_norm: float = 1e6, timeout_s: float = 30.0, aggregate: str = "mean", floats: int = 0,
+                 density: float = 0.01):
+        """``floats``: the vector size of the rounds, when known before the first one (it sizes what
+        is held of members' parts that come before we begin a round; later rounds know it)."""
+        super().__init__(block, floats)
+        self.peer, self.aggregate = peer, aggregate
+        self._suspect_streak: dict[str, int] = {}
+        if codec not in UPDATE_CODECS:
+            raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")
+        self.codec, self.density = codec, density
+        self.min_coverage, self.timeout_s = min_coverage, timeout_s
+        self.bounds = Bounds(max_norm)
+        self.banned: dict[str, str] = {}  # peer id -> why (we rejected its update)
+        self.shunned: dict[str, str] = {}  # peers that rejected ours -> their reason
+        self.events: list[dict] = []
+        self._residual: torch.Tensor | None = None
+        self._arena = torch.empty(0)  # members' parts of a round are decoded here (AveragingRound)
+        self._scratch: dict | None = None  # a lossy codec's buffers, lent to every round
+        self._round: AveragingRound | None = None
+        self._outbox: list[Part] = []  # what the round in progress has to send next
+        self._wake: asyncio.Event | None = None  # set when the outbox has parts or the round is done
+        self._failure: BaseException | None = None  # a bug met while feeding the round (raised by average)
+        self._absent_told: set = set()
+        self.on_control = None  # fn(msg, pc, pid) for the group's control phases
+        peer.on(BlockUpdate, self._route, inline=True)
+        peer.on_membership(self._membership)
+
+    # --- inputs, in the connections' readers ---------------------------------------------------
+    def _route(self, msg: BlockUpdate, pc, pid: str):
+        phase = msg.meta.get("phase")
+        if phase is not None and not isinstance(phase, str):  # refused by name (the peer closes the sender)
+            raise ValueError(f"BLOCK_UPDATE meta.phase must be a string, not {type(phase).__name__}")
+        if phase == Phase.EXCLUDED.value:
+            self.excluded_by(pid, msg.round, str(msg.meta.get("reason", ""))[:500])
+        elif phase == Phase.ABSENT.value and msg.meta.get("round_group") is not None:
+            self._put(msg.round, pid, msg)  # "I am not in your round": a departure for that round
+        elif phase in CONTROL_PHASES:
+            if self.on_control is not None:
+                self.on_control(msg, pc, pid)
+        elif pid in self.banned:
+            return
+        else:
+            self._put(msg.round, pid, msg)
+
+    def _put(self, rnd: int, pid: str, msg):
+        r = self._round
+        if r is not None and rnd == r.round:
+            self._feed(pid, msg)
+        elif self.current < rnd <= self.current + AHEAD_ROUNDS:
+            if self.peer.member(pid) is None:
+                return
+            self._hold(rnd, pid, msg)
+        elif msg.tensors and msg.meta.get("group") and rnd != self.current:
+            self._tell_absent(pid, rnd)  # a round we are not in at all
+
+    def _membership(self, ev):
+        if ev.departed and self._round is not None:
+            self._feed(ev.peer_id, ev.change.value)
+
+    def expect(self, rnd: int) -> None:
+        """Our next round is ``rnd``: its parts (and the next one's) are held if they come early;
+        those held for earlier rounds are not ours: their senders hear that we are not in them."""
+        self.current = rnd - 1
+        for old, pid, msg in self._drop_early(rnd):
+            if msg.tensors:
+                self._tell_absent(pid, old)
+        self._recount_early()
+
+    def depart(self, pid: str, why: str) -> None:
+        """A member left the group (a service's own signal): it departs the round in progress."""
+        if self._round is not None:
+            self._feed(pid, why)
+
+    # --- rounds --------------------------------------------------------------------------------
+    async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "",
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, RoundReport]:
+        """Average ``vector`` (1-D float32) with ``members`` (peer ids, or id -> address; ours
+        included) in round ``rnd`` whose start point has digest ``start``. The result is written
+        into ``out`` when given (a caller that reuses one buffer round after round makes the round
+        touch no fresh memory), else into a new tensor."""
+        t0 = time.perf_counter()
+        r = self._begin(rnd, vector, members, start, out)
+        early = self._begin_early(rnd, r.ids, vector.numel())
+        conns: dict[str, PeerConnection] = {}
+        sent: list[BlockUpdate] = []
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            bytes_sent = await self._run(r, early, conns, sent, deadline)
+        finally:
+            self._round, self._outbox, self._wake, self._failure = None, [], None, None
+            for pc in conns.values():  # what is still queued stops viewing our buffers (reused next round)
+                pc.release_queued(sent)
+        self._residual = r.residual
+        self._suspicions(r, rnd)
+        out, rep = r.result()
+        rep.seconds, rep.bytes_sent = time.perf_counter() - t0, bytes_sent
+        return out, rep
+
+    def _begin(self, rnd: int, vector: torch.Tensor, members, start: str,
+               out: torch.Tensor | None) -> AveragingRound:
+        """Round ``rnd`` with the members we have not excluded (nor that exclude us), this driver's
+        buffers lent to it; it becomes the round in progress."""
+        ids = [p for p in members if p not in self.banned and p not in self.shunned]
+        if self.codec != "raw" and (self._scratch is None or self._scratch["x"].numel() != vector.numel()):
+            self._scratch = None
+            self._scratch = lossy_scratch(vector.numel(), self.codec)
+        r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, codec=self.codec, start=start,
+                           bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual,
+                           aggregate=self.aggregate, out=out, arena=self._lend_arena, scratch=self._scratch,
+                           density=self.density)
+        self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
+        return r
+
+    async def _run(self, r: AveragingRound, early: list, conns: dict, sent: list, deadline: float) -> int:
+        """Runs round ``r`` (the one in progress) until it is done or, past ``deadline``, expired:
+        sends what it returns and feeds it what comes (``early``: what came before it began).
+        Returns the payload bytes sent."""
+        bytes_sent = 0
+        for pid in r.ids:
+            if pid != self.peer.id and self.peer.member(pid) is None:
+                self._feed(pid, "not a member")
+        self._outbox += r.start()
+        for pid, msg in early:
+            self._feed(pid, msg)
+        while True:
+            bytes_sent += await self._send_outbox(r.round, conns, sent)
+            if self._failure is not None:
+                raise self._failure
+            if r.done:
+                return bytes_sent
+            left = deadline - time.monotonic()
+            if left <= 0:
+                before = len(r.rejected)
+                self._outbox += r.expire()
+                for rej in r.rejected[before:]:  # robust pieces computed now can reject a member
+                    self._reject(rej["peer"], rej["reason"], r.round)
+                continue
+            assert self._wake is not None, "set by _begin until the round ends"
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _send_outbox(self, rnd: int, conns: dict, sent: list) -> int:
+        """Sends the outbox's parts in order (what comes meanwhile is fed in as it comes); a member
+        we cannot reach departs. Returns the payload bytes sent."""
+        bytes_sent = 0
+        while self._outbox:
+            p = self._outbox.pop(0)
+            try:
+                if p.peer not in conns:
+                    conns[p.peer] = await self.peer.connection(p.peer)
+                sent.append(p.msg)
+                await conns[p.peer].send(p.msg, bulk=True)
+                bytes_sent += p.stored_bytes
+            except (ConnectionError, ProtocolError) as e:
+                log.info("round %d: sending to %s failed: %s", rnd, p.peer[:12], e)
+                self._feed(p.peer, f"unreachable: {e}")
+        return bytes_sent
+
+    def _feed(self, pid: str, msg) -> None:
+        """Everything for the round in progress goes in here as it comes, in the connections'
+        readers: a part is checked and decoded where it belongs at once (no frame waits in a queue
+        holding its receive buffer while we send); what the round has to send next goes to the
+        outbox. ``msg`` is a BlockUpdate or, for a departure, why."""
+        r = self._round
+        assert r is not None and self._wake is not None, "fed only while a round is in progress"
+        before = len(r.rejected)
+        try:
+            if isinstance(msg, str):
+                out = r.depart(pid, msg)
+            elif msg.meta.get("phase") == Phase.ABSENT.value:
+                out = r.depart(pid, "not in this round's group")
+            elif msg.meta.get("group") != r.group:  # another view of the group: not usable
+                self._mismatch(pid, r.round)
+                out = r.depart(pid, "sees another group")
+            else:
+                out = r.receive(pid, msg)
+        except Exception as e:  # a bug, not the peer's doing: the round fails here, the reader goes on
+            log.exception("round %d: feeding a part from %s failed", r.round, pid[:12])
+            self._failure = e
+            out = []
+        for rej in r.rejected[before:]:
+            self._reject(rej["peer"], rej["reason"], r.round)
+        self._outbox += out
+        self._wake.set()
+
+    def _lend_arena(self, floats: int) -> torch.Tensor:
+        """The arena for a round that needs ``floats``: kept from round to round, remade when too
+        small or more than twice too large (the group shrank)."""
+        if not floats <= self._arena.numel() <= 2 * floats:
+            self._arena = torch.empty(0)  # the old one goes first: never both at once
+            self._arena = torch.empty(floats)
+        return self._arena
+
+    def _suspicions(self, r: AveragingRound, rnd: int):
+        """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row is excluded (named)."""
+        if not r.robust:
+            return
+        opposed = r.opposed()
+        for pid in r.live():
+            if pid == self.peer.id:
+                continue
+            if pid in r.suspects or pid in opposed:
+                self._suspect_streak[pid] = self._suspect_streak.get(pid, 0) + 1
+                if self._suspect_streak[pid] >= SUSPECT_ROUNDS:
+                    why = (f"{r.suspects[pid]:.1f} median distances from the others'" if pid in r.suspects else
+                           f"pointing against the others' median, cosine {opposed[pid]:.2f}")
+                    self._reject(pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row ({why} in round "
+                                      f"{rnd})", rnd)
+            else:
+                self._suspect_streak.pop(pid, None)
+
+    def _mismatch(self, pid: str, rnd: int):
+        if not any(e.get("peer") == pid and e["event"] == "group mismatch" for e in self.events):
+            log_event(self.events, {"event": "group mismatch", "peer": pid, "round": rnd, "time": time.time()})
+            log.info("round %d: %s sees another group; its parts are not mixed in", rnd, pid[:12])
+        self._tell_absent(pid, rnd)
+
+    def _tell_absent(self, pid: str, rnd: int):
+        if (pid, rnd) in self._absent_told:
+            return
+        self._absent_told.add((pid, rnd))
+        if len(self._absent_told) > 4096:
+            self._absent_told.clear()
+        self._tell(pid, BlockUpdate(block=self.block, round=rnd, meta={"phase": Phase.ABSENT.value,
+                                                                       "round_group": True}))
+
+    def _tell(self, pid: str, msg: BlockUpdate):
+        self.peer.spawn(self._send_control(pid, msg), f"tell {msg.meta.get('phase')}")
+
+    async def _send_control(self, pid: str, msg: BlockUpdate):
+        try:
+            (await self.peer.connection(pid)).send_nowait(msg)
+        except (ConnectionError, ProtocolError, PeerUnreachable):
+            pass
+
+    def _reject(self, pid: str, why: str, rnd: int):
+        self.reject(pid, why, rnd)
+
+    def reject(self, pid: str, why: str, rnd: int):
+        """Exclude ``pid`` from our rounds from now on, tell it, and report why."""
+        if pid in self.banned:
+            return
+        remember(self.banned, pid, why)
+        log_event(self.events, {"event": "rejected update", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
+        log.warning("block %d round %d: rejected update from %s: %s; excluded from later rounds",
+                    self.block, rnd, pid[:12], why)
+        self._tell(pid, BlockUpdate(block=self.block, round=rnd, meta={"phase": Phase.EXCLUDED.value, "reason": why}))
+
+    def excluded_by(self, pid: str, rnd: int, why: str):
+        """``pid`` rejected our update and will ignore us: stop waiting for it, now and later."""
+        if pid in self.shunned:
+            return
+        remember(self.shunned, pid, why)
+        log_event(self.events, {"event": "excluded by", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
+        log.warning("block %d: %s rejected our update in round %d (%s) and excludes us", self.block, pid[:12], rnd, why)
+        if self._round is not None:
+            self._feed(pid, "excluded us")

@@ -1,0 +1,159 @@
+"""What a part may be, and the robust aggregate: pure functions over tensors, no state.
+
+Rules (numbered as in the package's index, ``__init__.py``):
+- Rule 3: every incoming part is validated before use (name, shape, dtype, finite values, the
+  norm bound): ``validate_part``. A sender whose part fails is rejected: the round goes on without
+  it and reports why (round.py); the driver excludes it from later rounds and tells it (phase
+  ``excluded``, driver.py).
+- Rule 6 (``aggregate="robust"``, the default with 3 or more members): no member's aggregate is
+  taken on trust. Every member sends its part of every piece to every member, and each computes
+  every piece itself (round.py): parts whose norm exceeds RELATIVE_NORM x the median norm of the
+  piece's parts are rejected, their sender named (``norm_outliers``); the rest are combined by
+  centred clipping (Karimireddy et al. 2021: around the coordinate-wise median, radius
+  CLIP_RADIUS x the median distance; ``centred_clip``), which bounds what any one member can move
+  the result. A member whose part lies beyond SUSPECT_RADIUS x that median distance is reported as
+  a suspect, and so is one whose update points against the median (``opposed_members``); the
+  driver excludes one that is a suspect SUSPECT_ROUNDS rounds in a row (driver.py). Honest
+  members compute from the same parts with the same arithmetic, so they end with the same bytes;
+  one that equivocates (sends members different parts) makes their start points differ, which
+  the next round's group identity shows. With 2 members there is no majority to trust: the round
+  is a plain mean (``robust`` False).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from blocktrain.protocol import BlockUpdate, ProtocolError
+
+from ..tensors import decode_topk, from_wire
+from .codec import TOPK
+
+# Robust aggregation (rule 6). Honest per-step gradients of one block vary in norm by about 10x
+# between members' batches (seen at a block's first steps); 100x the median is outside anything
+# honest and far inside the absolute bound. Subtler parts are left to the clipping.
+RELATIVE_NORM = 100.0
+# Clip radius, in median distances to the coordinate-wise median: honest parts (similar
+# distances) pass unclipped, so an honest round is the plain mean.
+CLIP_RADIUS = 2.0
+# Beyond this many median distances a part is reported as a suspect.
+SUSPECT_RADIUS = 4.0
+# Centred-clipping iterations (each moves the centre toward the clipped mean).
+CLIP_ITERS = 3
+# An update whose cosine with the coordinate-wise median (over the whole vector) is below minus
+# this is a suspect too (a sign flipped on the wire); an honest one agrees with the median.
+OPPOSED_COS = 0.05
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What an incoming part may be (rule 3)."""
+    max_norm: float = 1e6
+
+
+def validate_part(msg: BlockUpdate, numel: int, bounds: Bounds, out: torch.Tensor | None = None,
+                  sparse: bool = False) -> torch.Tensor:
+    """The part's tensor, or ValueError saying what is wrong with it. ``sparse``: the round's
+    codec is topk, and every part must be one (indices, values and scales checked first)."""
+    if sparse != (msg.codec == TOPK):
+        raise ValueError(f"a part of codec {msg.codec} in a {'topk' if sparse else 'dense'} round")
+    try:
+        if sparse:
+            t = decode_topk(msg.tensors, numel, out)
+        else:
+            if len(msg.tensors) != 1 or msg.tensors[0].name != "part":
+                raise ValueError("expected one tensor named 'part'")
+            w = msg.tensors[0]
+            if w.dtype != "float32" or w.shape != (numel,):
+                raise ValueError(f"part is {w.dtype} {w.shape}, expected float32 ({numel},)")
+            t = from_wire(w, out=out)
+    except ProtocolError as e:  # e.g. lz4 data that does not decompress: the sender's fault
+        raise ValueError(f"part does not decode: {e}") from None
+    norm = float(torch.linalg.vector_norm(t))  # one pass: NaN or inf anywhere makes it NaN or inf
+    if not math.isfinite(norm):
+        raise ValueError(f"part holds NaN or inf (its norm is {norm})")
+    if norm > bounds.max_norm:
+        raise ValueError(f"part norm {norm:.3g} exceeds the bound {bounds.max_norm:.3g}")
+    return t
+
+
+def norm_outliers(parts: dict[str, torch.Tensor], me: str) -> list[tuple[str, str]]:
+    """Rule 6: the members (``me`` never) whose part's norm is over RELATIVE_NORM x the median of
+    the parts' norms, in id order, each with why."""
+    ids = sorted(parts)
+    norms = {p: float(torch.linalg.vector_norm(parts[p])) for p in ids}
+    med = float(torch.tensor(list(norms.values())).median())
+    return [(p, f"part norm {norms[p]:.3g} is over {RELATIVE_NORM:g}x the median of the round's parts ({med:.3g})")
+            for p in ids if med > 0 and norms[p] > RELATIVE_NORM * med and p != me]
+
+
+def centred_clip(x: torch.Tensor, suspects: dict, ids: list, agree: dict | None = None) -> torch.Tensor:
+    """Centred clipping of the rows of ``x`` (R x n): start at the coordinate-wise median, clip each
+    row's offset to CLIP_RADIUS median distances, move to the mean of the clipped offsets; rows
+    beyond SUSPECT_RADIUS median distances are recorded in ``suspects`` (id -> distance ratio).
+    ``agree`` (id -> [row . median, |row|^2], None -> |median|^2) accumulates over the pieces of a
+    round, for ``opposed_members``. The arithmetic is that of PROTOCOL.md 7.1, op for op
+    (members must end with the same bytes), in one scratch matrix instead of fresh ones."""
+    v = coordinate_median(x)
+    if agree is not None:
+        dots, sq = (x @ v).tolist(), (x * x).sum(1).tolist()
+        for i, p in enumerate(ids):
+            acc = agree.setdefault(p, [0.0, 0.0])
+            acc[0] += dots[i]
+            acc[1] += sq[i]
+        agree[None] = agree.get(None, 0.0) + float(v @ v)
+    d = torch.sub(x, v)
+    dist = torch.linalg.vector_norm(d, dim=1)
+    scale = float(dist.median())
+    if scale == 0.0:
+        return x.mean(0)
+    for i, p in enumerate(ids):
+        ratio = float(dist[i]) / scale
+        if ratio > SUSPECT_RADIUS:
+            suspects[p] = max(suspects.get(p, 0.0), round(ratio, 2))
+    tau = CLIP_RADIUS * scale
+    for k in range(CLIP_ITERS):
+        if k:
+            torch.sub(x, v, out=d)
+        n = torch.linalg.vector_norm(d, dim=1, keepdim=True).clamp_min(1e-30)
+        v = v + d.mul_(torch.clamp(tau / n, max=1.0)).mean(0)
+    return v
+
+
+def coordinate_median(x: torch.Tensor) -> torch.Tensor:
+    """``x.median(dim=0).values`` (the lower median for an even count of rows), by a sorting
+    network of elementwise min/max over the rows: for the few rows of a group, 30-60x faster
+    than ``torch.median`` on this CPU (27 ms -> 0.5 ms for 3 x 730k floats). Same values; which
+    zero the median of a +0.0 and a -0.0 is may differ from torch's (they compare equal; after an
+    optimizer step the sign could show only in a parameter that is itself exactly zero)."""
+    r = x.shape[0]
+    if r > 16:
+        return x.median(dim=0).values
+    rows = list(x.unbind(0))
+    for k in range(r):  # odd-even transposition: r passes sort r rows
+        for i in range(k % 2, r - 1, 2):
+            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
+    return rows[(r - 1) // 2].clone() if r == 1 else rows[(r - 1) // 2]
+
+
+def opposed_members(agree: dict, me: str, live) -> dict[str, float]:
+    """Rule 6: members in ``live`` (``me`` never) whose update points against the coordinate-wise
+    median over the whole vector (cosine below -OPPOSED_COS), as member -> cosine; ``agree`` as
+    ``centred_clip`` accumulated it over a round's pieces. A sign flipped on the wire sits no
+    farther from the median than an honest member's noise, so distance alone never names it; an
+    honest update agrees with the median (its own share of it, and the signal)."""
+    mm = agree.get(None, 0.0)
+    out = {}
+    for p, acc in agree.items():
+        if p is None or p == me or p not in live:
+            continue
+        dot, xx = acc
+        if not (xx > 0 and mm > 0):
+            continue
+        cos = dot / math.sqrt(xx * mm)
+        if cos < -OPPOSED_COS:
+            out[p] = round(cos, 3)
+    return out

@@ -1,0 +1,386 @@
+"""One averaging round as a sans-IO object: ``AveragingRound``, its pieces and their owners.
+
+Rules (numbered as in the package's index, ``__init__.py``):
+- Rule 1: everything a round does happens in ``AveragingRound``: parts in (``receive``),
+  departures in (``depart``), the deadline in (``expire``); messages out (``Part``) and, once
+  ``done``, a result with its coverage. It never touches a socket, a clock or a task; the
+  ``Averager`` (driver.py) feeds it and sends what it returns.
+- Rule 2: the flat float32 vector of a round is cut into P >= R pieces of at most PIECE_FLOATS
+  (R members, sorted ids); piece j is owned by member j mod R. Reduce: every member sends piece j
+  to its owner. Gather: the owner averages what it received and sends the average of piece j,
+  with its contributors, to everyone. Messages are BlockUpdate(block, round, codec, [part]) with
+  meta {"phase", "part", "group", "contributors"}; ``group`` is a digest of the round's members,
+  its number and its start point, so peers that disagree on any of them never mix.
+- Rule 3 (here): every incoming part is validated before use (``validate_part``, robust.py). A
+  sender whose part fails is rejected: the round goes on without it and reports why.
+- Rule 4: a member that departs mid-round (its connection closes, the swarm declares it gone, or
+  it says it is not in this round's group) is dropped: the pieces it owned move to the live
+  members (live member j mod R', the same rule everywhere), everyone re-sends its part there, and
+  the round finishes with the others. Coverage counts the live members. A member that departs
+  a peer for a reason only it can see (another view of the group, unreachable) lists it in meta
+  ``departed`` of every part it sends from then on; the receivers depart it too, so nobody waits
+  for a member that will not come.
+- Rule 5: coverage is, for every piece, whether every live member contributed; the fraction of
+  the vector covered. Below ``min_coverage`` the result raises ``RoundFailed``: nothing applied.
+- Rule 6 (here): with ``aggregate="robust"`` and 3 or more members, every member sends its part
+  of every piece to every member and computes every piece itself, by the robust aggregate of
+  robust.py (which holds the rule's full text); nobody's average is taken on trust.
+- Rule 7 (here): a lossy round's part is encoded with error feedback (codec.py); an owner decodes
+  its own average exactly as the others do, so every member ends the round with the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from blocktrain.protocol import BlockUpdate, Codec, WireTensor
+
+from ..tensors import encode_topk, from_wire, to_wire, topk_count
+from .codec import TOPK, Wire, arena_views, encode_vector
+from .robust import Bounds, centred_clip, norm_outliers, opposed_members, validate_part
+
+# Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
+PIECE_FLOATS = 1 << 20
+AGGREGATES = ("robust", "mean")
+
+
+class RoundFailed(Exception):
+    """A round's coverage fell below the threshold; nothing was averaged."""
+
+    def __init__(self, block: int, rnd: int, coverage: float, missing: int, pieces: int, min_coverage: float,
+                 silent: frozenset = frozenset()):
+        super().__init__(f"block {block} round {rnd}: coverage {coverage:.1%} < {min_coverage:.0%} "
+                         f"({missing} of {pieces} pieces lack a member); nothing applied")
+        self.block, self.round, self.coverage = block, rnd, coverage
+        self.silent = silent  # live members whose parts never came
+
+
+@dataclass
+class RoundReport:
+    round: int
+    members: list
+    coverage: float  # fraction of the vector averaged over every live member
+    parts: list  # per piece: {"owner", "contributors", "ok"}
+    rejected: list = field(default_factory=list)  # {"peer", "reason"}
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    departed: list = field(default_factory=list)  # members that left mid-round (the others finished)
+    why: dict = field(default_factory=dict)  # departed or rejected member -> why
+    robust: bool = False  # aggregated by rule 6 (no average taken on trust)
+    suspects: dict = field(default_factory=dict)  # robust: member -> its distance, in median distances
+    opposed: dict = field(default_factory=dict)  # robust: member -> its cosine with the median, when < -OPPOSED_COS
+
+
+@dataclass(frozen=True)
+class Part:
+    """A message for ``peer`` (``stored_bytes`` of tensor payload)."""
+    peer: str
+    msg: BlockUpdate
+    stored_bytes: int
+
+
+def _tensors(wire: Wire) -> tuple:
+    return wire if isinstance(wire, tuple) else (wire,)
+
+
+def _stored(wire: Wire) -> int:
+    return sum(w.stored_bytes for w in _tensors(wire))
+
+
+def group_digest(members, rnd: int, start: str) -> str:
+    """Identifies a round's group: its members, its number and its start point (rule 2)."""
+    return hashlib.sha256(f"{','.join(sorted(members))}|{rnd}|{start}".encode()).hexdigest()[:16]
+
+
+def _result_buffer(out: torch.Tensor | None, vector: torch.Tensor, n: int) -> torch.Tensor:
+    """Where a round's result goes: ``out`` (checked: n contiguous float32 apart from the vector)
+    as a flat view, or a fresh tensor."""
+    if out is not None and (out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous()
+                            or out.data_ptr() == vector.data_ptr()):
+        raise ValueError(f"out holds {out.numel()} {out.dtype}, expected {n} contiguous float32 apart from "
+                         "the vector")
+    return torch.empty(n) if out is None else out.view(-1)  # gathered pieces are decoded into it
+
+
+class AveragingRound:
+    """One round of reduce-scatter + all-gather, as seen by member ``me`` (sans-IO)."""
+
+    def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, *,
+                 codec: Codec | str = Codec.RAW, start: str = "", bounds: Bounds = Bounds(),
+                 min_coverage: float = 1.0, residual: torch.Tensor | None = None, aggregate: str = "mean",
+                 out: torch.Tensor | None = None,
+                 arena: torch.Tensor | Callable[[int], torch.Tensor] | None = None, scratch: dict | None = None,
+                 density: float = 0.01):
+        """``out``: where the result goes (n float32; a fresh tensor if None). ``arena``: where the
+        other members' parts are decoded (float32: R - 1 slots of the pieces we compute, i.e. every
+        piece in a robust round, those we own in a mean round; or a function that returns one of
+        the size it is asked), reused across rounds by the driver so that a round touches no
+        fresh memory; fresh tensors if None (and for pieces that move to us mid-round).
+        ``scratch``: a lossy codec's buffers (``lossy_scratch``), lent the same way; ``residual``
+        may be its "residual". ``density``: the fraction of each chunk a topk round sends."""
+        if aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate {aggregate!r}: expected one of {AGGREGATES}")
+        self.me, self.block, self.round = me, block, rnd
+        self.ids = sorted(set(members) | {me})
+        self.sparse = codec == TOPK
+        self.k = topk_count(density) if self.sparse else 0
+        self.codec = Codec.RAW if self.sparse else Codec(codec)  # topk's tensors are raw
+        self.update_codec = TOPK if self.sparse else self.codec.value
+        self.bounds, self.min_coverage = bounds, min_coverage
+        self.robust = aggregate == "robust" and len(self.ids) >= 3
+        self.suspects: dict[str, float] = {}  # robust: member -> its largest distance, in median distances
+        self._agree: dict = {}  # robust: member -> [x . median, |x|^2] over the pieces; None -> |median|^2
+        self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
+        self.n = n = vector.numel()
+        self.P = max(len(self.ids), -(-n // PIECE_FLOATS))
+        self.bounds_ = [(n * i) // self.P for i in range(self.P + 1)]
+        self.vector = vector.detach().float().reshape(-1)  # read only: our own piece is a view of it
+        # error feedback (rule 7), in the driver's buffers when it lends them
+        enc = encode_vector(self.vector, self.spans(), self.update_codec, self.k, residual, scratch)
+        self.x, self.wires, self.residual, self.sent = enc.x, enc.wires, enc.residual, enc.sent
+        self.out = _result_buffer(out, vector, n)
+        self._lay_out_arena(arena)
+        self.departed: dict[str, str] = {}
+        self.rejected: list[dict] = []  # {"peer", "reason"}, in order
+        self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
+        self._sent_to: dict[int, str | set[str]] = {}  # piece -> owner (mean) or the members it went to (robust)
+        self._gather_sent: set[int] = set()
+        self.gathered: dict[int, list] = {}  # piece -> contributors, once its average is in ``out``
+        self.finished = False
+
+    def _lay_out_arena(self, arena: torch.Tensor | Callable[[int], torch.Tensor] | None) -> None:
+        """Each other member's slot in the arena: the places of the pieces we compute (robust:
+        every piece; mean: the pieces we own), the same in every slot."""
+        R = len(self.ids)
+        self._slot: dict[int, tuple[int, int]] = {}  # piece -> its place in each member's arena slot
+        at = 0
+        for j, (a, b) in enumerate(self.spans()):
+            if self.robust or self.ids[j % R] == self.me:
+                self._slot[j] = (at, at + b - a)
+                at += b - a
+        self._arena = arena_views(arena, [p for p in self.ids if p != self.me], at)
+
+    def spans(self):
+        return [(self.bounds_[j], self.bounds_[j + 1]) for j in range(self.P)]
+
+    # --- who -----------------------------------------------------------------------------------
+    def live(self) -> list[str]:
+        bad = {r["peer"] for r in self.rejected}
+        return [p for p in self.ids if p not in self.departed and p not in bad]
+
+    def owner(self, j: int) -> str:
+        o = self.ids[j % len(self.ids)]
+        live = self.live()
+        if o not in live:  # the piece moves to a live member, the same for all (rule 4)
+            o = live[j % len(live)]
+        return o
+
+    @property
+    def done(self) -> bool:
+        return self.finished or len(self.gathered) == self.P
+
+    # --- inputs --------------------------------------------------------------------------------
+    def start(self) -> list[Part]:
+        return self._progress(final=False)
+
+    def receive(self, pid: str, msg: BlockUpdate) -> list[Part]:
+        """A part from ``pid``; returns what to send next. A part that fails validation rejects
+        its sender (see ``rejected``)."""
+        if self.done or pid not in self.live():
+            return []
+        phase, j = msg.meta.get("phase"), msg.meta.get("part")
+        if type(j) is not int or not 0 <= j < self.P or phase not in ("reduce", "gather"):
+            return self._reject(pid, f"bad phase/part {phase!r}/{j!r}")
+        gone = msg.meta.get("departed", [])
+        if not isinstance(gone, list) or len(gone) > len(self.ids):
+            return self._reject(pid, "malformed 'departed'")
+        for d in gone:
+            if isinstance(d, str) and d != self.me and d != pid and d in self.live():
+                self.departed[d] = f"departed at {pid[:12]}"
+        a, b = self.bounds_[j], self.bounds_[j + 1]
+        if self.robust and phase != "reduce":
+            return self._reject(pid, "sent an average in a robust round (nobody's average is taken on trust)")
+        wanted = phase == "gather" and j not in self.gathered and pid == self.owner(j)
+        into = None  # the awaited average goes straight into the result (refilled at the end if rejected)
+        if wanted:
+            into = self.out[a:b]
+        elif phase == "reduce" and self._arena is not None and pid not in self._received[j] and j in self._slot:
+            into = self._arena[pid][slice(*self._slot[j])]  # this member's place for the piece in the arena
+        try:
+            t = validate_part(msg, b - a, self.bounds, into, self.sparse)
+        except ValueError as e:
+            return self._reject(pid, str(e))
+        if phase == "reduce":
+            self._received[j].setdefault(pid, t)  # kept before we know we own it (a departure moves pieces)
+        elif wanted:
+            c = msg.meta.get("contributors")
+            self.gathered[j] = [p for p in c if isinstance(p, str)] if isinstance(c, list) else []
+        return self._progress(final=False)
+
+    def depart(self, pid: str, why: str) -> list[Part]:
+        if pid not in self.live() or pid == self.me or self.done:
+            return []
+        self.departed[pid] = why
+        return self._progress(final=False)
+
+    def expire(self) -> list[Part]:
+        """The deadline passed: send what we have; the coverage says what is missing."""
+        if self.done:
+            return []
+        out = self._progress(final=True)
+        self.finished = True
+        return out
+
+    def _reject(self, pid: str, why: str) -> list[Part]:
+        if pid != self.me and all(r["peer"] != pid for r in self.rejected):
+            self.rejected.append({"peer": pid, "reason": why})
+        return self._progress(final=False)
+
+    # --- the protocol ----------------------------------------------------------------------------
+    def _own(self, j: int) -> torch.Tensor:
+        """Our part of piece j as the others decode it."""
+        a, b = self.bounds_[j], self.bounds_[j + 1]
+        if self.sparse:
+            assert self.sent is not None, "a topk round keeps what the others decode"
+            return self.sent[a:b]
+        w = self.wires[j]
+        assert isinstance(w, WireTensor), "a dense round's part is one tensor"
+        return from_wire(w) if self.codec.lossy else self.x[a:b]
+
+    def _msg(self, phase: str, j: int, wire: Wire, **meta) -> BlockUpdate:
+        if self.departed:
+            meta["departed"] = sorted(self.departed)
+        return BlockUpdate(block=self.block, round=self.round, codec=self.update_codec, tensors=_tensors(wire),
+                           meta={"phase": phase, "part": j, "group": self.group, **meta})
+
+    def _progress(self, final: bool) -> list[Part]:
+        if self.robust:
+            return self._progress_robust(final)
+        out: list[Part] = []
+        live = set(self.live())
+        spans = self.spans()
+        for j, (a, b) in enumerate(spans):  # our part of every piece goes to its current owner
+            o = self.owner(j)
+            if self._sent_to.get(j) == o or j in self.gathered:  # a piece whose average came is done
+                continue
+            self._sent_to[j] = o
+            if o == self.me:
+                self._received[j][o] = self._own(j)
+            else:
+                out.append(Part(o, self._msg("reduce", j, self.wires[j]), _stored(self.wires[j])))
+        for j, (a, b) in enumerate(spans):  # pieces we own: average once every live member's part is in
+            if self.owner(j) != self.me or j in self._gather_sent or j in self.gathered:
+                continue
+            got = {p: t for p, t in self._received[j].items() if p in live}
+            if not final and not set(got) >= live:
+                continue
+            out += self._gather(j, got, live)
+        return out
+
+    def _gather(self, j: int, got: dict[str, torch.Tensor], live: set[str]) -> list[Part]:
+        """A mean round: piece j (ours) averaged from ``got`` into the result, sent to the others."""
+        avg = self.out[self.bounds_[j]:self.bounds_[j + 1]]
+        vals = list(got.values())
+        avg.copy_(vals[0])
+        for v in vals[1:]:
+            avg.add_(v)
+        avg.div_(len(vals))
+        contributors = sorted(got)
+        w: Wire
+        if self.sparse:  # the average of R sparse parts has at most R x k values per chunk
+            w = encode_topk(avg, self.k * len(self.ids), avg)  # avg becomes what the others decode
+        else:
+            w = dense = to_wire("part", avg, self.codec, "never")
+            if self.codec.lossy:
+                from_wire(dense, out=avg)  # what the others will decode (rule 6)
+        self._gather_sent.add(j)
+        self.gathered[j] = contributors
+        msg = self._msg("gather", j, w, contributors=contributors)
+        return [Part(p, msg, _stored(w)) for p in sorted(live - {self.me})]
+
+    def _progress_robust(self, final: bool) -> list[Part]:
+        """Rule 6: our part of every piece to every live member; every piece computed here."""
+        out: list[Part] = []
+        spans = self.spans()
+        for j, (a, b) in enumerate(spans):
+            sent = self._sent_to.setdefault(j, set())
+            assert isinstance(sent, set), "a robust round keeps the members each piece went to"
+            if self.me not in sent:
+                sent.add(self.me)
+                self._received[j][self.me] = self._own(j)
+            for p in self.live():
+                if p not in sent:
+                    sent.add(p)
+                    out.append(Part(p, self._msg("reduce", j, self.wires[j]), _stored(self.wires[j])))
+        progressed = True
+        while progressed:  # a rejection shrinks the live set: pieces may complete (or change) again
+            progressed = False
+            live = set(self.live())
+            for j, (a, b) in enumerate(spans):
+                if j in self.gathered:
+                    continue
+                got = {p: t for p, t in self._received[j].items() if p in live}
+                if not final and not set(got) >= live:
+                    continue
+                before = len(self.rejected)
+                self._robust_piece(j, got)
+                progressed = progressed or len(self.rejected) > before
+        if any(j in self.gathered and not set(self.gathered[j]) <= set(self.live()) for j in range(self.P)):
+            for j in list(self.gathered):  # a member was rejected after some pieces counted it: redo them
+                if not set(self.gathered[j]) <= set(self.live()):
+                    del self.gathered[j]
+            return out + self._progress_robust(final)
+        return out
+
+    def _robust_piece(self, j: int, got: dict) -> None:
+        a, b = self.bounds_[j], self.bounds_[j + 1]
+        ids = sorted(got)
+        if len(ids) >= 3:
+            for p, why in norm_outliers(got, self.me):
+                self._reject(p, why)
+            ids = [p for p in ids if p in self.live()]
+        avg = self.out[a:b]
+        avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree) if len(ids) >= 3
+                  else torch.stack([got[p] for p in ids]).mean(0))
+        self.gathered[j] = ids
+
+    def result(self) -> tuple[torch.Tensor, RoundReport]:
+        """The averaged vector and the round's report; RoundFailed below ``min_coverage``."""
+        live = set(self.live())
+        parts, covered = [], 0
+        for j, (a, b) in enumerate(self.spans()):
+            got = self.gathered.get(j)
+            ok = got is not None and set(got) >= live
+            if got is None or (not self.robust and any(r["peer"] == self.owner(j) for r in self.rejected)):
+                self.out[a:b] = self.vector[a:b]  # a piece that never came back keeps our values
+                ok = False
+            if ok:
+                covered += b - a
+            parts.append({"owner": "everyone" if self.robust else self.owner(j), "contributors": got or [], "ok": ok})
+        rep = RoundReport(self.round, self.ids, covered / self.n if self.n else 1.0, parts, list(self.rejected),
+                          departed=sorted(self.departed),
+                          why={**self.departed, **{r["peer"]: r["reason"] for r in self.rejected}},
+                          robust=self.robust, suspects=dict(self.suspects), opposed=self.opposed())
+        if rep.coverage < self.min_coverage:
+            raise RoundFailed(self.block, self.round, rep.coverage, sum(not p["ok"] for p in parts), self.P,
+                              self.min_coverage, frozenset(self.silent()))
+        return self.out, rep
+
+    def opposed(self) -> dict:
+        """Robust: members whose update points against the coordinate-wise median over the whole
+        vector (cosine below -OPPOSED_COS), as member -> cosine (``opposed_members``, robust.py)."""
+        return opposed_members(self._agree, self.me, self.live())
+
+    def silent(self) -> set:
+        """Live members whose part of a piece we own never came (direct evidence only: an owner
+        whose average did not come may itself be waiting for someone)."""
+        live = set(self.live())
+        out = set()
+        for j in range(self.P):
+            if self.robust or self.owner(j) == self.me:
+                out |= live - set(self._received[j]) - {self.me}
+        return out
