@@ -66,10 +66,23 @@ class Phase(str, enum.Enum):
     READY = "ready"  # every member -> joiner: the state at the end of round ``at`` can be fetched: {name}
     LEAVE = "leave"  # a member -> members: it leaves the group (yielding to another group, or done)
     STATUS = "status"  # a member -> a non-member in scope: {size, sponsor, round}
-    EXCLUDED = "excluded"  # a member -> a peer whose update it rejected (averaging.py)
+    EXCLUDED = "excluded"  # a member -> a peer whose update it rejected (averaging/; not group control)
 
 
 CONTROL_PHASES = frozenset(p.value for p in Phase)
+
+
+def is_control(meta: dict) -> bool:
+    """The one place BLOCK_UPDATE's two protocols are told apart (PROTOCOL.md 7.2): group control
+    (this module's; the membership driver takes it) or an averaging round's traffic (averaging/:
+    the parts, EXCLUDED, and an ABSENT with a ``round_group``, which answers a round's part). A
+    phase that is not a string is refused by name (ValueError: the peer closes the sender)."""
+    phase = meta.get("phase")
+    if phase is not None and not isinstance(phase, str):
+        raise ValueError(f"BLOCK_UPDATE meta.phase must be a string, not {type(phase).__name__}")
+    if phase == Phase.EXCLUDED.value or (phase == Phase.ABSENT.value and meta.get("round_group") is not None):
+        return False
+    return phase in CONTROL_PHASES
 
 # An ADMIT names a round at most this far ahead of ours (its sender is a round ahead at most and
 # admits ``margin`` rounds ahead); at most this many joiners are pending at once: what a member

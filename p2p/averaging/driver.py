@@ -25,7 +25,7 @@ import torch
 
 from blocktrain.protocol import BlockUpdate, ProtocolError
 
-from ..group import CONTROL_PHASES, Phase, log_event
+from ..group import Phase, is_control, log_event
 from ..services import PeerServices, PeerUnreachable
 from .codec import UPDATE_CODECS, lossy_scratch
 from .early import AHEAD_ROUNDS, EarlyParts
@@ -80,22 +80,18 @@ class Averager(EarlyParts):
         self._wake: asyncio.Event | None = None  # set when the outbox has parts or the round is done
         self._failure: BaseException | None = None  # a bug met while feeding the round (raised by average)
         self._absent_told: set = set()
-        self.on_control = None  # fn(msg, pc, pid) for the group's control phases
         peer.on(BlockUpdate, self._route, inline=True)
         peer.on_membership(self._membership)
 
     # --- inputs, in the connections' readers ---------------------------------------------------
     def _route(self, msg: BlockUpdate, pc, pid: str):
+        if is_control(msg.meta):  # group control: the membership driver's (it hears this message too)
+            return
         phase = msg.meta.get("phase")
-        if phase is not None and not isinstance(phase, str):  # refused by name (the peer closes the sender)
-            raise ValueError(f"BLOCK_UPDATE meta.phase must be a string, not {type(phase).__name__}")
         if phase == Phase.EXCLUDED.value:
             self.excluded_by(pid, msg.round, str(msg.meta.get("reason", ""))[:500])
         elif phase == Phase.ABSENT.value and msg.meta.get("round_group") is not None:
             self._put(msg.round, pid, msg)  # "I am not in your round": a departure for that round
-        elif phase in CONTROL_PHASES:
-            if self.on_control is not None:
-                self.on_control(msg, pc, pid)
         elif pid in self.banned:
             return
         else:

@@ -1,8 +1,8 @@
 """The membership driver: runs a ``Group`` (group.py, sans-IO) over the peer.
 
 Rules:
-- Control messages (``BlockUpdate`` with a ``phase``) arrive in the connections' readers and go
-  to ``Group``; what it wants said goes out on the live connection at once, else after dialling a
+- Control messages (``BlockUpdate`` whose phase ``group.is_control`` says is control) arrive in
+  the connections' readers and go to ``Group``; what it wants said goes out on the live connection at once, else after dialling a
   member we know. A peer id from a message (an ADMIT's joiner) is never dialled as an address.
 - Scope: relay peers form one group; parallel peers one group per block. A JOIN from another
   scope is answered ABSENT (we are not in its group).
@@ -32,7 +32,7 @@ from blocktrain.protocol.events import is_peer_id
 
 from ..averaging import Averager
 from ..checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, FetchError
-from ..group import Decision, Group, Phase, Send, State
+from ..group import Decision, Group, Phase, Send, State, is_control
 from ..services import PeerServices, PeerUnreachable
 from .checks import StateCheck
 from .schedule import Position
@@ -58,6 +58,7 @@ class Membership:
         self.rejoin = False  # a larger group exists: leave ours and join it before the next round
         self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
         self._status_sent: dict[str, float] = {}
+        peer.on(BlockUpdate, self._on_block_update, inline=True)
         peer.on_membership(self._membership)
 
     def candidates(self) -> list[str]:
@@ -66,6 +67,12 @@ class Membership:
                 if m.peer_id not in self.averager.banned and m.peer_id not in self.averager.shunned]
 
     # --- in: control messages (in the connections' readers) ----------------------------------------
+    def _on_block_update(self, msg: BlockUpdate, pc, pid: str) -> None:
+        """BLOCK_UPDATE carries group control and averaging rounds; group.is_control tells them
+        apart (the averager hears every one too and takes the rest), in arrival order."""
+        if is_control(msg.meta):
+            self.on_control(msg, pc, pid)
+
     def on_control(self, msg: BlockUpdate, pc, pid: str) -> None:
         meta = msg.meta
         try:

@@ -26,7 +26,7 @@ class SwarmConfig:
     every: int = 0  # local steps per round; 0 = the sync's default (grads 1, params 25)
     codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8, topk (lossy ones with error feedback)
     density: float = 0.01  # topk: the fraction of each chunk of 4096 values sent per round
-    aggregate: str = "robust"  # robust: every member computes every piece, centred clipping (averaging.py rule 6);
+    aggregate: str = "robust"  # robust: every member computes every piece, centred clipping (averaging/robust.py, rule 6);
     #                           mean: reduce-scatter, each piece's owner trusted (fewer bytes with many members)
     outer: str = "sgd"  # params only: sgd | nesterov
     outer_lr: float = 1.0  # with sgd and momentum 0: the plain average of the workers' parameters

@@ -76,7 +76,6 @@ class SwarmTrainer:
         self.store = CheckpointStore(self.server, self.dir, mcfg, tcfg, scfg, self.schedule)
         self.membership = Membership(peer, self.group, self.averager, self.pos, self.scope,
                                      None if self.relay else k, self.fetcher, self.check, self.stats.joins, self._say)
-        self.averager.on_control = self.membership.on_control
         self.rounds = Rounds(peer, self.group, self.averager, self.membership, scfg, self.schedule, self.pos,
                              self.stats)
         self.rounds.on_step, self.rounds.save_join_state = on_step, self.save_join_state
