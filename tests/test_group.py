@@ -1,6 +1,6 @@
 """Group membership, sans-IO: every ordering of joins, admissions, departures and merges, no sockets."""
 
-
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -619,3 +619,16 @@ def test_only_the_sponsor_can_say_a_pending_joiners_admission_predates_its_leave
     assert g.joined["j"] == 9
     g.on_admit("a", {"peer": "j", "at": 12, "after": 9})
     assert g.joined["j"] == 13 and g.ready_due(12) == ["j"]
+
+
+def test_block_updates_are_told_apart_in_one_place():
+    """Group control and averaging rounds share BLOCK_UPDATE; group.is_control is the one place
+    that tells them apart (the membership driver takes control, the averager the rest)."""
+    from blocktrain.p2p.group import CONTROL_PHASES, is_control
+    for phase in CONTROL_PHASES - {"excluded"}:
+        assert is_control({"phase": phase})
+    assert not is_control({"phase": "excluded", "reason": "x"})  # the averager's: it rejected an update
+    assert not is_control({"phase": "absent", "round_group": "g"})  # answers a round's part
+    assert not is_control({"phase": "reduce", "part": 0}) and not is_control({})
+    with pytest.raises(ValueError, match="must be a string"):
+        is_control({"phase": ["join"]})
