@@ -63,3 +63,19 @@ async def test_a_swarm_trains_and_takes_a_joiner_on_the_interface_alone(tmp_path
     finally:
         for p in peers:
             await p.stop()
+
+
+async def test_the_curve_evaluation_draws_no_random_number(tmp_path):
+    """eval_heads runs in a worker thread. Where it built fresh lower blocks it drew from torch's
+    global generator while another peer of the process had seeded it to build its next block:
+    that peer's block then started elsewhere and the in-process swarm split (test_topk's sparse
+    swarm failed 1 run in 8)."""
+    from blocktrain.blocks.model import Block
+    net = FakeNet()
+    sp = SwarmTrainer(net.peer(1, blocks=(1,)), 1, MC, TC, SwarmConfig(), tmp_path, DATA, DATA)
+    sp.prepare()
+    sp.finals[0] = Block(MC, 0).state_dict()
+    sp._new_trainer(1)
+    before = torch.random.get_rng_state()
+    heads = await asyncio.to_thread(sp.eval_heads)
+    assert len(heads) == 2 and torch.equal(torch.random.get_rng_state(), before)
