@@ -12,7 +12,8 @@ def test_relay_trains_every_block_in_turn_and_each_ends_at_a_multiple_of_its_ste
     s = Schedule(k=1, n_blocks=3, S=10, H=2)
     assert s.plan == (0, 1, 2) and s.total_steps == 30
     assert [s.block_at(g) for g in (0, 9, 10, 19, 20, 29, 30)] == [0, 0, 1, 1, 2, 2, 2]
-    assert [g for g in range(31) if s.ends_block(g)] == [10, 20, 30]
+    assert [g for g in range(31) if s.ends_block(g, s.block_at(g - 1) if g else 0)] == [10, 20, 30]
+    assert not s.ends_block(10, 1) and not s.ends_block(0, 0)  # a failed first round of block 1 (or 0) ends nothing
     assert [g for g in range(0, 30, 2) if s.last_round(g)] == [8, 18, 28]
     assert [s.final_step(b) for b in s.plan] == [10, 20, 30]
     assert not any(s.refresh_due(g) for g in range(31))  # relay: the lower blocks are our own
@@ -21,7 +22,7 @@ def test_relay_trains_every_block_in_turn_and_each_ends_at_a_multiple_of_its_ste
 def test_parallel_trains_its_own_block_and_refreshes_its_input():
     s = Schedule(k=2, n_blocks=3, S=12, H=3, relay=False, refresh_every=6)
     assert s.plan == (2,) and s.total_steps == 12 and {s.block_at(g) for g in range(13)} == {2}
-    assert not any(s.ends_block(g) for g in range(13))  # nothing to hand over
+    assert not any(s.ends_block(g, 2) for g in range(13))  # nothing to hand over
     assert [g for g in range(13) if s.refresh_due(g)] == [6, 12]
     assert not any(Schedule(0, 3, 12, 3, relay=False).refresh_due(g) for g in range(13))  # block 0 has no input
 

@@ -12,6 +12,7 @@ The training peer is a few rooms, each with its rules in its docstring:
 - ``checks.py``: what a peer accepts from others (the group's state, lower blocks).
 - ``lower.py``: the parallel schedule's input handoff (lower blocks from their holders).
 - ``report.py``: statistics, the training report, ``RunState``.
+- ``draft.py``: the last block's draft phase (after the schedule, local).
 - ``trainer.py``: ``SwarmTrainer``, the run loop that puts them together.
 """
 

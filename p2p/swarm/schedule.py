@@ -58,9 +58,11 @@ class Schedule:
         """The global step at which ``block`` is final."""
         return (self.plan.index(block) + 1) * self.S
 
-    def ends_block(self, gstep: int) -> bool:
-        """Relay: ``gstep`` (steps done) ends the block in work, which becomes final."""
-        return self.relay and gstep > 0 and gstep % self.S == 0
+    def ends_block(self, gstep: int, block: int) -> bool:
+        """Relay: ``gstep`` (steps done) ends ``block``, the block in work, which becomes final. A
+        failed first round of a block leaves gstep at the block's start: that ends nothing (the
+        old test, gstep a multiple of S, published the untrained block as final then)."""
+        return self.relay and gstep == self.final_step(block)
 
     def last_round(self, gstep: int) -> bool:
         """The round starting after ``gstep`` steps is its block's last."""

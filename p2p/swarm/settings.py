@@ -21,7 +21,7 @@ SYNCS = ("grads", "params")
 
 @dataclass
 class SwarmConfig:
-    schedule: str = "relay"  # relay | parallel (see the module's rules)
+    schedule: str = "relay"  # relay | parallel (schedule.py's rules)
     sync: str = "grads"  # grads: average gradients every step; params: DiLoCo every `every` steps
     every: int = 0  # local steps per round; 0 = the sync's default (grads 1, params 25)
     codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8, topk (lossy ones with error feedback)
@@ -31,7 +31,7 @@ class SwarmConfig:
     outer: str = "sgd"  # params only: sgd | nesterov
     outer_lr: float = 1.0  # with sgd and momentum 0: the plain average of the workers' parameters
     outer_momentum: float = 0.0
-    overlap: bool = False  # params only: a round is on the wire during the next round's local steps (see _round)
+    overlap: bool = False  # params only: a round is on the wire during the next round's local steps (rounds.py, Rounds._overlapped)
     min_coverage: float = 1.0
     max_norm: float = 1e4  # bound on an incoming part's L2 norm
     round_timeout_s: float = 120.0

@@ -276,14 +276,24 @@ class SwarmTrainer:
         self.state = RunState.TRAINING
 
     async def _next_round(self) -> None:
-        """The schedule's next round: a rejoin or the next block first if due; CE points, saves and
-        reports after it."""
+        """The schedule's next round: a rejoin first if due (the next block in _train_round); a
+        block's end, saves and reports after it."""
         if self.membership.rejoin:
             self.membership.rejoin = False
             self.rounds.drop_pending()  # we take the group's state
             await self._join()
-            if self.gstep >= self.total_steps:  # the group's state was its last: nothing left to train
-                return
+        if self.gstep < self.total_steps:  # (a rejoin may have taken the group's last state: saved below)
+            await self._train_round()
+        if self.schedule.ends_block(self.gstep, self.block):
+            await self._finish_block()
+        elif self.store.due() or self.gstep >= self.total_steps:
+            await asyncio.to_thread(self._save, self.gstep >= self.total_steps)
+        if self.schedule.report_due(self.gstep):
+            self.peer.write_report()
+            if self.rounds.on_step is None:
+                self._say(progress_line(self, self.wall_seconds()))
+
+    async def _train_round(self) -> None:
         b = self.schedule.block_at(self.gstep)
         if b != self.block:  # relay: the next block, on the final ones below
             self._new_trainer(b)
@@ -293,14 +303,6 @@ class SwarmTrainer:
             await self.feed.refresh(self.tr, wait=False)
         await self.rounds.step()
         await self._curve_point()
-        if self.schedule.ends_block(self.gstep):
-            await self._finish_block()
-        elif self.store.due() or self.gstep >= self.total_steps:
-            await asyncio.to_thread(self._save, self.gstep >= self.total_steps)
-        if self.schedule.report_due(self.gstep):
-            self.peer.write_report()
-            if self.rounds.on_step is None:
-                self._say(progress_line(self, self.wall_seconds()))
 
     async def _curve_point(self) -> None:
         mark = self.schedule.eval_mark(self.gstep)
