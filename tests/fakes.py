@@ -10,10 +10,10 @@ are members of each other; ``leave`` takes one out (its connections close, the o
 from __future__ import annotations
 
 import asyncio
-import time
 
 from blocktrain.p2p.services import Change, Liveness, MembershipEvent, MemberView, PeerServices, PeerUnreachable
 from blocktrain.p2p.transport import Timeouts
+from blocktrain.p2p.waiters import Waiters
 from blocktrain.protocol.events import MessageReader, frame_message
 
 
@@ -76,7 +76,7 @@ class FakePeer:
         self.sections: dict = {}
         self._handlers: dict = {}
         self._subscribers: list = []
-        self._waiters: set = set()
+        self._waiters = Waiters(lambda: False)
         self._tasks: set = set()
 
     # --- the PeerServices interface --------------------------------------------------------------
@@ -116,25 +116,10 @@ class FakePeer:
         return lambda: self._subscribers.remove(callback)
 
     async def wait_for(self, predicate, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not predicate():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.add(fut)
-            try:
-                await asyncio.wait_for(fut, left)
-            except asyncio.TimeoutError:
-                return predicate()
-            finally:
-                self._waiters.discard(fut)
-        return True
+        return await self._waiters.wait_for(predicate, timeout)
 
     def notify(self) -> None:
-        for f in list(self._waiters):
-            if not f.done():
-                f.set_result(None)
+        self._waiters.notify()
 
     def spawn(self, coro, name: str) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro, name=name)

@@ -63,7 +63,6 @@ class SwarmTrainer:
         self.progress = progress or (lambda s: None)  # events, as lines
         self.scope = "relay" if self.relay else f"block:{k}"
         self.pos = Position(self.schedule.plan[0])
-        self.trainer: BlockTrainer | None = None  # the block in work's
         self.finals: dict[int, dict] = {}  # relay: block -> final parameters
         self.group = Group(peer.id, margin=scfg.margin)
         self.averager = Averager(peer, k, codec=scfg.codec, density=scfg.density, min_coverage=scfg.min_coverage,
@@ -101,10 +100,17 @@ class SwarmTrainer:
     total_steps = property(lambda self: self.schedule.total_steps)
 
     @property
+    def trainer(self) -> "BlockTrainer | None":
+        """The block in work's trainer: the rounds' (one object, set in _new_trainer)."""
+        return self.rounds.trainer
+
+    @trainer.setter
+    def trainer(self, tr: "BlockTrainer | None") -> None:
+        self.rounds.trainer = tr
+
+    @property
     def tr(self) -> "BlockTrainer":
-        """The block in work's trainer (there is one from ``prepare`` on)."""
-        assert self.trainer is not None, "no block in work yet"
-        return self.trainer
+        return self.rounds.tr
 
     def params(self) -> list:
         return list(self.tr.block.parameters())
@@ -130,7 +136,7 @@ class SwarmTrainer:
         from blocktrain.blocks.train import BlockTrainer
 
         old = self.trainer
-        self.trainer = self.rounds.trainer = None  # one block's optimizer at a time: the old one goes first
+        self.trainer = None  # one block's optimizer at a time: the old one goes first
         tr = BlockTrainer(self.mcfg, self.tcfg, b, self.data, shard=self.shard[0] if self.shard else 0,
                           num_shards=self.shard[1] if self.shard else 1)
         if self.shard is None:  # this peer's own stream of random windows over all the data
@@ -139,7 +145,7 @@ class SwarmTrainer:
             tr.set_lower([self.finals[j] for j in range(b)], [self.schedule.S] * b)
             if old is not None and old.k == b - 1:
                 tr.init_from_below(old.block)  # identity start: the head of the block below
-        self.trainer = self.rounds.trainer = tr
+        self.trainer = tr
         self.pos.block = b
         self.rounds.reset()
         held = tr.trainable_bytes()
