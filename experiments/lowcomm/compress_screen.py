@@ -20,7 +20,7 @@ framing):
   from the last step); 1-D parameters as bf16 with error feedback.
 
 usage: python experiments/lowcomm/compress_screen.py COMPRESSOR [--target grads|delta] [--rank R]
-           [--density D] [--outer-lr A] [--workers W] [--steps S] [--seed N]
+           [--density D] [--outer-lr A] [--every H] [--workers W] [--steps S] [--seed N]
 Prints one JSON line: settings, code version, command, valid and test CE of block 0's head (2,000
 test windows), bytes per worker, ratio to float32 every step, seconds.
 """
@@ -116,6 +116,7 @@ def main():
     ap.add_argument("--rank", type=int, default=2)
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--every", type=int, default=1, help="delta: local steps per round")
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
@@ -142,6 +143,8 @@ def main():
         else:
             for t in trs:
                 t.train_step()
+            if (s + 1) % a.every and s + 1 < a.steps:
+                continue
             vecs = [point - flatten(list(t.block.parameters())) for t in trs]
         if comp is None:
             dec, nbytes = vecs, 4 * n
@@ -162,7 +165,7 @@ def main():
             print(f"step {s + 1}/{a.steps}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     from blocktrain.bench.provenance import code_version
     block = trs[0].block
-    dense = (W - 1) * 4 * n * a.steps
+    dense = (W - 1) * 4 * n * a.steps  # float32 gradients every step
     print(json.dumps({**vars(a), "code_version": code_version(),
                       "command": "python experiments/lowcomm/compress_screen.py " + " ".join(sys.argv[1:]),
                       "valid_ce": eval_chain([block], valid, 128)[-1], "test_ce": eval_chain([block], test, 128, 2000)[-1],
