@@ -241,9 +241,10 @@ def _plot_sweep(rows, path):
 @click.option("--schedule", type=click.Choice(["relay", "parallel"]), default=None, help="Default: relay.")
 @click.option("--sync", type=click.Choice(["grads", "params"]), default=None, help="Default: grads.")
 @click.option("--every", type=click.IntRange(1), default=None, help="Steps per round (params).")
-@click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8", "topk"]), default=None,
-              help="Averaging codec. topk: each chunk's largest values with error feedback (use with "
-                   "--sync params --every H: the low-communication mode).")
+@click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8", "topk", "sign"]), default=None,
+              help="Averaging codec, lossy ones with error feedback. sign: one bit per value (with --sync "
+                   "params --every 1 --outer-lr 1.7: the low-communication mode); topk: each chunk's largest "
+                   "values (--density).")
 @click.option("--density", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
               help="topk: the fraction of each chunk of 4096 values sent per round (default 0.01).")
 @click.option("--outer-lr", type=click.FloatRange(0.0, min_open=True), default=None,

@@ -155,10 +155,11 @@ def _round_options(f):
                      help="grads (default): average gradients every step; params: DiLoCo, average the parameter "
                           "change every --every steps (far fewer bytes on slow links)."),
         click.option("--every", type=click.IntRange(1), default=None, help="Local steps per round (params; default 25)."),
-        click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8", "topk"]), default=None,
-                     help="Codec of the averaged updates (lossy ones keep error feedback; default raw). topk: "
-                          "each chunk's largest values only (--density); with --sync params --every H, the "
-                          "low-communication mode."),
+        click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8", "topk", "sign"]), default=None,
+                     help="Codec of the averaged updates (lossy ones keep error feedback; default raw). sign: "
+                          "one bit per value and a scale per 4096 (32x fewer bytes than raw); with --sync params "
+                          "--every 1 --outer-lr 1.7, the low-communication mode that kept the CE. topk: each "
+                          "chunk's largest values only (--density)."),
         click.option("--density", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
                      help="topk: the fraction of each chunk of 4096 values sent per round (default 0.01)."),
         click.option("--outer", type=click.Choice(["sgd", "nesterov"]), default=None,

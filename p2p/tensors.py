@@ -8,6 +8,9 @@ Rules:
 - ``topk`` (a BLOCK_UPDATE codec, not a tensor's) keeps the k largest-magnitude values of each
   chunk of TOPK_CHUNK_ELEMS elements as three raw tensors (positions, int8 values, a scale per
   chunk); the decoder checks every index, value and scale before it writes anything.
+- ``sign`` (a BLOCK_UPDATE codec too) keeps one bit per element, its sign, and one scale per chunk
+  of TOPK_CHUNK_ELEMS elements (the mean |x| of the chunk): 1.01 bits per element; the decoder
+  checks the shapes, the scales and the last chunk's padding before it writes anything.
 - Decoding never unpickles: bytes become a tensor through ``torch.frombuffer``.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from blocktrain.protocol import TOPK_CHUNK_ELEMS
+from blocktrain.protocol import SIGN_BYTES, TOPK_CHUNK_ELEMS
 from blocktrain.protocol.tensors import SEGMENT_ELEMS, Codec, WireTensor, pack_tensor
 
 TORCH_DTYPES = {
@@ -200,4 +203,64 @@ def decode_topk(wires, numel: int, out: torch.Tensor | None = None) -> torch.Ten
         raise ValueError("a topk scale is not finite or is negative")
     out = torch.empty(numel) if out is None else out
     _scatter(out, idx, q, scale)
+    return out
+
+
+# --- sign: one bit and a scale per chunk (PROTOCOL.md section 7.1) -----------------------------------
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def encode_sign(x: torch.Tensor, decoded: torch.Tensor | None = None) -> tuple[WireTensor, ...]:
+    """The 1-D float32 ``x`` as the wire tensors (bits, scale) of a ``sign`` update: per chunk of
+    TOPK_CHUNK_ELEMS elements, bit i (byte i // 8, bit i % 8 counted from the least significant) is
+    1 where x >= 0 (-0.0 included), and the chunk's scale is the mean |x| over its elements (the
+    last chunk's own, not its padding, whose bits are 0). An element decodes to +scale or -scale.
+    ``decoded`` (float32, like x) receives what the far end decodes (the sender's error feedback
+    is x - decoded)."""
+    n, C = x.numel(), -(-x.numel() // TOPK_CHUNK_ELEMS)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("non-finite values cannot be sign-encoded")
+    flat = x.reshape(-1)
+    pos = torch.zeros(C * TOPK_CHUNK_ELEMS, dtype=torch.uint8)
+    pos[:n] = flat >= 0
+    bits = (pos.view(C, SIGN_BYTES, 8) * _BIT_WEIGHTS).sum(dim=2, dtype=torch.uint8)
+    sums = torch.zeros(C * TOPK_CHUNK_ELEMS)
+    sums[:n] = flat.abs()
+    counts = torch.full((C,), float(TOPK_CHUNK_ELEMS))
+    if C:
+        counts[-1] = n - (C - 1) * TOPK_CHUNK_ELEMS
+    scale = sums.view(C, TOPK_CHUNK_ELEMS).sum(dim=1) / counts
+    if decoded is not None:
+        _unpack_sign(decoded, pos, scale)
+    return (pack_tensor("bits", "uint8", tuple(bits.shape), _bytes_view(bits), Codec.RAW, (), "never"),
+            pack_tensor("scale", "float32", tuple(scale.shape), _bytes_view(scale), Codec.RAW, (), "never"))
+
+
+def _unpack_sign(out: torch.Tensor, pos: torch.Tensor, scale: torch.Tensor) -> None:
+    """``out`` (numel n) = +scale where pos is 1, -scale where it is 0, chunk by chunk."""
+    n, C = out.numel(), scale.numel()
+    full = (pos.view(C, TOPK_CHUNK_ELEMS).float() * 2 - 1) * scale[:, None]
+    out.view(-1).copy_(full.view(-1)[:n])
+
+
+def decode_sign(wires, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense float32 vector of ``numel`` elements a sign update (bits, scale) stands for,
+    every value checked before use: ValueError names what is wrong (shapes for this length, a bit
+    set in the last chunk's padding, a scale not finite or negative)."""
+    if len(wires) != 2 or tuple((w.name, w.dtype) for w in wires) != (("bits", "uint8"), ("scale", "float32")):
+        raise ValueError("a sign update holds the tensors bits (uint8), scale (float32)")
+    C = -(-numel // TOPK_CHUNK_ELEMS)
+    bw, sw = wires
+    if bw.shape != (C, SIGN_BYTES) or sw.shape != (C,):
+        raise ValueError(f"sign shapes {bw.shape}/{sw.shape} do not fit {numel} elements "
+                         f"({C} chunks of {TOPK_CHUNK_ELEMS}: ({C}, {SIGN_BYTES}) and ({C},))")
+    bits, scale = from_wire(bw), from_wire(sw)
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise ValueError("a sign scale is not finite or is negative")
+    pos = bits.view(C, SIGN_BYTES, 1).bitwise_and(_BIT_WEIGHTS).ne(0).to(torch.uint8).view(-1)
+    if bool(pos[numel:].any()):
+        raise ValueError("a sign bit is set in the last chunk's padding")
+    out = torch.empty(numel) if out is None else out
+    _unpack_sign(out, pos, scale)
     return out

@@ -8,7 +8,7 @@ from .connection import (MAX_HANDSHAKE_FRAME_BYTES, MAX_HELLO_BYTES, NEED_DATA, 
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .events import (MESSAGES, Announce, BlockUpdate, Error, Goodbye, Handshake, Message, PeerInfo, PeerList,
                      PipelineForward, PipelineResult, Ping, Pong, Status, StreamChunk, StreamEnd, StreamOpen,
-                     StreamRequest, StreamReset, TOPK_CHUNK_ELEMS, decode_payload, encode_payload,
+                     StreamRequest, StreamReset, SIGN_BYTES, TOPK_CHUNK_ELEMS, decode_payload, encode_payload,
                      unpack_canonical)
 from .frames import HEADER_BYTES, MAX_FRAME_BYTES, PROTOCOL_VERSION, Flags, FrameBuffer, MessageType
 from .handshake import HandshakeError, NoiseHandshake, peer_id_of
@@ -21,7 +21,7 @@ __all__ = [
     "ErrorCode", "LocalProtocolError", "ProtocolError", "RemoteProtocolError",
     "MESSAGES", "Announce", "BlockUpdate", "Error", "Goodbye", "Handshake", "Message", "PeerInfo", "PeerList",
     "PipelineForward", "PipelineResult", "Ping", "Pong", "Status", "StreamChunk", "StreamEnd", "StreamOpen",
-    "StreamRequest", "StreamReset", "TOPK_CHUNK_ELEMS", "decode_payload", "encode_payload", "unpack_canonical",
+    "SIGN_BYTES", "StreamRequest", "StreamReset", "TOPK_CHUNK_ELEMS", "decode_payload", "encode_payload", "unpack_canonical",
     "HEADER_BYTES", "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Flags", "FrameBuffer", "MessageType",
     "HandshakeError", "NoiseHandshake", "peer_id_of",
     "CHUNK_SIZE_BYTES", "StreamFailed", "StreamReceiver", "stream_messages",

@@ -223,9 +223,14 @@ def _check_tensors(tensors):
 # BLOCK_UPDATE codecs: a tensor codec (every tensor encoded so), or ``topk``: a sparse update,
 # three raw tensors (PROTOCOL.md section 7.1): ``idx`` int16 (C, k) positions in each chunk of
 # TOPK_CHUNK_ELEMS elements, ``val`` int8 (C, k) and ``scale`` float32 (C,), value = val x scale.
-UPDATE_CODECS = ("raw", "fp16", "bf16", "int8", "topk")
+# ``sign``: one bit per element and a scale per chunk, two raw tensors: ``bits`` uint8 (C, 512)
+# (element i of a chunk is bit i % 8 of byte i // 8, least significant first) and ``scale``
+# float32 (C,); value = +scale where the bit is 1, -scale where it is 0.
+UPDATE_CODECS = ("raw", "fp16", "bf16", "int8", "topk", "sign")
 TOPK_CHUNK_ELEMS = 4096
 TOPK_TENSORS = (("idx", "int16"), ("val", "int8"), ("scale", "float32"))
+SIGN_BYTES = TOPK_CHUNK_ELEMS // 8
+SIGN_TENSORS = (("bits", "uint8"), ("scale", "float32"))
 
 
 def _check_topk(tensors):
@@ -239,6 +244,18 @@ def _check_topk(tensors):
             or idx.shape[1] > TOPK_CHUNK_ELEMS:
         raise LocalProtocolError(f"topk shapes idx {idx.shape}, val {val.shape}, scale {scale.shape}: expected "
                                  f"(C, k), (C, k), (C,) with k <= {TOPK_CHUNK_ELEMS}", ErrorCode.BAD_TENSOR)
+
+
+def _check_sign(tensors):
+    """The structure of a ``sign`` update; the values (scales finite, the padding's bits 0) are the
+    decoder's to check, before it uses any of them."""
+    got = tuple((t.name, t.dtype) for t in tensors)
+    if got != SIGN_TENSORS or any(t.codec is not Codec.RAW for t in tensors):
+        raise LocalProtocolError(f"a sign update holds raw tensors {SIGN_TENSORS}, not {got}", ErrorCode.BAD_TENSOR)
+    bits, scale = tensors
+    if len(bits.shape) != 2 or bits.shape[1] != SIGN_BYTES or scale.shape != bits.shape[:1]:
+        raise LocalProtocolError(f"sign shapes bits {bits.shape}, scale {scale.shape}: expected (C, {SIGN_BYTES}), "
+                                 "(C,)", ErrorCode.BAD_TENSOR)
 
 
 def _check_meta(meta):
@@ -264,6 +281,8 @@ class BlockUpdate(Message):
         _check_tensors(self.tensors)
         if self.codec == "topk":
             _check_topk(self.tensors)
+        elif self.codec == "sign":
+            _check_sign(self.tensors)
         else:
             for t in self.tensors:  # one codec per update: the map's ``codec`` is every tensor's ``c``
                 if t.codec.value != self.codec:

@@ -69,19 +69,19 @@ def _part(idx, val, scale, n_chunks=1, k=2):
 ])
 def test_bad_indices_values_and_scales_from_a_peer_are_named(idx, val, scale, why):
     with pytest.raises(ValueError, match=why):
-        validate_part(_part(idx, val, scale), 100, Bounds(), sparse=True)
+        validate_part(_part(idx, val, scale), 100, Bounds(), compact="topk")
 
 
 def test_positions_in_the_last_chunks_padding_may_carry_zero_only():
-    got = validate_part(_part((1, 100), (2, 0), (0.5,)), 100, Bounds(), sparse=True)
+    got = validate_part(_part((1, 100), (2, 0), (0.5,)), 100, Bounds(), compact="topk")
     assert float(got[1]) == 1.0 and int((got != 0).sum()) == 1
 
 
 def test_wrong_counts_shapes_and_codecs_are_refused():
     with pytest.raises(ValueError, match="do not fit"):  # two chunks' worth for a part of one
-        validate_part(_part((1, 2, 1, 2), (1, 1, 1, 1), (0.5, 0.5), n_chunks=2), 100, Bounds(), sparse=True)
+        validate_part(_part((1, 2, 1, 2), (1, 1, 1, 1), (0.5, 0.5), n_chunks=2), 100, Bounds(), compact="topk")
     with pytest.raises(ValueError, match="dense round"):
-        validate_part(_part((1, 2), (1, 1), (0.5,)), 100, Bounds(), sparse=False)
+        validate_part(_part((1, 2), (1, 1), (0.5,)), 100, Bounds(), compact=None)
     with pytest.raises(LocalProtocolError, match="raw tensors"):  # the protocol's structural check
         BlockUpdate(block=0, round=1, codec="topk", tensors=(pack_tensor("part", "float32", (1,), bytes(4)),))
     with pytest.raises(LocalProtocolError, match="shapes"):

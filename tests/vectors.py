@@ -48,6 +48,10 @@ VALID = {
         pack_tensor("val", "int8", (1, 2), struct.pack("<2b", 127, -64)),
         pack_tensor("scale", "float32", (1,), struct.pack("<f", 0.5))),
         meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"}),
+    "block_update_sign": BlockUpdate(block=1, round=4, codec="sign", tensors=(  # a 3-element piece: +, -, +
+        pack_tensor("bits", "uint8", (1, 512), bytes([0b101]) + bytes(511)),
+        pack_tensor("scale", "float32", (1,), struct.pack("<f", 0.25))),
+        meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"}),
     "block_update_join": BlockUpdate(block=1, round=8, codec="raw",
                                      meta={"phase": "join", "step": 7, "digest": "0a1b2c3d", "scope": "relay"}),
     "block_update_admit": BlockUpdate(block=1, round=8, codec="raw",
@@ -196,6 +200,10 @@ INVALID_R4 = {  # name in PROTOCOL.md's Invalid frames -> the frame
     "topk update without its three tensors": raw_frame(0x20, _pk({"block": 0, "round": 1, "codec": "topk", "tensors": [
         {"n": "idx", "d": "int16", "s": [1, 1], "c": "raw", "g": 1 << 20, "L": [2], "z": [False]}], "meta": {}}),
         b"\x01\x00"),
+    "sign update with a chunk of 511 bytes": raw_frame(0x20, _pk({"block": 0, "round": 1, "codec": "sign", "tensors": [
+        {"n": "bits", "d": "uint8", "s": [1, 511], "c": "raw", "g": 1 << 20, "L": [511], "z": [False]},
+        {"n": "scale", "d": "float32", "s": [1], "c": "raw", "g": 1 << 20, "L": [4], "z": [False]}], "meta": {}}),
+        bytes(511) + b"\x00\x00\x80\x3e"),
 }
 
 

@@ -29,8 +29,8 @@ import torch
 
 from blocktrain.protocol import BlockUpdate, ProtocolError
 
-from ..tensors import decode_topk, from_wire
-from .codec import TOPK
+from ..tensors import decode_sign, decode_topk, from_wire
+from .codec import COMPACT, TOPK
 
 # Robust aggregation (rule 6). Honest per-step gradients of one block vary in norm by about 10x
 # between members' batches (seen at a block's first steps); 100x the median is outside anything
@@ -55,14 +55,19 @@ class Bounds:
 
 
 def validate_part(msg: BlockUpdate, numel: int, bounds: Bounds, out: torch.Tensor | None = None,
-                  sparse: bool = False) -> torch.Tensor:
-    """The part's tensor, or ValueError saying what is wrong with it. ``sparse``: the round's
-    codec is topk, and every part must be one (indices, values and scales checked first)."""
-    if sparse != (msg.codec == TOPK):
-        raise ValueError(f"a part of codec {msg.codec} in a {'topk' if sparse else 'dense'} round")
+                  compact: str | None = None) -> torch.Tensor:
+    """The part's tensor, or ValueError saying what is wrong with it. ``compact``: the round's
+    codec when it is topk or sign, and every part must be one (its indices, bits and scales checked
+    first); None: a dense round."""
+    if compact not in (None, *COMPACT):
+        raise ValueError(f"compact codec {compact!r}: expected one of {COMPACT}")
+    if (msg.codec in COMPACT or compact is not None) and msg.codec != compact:
+        raise ValueError(f"a part of codec {msg.codec} in a {compact or 'dense'} round")
     try:
-        if sparse:
+        if compact == TOPK:
             t = decode_topk(msg.tensors, numel, out)
+        elif compact is not None:
+            t = decode_sign(msg.tensors, numel, out)
         else:
             if len(msg.tensors) != 1 or msg.tensors[0].name != "part":
                 raise ValueError("expected one tensor named 'part'")

@@ -24,7 +24,9 @@ Rules (numbered as in the package's index, ``__init__.py``):
   the vector covered. Below ``min_coverage`` the result raises ``RoundFailed``: nothing applied.
 - Rule 6 (here): with ``aggregate="robust"`` and 3 or more members, every member sends its part
   of every piece to every member and computes every piece itself, by the robust aggregate of
-  robust.py (which holds the rule's full text); nobody's average is taken on trust.
+  robust.py (which holds the rule's full text); nobody's average is taken on trust. A ``sign``
+  round is gathered so too with any aggregate (with 2 members, or ``mean``, as a plain mean):
+  its parts are 32x smaller than a dense average, which no owner could send as compactly.
 - Rule 7 (here): a lossy round's part is encoded with error feedback (codec.py); an owner decodes
   its own average exactly as the others do, so every member ends the round with the same bytes.
 """
@@ -40,7 +42,7 @@ import torch
 from blocktrain.protocol import BlockUpdate, Codec, WireTensor
 
 from ..tensors import encode_topk, from_wire, to_wire, topk_count
-from .codec import TOPK, Wire, arena_views, encode_vector
+from .codec import COMPACT, SIGN, TOPK, Wire, arena_views, encode_vector
 from .robust import Bounds, centred_clip, norm_outliers, opposed_members, validate_part
 
 # Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
@@ -122,16 +124,20 @@ class AveragingRound:
         fresh memory; fresh tensors if None (and for pieces that move to us mid-round).
         ``scratch``: a lossy codec's buffers (``lossy_scratch``), lent the same way; ``residual``
         may be its "residual". ``density``: the fraction of each chunk a topk round sends."""
+        if codec not in COMPACT:
+            codec = Codec(codec)
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {AGGREGATES}")
         self.me, self.block, self.round = me, block, rnd
         self.ids = sorted(set(members) | {me})
+        self.compact = codec if codec in COMPACT else None  # topk or sign: parts of several raw tensors
         self.sparse = codec == TOPK
         self.k = topk_count(density) if self.sparse else 0
-        self.codec = Codec.RAW if self.sparse else Codec(codec)  # topk's tensors are raw
-        self.update_codec = TOPK if self.sparse else self.codec.value
+        self.codec = Codec.RAW if self.compact else Codec(codec)  # a compact codec's tensors are raw
+        self.update_codec = self.compact or self.codec.value
         self.bounds, self.min_coverage = bounds, min_coverage
         self.robust = aggregate == "robust" and len(self.ids) >= 3
+        self.everyone = self.robust or codec == SIGN  # every member computes every piece (rule 6)
         self.suspects: dict[str, float] = {}  # robust: member -> its largest distance, in median distances
         self._agree: dict = {}  # robust: member -> [x . median, |x|^2] over the pieces; None -> |median|^2
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
@@ -159,7 +165,7 @@ class AveragingRound:
         self._slot: dict[int, tuple[int, int]] = {}  # piece -> its place in each member's arena slot
         at = 0
         for j, (a, b) in enumerate(self.spans()):
-            if self.robust or self.ids[j % R] == self.me:
+            if self.everyone or self.ids[j % R] == self.me:
                 self._slot[j] = (at, at + b - a)
                 at += b - a
         self._arena = arena_views(arena, [p for p in self.ids if p != self.me], at)
@@ -202,8 +208,8 @@ class AveragingRound:
             if isinstance(d, str) and d != self.me and d != pid and d in self.live():
                 self.departed[d] = f"departed at {pid[:12]}"
         a, b = self.bounds_[j], self.bounds_[j + 1]
-        if self.robust and phase != "reduce":
-            return self._reject(pid, "sent an average in a robust round (nobody's average is taken on trust)")
+        if self.everyone and phase != "reduce":
+            return self._reject(pid, "sent an average in a round where every member computes every piece")
         wanted = phase == "gather" and j not in self.gathered and pid == self.owner(j)
         into = None  # the awaited average goes straight into the result (refilled at the end if rejected)
         if wanted:
@@ -211,7 +217,7 @@ class AveragingRound:
         elif phase == "reduce" and self._arena is not None and pid not in self._received[j] and j in self._slot:
             into = self._arena[pid][slice(*self._slot[j])]  # this member's place for the piece in the arena
         try:
-            t = validate_part(msg, b - a, self.bounds, into, self.sparse)
+            t = validate_part(msg, b - a, self.bounds, into, self.compact)
         except ValueError as e:
             return self._reject(pid, str(e))
         if phase == "reduce":
@@ -244,8 +250,8 @@ class AveragingRound:
     def _own(self, j: int) -> torch.Tensor:
         """Our part of piece j as the others decode it."""
         a, b = self.bounds_[j], self.bounds_[j + 1]
-        if self.sparse:
-            assert self.sent is not None, "a topk round keeps what the others decode"
+        if self.compact:
+            assert self.sent is not None, "a topk or sign round keeps what the others decode"
             return self.sent[a:b]
         w = self.wires[j]
         assert isinstance(w, WireTensor), "a dense round's part is one tensor"
@@ -258,7 +264,7 @@ class AveragingRound:
                            meta={"phase": phase, "part": j, "group": self.group, **meta})
 
     def _progress(self, final: bool) -> list[Part]:
-        if self.robust:
+        if self.everyone:
             return self._progress_robust(final)
         out: list[Part] = []
         live = set(self.live())
@@ -303,7 +309,8 @@ class AveragingRound:
         return [Part(p, msg, _stored(w)) for p in sorted(live - {self.me})]
 
     def _progress_robust(self, final: bool) -> list[Part]:
-        """Rule 6: our part of every piece to every live member; every piece computed here."""
+        """Rule 6: our part of every piece to every live member; every piece computed here (robust:
+        by the robust aggregate; a sign round of 2 members or ``mean``: the plain mean)."""
         out: list[Part] = []
         spans = self.spans()
         for j, (a, b) in enumerate(spans):
@@ -339,13 +346,13 @@ class AveragingRound:
     def _robust_piece(self, j: int, got: dict) -> None:
         a, b = self.bounds_[j], self.bounds_[j + 1]
         ids = sorted(got)
-        if len(ids) >= 3:
+        if self.robust and len(ids) >= 3:
             for p, why in norm_outliers(got, self.me):
                 self._reject(p, why)
             ids = [p for p in ids if p in self.live()]
         avg = self.out[a:b]
-        avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree) if len(ids) >= 3
-                  else torch.stack([got[p] for p in ids]).mean(0))
+        avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree)
+                  if self.robust and len(ids) >= 3 else torch.stack([got[p] for p in ids]).mean(0))
         self.gathered[j] = ids
 
     def result(self) -> tuple[torch.Tensor, RoundReport]:
@@ -355,12 +362,12 @@ class AveragingRound:
         for j, (a, b) in enumerate(self.spans()):
             got = self.gathered.get(j)
             ok = got is not None and set(got) >= live
-            if got is None or (not self.robust and any(r["peer"] == self.owner(j) for r in self.rejected)):
+            if got is None or (not self.everyone and any(r["peer"] == self.owner(j) for r in self.rejected)):
                 self.out[a:b] = self.vector[a:b]  # a piece that never came back keeps our values
                 ok = False
             if ok:
                 covered += b - a
-            parts.append({"owner": "everyone" if self.robust else self.owner(j), "contributors": got or [], "ok": ok})
+            parts.append({"owner": "everyone" if self.everyone else self.owner(j), "contributors": got or [], "ok": ok})
         rep = RoundReport(self.round, self.ids, covered / self.n if self.n else 1.0, parts, list(self.rejected),
                           departed=sorted(self.departed),
                           why={**self.departed, **{r["peer"]: r["reason"] for r in self.rejected}},
@@ -381,6 +388,6 @@ class AveragingRound:
         live = set(self.live())
         out = set()
         for j in range(self.P):
-            if self.robust or self.owner(j) == self.me:
+            if self.everyone or self.owner(j) == self.me:
                 out |= live - set(self._received[j]) - {self.me}
         return out

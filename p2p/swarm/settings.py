@@ -24,7 +24,7 @@ class SwarmConfig:
     schedule: str = "relay"  # relay | parallel (schedule.py's rules)
     sync: str = "grads"  # grads: average gradients every step; params: DiLoCo every `every` steps
     every: int = 0  # local steps per round; 0 = the sync's default (grads 1, params 25)
-    codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8, topk (lossy ones with error feedback)
+    codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8, topk, sign (lossy ones with error feedback)
     density: float = 0.01  # topk: the fraction of each chunk of 4096 values sent per round
     aggregate: str = "robust"  # robust: every member computes every piece, centred clipping (averaging/robust.py, rule 6);
     #                           mean: reduce-scatter, each piece's owner trusted (fewer bytes with many members)
