@@ -117,10 +117,11 @@ def test_sparse_rounds_end_with_the_same_bytes_everywhere_and_send_few(ids):
     assert sent < dense / 50
 
 
-async def test_a_sparse_params_swarm_ends_in_step_with_every_block_identical(tmp_path):
-    """The low-communication mode in the swarm (sync params, topk parts, the relay schedule):
-    three peers end with byte-identical blocks, and their rounds sent a small fraction of what
-    dense rounds of the same vectors would."""
+@pytest.mark.parametrize("codec,every", [("topk", 2), ("sign", 1)])
+async def test_a_compact_params_swarm_ends_in_step_with_every_block_identical(tmp_path, codec, every):
+    """The low-communication modes in the swarm (sync params, topk parts every 2 steps or sign
+    parts every step, the relay schedule): three peers end with byte-identical blocks, and their
+    rounds sent a small fraction of what dense rounds of the same vectors would."""
     import asyncio
 
     from blocktrain.blocks.data import as_tensor, read_split
@@ -133,8 +134,8 @@ async def test_a_sparse_params_swarm_ends_in_step_with_every_block_identical(tmp
     fast = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.2, dead_after_s=30, close_s=1)
     mc = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64)
     tc = TrainConfig(steps=8, batch_size=4, seq_len=32, warmup=2)
-    sc = SwarmConfig(round_timeout_s=20, join_timeout_s=3, eval_windows=2, min_group=3, sync="params", every=2,
-                     codec="topk", density=0.02)
+    sc = SwarmConfig(round_timeout_s=20, join_timeout_s=3, eval_windows=2, min_group=3, sync="params", every=every,
+                     codec=codec, density=0.02, outer_lr=1.7 if codec == "sign" else 1.0)
     data = as_tensor(read_split("valid"))
     peers = await mesh(3, fast, blocks=[(0,), (1,), (2,)])
     try:
@@ -144,9 +145,9 @@ async def test_a_sparse_params_swarm_ends_in_step_with_every_block_identical(tmp
         for j in range(3):
             for other in finals[1:]:
                 assert all(torch.equal(finals[0][j][n], other[j][n]) for n in finals[0][j])
-        assert all(r["state"] == "done" and r["rounds_applied"] == 3 * 8 // 2 for r in reps)
+        assert all(r["state"] == "done" and r["rounds_applied"] == 3 * 8 // every for r in reps)
         floats = sum(sum(p.numel() for p in Block(mc, j).parameters()) for j in range(3))
-        dense = 2 * 4 * floats * 8 // 2  # every round, each member's whole vector to the two others
+        dense = 2 * 4 * floats * 8 // every  # every round, each member's whole vector to the two others
         sent = peers[0].traffic_totals()["sent"]["wire_bytes"]
         assert sent < dense / 5  # parts, control and heartbeats together
     finally:
