@@ -20,7 +20,7 @@ framing):
   from the last step); 1-D parameters as bf16 with error feedback.
 
 usage: python experiments/lowcomm/compress_screen.py COMPRESSOR [--target grads|delta] [--rank R]
-           [--density D] [--outer-lr A] [--every H] [--workers W] [--steps S] [--seed N]
+           [--density D] [--outer-lr A] [--every H] [--resign] [--workers W] [--steps S] [--seed N]
 Prints one JSON line: settings, code version, command, valid and test CE of block 0's head (2,000
 test windows), bytes per worker, ratio to float32 every step, seconds.
 """
@@ -117,6 +117,9 @@ def main():
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--every", type=int, default=1, help="delta: local steps per round")
+    ap.add_argument("--resign", action="store_true",
+                    help="sign: the mean is sign-encoded again (no error feedback), as an owner that "
+                         "gathers it would send it: bytes per member then (W-1)/W x (2 reduce + 1 gather) parts")
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
@@ -153,7 +156,11 @@ def main():
             dec, nbytes = comp(xs)
             err = [x - d for x, d in zip(xs, dec)]
         avg = sum(dec) / W
-        sent += (W - 1) * nbytes
+        if a.resign:
+            avg = comp([avg])[0][0]
+            sent += 3 * (W - 1) / W * nbytes
+        else:
+            sent += (W - 1) * nbytes
         if a.target == "grads":
             for t in trs:
                 t.apply_grads(avg)
