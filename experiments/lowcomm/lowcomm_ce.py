@@ -5,13 +5,17 @@ what travels), its messages handed from one member to another in this process in
 sockets. Every variant starts from the same weights and sees the same batches.
 
 usage: python experiments/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
-           [--codec raw|topk] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
+           [--codec raw|topk|sign] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
+           [--attack none|flip|scale8]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
 each chunk with error feedback: SparseLoCo-like; --overlap: each round is applied one phase late,
 the next phase starting from the last averaged point minus the worker's own phase, so a round's
 time on the wire hides behind the next phase's compute), alone (one worker, no rounds).
+--attack: the last worker is malicious: every round it sends its vector negated or x8 (its own
+parameters follow the group); the JSON's ``named_rounds`` counts the rounds whose report (seen by
+the first worker) named each member: rejected, a suspect, or opposed to the median.
 Prints one JSON line: the settings, test and valid CE of block 0's head (the whole validation
 split in 128-byte windows, 2,000 test windows), bytes each worker sent in parts, seconds.
 """
@@ -29,8 +33,10 @@ from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain
 from blocktrain.p2p.averaging import AveragingRound, OuterOptimizer, flatten
 
 
-def average(ids, vectors, rnd, codec, density, residuals):
-    """One robust round among the members; their results, residuals, and the bytes each sent."""
+def average(ids, vectors, rnd, codec, density, residuals, named=None):
+    """One robust round among the members; their results, residuals, and the bytes each sent.
+    ``named`` (member -> rounds): counts the rounds in which the first member's report named each
+    other member (rejected, a suspect, or opposed to the median)."""
     rounds = [AveragingRound(me, 0, rnd, ids, v, codec=codec, residual=res, aggregate="robust", density=density)
               for me, v, res in zip(ids, vectors, residuals)]
     by_id = dict(zip(ids, rounds))
@@ -41,6 +47,10 @@ def average(ids, vectors, rnd, codec, density, residuals):
         sent[sender] += part.stored_bytes
         queue += [(part.peer, p) for p in by_id[part.peer].receive(sender, part.msg)]
     outs = [r.result()[0] for r in rounds]
+    if named is not None:
+        rep = rounds[0].result()[1]
+        for p in {r["peer"] for r in rep.rejected} | set(rep.suspects) | set(rep.opposed):
+            named[p] = named.get(p, 0) + 1
     assert all(torch.equal(outs[0], o) for o in outs), "the members ended the round with different bytes"
     return outs[0], [None if r.residual is None else r.residual.clone() for r in rounds], sent
 
@@ -65,6 +75,8 @@ def main():
     ap.add_argument("--outer-momentum", type=float, default=0.0)
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attack", choices=["none", "flip", "scale8"], default="none",
+                    help="the last worker sends its vector negated (flip) or x8 (scale8) every round")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
@@ -77,6 +89,12 @@ def main():
         t.block.load_state_dict(trs[0].block.state_dict())
     ids = [chr(ord("a") + i) * 64 for i in range(W)]
     residuals = [None] * W
+    named: dict = {}
+
+    def attacked(vs):
+        if a.attack == "none":
+            return vs
+        return vs[:-1] + [vs[-1] * (-1.0 if a.attack == "flip" else 8.0)]
     outer = OuterOptimizer(a.outer_lr, a.outer_momentum, a.outer_momentum > 0)
     sent = dict.fromkeys(ids, 0)
     t0 = time.perf_counter()
@@ -88,7 +106,8 @@ def main():
             for t in trs:
                 t.compute_grads()
             rnd += 1
-            avg, residuals, got = average(ids, [t.grads() for t in trs], rnd, a.codec, a.density, residuals)
+            avg, residuals, got = average(ids, attacked([t.grads() for t in trs]), rnd, a.codec, a.density, residuals,
+                                         named)
             for t in trs:
                 t.apply_grads(avg)
         else:
@@ -102,7 +121,7 @@ def main():
                 deltas = [ps - flatten(list(t.block.parameters())) for ps, t in zip(phase_start, trs)]
                 if pending is not None:
                     start = outer.step(start, pending)
-                pending, residuals, got = average(ids, deltas, rnd, a.codec, a.density, residuals)
+                pending, residuals, got = average(ids, attacked(deltas), rnd, a.codec, a.density, residuals, named)
                 if s + 1 == a.steps or rnd == 1:  # the swarm waits for a group's first round and its last
                     start, pending = outer.step(start, pending), None
                     phase_start = [start] * W
@@ -113,7 +132,7 @@ def main():
             elif a.mode == "params" and ((s + 1) % a.every == 0 or s + 1 == a.steps):
                 rnd += 1
                 deltas = [start - flatten(list(t.block.parameters())) for t in trs]
-                avg, residuals, got = average(ids, deltas, rnd, a.codec, a.density, residuals)
+                avg, residuals, got = average(ids, attacked(deltas), rnd, a.codec, a.density, residuals, named)
                 start = outer.step(start, avg)
                 for t in trs:
                     set_params(t.block, start)
@@ -129,6 +148,7 @@ def main():
                       "command": "python experiments/lowcomm/lowcomm_ce.py " + " ".join(sys.argv[1:]), "valid_ce": eval_chain([block], valid, 128)[-1],
                       "test_ce": eval_chain([block], test, 128, 2000)[-1],
                       "bytes_sent_per_worker": sum(sent.values()) / W, "rounds": rnd,
+                      "named_rounds": {p[:1]: k for p, k in sorted(named.items())},
                       "seconds": round(time.perf_counter() - t0, 1)}))
 
 

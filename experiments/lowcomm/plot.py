@@ -11,12 +11,22 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[2] / "results" / "lowcomm"  # the runs and the plot live there
 
 
+def _codec(r: dict) -> str:
+    return {"topk": f", topk {r['density']:g}", "sign": ", sign (1 bit)"}.get(r["codec"], "")
+
+
 def label(r: dict) -> str:
+    if "compressor" in r:  # compress_screen.py: a compressor of gradients or of parameter changes
+        what = "gradients" if r["target"] == "grads" else "params"
+        c = {"topk": f"topk {r['density']:g}", "powersgd": f"PowerSGD rank {r['rank']}"}.get(r["compressor"],
+                                                                                         r["compressor"])
+        s = f"{what} every {r.get('every', 1)}, {c}" + (", mean re-signed" if r.get("resign") else "")
+        return s + (f", outer lr {r['outer_lr']:g}" if r["target"] == "delta" else "")
     if r["mode"] == "grads":
-        return "gradients every step" + (f", topk {r['density']:g}" if r["codec"] == "topk" else "")
+        return "gradients every step" + _codec(r)
     if r["mode"] == "alone":
         return "one worker alone"
-    s = f"params every {r['every']}" + (f", topk {r['density']:g}" if r["codec"] == "topk" else "")
+    s = f"params every {r['every']}" + _codec(r)
     if r.get("outer_lr", 1.0) != 1.0:
         s += f", outer lr {r['outer_lr']:g}"
     return s + (", overlapped" if r.get("overlap") else "")
