@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktrain.p2p.averaging import AveragingRound, Bounds, validate_part
+from blocktrain.p2p.averaging import AveragingRound, Bounds, Part, validate_part
 from blocktrain.p2p.tensors import decode_sign, encode_sign
 from blocktrain.protocol import SIGN_BYTES, TOPK_CHUNK_ELEMS, BlockUpdate, LocalProtocolError, pack_tensor
 
@@ -121,3 +121,29 @@ def test_a_gather_in_a_sign_round_rejects_its_sender():
                          meta={**part.msg.meta, "phase": "gather", "contributors": ids})
     rs["a"].receive("b", forged)
     assert [r["peer"] for r in rs["a"].rejected] == ["b"]
+
+
+@pytest.mark.parametrize("forge", ["nan scale", "padding bit", "raw part"])
+def test_a_bad_sign_part_rejects_its_sender_and_the_others_finish(forge):
+    """In a round of 3, member c's part is malformed: the honest members reject c (naming why) and
+    end with the same bytes, the mean of their own two parts."""
+    ids = ["a", "b", "c"]
+    torch.manual_seed(3)
+    n = 3 * 100  # three pieces of 100
+    rs = {p: AveragingRound(p, 0, 1, ids, torch.randn(n), codec="sign", aggregate="robust") for p in ids}
+    bad = {"nan scale": _part(bytes(SIGN_BYTES), (float("nan"),)),
+           "padding bit": _part(bytes(SIGN_BYTES - 1) + bytes([1]), (0.5,)),
+           "raw part": BlockUpdate(block=0, round=1, codec="raw", tensors=(
+               pack_tensor("part", "float32", (100,), bytes(400)),))}[forge]
+    queue = [(p, part) for p in ("a", "b") for part in rs[p].start()]
+    for j in range(3):  # c's part of every piece, to a and b
+        m = BlockUpdate(block=0, round=1, codec=bad.codec, tensors=bad.tensors,
+                        meta={"phase": "reduce", "part": j, "group": rs["a"].group})
+        queue += [("c", Part(p, m, 0)) for p in ("a", "b")]
+    while queue:
+        src, part = queue.pop(0)
+        if part.peer != "c":
+            queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+    (ra, rep_a), (rb, _) = rs["a"].result(), rs["b"].result()
+    assert torch.equal(ra, rb) and [r["peer"] for r in rep_a.rejected] == ["c"]
+    assert torch.allclose(ra, (rs["a"].sent + rs["b"].sent) / 2)

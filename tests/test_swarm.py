@@ -202,12 +202,15 @@ async def _two_then_a_joiner(sps, applied: int):
     return await asyncio.gather(*first), joiner
 
 
-async def test_a_joiner_under_overlapped_rounds_takes_the_groups_point_and_ends_identical(tmp_path):
+@pytest.mark.parametrize("mode", [{"every": 2}, {"every": 1, "codec": "sign", "outer_lr": 1.7}],
+                         ids=["every-2-raw", "every-1-sign"])
+async def test_a_joiner_under_overlapped_rounds_takes_the_groups_point_and_ends_identical(tmp_path, mode):
     """A round at whose end joiners take the group's state is waited for (every member at the
-    group's point), so the joiner and the members end byte-identical."""
+    group's point), so the joiner and the members end byte-identical; also in the low-communication
+    mode (sign parts every step, whose members keep error feedback the joiner starts without)."""
     peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
     tc = TrainConfig(**{**TC.to_dict(), "steps": 30})
-    sc = SwarmConfig(**{**SC.__dict__, "min_group": 2, "sync": "params", "every": 2, "overlap": True})
+    sc = SwarmConfig(**{**SC.__dict__, "min_group": 2, "sync": "params", "overlap": True, **mode})
     try:
         sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, sc, tc)]
         reps, joiner = await _two_then_a_joiner(sps, 4)
