@@ -20,7 +20,7 @@ framing):
   from the last step); 1-D parameters as bf16 with error feedback.
 
 usage: python experiments/lowcomm/compress_screen.py COMPRESSOR [--target grads|delta] [--rank R]
-           [--density D] [--outer-lr A] [--every H] [--resign] [--workers W] [--steps S] [--seed N]
+           [--density D] [--outer-lr A] [--every H] [--resign] [--fragments F] [--workers W] [--steps S] [--seed N]
 Prints one JSON line: settings, code version, command, valid and test CE of block 0's head (2,000
 test windows), bytes per worker, ratio to float32 every step, seconds.
 """
@@ -46,19 +46,27 @@ def bf16(x):
 
 
 class Sign:
-    def __init__(self, shapes):
-        self.n = sum(s.numel() for s in shapes)
+    """fragments F: each step only the chunks c with c % F == step % F are sent (the others stay in
+    the error feedback until their turn: every coordinate is sent every F steps, Streaming
+    DiLoCo's fragments, here with every worker kept at the shared point)."""
+
+    def __init__(self, shapes, fragments=1):
+        self.n, self.F, self.step = sum(s.numel() for s in shapes), fragments, 0
 
     def __call__(self, xs):
         out = []
+        C = -(-self.n // CHUNK)
+        turn = torch.arange(C) % self.F == self.step % self.F
         for x in xs:
             c = x.view(-1)
-            pad = torch.zeros(-(-c.numel() // CHUNK) * CHUNK)
+            pad = torch.zeros(C * CHUNK)
             pad[:c.numel()] = c
             rows = pad.view(-1, CHUNK)
-            scale = rows.abs().mean(dim=1, keepdim=True)
+            scale = rows.abs().mean(dim=1, keepdim=True) * turn[:, None]
             out.append((torch.sign(rows) * scale).view(-1)[:c.numel()])
-        return out, -(-self.n // 8) + 4 * -(-self.n // CHUNK)
+        self.step += 1
+        sent = int(turn.sum())
+        return out, sent * (CHUNK // 8 + 4)
 
 
 class TopK:
@@ -117,6 +125,7 @@ def main():
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--every", type=int, default=1, help="delta: local steps per round")
+    ap.add_argument("--fragments", type=int, default=1, help="sign: a 1/F of the chunks per round, in turn")
     ap.add_argument("--resign", action="store_true",
                     help="sign: the mean is sign-encoded again (no error feedback), as an owner that "
                          "gathers it would send it: bytes per member then (W-1)/W x (2 reduce + 1 gather) parts")
@@ -133,7 +142,7 @@ def main():
         t.block.load_state_dict(trs[0].block.state_dict())
     shapes = [p.shape for p in trs[0].block.parameters()]
     n = sum(s.numel() for s in shapes)
-    comp = {"none": lambda: None, "sign": lambda: Sign(shapes), "topk": lambda: TopK(shapes, a.density),
+    comp = {"none": lambda: None, "sign": lambda: Sign(shapes, a.fragments), "topk": lambda: TopK(shapes, a.density),
             "powersgd": lambda: PowerSGD(shapes, a.rank, a.seed)}[a.compressor]()
     err = [torch.zeros(n) for _ in range(W)]
     sent, t0 = 0, time.perf_counter()
