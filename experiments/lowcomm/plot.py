@@ -1,5 +1,7 @@
 """Test CE of block 0's head against the bytes each worker sent, for every mode in
-results/lowcomm/*.jsonl (one point per run; runs on uncommitted code are left out).
+results/lowcomm/*.jsonl (one point per run; runs on uncommitted code are left out; [screen]:
+compress_screen.py, a plain mean and bytes counted; the others the swarm's robust round, bytes
+sent), with the target: within 0.02 of gradients every step (green), 100x fewer bytes (dashed).
 
 usage: python experiments/lowcomm/plot.py [--out results/lowcomm/ce_vs_gb.png]
 """
@@ -20,7 +22,8 @@ def label(r: dict) -> str:
         what = "gradients" if r["target"] == "grads" else "params"
         c = {"topk": f"topk {r['density']:g}", "powersgd": f"PowerSGD rank {r['rank']}"}.get(r["compressor"],
                                                                                          r["compressor"])
-        s = f"{what} every {r.get('every', 1)}, {c}" + (", mean re-signed" if r.get("resign") else "")
+        s = f"[screen] {what} every {r.get('every', 1)}, {c}" + (", mean re-signed" if r.get("resign") else "")
+        s += f", {r['fragments']} fragments" if r.get("fragments", 1) > 1 else ""
         return s + (f", outer lr {r['outer_lr']:g}" if r["target"] == "delta" else "")
     if r["mode"] == "grads":
         return "gradients every step" + _codec(r)
@@ -49,6 +52,12 @@ def main():
             gb = max(r["bytes_sent_per_worker"], 1e5) / 1e9  # one worker alone sends nothing: drawn at 100 kB
             ax.scatter(gb, r["test_ce"])
             ax.annotate(label(r), (gb, r["test_ce"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+        base = [r for r in sel if r.get("mode") == "grads" and r.get("codec", "raw") == "raw"]
+        if base:  # the target: within 0.02 of gradients every step, at 100x fewer bytes
+            ce, gb = base[0]["test_ce"], base[0]["bytes_sent_per_worker"] / 1e9
+            ax.axhspan(ce - 0.02, ce + 0.02, color="green", alpha=0.12, label="within 0.02 of gradients every step")
+            ax.axvline(gb / 100, color="gray", ls="--", lw=1, label="100x fewer bytes")
+            ax.legend(loc="lower left", fontsize=7)
         ax.set_xscale("log")
         ax.set_xlabel("GB sent per worker (log)")
         ax.set_ylabel("test CE of block 0's head (nats/byte)")
