@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -289,7 +290,8 @@ def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, 
     except (ConfigError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--set/--workers/--seeds/--compare")
     try:
-        result = bench.execute(save=(lambda r: _write_json(json_path, r)) if json_path else None, bar=progress_bar,
+        result = bench.execute(save=(lambda r: _write_json(json_path, r)) if json_path else None,
+                               bar=functools.partial(progress_bar, threads=0),  # the work runs in bt-peer processes
                                log=lambda s: click.echo(s, err=True))
     except bench_swarm.BenchError as e:
         raise click.ClickException(str(e))
@@ -446,7 +448,7 @@ def train(json_path, steps, d_model, n_head, variants, jobs, results_dir, test_w
     out = Path(results_dir)
     from blocktrain.blocks.progress import bar as progress_bar
 
-    with progress_bar("bt-bench train", len(vs), unit="variant") as pbar:
+    with progress_bar("bt-bench train", len(vs), unit="variant", threads=0) as pbar:  # variants run in child processes
         def progress(done, total, running):
             pbar.update(done - pbar.n)
             pbar.set_postfix_str(", ".join(f"{name} {at} steps" for name, at in running.items()))

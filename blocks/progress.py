@@ -9,6 +9,7 @@ Rules:
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -17,7 +18,9 @@ class LineProgress:
     """Progress for logs: a plain line every ``every_s`` seconds, and one at the end. Each line
     gives the average rate and, apart from it, the rate since the last line (the time left comes
     from that one: a job slowed by other work would otherwise look hung), and says when this
-    process got less than half the CPU it asks for (``threads`` cores): the machine is busy."""
+    process got less than half the CPU it asks for (``threads`` cores): the machine is busy. A job
+    whose work runs in other processes (``threads=0``) says so when the load average is above the
+    machine's cores instead."""
 
     def __init__(self, desc: str, total: int | None, unit: str = "step", every_s: float = 30.0, stream=None,
                  threads: int | None = None):
@@ -37,8 +40,12 @@ class LineProgress:
         of = f"/{self.total}" if self.total else ""
         eta = (f", {((self.total - self.n) / recent):.0f} s left" if self.total and recent > 0 and not done else "")
         now_rate = f", now {recent:.2f}" if not done and abs(recent - rate) > 0.05 * max(rate, 1e-9) else ""
-        busy = (f"; machine busy: this process got {cpu:.0%} of a core, asks for {self.threads}"
-                if cpu is not None and not done and cpu < 0.5 * self.threads else "")
+        busy = ""
+        if self.threads == 0 and not done and window > 1.0:  # the work is in other processes
+            load, cores = os.getloadavg()[0], os.cpu_count() or 1
+            busy = f"; machine busy: load {load:.1f} on {cores} cores" if load > cores else ""
+        elif cpu is not None and not done and cpu < 0.5 * self.threads:
+            busy = f"; machine busy: this process got {cpu:.0%} of a core, asks for {self.threads}"
         return (f"{self.desc}: {'done, ' if done else ''}{self.n}{of} {self.unit}s in {dt:.0f} s "
                 f"({rate:.2f} {self.unit}/s{now_rate}{eta}{busy}){' ' + self.postfix if self.postfix else ''}")
 
@@ -63,10 +70,11 @@ def _threads() -> int:
     return torch.get_num_threads() if torch is not None else 1
 
 
-def bar(desc: str, total: int | None, unit: str = "step"):
-    """A progress display for ``total`` units (None: unknown): tqdm on a terminal, lines otherwise."""
+def bar(desc: str, total: int | None, unit: str = "step", threads: int | None = None):
+    """A progress display for ``total`` units (None: unknown): tqdm on a terminal, lines otherwise
+    (``threads``: as LineProgress; 0 for a job whose work runs in other processes)."""
     if not sys.stderr.isatty():
-        return LineProgress(desc, total, unit)
+        return LineProgress(desc, total, unit, threads=threads)
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, smoothing=0.1)

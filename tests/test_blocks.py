@@ -337,7 +337,7 @@ def test_killed_worker_resumes_from_its_checkpoint(tmp_path):
     assert final.step == steps and final.extra["final"]
 
 
-def test_progress_lines_give_the_total_rate_and_time_left_and_bench_train_reads_its_variants(tmp_path):
+def test_progress_lines_give_the_total_rate_and_time_left_and_bench_train_reads_its_variants(tmp_path, monkeypatch):
     """Not on a terminal, a long job prints plain lines: done/total, the rate, the time left, and
     a final line; bt-bench train reads each running variant's steps from its log."""
     import io
@@ -359,6 +359,14 @@ def test_progress_lines_give_the_total_rate_and_time_left_and_bench_train_reads_
         p.n, p.last_n = 60, 50  # 50 steps in the first 8 s, 10 in the last 2: 5/s now
         line = p._line()
     assert "(6.00 step/s, now 5.00, 8 s left; machine busy: this process got" in line and "asks for 2" in line
+    import os  # a job whose work runs in other processes (bt-bench swarm) judges by the load average
+    for load, busy in ((9.0, True), (0.5, False)):
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        with LineProgress("orchestrator", 100, every_s=1e9, stream=io.StringIO(), threads=0) as p:
+            p.last -= 2.0
+            line = p._line()
+        assert "of a core" not in line and ("machine busy: load 9.0 on 2 cores" in line) == busy
     log = tmp_path / "relay.log"
     log.write_text("relay 50/3000 {}\nsome warning\nrelay 100/3000 {0: 2.1}\nanother line\n")
     assert _log_progress(log) == "100/3000"
