@@ -295,8 +295,15 @@ def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, 
                                log=lambda s: click.echo(s, err=True))
     except bench_swarm.BenchError as e:
         raise click.ClickException(str(e))
+    if "sync" in bench.compare:  # test CE against GB sent, for every run
+        result["plot"] = str(Path(out) / "ce_vs_gb.png")
+        bench_swarm.plot_ce_vs_gb(result, Path(result["plot"]))
+        if json_path:
+            _write_json(json_path, result)
     for line in _swarm_table(result, bench.K):
         click.echo(line)
+    if "plot" in result:
+        click.echo(f"wrote {result['plot']}")
     if json_path:
         click.echo(f"wrote {json_path}")
 

@@ -278,6 +278,30 @@ def compare_sync(summary: dict, mode: dict) -> dict:
     return out
 
 
+def plot_ce_vs_gb(result: dict, path: Path) -> None:
+    """A PNG of every run's top-head test CE against the bytes each of its workers sent (log
+    scale), one point per run, labelled with its comparison, averaging mode and seed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in result["runs"]:
+        gb, ce = r.get("bytes_sent_per_worker", r["bytes_per_worker"]) / 1e9, r["head_test_ce"][-1]
+        sync = r.get("sync", "grads")
+        mode = sync + (f" every {r.get('steps_per_round')}" if sync == "params" else "") + f", {r.get('codec', 'raw')}"
+        ax.scatter(gb, ce)
+        ax.annotate(f"{r.get('comparison', '')} ({mode}), {r['workers']} workers, seed {r['seed']}", (gb, ce),
+                    fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("GB sent per worker (log)")
+    ax.set_ylabel("top head's test CE (nats/byte)")
+    ax.set_title(f"bt-bench swarm, {result['steps']} steps per block")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 class BenchError(Exception):
     """A run of the bench failed (its name first); the runs before it are in the last ``save``."""
 

@@ -649,5 +649,7 @@ def test_bench_swarm_compare_sync_runs_every_step_beside_the_mode_and_states_the
     assert got_swarm == [{}, mode, {}, mode]  # every-step: the defaults
     c = res["sync_comparison"]["3"]
     assert c["bytes_ratio"] == pytest.approx(200) and c["ce_gap"] == pytest.approx(0.05) and c["mode"] == mode
+    bench_swarm.plot_ce_vs_gb(res, tmp_path / "ce_vs_gb.png")  # the PNG the CLI writes beside the JSON
+    assert (tmp_path / "ce_vs_gb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="choose one"):
         bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["sync"])
