@@ -43,7 +43,7 @@ class LineProgress:
         busy = ""
         if self.threads == 0 and not done and window > 1.0:  # the work is in other processes
             load, cores = os.getloadavg()[0], os.cpu_count() or 1
-            busy = f"; machine busy: load {load:.1f} on {cores} cores" if load > cores else ""
+            busy = f"; machine busy: load {load:.1f} on {cores} cores, this job's processes included" if load > cores else ""
         elif cpu is not None and not done and cpu < 0.5 * self.threads:
             busy = f"; machine busy: this process got {cpu:.0%} of a core, asks for {self.threads}"
         return (f"{self.desc}: {'done, ' if done else ''}{self.n}{of} {self.unit}s in {dt:.0f} s "

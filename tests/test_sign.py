@@ -6,7 +6,7 @@ import struct
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from blocktrain.p2p.averaging import AveragingRound, Bounds, Part, validate_part
@@ -18,10 +18,13 @@ C = TOPK_CHUNK_ELEMS
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 3 * C + 5), st.integers(0, 2**31))
+@example(C, 0)  # whole chunks: no padding
+@example(C + 1, 0)  # a last chunk of one element
 def test_round_trip_keeps_each_sign_and_each_chunks_mean_magnitude(n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g)
-    x[::7] = 0.0  # a zero decodes as +scale
+    x[::7] = 0.0  # a zero decodes as +scale, -0.0 too
+    x[3::7] = -0.0
     dec = torch.empty(n)
     wires = encode_sign(x, dec)
     got = decode_sign(BlockUpdate(block=0, round=1, codec="sign", tensors=wires).tensors, n)
@@ -59,6 +62,7 @@ def _part(bits: bytes, scales, n_chunks=1, width=SIGN_BYTES):
     (bytes(SIGN_BYTES), (-0.5,), 1, "scale"),
     (bytes(SIGN_BYTES), (float("inf"),), 1, "scale"),
     (bytes(12) + bytes([0x10]) + bytes(SIGN_BYTES - 13), (0.5,), 1, "padding"),  # bit 100 of a 100-element part
+    (bytes(12) + bytes([0x20]) + bytes(SIGN_BYTES - 13), (0.5,), 1, "padding"),  # bit 101
     (bytes(SIGN_BYTES - 1) + bytes([0x80]), (0.5,), 1, "padding"),  # the chunk's last bit
     (bytes(2 * SIGN_BYTES), (0.5, 0.5), 2, "do not fit"),  # two chunks for a part of one
 ])
@@ -79,6 +83,9 @@ def test_a_part_of_another_codec_and_malformed_frames_are_refused():
         _part(bytes(SIGN_BYTES - 1), (0.5,), width=SIGN_BYTES - 1)
     ok = validate_part(_part(bytes([0b101]) + bytes(SIGN_BYTES - 1), (0.25,)), 3, Bounds(), compact="sign")
     assert ok.tolist() == [0.25, -0.25, 0.25]  # PROTOCOL.md's vector block_update_sign
+    last = validate_part(_part(bytes(12) + bytes([0x08]) + bytes(SIGN_BYTES - 13), (0.5,)), 100, Bounds(), compact="sign")
+    assert float(last[99]) == 0.5 and float(last[98]) == -0.5  # bit 99: the part's last element, inside
+    assert validate_part(_part(bytes(SIGN_BYTES), (-0.0,)), 100, Bounds(), compact="sign").abs().max() == 0
 
 
 def _run(rs):
@@ -147,3 +154,24 @@ def test_a_bad_sign_part_rejects_its_sender_and_the_others_finish(forge):
     (ra, rep_a), (rb, _) = rs["a"].result(), rs["b"].result()
     assert torch.equal(ra, rb) and [r["peer"] for r in rep_a.rejected] == ["c"]
     assert torch.allclose(ra, (rs["a"].sent + rs["b"].sent) / 2)
+
+
+@pytest.mark.parametrize("aggregate", ["mean", "robust"])
+def test_a_departure_seen_by_one_member_leaves_the_parts_it_sent_counted_everywhere(aggregate):
+    """c sends its parts to a and b, then a (only) sees c depart before b's parts reach it: a keeps
+    c's parts, as b does, so both end with the same bytes."""
+    ids = ["a", "b", "c"]
+    torch.manual_seed(4)
+    rs = {p: AveragingRound(p, 0, 1, ids, torch.randn(3 * C), codec="sign", aggregate=aggregate) for p in ids}
+    starts = {p: rs[p].start() for p in ids}
+    for part in starts["c"]:
+        rs[part.peer].receive("c", part.msg)
+    for part in starts["a"]:
+        if part.peer == "b":
+            rs["b"].receive("a", part.msg)
+    rs["a"].depart("c", "connection closed")
+    for part in starts["b"]:
+        if part.peer == "a":
+            rs["a"].receive("b", part.msg)
+    (ra, rep), (rb, _) = rs["a"].result(), rs["b"].result()
+    assert torch.equal(ra, rb) and rep.departed == ["c"] and rep.coverage == 1.0

@@ -149,7 +149,7 @@ async def test_a_compact_params_swarm_ends_in_step_with_every_block_identical(tm
         floats = sum(sum(p.numel() for p in Block(mc, j).parameters()) for j in range(3))
         dense = 2 * 4 * floats * 8 // every  # every round, each member's whole vector to the two others
         sent = peers[0].traffic_totals()["sent"]["wire_bytes"]
-        assert sent < dense / 5  # parts, control and heartbeats together
+        assert sent < dense / (5 if codec == "topk" else 10)  # parts, control and heartbeats together
     finally:
         for p in peers:
             await p.stop()

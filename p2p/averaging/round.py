@@ -19,7 +19,8 @@ Rules (numbered as in the package's index, ``__init__.py``):
   the round finishes with the others. Coverage counts the live members. A member that departs
   a peer for a reason only it can see (another view of the group, unreachable) lists it in meta
   ``departed`` of every part it sends from then on; the receivers depart it too, so nobody waits
-  for a member that will not come.
+  for a member that will not come. Where every member computes every piece (rule 6), a piece
+  counts the parts a departed member sent before it left (the others hold them too).
 - Rule 5: coverage is, for every piece, whether every live member contributed; the fraction of
   the vector covered. Below ``min_coverage`` the result raises ``RoundFailed``: nothing applied.
 - Rule 6 (here): with ``aggregate="robust"`` and 3 or more members, every member sends its part
@@ -98,6 +99,16 @@ def group_digest(members, rnd: int, start: str) -> str:
     return hashlib.sha256(f"{','.join(sorted(members))}|{rnd}|{start}".encode()).hexdigest()[:16]
 
 
+def _mean_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """The plain mean of ``parts`` (in member order) into ``out``: the first copied, the others added
+    one by one, then divided by their count, in float32 (PROTOCOL.md 7.1: members must get the same
+    bytes, so the order of the additions is part of the rule)."""
+    out.copy_(parts[0])
+    for v in parts[1:]:
+        out.add_(v)
+    out.div_(len(parts))
+
+
 def _result_buffer(out: torch.Tensor | None, vector: torch.Tensor, n: int) -> torch.Tensor:
     """Where a round's result goes: ``out`` (checked: n contiguous float32 apart from the vector)
     as a flat view, or a fresh tensor."""
@@ -119,8 +130,8 @@ class AveragingRound:
                  density: float = 0.01):
         """``out``: where the result goes (n float32; a fresh tensor if None). ``arena``: where the
         other members' parts are decoded (float32: R - 1 slots of the pieces we compute, i.e. every
-        piece in a robust round, those we own in a mean round; or a function that returns one of
-        the size it is asked), reused across rounds by the driver so that a round touches no
+        piece in a robust or sign round, those we own in a mean round; or a function that returns
+        one of the size it is asked), reused across rounds by the driver so that a round touches no
         fresh memory; fresh tensors if None (and for pieces that move to us mid-round).
         ``scratch``: a lossy codec's buffers (``lossy_scratch``), lent the same way; ``residual``
         may be its "residual". ``density``: the fraction of each chunk a topk round sends."""
@@ -159,8 +170,8 @@ class AveragingRound:
         self.finished = False
 
     def _lay_out_arena(self, arena: torch.Tensor | Callable[[int], torch.Tensor] | None) -> None:
-        """Each other member's slot in the arena: the places of the pieces we compute (robust:
-        every piece; mean: the pieces we own), the same in every slot."""
+        """Each other member's slot in the arena: the places of the pieces we compute (robust or
+        sign: every piece; mean: the pieces we own), the same in every slot."""
         R = len(self.ids)
         self._slot: dict[int, tuple[int, int]] = {}  # piece -> its place in each member's arena slot
         at = 0
@@ -290,12 +301,8 @@ class AveragingRound:
     def _gather(self, j: int, got: dict[str, torch.Tensor], live: set[str]) -> list[Part]:
         """A mean round: piece j (ours) averaged from ``got`` into the result, sent to the others."""
         avg = self.out[self.bounds_[j]:self.bounds_[j + 1]]
-        vals = list(got.values())
-        avg.copy_(vals[0])
-        for v in vals[1:]:
-            avg.add_(v)
-        avg.div_(len(vals))
         contributors = sorted(got)
+        _mean_into(avg, [got[p] for p in contributors])
         w: Wire
         if self.sparse:  # the average of R sparse parts has at most R x k values per chunk
             w = encode_topk(avg, self.k * len(self.ids), avg)  # avg becomes what the others decode
@@ -326,19 +333,20 @@ class AveragingRound:
         progressed = True
         while progressed:  # a rejection shrinks the live set: pieces may complete (or change) again
             progressed = False
-            live = set(self.live())
+            live, bad = set(self.live()), {r["peer"] for r in self.rejected}
             for j, (a, b) in enumerate(spans):
                 if j in self.gathered:
-                    continue
-                got = {p: t for p, t in self._received[j].items() if p in live}
+                    continue  # a part of a member that departed since counts: the others hold it too
+                got = {p: t for p, t in self._received[j].items() if p not in bad}
                 if not final and not set(got) >= live:
                     continue
                 before = len(self.rejected)
                 self._robust_piece(j, got)
                 progressed = progressed or len(self.rejected) > before
-        if any(j in self.gathered and not set(self.gathered[j]) <= set(self.live()) for j in range(self.P)):
+        bad = {r["peer"] for r in self.rejected}
+        if any(bad & set(self.gathered[j]) for j in self.gathered):
             for j in list(self.gathered):  # a member was rejected after some pieces counted it: redo them
-                if not set(self.gathered[j]) <= set(self.live()):
+                if bad & set(self.gathered[j]):
                     del self.gathered[j]
             return out + self._progress_robust(final)
         return out
@@ -349,10 +357,12 @@ class AveragingRound:
         if self.robust and len(ids) >= 3:
             for p, why in norm_outliers(got, self.me):
                 self._reject(p, why)
-            ids = [p for p in ids if p in self.live()]
+            ids = [p for p in ids if all(r["peer"] != p for r in self.rejected)]
         avg = self.out[a:b]
-        avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree)
-                  if self.robust and len(ids) >= 3 else torch.stack([got[p] for p in ids]).mean(0))
+        if self.robust and len(ids) >= 3:
+            avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree))
+        else:
+            _mean_into(avg, [got[p] for p in ids])
         self.gathered[j] = ids
 
     def result(self) -> tuple[torch.Tensor, RoundReport]:
