@@ -44,7 +44,8 @@ def main():
     import matplotlib.pyplot as plt
 
     runs = [json.loads(line) for f in sorted(HERE.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
-    runs = [r for r in runs if not r["code_version"].get("dirty")]
+    runs = [r for r in runs if not r["code_version"].get("dirty")
+            and r.get("attack", "none") == "none" and r.get("workers", 3) == 3]  # attack runs: 4 workers
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, steps in zip(axes, (300, 1000)):
         sel = [r for r in runs if r["steps"] == steps]
