@@ -13,6 +13,8 @@ from blocktrain.p2p.averaging import AveragingRound, Bounds, Part, validate_part
 from blocktrain.p2p.tensors import decode_sign, encode_sign
 from blocktrain.protocol import SIGN_BYTES, TOPK_CHUNK_ELEMS, BlockUpdate, LocalProtocolError, pack_tensor
 
+from conftest import run_rounds
+
 C = TOPK_CHUNK_ELEMS
 
 
@@ -88,16 +90,6 @@ def test_a_part_of_another_codec_and_malformed_frames_are_refused():
     assert validate_part(_part(bytes(SIGN_BYTES), (-0.0,)), 100, Bounds(), compact="sign").abs().max() == 0
 
 
-def _run(rs):
-    queue = [(p, part) for p, r in rs.items() for part in r.start()]
-    sent = 0
-    while queue:
-        src, part = queue.pop(0)
-        sent += part.stored_bytes
-        queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
-    return sent
-
-
 @pytest.mark.parametrize("ids,aggregate", [(["a", "b"], "robust"), (["a", "b", "c"], "robust"),
                                            (["a", "b", "c", "d"], "mean")])
 def test_sign_rounds_end_with_the_same_bytes_everywhere_for_a_32nd_of_the_bytes(ids, aggregate):
@@ -107,7 +99,7 @@ def test_sign_rounds_end_with_the_same_bytes_everywhere_for_a_32nd_of_the_bytes(
     n = 12 * C  # whole chunks in every piece, for 2, 3 or 4 members
     xs = [torch.randn(n) for _ in ids]
     rs = {p: AveragingRound(p, 0, 1, ids, x, codec="sign", aggregate=aggregate) for p, x in zip(ids, xs)}
-    sent = _run(rs)
+    sent = run_rounds(rs)
     outs = [r.result()[0] for r in rs.values()]
     assert all(torch.equal(outs[0], o) for o in outs)
     decoded = torch.stack([r.sent for r in rs.values()]).mean(0)

@@ -12,6 +12,8 @@ from blocktrain.p2p.averaging import AveragingRound, Bounds, validate_part
 from blocktrain.p2p.tensors import decode_topk, encode_topk, topk_count
 from blocktrain.protocol import TOPK_CHUNK_ELEMS, BlockUpdate, LocalProtocolError, pack_tensor
 
+from conftest import run_rounds
+
 C = TOPK_CHUNK_ELEMS
 
 
@@ -90,16 +92,6 @@ def test_wrong_counts_shapes_and_codecs_are_refused():
             pack_tensor("scale", "float32", (1,), bytes(4))))
 
 
-def _run(rs):
-    queue = [(p, part) for p, r in rs.items() for part in r.start()]
-    sent = 0
-    while queue:
-        src, part = queue.pop(0)
-        sent += part.stored_bytes
-        queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
-    return sent
-
-
 @pytest.mark.parametrize("ids", [["a", "b"], ["a", "b", "c", "d"]])
 def test_sparse_rounds_end_with_the_same_bytes_everywhere_and_send_few(ids):
     """A mean round (2 members) and a robust one (4): every member ends with the same bytes, the
@@ -108,7 +100,7 @@ def test_sparse_rounds_end_with_the_same_bytes_everywhere_and_send_few(ids):
     n = 5 * C
     xs = [torch.randn(n) for _ in ids]
     rs = {p: AveragingRound(p, 0, 1, ids, x, codec="topk", density=0.01, aggregate="robust") for p, x in zip(ids, xs)}
-    sent = _run(rs)
+    sent = run_rounds(rs)
     outs = [r.result()[0] for r in rs.values()]
     assert all(torch.equal(outs[0], o) for o in outs)
     decoded = torch.stack([r.sent for r in rs.values()]).mean(0)
