@@ -52,11 +52,13 @@ def main():
         for r in sel:
             gb = max(r["bytes_sent_per_worker"], 1e5) / 1e9  # one worker alone sends nothing: drawn at 100 kB
             ax.scatter(gb, r["test_ce"])
-            ax.annotate(label(r), (gb, r["test_ce"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+            seed = f" (seed {r['seed']})" if r.get("seed", 0) else ""
+            ax.annotate(label(r) + seed, (gb, r["test_ce"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
         base = [r for r in sel if r.get("mode") == "grads" and r.get("codec", "raw") == "raw"]
         if base:  # the target: within 0.02 of gradients every step, at 100x fewer bytes
             ce, gb = base[0]["test_ce"], base[0]["bytes_sent_per_worker"] / 1e9
-            ax.axhspan(ce - 0.02, ce + 0.02, color="green", alpha=0.12, label="within 0.02 of gradients every step")
+            ax.axhspan(ce - 0.02, ce + 0.02, color="green", alpha=0.12,
+                       label="within 0.02 of gradients every step (seed 0)")
             ax.axvline(gb / 100, color="gray", ls="--", lw=1, label="100x fewer bytes")
             ax.legend(loc="lower left", fontsize=7)
         ax.set_xscale("log")
