@@ -60,7 +60,7 @@ def main():
             ax.axhspan(ce - 0.02, ce + 0.02, color="green", alpha=0.12,
                        label="within 0.02 of gradients every step (seed 0)")
             ax.axvline(gb / 100, color="gray", ls="--", lw=1, label="100x fewer bytes")
-            ax.legend(loc="center right", fontsize=7)
+            ax.legend(loc="upper right", fontsize=7)
         ax.set_xscale("log")
         ax.set_xlabel("GB sent per worker (log)")
         ax.set_ylabel("test CE of block 0's head (nats/byte)")
