@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from blocktrain.protocol import SIGN_BYTES, TOPK_CHUNK_ELEMS
+from blocktrain.protocol.events import SIGN_TENSORS
 from blocktrain.protocol.tensors import SEGMENT_ELEMS, Codec, WireTensor, pack_tensor
 
 TORCH_DTYPES = {
@@ -248,8 +249,8 @@ def decode_sign(wires, numel: int, out: torch.Tensor | None = None) -> torch.Ten
     """The dense float32 vector of ``numel`` elements a sign update (bits, scale) stands for,
     every value checked before use: ValueError names what is wrong (shapes for this length, a bit
     set in the last chunk's padding, a scale not finite or negative)."""
-    if len(wires) != 2 or tuple((w.name, w.dtype) for w in wires) != (("bits", "uint8"), ("scale", "float32")):
-        raise ValueError("a sign update holds the tensors bits (uint8), scale (float32)")
+    if tuple((w.name, w.dtype) for w in wires) != SIGN_TENSORS:
+        raise ValueError(f"a sign update holds the tensors {SIGN_TENSORS}")
     C = -(-numel // TOPK_CHUNK_ELEMS)
     bw, sw = wires
     if bw.shape != (C, SIGN_BYTES) or sw.shape != (C,):

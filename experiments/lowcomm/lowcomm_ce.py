@@ -46,9 +46,10 @@ def average(ids, vectors, rnd, codec, density, residuals, named=None):
         sender, part = queue.pop(0)
         sent[sender] += part.stored_bytes
         queue += [(part.peer, p) for p in by_id[part.peer].receive(sender, part.msg)]
-    outs = [r.result()[0] for r in rounds]
+    results = [r.result() for r in rounds]
+    outs = [out for out, _ in results]
     if named is not None:
-        rep = rounds[0].result()[1]
+        rep = results[0][1]
         for p in {r["peer"] for r in rep.rejected} | set(rep.suspects) | set(rep.opposed):
             named[p] = named.get(p, 0) + 1
     assert all(torch.equal(outs[0], o) for o in outs), "the members ended the round with different bytes"

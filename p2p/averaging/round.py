@@ -185,8 +185,11 @@ class AveragingRound:
         return [(self.bounds_[j], self.bounds_[j + 1]) for j in range(self.P)]
 
     # --- who -----------------------------------------------------------------------------------
+    def rejected_ids(self) -> set[str]:
+        return {r["peer"] for r in self.rejected}
+
     def live(self) -> list[str]:
-        bad = {r["peer"] for r in self.rejected}
+        bad = self.rejected_ids()
         return [p for p in self.ids if p not in self.departed and p not in bad]
 
     def owner(self, j: int) -> str:
@@ -333,7 +336,7 @@ class AveragingRound:
         progressed = True
         while progressed:  # a rejection shrinks the live set: pieces may complete (or change) again
             progressed = False
-            live, bad = set(self.live()), {r["peer"] for r in self.rejected}
+            live, bad = set(self.live()), self.rejected_ids()
             for j, (a, b) in enumerate(spans):
                 if j in self.gathered:
                     continue  # a part of a member that departed since counts: the others hold it too
@@ -343,7 +346,7 @@ class AveragingRound:
                 before = len(self.rejected)
                 self._robust_piece(j, got)
                 progressed = progressed or len(self.rejected) > before
-        bad = {r["peer"] for r in self.rejected}
+        bad = self.rejected_ids()
         if any(bad & set(self.gathered[j]) for j in self.gathered):
             for j in list(self.gathered):  # a member was rejected after some pieces counted it: redo them
                 if bad & set(self.gathered[j]):
@@ -357,7 +360,8 @@ class AveragingRound:
         if self.robust and len(ids) >= 3:
             for p, why in norm_outliers(got, self.me):
                 self._reject(p, why)
-            ids = [p for p in ids if all(r["peer"] != p for r in self.rejected)]
+            bad = self.rejected_ids()
+            ids = [p for p in ids if p not in bad]
         avg = self.out[a:b]
         if self.robust and len(ids) >= 3:
             avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree))
