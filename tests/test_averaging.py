@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from blocktrain.p2p.averaging import Averager, OuterOptimizer, RoundFailed, group_digest
+from blocktrain.p2p.averaging import Averager, GroupMismatch, OuterOptimizer, RoundFailed, group_digest
 from blocktrain.p2p.transport import Timeouts
 
 from conftest import crash, mesh
@@ -95,15 +95,22 @@ async def test_lossy_codec_within_its_bound():
             await p.stop()
 
 
-async def test_members_with_different_views_finish_apart_and_say_so():
+async def test_members_with_different_views_fail_two_rounds_then_finish_apart_and_say_so():
     """Peer 1 missed peer 2: its round's group differs from the others'. Nobody mixes in parts of
-    another group, nobody waits for the timeout, nobody is banned; every report names who departed."""
+    another group, nobody waits for the timeout, nobody is banned. Two rounds in a row fail for every
+    member that saw the other view (rule 9: a change of members may reach them a round or two apart);
+    the third finishes apart, and every report names who departed."""
     peers, avgs, members = await group(3, timeout_s=20, min_coverage=0.99)
     try:
         xs = [torch.randn(300) for _ in peers]
         partial = {pid: a for pid, a in members.items() if pid != peers[2].id}
-        r = await asyncio.wait_for(asyncio.gather(avgs[0].average(1, xs[0], members), avgs[1].average(1, xs[1], partial),
-                                                  avgs[2].average(1, xs[2], members)), 10)
+        views = [members, partial, members]
+        for rnd in (1, 2):
+            r = await asyncio.wait_for(asyncio.gather(*(a.average(rnd, x, v) for a, x, v in zip(avgs, xs, views)),
+                                                      return_exceptions=True), 10)
+            assert all(isinstance(e, GroupMismatch) and "nothing applied" in str(e) for e in r), r
+            assert [e.mismatched for e in r] == [(peers[1].id,), (peers[0].id,), (peers[1].id,)]
+        r = await asyncio.wait_for(asyncio.gather(*(a.average(3, x, v) for a, x, v in zip(avgs, xs, views))), 10)
         (o0, r0), (o1, r1), (o2, r2) = r
         assert r0.departed == [peers[1].id] and r2.departed == [peers[1].id]
         assert torch.allclose(o0, (xs[0] + xs[2]) / 2, atol=1e-6) and torch.equal(o0, o2)
@@ -111,6 +118,28 @@ async def test_members_with_different_views_finish_apart_and_say_so():
         assert "another group" in r0.why[peers[1].id]
         assert not any(a.banned for a in avgs)
         assert any(e["event"] == "group mismatch" for a in avgs for e in a.events)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_a_departure_seen_a_round_apart_fails_that_round_and_the_group_stays_whole():
+    """Peer 2 is gone; peer 0 begins round 1 still counting it, peer 1 without it. Departing each
+    other there would split the group (rule 9): round 1 fails for both, nothing applied, and round 2,
+    begun with the same members, averages the two byte-identically."""
+    peers, avgs, members = await group(3, timeout_s=20)
+    try:
+        crash(peers[2])
+        await peers[0].wait_for(lambda: peers[0].member(peers[2].id) is None, 10)
+        xs = [torch.randn(3001) for _ in peers[:2]]
+        two = {pid: a for pid, a in members.items() if pid != peers[2].id}
+        r = await asyncio.wait_for(asyncio.gather(avgs[0].average(1, xs[0], members), avgs[1].average(1, xs[1], two),
+                                                  return_exceptions=True), 10)
+        assert [type(e) for e in r] == [GroupMismatch, GroupMismatch]
+        (o0, r0), (o1, r1) = await asyncio.wait_for(asyncio.gather(
+            avgs[0].average(2, xs[0], two), avgs[1].average(2, xs[1], two)), 10)
+        assert torch.equal(o0, o1) and torch.allclose(o0, (xs[0] + xs[1]) / 2, atol=1e-6)
+        assert r0.departed == r1.departed == [] and r0.coverage == 1.0
     finally:
         for p in peers:
             await p.stop()

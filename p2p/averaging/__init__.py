@@ -34,6 +34,9 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
 - Rule 8 (driver.py; codec.py): parts are fed to the round as they arrive and decoded where they
   belong (the result, or an arena kept from round to round); queued messages are released when
   ``average`` returns.
+- Rule 9 (driver.py): a member that began the round with another view of the group fails it for
+  us (``GroupMismatch``: nothing applied, it stays in the group) up to MISMATCH_ROUNDS rounds in a
+  row, then departs it.
 
 Every name here was importable from the one module ``averaging.py`` this package replaces.
 Setting one on the package (``monkeypatch.setattr(averaging, "PIECE_FLOATS", ...)``) sets it in
@@ -51,12 +54,12 @@ from .early import AHEAD_ROUNDS, MAX_EARLY_BYTES
 from .outer import OuterOptimizer, flatten, unflatten_
 from .robust import (CLIP_ITERS, CLIP_RADIUS, OPPOSED_COS, RELATIVE_NORM, SUSPECT_RADIUS, Bounds, centred_clip,
                      coordinate_median, validate_part)
-from .round import AGGREGATES, PIECE_FLOATS, AveragingRound, Part, RoundFailed, RoundReport, group_digest
+from .round import AGGREGATES, PIECE_FLOATS, AveragingRound, GroupMismatch, Part, RoundFailed, RoundReport, group_digest
 
 __all__ = [
     "AGGREGATES", "COMPACT", "AHEAD_ROUNDS", "CLIP_ITERS", "CLIP_RADIUS", "MAX_EARLY_BYTES", "MAX_NAMED", "OPPOSED_COS",
     "PIECE_FLOATS", "RELATIVE_NORM", "SIGN", "SUSPECT_RADIUS", "SUSPECT_ROUNDS", "TOPK", "UPDATE_CODECS",
-    "Averager", "AveragingRound", "Bounds", "OuterOptimizer", "Part", "RoundFailed", "RoundReport",
+    "Averager", "AveragingRound", "Bounds", "GroupMismatch", "OuterOptimizer", "Part", "RoundFailed", "RoundReport",
     "centred_clip", "coordinate_median", "flatten", "group_digest", "lossy_scratch", "remember", "unflatten_",
     "validate_part",
 ]

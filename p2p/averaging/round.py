@@ -62,6 +62,18 @@ class RoundFailed(Exception):
         self.silent = silent  # live members whose parts never came
 
 
+class GroupMismatch(RoundFailed):
+    """Members of the round began it with another view of the group (a departure or admission that
+    reached them at another round than us): nothing applied, and they stay in the group (driver.py,
+    rule 9): the next round, begun once the change reached both, matches."""
+
+    def __init__(self, block: int, rnd: int, peers):
+        Exception.__init__(self, f"block {block} round {rnd}: {', '.join(p[:12] for p in peers)} began it with "
+                                 f"another view of the group; nothing applied (the next round tries again)")
+        self.block, self.round, self.coverage, self.silent = block, rnd, 0.0, frozenset()
+        self.mismatched = tuple(peers)
+
+
 @dataclass
 class RoundReport:
     round: int
