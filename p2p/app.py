@@ -134,15 +134,18 @@ async def _start_page(peer: Peer, http: tuple[str, int], on_line):
 async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: asyncio.Event,
                    training: Training | None = None, served: ServedBlocks | None = None, exit_when_done: bool = False,
                    on_line=lambda s: None, status_every_s: float = 5.0, join_timeout_s: float = 30.0,
-                   http: tuple[str, int] | None = None, on_step=None) -> dict | None:
+                   http: tuple[str, int] | None = None, on_step=None, on_ready=lambda peer: None) -> dict | None:
     """Run a peer until ``stop`` is set (or its training is done, with ``exit_when_done``). Returns the
-    training report, if it trained."""
+    training report, if it trained. ``on_ready(peer)`` once it listens and, given a bootstrap, is in
+    the swarm through it (a training peer prepares before it listens): nothing tells others how to
+    join a peer that never got in."""
     trainer = None
     if training is not None:
         trainer = await _prepared_trainer(peer, training, on_line, on_step)
         if stop.is_set():  # told to stop meanwhile: nothing has started yet
             return None
     await start_peer(peer, bootstrap, join_timeout_s, on_line)
+    on_ready(peer)
     page = await _start_page(peer, http, on_line) if http is not None else None
     _answer_requests(peer, served, trainer is not None)
     task = asyncio.ensure_future(trainer.run()) if trainer is not None else None
@@ -232,29 +235,13 @@ async def _stop_trainer(task: asyncio.Future | None):
         log.info("trainer stopped in %.2f s", time.monotonic() - t0)
 
 
-async def run_until_signalled(peer: Peer, bootstrap: tuple[str, int] | None, *, on_listening=lambda peer: None,
-                              **kw) -> dict | None:
-    """``run_peer`` until SIGINT or SIGTERM (or its training is done, with ``exit_when_done``);
-    ``on_listening(peer)`` once the peer listens (a training peer prepares before it listens)."""
+async def run_until_signalled(peer: Peer, bootstrap: tuple[str, int] | None, **kw) -> dict | None:
+    """``run_peer`` until SIGINT or SIGTERM (or its training is done, with ``exit_when_done``)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    task = asyncio.ensure_future(run_peer(peer, bootstrap, stop=stop, **kw))
-    announce = asyncio.ensure_future(_when_listening(peer, on_listening))
-    await asyncio.wait({task, announce}, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():  # e.g. the port is taken: say so now, not after the announcement's wait
-        announce.cancel()
-    try:
-        return await task
-    finally:
-        announce.cancel()
-        await asyncio.gather(announce, return_exceptions=True)
-
-
-async def _when_listening(peer: Peer, then):
-    if await peer.wait_for(lambda: bool(peer.addr)):  # no bound: a training peer prepares before it listens
-        then(peer)
+    return await run_peer(peer, bootstrap, stop=stop, **kw)
 
 
 def _f(x) -> str:

@@ -261,7 +261,7 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
     step_bar = _StepBar() if training is not None and sys.stderr.isatty() else None
     try:
         asyncio.run(run_until_signalled(
-            peer, boot, on_listening=lambda p: _announce(p, role, o, training), training=training, served=served,
+            peer, boot, on_ready=lambda p: _announce(p, role, o, training), training=training, served=served,
             exit_when_done=o.get("exit_when_done", False), on_line=_echo,
             status_every_s=0 if o["quiet"] else 5.0 if sys.stderr.isatty() else 30.0,
             join_timeout_s=o["join_timeout"], http=_http_addr(o["http"]) if o["http"] else None, on_step=step_bar))
@@ -305,7 +305,8 @@ class _StepBar:
 
 
 def _announce(peer, role: str, o: dict, training):
-    """Once listening: where we are and how others join (for the role that they would take)."""
+    """Once listening and in the swarm: where we are and how others join (for the role that they
+    would take)."""
     key = f"--swarm-key {o['swarm_key']}" if o["swarm_key"] else "(with BT_SWARM_KEY set)"
     what = (f"training block {training.block} ({training.job.swarm.schedule}) in {training.work_dir}" if training
             else f"serving block(s) {list(o['blocks'])}" if role == "serve" else "a plain member (no training)")

@@ -387,6 +387,7 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
     r = subprocess.run(base + ["join", f"127.0.0.1:{nobody}", "--join-timeout", "1", "--identity",
                                str(tmp_path / "i0"), *keys], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot join" in r.stderr and "--join-timeout" in r.stderr, r.stderr
+    assert "listening on" not in r.stderr and "others join with" not in r.stderr, r.stderr  # never got in
     boot = _free_port()
     joiner = subprocess.Popen(base + ["join", f"127.0.0.1:{boot}", "--join-timeout", "300", "--identity",
                                       str(tmp_path / "i1"), *keys], stderr=open(tmp_path / "joiner.log", "w"))
@@ -415,6 +416,7 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
                     pass
                 assert time.monotonic() < deadline, "the joiner never joined"
                 time.sleep(0.5)
+            _until_line(tmp_path / "joiner.log", "others join with", joiner, 120)  # once in, it says how
         finally:
             starter.kill()
             starter.wait(10)
