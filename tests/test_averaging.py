@@ -271,7 +271,7 @@ async def test_messages_released_from_a_queue_no_longer_view_the_senders_buffer(
     try:
         await b.join("127.0.0.1", a.port)
         got = []
-        a.on(BlockUpdate, lambda m, pc, pid: got.append(from_wire_copy(m)), inline=True)
+        a.on(BlockUpdate, lambda m, pc, pid: (got.append(from_wire_copy(m)), a.notify()), inline=True)
         pc = await b.connection(a.id)
         buf = torch.arange(3 * 65536, dtype=torch.float32)
         parts = [to_wire("part", buf[i * 65536:(i + 1) * 65536], "raw", "never") for i in range(3)]
@@ -285,7 +285,7 @@ async def test_messages_released_from_a_queue_no_longer_view_the_senders_buffer(
         else:
             assert pc.release_queued(msgs) == 3
         buf.fill_(-1.0)  # the next round writes the buffer
-        await a.wait_for(lambda: len(got) == 3, 10)
+        assert await a.wait_for(lambda: len(got) == 3, 10)
         assert torch.equal(torch.cat(got), torch.arange(3 * 65536, dtype=torch.float32))
     finally:
         await a.stop()
