@@ -174,13 +174,13 @@ async def test_many_stream_requests_cost_a_few_chunks_not_a_file_each(tmp_path):
     (tmp_path / "checkpoint" / "block0.safetensors").write_bytes(os.urandom(12 << 20))
     CheckpointServer(a, tmp_path)
     opens = []
-    b.on(StreamOpen, lambda m, pc, pid: opens.append(m), inline=True)
+    b.on(StreamOpen, lambda m, pc, pid: (opens.append(m), b.notify()), inline=True)
     try:
         tracemalloc.start()
         pc = await b.connection(a.id)
         for sid in range(1, 41):
             pc.send_nowait(StreamRequest(kind="checkpoint", name="block0", offset=0, stream_id=sid))
-        await b.wait_for(lambda: len(opens) == 40, 30)
+        assert await b.wait_for(lambda: len(opens) == 40, 30)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         busy = [m for m in opens if m.meta.get("error", "").startswith("busy")]
@@ -329,12 +329,12 @@ async def test_a_peer_that_trains_and_serves_nothing_refuses_at_once(tmp_path):
     refuse_joins(a)
     refuse_requests(a)
     answers = []
-    b.on(BlockUpdate, lambda m, pc, pid: answers.append(m.meta.get("phase")), inline=True)
+    b.on(BlockUpdate, lambda m, pc, pid: (answers.append(m.meta.get("phase")), b.notify()), inline=True)
     try:
         with pytest.raises(FetchError, match="not served here"):
             await asyncio.wait_for(CheckpointFetcher(b).fetch([a.id], "checkpoint", "block0"), 10)
         (await b.connection(a.id)).send_nowait(BlockUpdate(block=0, round=1, meta={"phase": "join", "scope": "relay"}))
-        assert await b.wait_for(lambda: answers == ["absent"], 10) or answers == ["absent"]
+        assert await b.wait_for(lambda: answers == ["absent"], 10), answers
     finally:
         await a.stop()
         await b.stop()
@@ -451,7 +451,7 @@ def test_prompts_a_client_cannot_send_fail_with_the_fix_and_any_bytes_can_be_sen
     new_swarm_key(tmp_path / "key")
     nobody = _free_port()
     base = [sys.executable, "-m", "blocktrain.p2p.cli", "generate", f"127.0.0.1:{nobody}", "--swarm-key",
-            str(tmp_path / "key"), "--identity", str(tmp_path / "id"), "--timeout", "2"]
+            str(tmp_path / "key"), "--identity", str(tmp_path / "id"), "--timeout", "2", "--wait", "1"]
     r = subprocess.run([*base, "--prompt", ""], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run([*(a.encode() for a in base), b"--prompt", b"caf\xe9 \xff"], capture_output=True, timeout=60)
