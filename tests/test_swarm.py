@@ -223,7 +223,6 @@ async def test_a_joiner_under_overlapped_rounds_takes_the_groups_point_and_ends_
             await p.stop()
 
 
-@pytest.mark.slow
 async def test_a_member_restarted_under_overlapped_sign_rounds_rejoins_and_ends_identical(tmp_path, monkeypatch):
     """The low-communication mode (sign parts every step, overlapped): a member stopped mid-block
     (its trainer and its peer, saying goodbye) and started again in the same process with the same
@@ -234,12 +233,14 @@ async def test_a_member_restarted_under_overlapped_sign_rounds_rejoins_and_ends_
     monkeypatch.setattr(store, "SAVE_EVERY_S", 0.0)  # a checkpoint after every round
     peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
     tc = TrainConfig(**{**TC.to_dict(), "steps": 30})
+    # min_group 3: the three start as one group (with 2, two may start before the third answers and
+    # train apart until rule 6 of group.py merges them, seconds later: longer than this whole run)
     sc = SwarmConfig(**{**SC.__dict__, "min_group": 3, "sync": "params", "every": 1,
                         "overlap": True, "codec": "sign", "outer_lr": 1.7})
     try:
         sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, sc, tc)]
         tasks = [asyncio.ensure_future(sp.run()) for sp in sps]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # bounds here: generous, for a loaded machine
         while sps[2].stats.applied < 5:  # the three are under way together
             assert time.monotonic() < deadline and not any(t.done() for t in tasks)
             await asyncio.sleep(0.05)
@@ -253,8 +254,8 @@ async def test_a_member_restarted_under_overlapped_sign_rounds_rejoins_and_ends_
         # second (idle) membership there, whose ABSENT answers the JOIN beside the group's welcome
         again = slowed(SwarmTrainer(peers[2], 2, MC, tc, sc, tmp_path / "w2", DATA, DATA), 0.01)
         assert await asyncio.to_thread(again.prepare)
-        rep = await asyncio.wait_for(again.run(), 60)
-        reps = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 120)
+        rep = await asyncio.wait_for(again.run(), 240)
+        reps = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 240)
         assert all(r["state"] == "done" for r in reps + [rep])
         assert rep["joins"][-1]["how"] in ("fetched the group's state", "resumed its own checkpoint")
         a, b, c = finals(sps[0]), finals(sps[1]), finals(again)
