@@ -21,3 +21,23 @@ def test_block_at_reads_only_an_int_at_a_hop_in_range():
     for meta, hop in (({"blocks": [0, 1]}, 2), ({"blocks": [0, 1]}, -1), ({"blocks": [0, "1"]}, 1),
                       ({"blocks": (0, 1)}, 0), ({}, 0), ({"blocks": [0, True]}, 1)):
         assert block_at(meta, hop) is None
+
+
+def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path):
+    """The design card's `bt-bench wan --mode blocktrain|autoregressive` (issue 31): only the modes
+    named run; the exact-mode targets (speedup, identity) are not judged without exact."""
+    import json
+
+    from click.testing import CliRunner
+
+    from blocktrain.bench.cli import main
+    out = tmp_path / "wan.json"
+    r = CliRunner().invoke(main, ["wan", "--mode", "autoregressive", "--mode", "blocktrain", "--bytes", "4",
+                                  "--prompts", "1", "--rtt-ms", "0", "--rate-mbit", "0", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert d["modes"] == ["blocktrain", "autoregressive"] and "exact" not in d
+    assert d["autoregressive"]["traversals"] == 4 and d["blocktrain"]["traversals"] == 1
+    assert set(d["targets"]) == {"every mode within 1.25x of its bound"} and "speedup_blocktrain_vs_autoregressive" in d
+    r = CliRunner().invoke(main, ["wan", "--mode", "exact", "--kernel"])
+    assert r.exit_code == 2 and "--mode" in r.output
