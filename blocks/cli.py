@@ -28,8 +28,9 @@ from .schedule import SCHEDULES
               "(train.steps, default 300).")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default=None,
               help="When each block trains (default relay: every worker on one block, then the next).")
-@click.option("--data", type=click.Path(file_okay=False, exists=True), default=None,
-              help="Directory with wiki.{train,valid,test}.tokens (default: the embedded WikiText-2).")
+@click.option("--data", type=click.Path(exists=True), default=None,
+              help="A corpus `bt-data prepare` wrote (memory-mapped: any size), or a directory with "
+                   "wiki.{train,valid,test}.tokens (default: the embedded WikiText-2).")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Output directory (default runs/train-<time>).")
 @click.option("--no-reference", is_flag=True, default=None, help="Skip the end-to-end reference.")
 @click.option("--processes", is_flag=True, default=None,

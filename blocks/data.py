@@ -6,6 +6,11 @@ Rules:
   package and verified by sha256 when it is opened.
 - A user's directory holds the standard WikiText file names: ``wiki.{train,valid,test}.tokens``
   (WikiText-2/-103 tokenized) or ``wiki.{train,valid,test}.raw`` (the raw variants).
+- A prepared directory (``prepare``, ``bt-data prepare``) holds ``{train,valid,test}.bin``: a
+  corpus of the user's own text as raw bytes, with ``manifest.json`` (sizes, sha256, sources, how
+  valid and test were carved). Its splits are memory-mapped (``load_split``): a worker's memory
+  does not grow with the corpus. The manifest is written last: a directory without it is not a
+  prepared corpus (an interrupted ``prepare`` is redone, never half-read).
 - Batches are a pure function of (seed, step, shard): a restarted trainer that knows its step
   reads exactly the batches it would have read, and each of ``num_shards`` workers reads its own
   disjoint slice of the training bytes.
@@ -14,7 +19,9 @@ Rules:
 from __future__ import annotations
 
 import hashlib
+import json
 import lzma
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -73,6 +80,152 @@ def read_split(split: str, data_dir: str | Path | None = None, variant: str = "t
     if len(data) < 2:
         raise DataError(f"{path} is empty")
     return data
+
+
+MANIFEST = "manifest.json"
+PREPARED_FORMAT = "blocktrain-bytes/1"
+CHUNK = 8 << 20  # bytes read and written at a time by prepare (its memory, whatever the corpus)
+
+
+def prepare(src: str | Path, out: str | Path, valid_frac: float = 0.01, test_frac: float = 0.01,
+            pattern: str = "**/*.txt", progress=lambda done, total: None) -> dict:
+    """Write ``out``/{train,valid,test}.bin and ``out``/manifest.json from ``src``: one text file, a
+    folder (its files matching ``pattern``, recursively, in sorted order), or a folder of standard
+    WikiText files (its own three splits, as they are). Files are concatenated, a newline added
+    after any that lacks one; of the concatenation's N bytes the last ``test_frac`` are test, the
+    ``valid_frac`` before them valid, the rest train (cut at byte offsets, stated in the manifest).
+    Streams CHUNK bytes at a time. Returns the manifest."""
+    src, out = Path(src), Path(out)
+    if not 0 <= valid_frac < 0.5 or not 0 <= test_frac < 0.5:
+        raise DataError(f"--valid-frac and --test-frac must be in [0, 0.5), got {valid_frac} and {test_frac}")
+    if not src.exists():
+        raise DataError(f"{src} does not exist")
+    wikitext = src.is_dir() and all((src / _file_name(sp, "tokens")).is_file() for sp in SPLITS)
+    if wikitext:
+        plan = {sp: [src / _file_name(sp, "tokens")] for sp in SPLITS}
+        carve = "the source's own WikiText splits (wiki.{train,valid,test}.tokens), as they are"
+    else:
+        files = [src] if src.is_file() else sorted(p for p in src.glob(pattern) if p.is_file())
+        if not files:
+            raise DataError(f"{src} holds no file matching {pattern!r} (--glob)")
+        plan = {"all": files}
+        carve = (f"files in sorted order, a newline after any that lacks one; of the N bytes, the last "
+                 f"{test_frac} are test, the {valid_frac} before them valid, the rest train")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # not a prepared corpus until the new manifest is written
+    splits = _write_splits(plan, out, valid_frac, test_frac, progress)
+    if splits["train"]["bytes"] < 2:
+        raise DataError(f"{src}: the train split would hold {splits['train']['bytes']} bytes")
+    manifest = {"format": PREPARED_FORMAT, "source": str(src.resolve()), "carve": carve,
+                "valid_frac": None if wikitext else valid_frac, "test_frac": None if wikitext else test_frac,
+                "files": sum(len(v) for v in plan.values()), "splits": splits}
+    manifest["digest"] = hashlib.sha256(json.dumps(
+        {k: splits[k]["sha256"] for k in SPLITS}, sort_keys=True).encode()).hexdigest()[:16]
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out / MANIFEST)
+    return manifest
+
+
+def _sources(files):
+    """(bytes, is the last chunk of a file) of ``files`` in order, CHUNK at a time, with a newline
+    after a file that lacks one."""
+    for f in files:
+        last = b""
+        with open(f, "rb") as fh:
+            while chunk := fh.read(CHUNK):
+                last = chunk
+                yield chunk
+        if last and not last.endswith(b"\n"):
+            yield b"\n"
+
+
+def _write_splits(plan: dict, out: Path, valid_frac: float, test_frac: float, progress) -> dict:
+    if "all" in plan:
+        total = sum(f.stat().st_size for f in plan["all"])
+        total += sum(1 for f in plan["all"] if f.stat().st_size and not _ends_with_newline(f))
+        cut_valid, cut_test = int(total * (1 - valid_frac - test_frac)), int(total * (1 - test_frac))
+        bounds = {"train": (0, cut_valid), "valid": (cut_valid, cut_test), "test": (cut_test, total)}
+        streams = {sp: plan["all"] for sp in SPLITS}
+    else:
+        total = sum(plan[sp][0].stat().st_size for sp in SPLITS)
+        bounds, streams = None, plan
+    written, done = {}, 0
+    handles = {sp: open(out / f"{sp}.bin.tmp", "wb") for sp in SPLITS}
+    digests = {sp: hashlib.sha256() for sp in SPLITS}
+    try:
+        if bounds is None:
+            for sp in SPLITS:
+                for chunk in _sources(streams[sp]):
+                    handles[sp].write(chunk)
+                    digests[sp].update(chunk)
+                    done += len(chunk)
+                    progress(done, total)
+        else:
+            pos = 0
+            for chunk in _sources(plan["all"]):
+                for sp in SPLITS:
+                    lo, hi = bounds[sp]
+                    piece = chunk[max(lo - pos, 0):max(min(hi - pos, len(chunk)), 0)]
+                    if piece:
+                        handles[sp].write(piece)
+                        digests[sp].update(piece)
+                pos += len(chunk)
+                progress(pos, total)
+    finally:
+        for h in handles.values():
+            h.close()
+    for sp in SPLITS:
+        os.replace(out / f"{sp}.bin.tmp", out / f"{sp}.bin")
+        written[sp] = {"file": f"{sp}.bin", "bytes": (out / f"{sp}.bin").stat().st_size,
+                       "sha256": digests[sp].hexdigest()}
+    return written
+
+
+def _ends_with_newline(f: Path) -> bool:
+    with open(f, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
+def prepared(data_dir: str | Path | None) -> dict | None:
+    """The manifest of a prepared corpus at ``data_dir`` (None: not one), its files' sizes checked."""
+    if data_dir is None or not (Path(data_dir) / MANIFEST).is_file():
+        return None
+    path = Path(data_dir) / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+        splits = m["splits"]
+        ok = m.get("format") == PREPARED_FORMAT and all(type(splits[sp]["bytes"]) is int for sp in SPLITS)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise DataError(f"{path} is not a manifest bt-data prepare wrote ({PREPARED_FORMAT}); prepare again")
+    for sp in SPLITS:
+        f = Path(data_dir) / f"{sp}.bin"
+        size = f.stat().st_size if f.is_file() else None
+        if size != splits[sp]["bytes"]:
+            raise DataError(f"{f}: {size if size is not None else 'missing'}, the manifest says "
+                            f"{splits[sp]['bytes']} bytes; prepare again")
+    return m
+
+
+def load_split(split: str, data: str | Path | None = None, variant: str = "tokens") -> torch.Tensor:
+    """One split as a flat uint8 tensor: memory-mapped from a prepared corpus (read-only use: the
+    mapping is private, nothing is written back), else read whole (the embedded default, a WikiText
+    directory). A text file or another folder: a DataError that names the prepare command."""
+    m = prepared(data)
+    if m is not None:
+        _file_name(split, variant)  # a known split and variant (a prepared corpus has one variant)
+        n = m["splits"][split]["bytes"]
+        if n < 2:
+            raise DataError(f"{Path(str(data)) / (split + '.bin')} holds {n} bytes: prepare with a larger "
+                            f"--{split}-frac" if split != "train" else f"{data}: the train split is empty")
+        return torch.from_file(str(Path(str(data)) / f"{split}.bin"), shared=False, size=n, dtype=torch.uint8)
+    if data is not None and (Path(data).is_file() or (Path(data).is_dir() and not any(Path(data).glob("wiki.*")))):
+        raise DataError(f"{data} is neither a prepared corpus nor a WikiText directory; prepare it once with "
+                        f"`bt-data prepare {data} --out DIR`, then pass --data DIR")
+    return as_tensor(read_split(split, data, variant))
 
 
 def as_tensor(data: bytes) -> torch.Tensor:

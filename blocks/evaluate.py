@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import checkpoint as ckpt
-from .data import as_tensor, read_split
+from .data import load_split
 from .model import Block, ModelConfig
 from .train import eval_chain
 
@@ -50,7 +50,7 @@ def evaluate(directory: str | Path, data: str | None = None, windows: int = 300,
     """Test CE of every head along the chain of the blocks in ``directory``."""
     blocks, extra = load_chain(directory)
     seq_len = seq_len or extra.get("train", {}).get("seq_len") or 128
-    test = as_tensor(read_split("test", data))
+    test = load_split("test", data)
     heads = eval_chain(blocks, test, seq_len, windows or None)
     return {"test_ce": heads[-1], "head_ce": heads, "verdicts": verdicts(heads), "test_windows": windows,
             "seq_len": seq_len, "data": data or "embedded WikiText-2"}

@@ -22,7 +22,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import JobConfig
-from .data import DataError, as_tensor, read_split
+from .data import DataError, load_split, prepared
 from .model import Assembled
 from .run import train_blocktrain, train_e2e
 from .schedule import make_plans
@@ -80,11 +80,9 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    train = as_tensor(read_split("train", job.data))
-    valid = as_tensor(read_split("valid", job.data))
-    test = as_tensor(read_split("test", job.data))
+    train, valid, test = (load_split(sp, job.data) for sp in ("train", "valid", "test"))
     try:
-        test_raw = as_tensor(read_split("test", job.data, "raw"))
+        test_raw = None if prepared(job.data) else load_split("test", job.data, "raw")
     except DataError:
         test_raw = None
     tw = job.test_windows or None

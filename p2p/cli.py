@@ -128,8 +128,9 @@ def _train_options(f):
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Any setting: model.d_model=128, train.steps=300, swarm.round_timeout_s=60, ... "
                           "Every peer of a swarm must use the same model and train settings."),
-        click.option("--data", type=click.Path(file_okay=False, exists=True), default=None,
-                     help="Directory of the standard WikiText files (default: the embedded WikiText-2)."),
+        click.option("--data", type=click.Path(exists=True), default=None,
+                     help="A corpus `bt-data prepare` wrote (memory-mapped), or a directory of the standard "
+                          "WikiText files (default: the embedded WikiText-2)."),
         click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="torch threads."),
         click.option("--no-train", is_flag=True, help="Join as a plain member (no training), e.g. a bootstrap peer."),
         click.option("--exit-when-done", is_flag=True,
@@ -190,7 +191,7 @@ def _training(o: dict):
     import torch
 
     from blocktrain.blocks.config import ConfigError, load
-    from blocktrain.blocks.data import DataError, as_tensor, read_split
+    from blocktrain.blocks.data import DataError, load_split
 
     from .app import Training
     from .swarm.settings import PeerJob
@@ -217,7 +218,7 @@ def _training(o: dict):
             raise click.BadParameter(f"expected I/N with 0 <= I < N, got {o['shard']!r}", param_hint="--shard")
         shard = (int(i), int(n))
     try:
-        train, valid = as_tensor(read_split("train", o["data"])), as_tensor(read_split("valid", o["data"]))
+        train, valid = load_split("train", o["data"]), load_split("valid", o["data"])
     except DataError as e:
         raise click.ClickException(str(e))
     torch.set_num_threads(o["threads"])
@@ -417,8 +418,9 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
 @_key_options
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="Directory for the verified block checkpoints (usable by `bt-peer serve --checkpoints`).")
-@click.option("--data", type=click.Path(file_okay=False, exists=True), default=None,
-              help="Directory of the standard WikiText files for the test CE (default: the embedded WikiText-2).")
+@click.option("--data", type=click.Path(exists=True), default=None,
+              help="The test split's corpus: one `bt-data prepare` wrote, or a directory of the standard WikiText "
+                   "files (default: the embedded WikiText-2).")
 @click.option("--test-windows", type=click.IntRange(0), default=300, show_default=True,
               help="Test windows to evaluate (0: the whole test split).")
 @click.option("--no-eval", is_flag=True, help="Only fetch and verify.")

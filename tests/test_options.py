@@ -9,6 +9,7 @@ import pytest
 
 from blocktrain.bench.cli import main as bench
 from blocktrain.blocks.cli import main as train
+from blocktrain.blocks.datacli import main as data
 from blocktrain.p2p.cli import main as peer
 
 OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
@@ -21,7 +22,7 @@ def _commands(cmd: click.Command, name: str):
             yield from _commands(c, f"{name} {sub}")
 
 
-COMMANDS = dict(c for root, n in ((peer, "bt-peer"), (bench, "bt-bench"), (train, "bt-train"))
+COMMANDS = dict(c for root, n in ((peer, "bt-peer"), (bench, "bt-bench"), (train, "bt-train"), (data, "bt-data"))
                 for c in _commands(root, n))
 
 
@@ -41,7 +42,7 @@ def test_every_option_readme_names_is_accepted_by_a_command():
     assert named - accepted == set()
 
 
-QUOTED = re.compile(r"`(bt-(?:peer|bench|train)(?: [a-z]+)?)([^`]*)`")
+QUOTED = re.compile(r"`(bt-(?:peer|bench|train|data)(?: [a-z]+)?)([^`]*)`")
 
 
 def _split(text: str) -> tuple[str, list[tuple[str, str]]]:

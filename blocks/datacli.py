@@ -1,0 +1,70 @@
+"""``bt-data``: a corpus of your own text, prepared once for training (blocktrain.blocks.data).
+
+This module parses the command line and prints; the work is ``data.prepare``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .data import MANIFEST, DataError, prepare, prepared
+from .progress import bar
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Prepare a corpus of your own text for `bt-train --data DIR` and `bt-peer join --data DIR`."""
+
+
+@main.command("prepare")
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write the corpus to.")
+@click.option("--valid-frac", default=0.01, show_default=True, type=float,
+              help="Share of the bytes carved off as the validation split (before the test split).")
+@click.option("--test-frac", default=0.01, show_default=True, type=float,
+              help="Share of the bytes carved off as the test split (the last bytes).")
+@click.option("--glob", "pattern", default="**/*.txt", show_default=True,
+              help="Which files of a SRC folder to take (recursively, in sorted order).")
+def prepare_cmd(src, out, valid_frac, test_frac, pattern):
+    """Write SRC as train.bin, valid.bin and test.bin (raw bytes) with manifest.json (sizes, sha256,
+    how valid and test were carved) in --out. SRC: one text file, a folder of them, or a folder of
+    the standard WikiText files (whose own splits are kept). Training memory-maps the splits, so a
+    worker's memory does not grow with the corpus; every peer of a swarm should train on the same
+    prepared corpus (compare the manifest's digest)."""
+    try:
+        with bar("bt-data prepare", None, unit="byte") as b:
+            def progress(done, total):
+                if b.total is None:
+                    b.total = total
+                b.update(done - b.n)
+            m = prepare(src, out, valid_frac, test_frac, pattern, progress)
+    except (DataError, OSError) as e:
+        click.echo(f"bt-data: {e}", err=True)
+        sys.exit(2)
+    for sp, d in m["splits"].items():
+        click.echo(f"{sp:<6}{d['bytes']:>15,} bytes  sha256 {d['sha256'][:16]}  {Path(out) / d['file']}")
+    click.echo(f"{m['files']} file(s) from {m['source']}; carved: {m['carve']}")
+    click.echo(f"digest {m['digest']}; use it with --data {out}")
+
+
+@main.command("info")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+def info(directory):
+    """Check a prepared corpus (files against its manifest) and print its manifest."""
+    try:
+        m = prepared(directory)
+    except DataError as e:
+        click.echo(f"bt-data: {e}", err=True)
+        sys.exit(2)
+    if m is None:
+        click.echo(f"bt-data: {directory} has no {MANIFEST}: not a prepared corpus", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(m, indent=1))
+
+
+if __name__ == "__main__":
+    main()
