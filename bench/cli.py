@@ -143,10 +143,10 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, sweep,
     from .wan import MODES, compare
 
     log = lambda s: click.echo(s, err=True)  # noqa: E731
-    modes = tuple(m for m in MODES if m in modes) or MODES  # the order of MODES, whatever the order given
-    if (kernel or sweep) and modes != MODES:
+    if (kernel or sweep) and modes:
         raise click.UsageError("--mode selects the modes of a plain run, not of --kernel (blocktrain and "
                                "autoregressive) or --sweep (all three)")
+    modes = tuple(m for m in MODES if m in modes) or MODES  # the order of MODES, whatever the order given
     if kernel:
         from .netns import available
         from .wan_kernel import run_kernel
@@ -184,9 +184,9 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, sweep,
         for m in (m for m in ("exact", "autoregressive", "blocktrain") if m in modes):
             r = result[m]
             extra = ""
-            if m == "exact" and "identical_prompts" in r:
-                extra = (f", {r['bytes_per_traversal']:.1f} bytes/traversal, identical to autoregressive: "
-                         f"{r['identical_prompts']}")
+            if m == "exact":
+                extra = f", {r['bytes_per_traversal']:.1f} bytes/traversal" + (
+                    f", identical to autoregressive: {r['identical_prompts']}" if "identical_prompts" in r else "")
             if m == "blocktrain":
                 q = r["quality"]["ce_per_offset"]
                 extra = ("; NOT the same output: CE of the true text per offset "

@@ -145,9 +145,10 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
         if stop.is_set():  # told to stop meanwhile: nothing has started yet
             return None
     await start_peer(peer, bootstrap, join_timeout_s, on_line)
-    on_ready(peer)
     page = await _start_page(peer, http, on_line) if http is not None else None
     _answer_requests(peer, served, trainer is not None)
+    if not stop.is_set():
+        on_ready(peer)
     task = asyncio.ensure_future(trainer.run()) if trainer is not None else None
     try:
         result, failed = await _supervise(peer, stop, task, exit_when_done, on_line, status_every_s)

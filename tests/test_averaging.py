@@ -130,7 +130,8 @@ async def test_a_departure_seen_a_round_apart_fails_that_round_and_the_group_sta
     peers, avgs, members = await group(3, timeout_s=20)
     try:
         crash(peers[2])
-        await peers[0].wait_for(lambda: peers[0].member(peers[2].id) is None, 10)
+        assert await peers[0].wait_for(lambda: peers[0].member(peers[2].id) is None, 60)
+        assert await peers[1].wait_for(lambda: peers[1].member(peers[2].id) is None, 60)
         xs = [torch.randn(3001) for _ in peers[:2]]
         two = {pid: a for pid, a in members.items() if pid != peers[2].id}
         r = await asyncio.wait_for(asyncio.gather(avgs[0].average(1, xs[0], members), avgs[1].average(1, xs[1], two),

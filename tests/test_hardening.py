@@ -397,6 +397,7 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
     try:
         # both say that they wait for the bootstrap, and keep trying (bounds: their starts, on a loaded machine)
         _until_line(tmp_path / "joiner.log", "not reachable yet; trying again for up to 300 s", joiner, 120)
+        assert "others join with" not in (tmp_path / "joiner.log").read_text()  # not in the swarm yet
         _until_line(tmp_path / "status.log", "nothing listens at", status, 120)
         starter = subprocess.Popen(base + ["start", "--listen", f"127.0.0.1:{boot}", "--identity",
                                            str(tmp_path / "i2"), *keys], stderr=subprocess.DEVNULL)

@@ -315,3 +315,43 @@ def test_a_sign_flipped_on_the_wire_is_named_though_its_distance_is_an_honest_on
     assert not rs["a"].result()[1].opposed
     noise = run(rounds([torch.randn(n) for _ in IDS4], IDS4, aggregate="robust"))  # no common direction at all
     assert all(not r.result()[1].opposed for r in noise.values())
+
+
+@pytest.mark.parametrize("departed_first", [False, True])
+def test_a_mismatch_is_relayed_so_a_member_that_never_heard_from_the_mismatched_one_knows_it(departed_first):
+    """Rule 4 / driver rule 9: b sees that c began the round with another view of the group; a hears
+    nothing from c, only b's parts (listing c in meta ``mismatched``), and records the mismatch too,
+    even when it had departed c for another reason first."""
+    torch.manual_seed(0)
+    rs = rounds([torch.randn(50) for _ in IDS])
+    first = [("a", q) for q in rs["a"].depart("c", "unreachable")] if departed_first else []
+    first += [("b", q) for q in rs["b"].mismatch("c", "sees another group")]
+    run({p: rs[p] for p in ("a", "b")}, queue=first)
+    for p in ("a", "b"):
+        assert rs[p].done and rs[p].mismatched == {"c"} and "c" in rs[p].departed
+    assert rs["a"].mismatched == {"c"}
+
+
+def test_a_malformed_mismatched_list_rejects_its_sender():
+    rs = rounds([torch.randn(50) for _ in IDS])
+    parts = rs["b"].start()
+    part = next(q for q in parts if q.peer == "a")
+    part.msg.meta["mismatched"] = "c"  # not a list
+    rs["a"].receive("b", part.msg)
+    assert rs["a"].rejected_ids() == {"b"}
+
+
+@pytest.mark.parametrize("codec", ["int8", "sign"])
+def test_a_failed_round_gives_back_the_error_feedback_it_started_with(codec):
+    """Nothing of a failed round is applied, so its rounding error is not carried to the next one:
+    the residual is what it was before the round (to float32 rounding)."""
+    torch.manual_seed(1)
+    before = torch.randn(300) * 0.01
+    r = AveragingRound("a", 0, 1, IDS, torch.randn(300), codec=codec, residual=before.clone(), min_coverage=1.0)
+    r.start()
+    assert not torch.allclose(r.residual, before)  # the encoding wrote this round's error
+    r.expire()
+    with pytest.raises(RoundFailed):
+        r.result()
+    r.undo_feedback()
+    assert torch.allclose(r.residual, before, atol=1e-6)

@@ -39,5 +39,6 @@ def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path
     assert d["modes"] == ["blocktrain", "autoregressive"] and "exact" not in d
     assert d["autoregressive"]["traversals"] == 4 and d["blocktrain"]["traversals"] == 1
     assert set(d["targets"]) == {"every mode within 1.25x of its bound"} and "speedup_blocktrain_vs_autoregressive" in d
-    r = CliRunner().invoke(main, ["wan", "--mode", "exact", "--kernel"])
-    assert r.exit_code == 2 and "--mode" in r.output
+    for every in ([], ["--mode", "exact", "--mode", "blocktrain", "--mode", "autoregressive"]):
+        r = CliRunner().invoke(main, ["wan", "--mode", "exact", "--kernel", *every])
+        assert r.exit_code == 2 and "--mode" in r.output  # --kernel runs its own two modes

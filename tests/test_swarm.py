@@ -249,7 +249,7 @@ async def test_a_member_restarted_under_overlapped_sign_rounds_rejoins_and_ends_
         await peers[2].stop()
         peers[2] = await Peer(peers[2].identity, peers[2].swarm_key, "127.0.0.1", 0, blocks=(2,), timeouts=FAST).start()
         await peers[2].join("127.0.0.1", peers[0].port)
-        await peers[2].wait_for(lambda: len(peers[2].members()) == 2, 10.0)
+        assert await peers[2].wait_for(lambda: len(peers[2].members()) == 2, 60.0)
         # only the restarted member's trainer: another SwarmTrainer on peers 0 and 1 would register a
         # second (idle) membership there, whose ABSENT answers the JOIN beside the group's welcome
         again = slowed(SwarmTrainer(peers[2], 2, MC, tc, sc, tmp_path / "w2", DATA, DATA), 0.01)

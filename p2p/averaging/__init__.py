@@ -34,9 +34,9 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
 - Rule 8 (driver.py; codec.py): parts are fed to the round as they arrive and decoded where they
   belong (the result, or an arena kept from round to round); queued messages are released when
   ``average`` returns.
-- Rule 9 (driver.py): a member that began the round with another view of the group fails it for
-  us (``GroupMismatch``: nothing applied, it stays in the group) up to MISMATCH_ROUNDS rounds in a
-  row, then departs it.
+- Rule 9 (driver.py; round.py): a member that began the round with another view of the group
+  fails it for us (``GroupMismatch``: nothing applied, it stays in the group) in up to
+  MISMATCH_ROUNDS rounds since our rounds' members last changed, then departs it.
 
 Every name here was importable from the one module ``averaging.py`` this package replaces.
 Setting one on the package (``monkeypatch.setattr(averaging, "PIECE_FLOATS", ...)``) sets it in

@@ -13,15 +13,17 @@ Rules (numbered as in the package's index, ``__init__.py``):
   released (copied), so nothing it sent views the buffers the next round writes. Parts for a
   round not begun yet are held within bounds (early.py).
 - Rule 9 (here): a member that began the round with another view of the group (its parts carry
-  another ``group`` digest, or it answers that it is not in our round's group) fails the round for
-  us (``GroupMismatch``): nothing applied, and it stays in the group. A departure or admission
-  reaches members at different moments, so two honest members may begin one round with different
-  members; departing each other there split the group in two (merged again only by STATUS, rule 6
-  of group.py, after a state fetch). The next round is begun once the change reached both (two
-  under overlap, where a round begins before the one on the wire ends): ``MISMATCH_ROUNDS`` rounds
-  in a row fail so; after that the member departs the round as any departed member (the round goes
-  on without it, and it leaves the group). A key holder that forges digests costs its group at most
-  that many rounds per admission.
+  another ``group`` digest, it answers that it is not in our round's group, or a member relays
+  that in meta ``mismatched``: round.py, rule 4) fails the round for us (``GroupMismatch``):
+  nothing applied (the error feedback is restored too), and it stays in the group. A departure or
+  admission reaches members at different moments, so two honest members may begin one round with
+  different members; departing each other there split the group in two (merged again only by
+  STATUS, rule 6 of group.py, after a state fetch). The next round is begun once the change reached
+  both (two under overlap, where a round begins before the one on the wire ends): a member's
+  mismatches fail up to ``MISMATCH_ROUNDS`` rounds since the members of our rounds last changed;
+  after that the member departs the round as any departed member (the round goes on without it,
+  and it leaves the group). A key holder that forges digests so costs its group at most that many
+  rounds per change of members.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..services import PeerServices, PeerUnreachable
 from .codec import UPDATE_CODECS, lossy_scratch
 from .early import AHEAD_ROUNDS, EarlyParts
 from .robust import Bounds
-from .round import AveragingRound, GroupMismatch, Part, RoundReport
+from .round import AveragingRound, GroupMismatch, Part, RoundFailed, RoundReport
 
 if TYPE_CHECKING:
     from ..transport import PeerConnection
@@ -79,7 +81,8 @@ class Averager(EarlyParts):
         super().__init__(block, floats)
         self.peer, self.aggregate = peer, aggregate
         self._suspect_streak: dict[str, int] = {}
-        self._mismatch_streak: dict[str, int] = {}  # rule 9: rounds in a row a member saw another group
+        self._mismatch_count: dict[str, int] = {}  # rule 9: rounds a member saw another group, since...
+        self._mismatch_ids: list[str] = []  # ... the members of our rounds were these
         if codec not in UPDATE_CODECS:
             raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")
         self.codec, self.density = codec, density
@@ -163,8 +166,12 @@ class Averager(EarlyParts):
                 pc.release_queued(sent)
         self._residual = r.residual
         self._suspicions(r, rnd)
-        self._mismatches(r)
-        out, rep = r.result()
+        try:
+            self._mismatches(r)
+            out, rep = r.result()
+        except RoundFailed:
+            r.undo_feedback()
+            raise
         rep.seconds, rep.bytes_sent = time.perf_counter() - t0, bytes_sent
         return out, rep
 
@@ -243,10 +250,10 @@ class Averager(EarlyParts):
             if isinstance(msg, str):
                 out = r.depart(pid, msg)
             elif msg.meta.get("phase") == Phase.ABSENT.value:
-                out = r.depart(pid, MISMATCHED[1])
+                out = r.mismatch(pid, MISMATCHED[1])
             elif msg.meta.get("group") != r.group:  # another view of the group: not usable
                 self._mismatch(pid, r.round)
-                out = r.depart(pid, MISMATCHED[0])
+                out = r.mismatch(pid, MISMATCHED[0])
             else:
                 out = r.receive(pid, msg)
         except Exception as e:  # a bug, not the peer's doing: the round fails here, the reader goes on
@@ -285,13 +292,15 @@ class Averager(EarlyParts):
                 self._suspect_streak.pop(pid, None)
 
     def _mismatches(self, r: AveragingRound) -> None:
-        """Rule 9: GroupMismatch when a member saw another group in this round and in fewer than
-        MISMATCH_ROUNDS rounds in a row."""
-        seen = sorted(p for p, why in r.departed.items() if why in MISMATCHED)
-        self._mismatch_streak = {p: self._mismatch_streak.get(p, 0) + 1 for p in seen}
-        tolerated = [p for p in seen if self._mismatch_streak[p] <= MISMATCH_ROUNDS]
+        """Rule 9: GroupMismatch when a member saw another group in this round and, since our
+        rounds' members last changed, in at most MISMATCH_ROUNDS rounds."""
+        if r.ids != self._mismatch_ids:
+            self._mismatch_count, self._mismatch_ids = {}, list(r.ids)
+        for p in r.mismatched:
+            self._mismatch_count[p] = self._mismatch_count.get(p, 0) + 1
+        tolerated = sorted(p for p in r.mismatched if self._mismatch_count[p] <= MISMATCH_ROUNDS)
         if tolerated:
-            raise GroupMismatch(self.block, r.round, tolerated)
+            raise GroupMismatch(self.block, r.round, tolerated, frozenset(r.silent()))
 
     def _mismatch(self, pid: str, rnd: int):
         if not any(e.get("peer") == pid and e["event"] == "group mismatch" for e in self.events):

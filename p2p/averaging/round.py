@@ -19,8 +19,12 @@ Rules (numbered as in the package's index, ``__init__.py``):
   the round finishes with the others. Coverage counts the live members. A member that departs
   a peer for a reason only it can see (another view of the group, unreachable) lists it in meta
   ``departed`` of every part it sends from then on; the receivers depart it too, so nobody waits
-  for a member that will not come. Where every member computes every piece (rule 6), a piece
-  counts the parts a departed member sent before it left (the others hold them too).
+  for a member that will not come. A member that began the round with another view of the group
+  (its parts carry another ``group``, or it says it is not in our round's group) is recorded in
+  ``mismatched`` as well, and listed in meta ``mismatched`` of every part we send, so that every
+  member learns it was a mismatch whichever way it hears of it first (driver.py, rule 9, fails such
+  a round). Where every member computes every piece (rule 6), a piece counts the parts a departed
+  member sent before it left (the others hold them too).
 - Rule 5: coverage is, for every piece, whether every live member contributed; the fraction of
   the vector covered. Below ``min_coverage`` the result raises ``RoundFailed``: nothing applied.
 - Rule 6 (here): with ``aggregate="robust"`` and 3 or more members, every member sends its part
@@ -67,10 +71,10 @@ class GroupMismatch(RoundFailed):
     reached them at another round than us): nothing applied, and they stay in the group (driver.py,
     rule 9): the next round, begun once the change reached both, matches."""
 
-    def __init__(self, block: int, rnd: int, peers):
+    def __init__(self, block: int, rnd: int, peers, silent: frozenset = frozenset()):
         Exception.__init__(self, f"block {block} round {rnd}: {', '.join(p[:12] for p in peers)} began it with "
                                  f"another view of the group; nothing applied (the next round tries again)")
-        self.block, self.round, self.coverage, self.silent = block, rnd, 0.0, frozenset()
+        self.block, self.round, self.coverage, self.silent = block, rnd, 0.0, silent
         self.mismatched = tuple(peers)
 
 
@@ -174,6 +178,7 @@ class AveragingRound:
         self.out = _result_buffer(out, vector, n)
         self._lay_out_arena(arena)
         self.departed: dict[str, str] = {}
+        self.mismatched: set[str] = set()  # members that began the round with another view of the group (rule 4)
         self.rejected: list[dict] = []  # {"peer", "reason"}, in order
         self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
         self._sent_to: dict[int, str | set[str]] = {}  # piece -> owner (mean) or the members it went to (robust)
@@ -227,9 +232,16 @@ class AveragingRound:
         phase, j = msg.meta.get("phase"), msg.meta.get("part")
         if type(j) is not int or not 0 <= j < self.P or phase not in ("reduce", "gather"):
             return self._reject(pid, f"bad phase/part {phase!r}/{j!r}")
-        gone = msg.meta.get("departed", [])
+        gone, other = msg.meta.get("departed", []), msg.meta.get("mismatched", [])
         if not isinstance(gone, list) or len(gone) > len(self.ids):
             return self._reject(pid, "malformed 'departed'")
+        if not isinstance(other, list) or len(other) > len(self.ids):
+            return self._reject(pid, "malformed 'mismatched'")
+        for d in other:  # before ``departed`` lists them: a relayed mismatch is one
+            if isinstance(d, str) and d != self.me and d != pid and d in self.ids:
+                self.mismatched.add(d)
+                if d in self.live():
+                    self.departed[d] = f"another view of the group, said {pid[:12]}"
         for d in gone:
             if isinstance(d, str) and d != self.me and d != pid and d in self.live():
                 self.departed[d] = f"departed at {pid[:12]}"
@@ -259,6 +271,20 @@ class AveragingRound:
         self.departed[pid] = why
         return self._progress(final=False)
 
+    def mismatch(self, pid: str, why: str) -> list[Part]:
+        """``pid`` began the round with another view of the group: recorded (even if it departed
+        already, e.g. by a relay that came first), and departed."""
+        if pid in self.ids and pid != self.me and not self.done:
+            self.mismatched.add(pid)
+        return self.depart(pid, why)
+
+    def undo_feedback(self) -> None:
+        """The round failed (nothing of it applied): the error feedback goes back to what it was
+        before it (x - vector: the old residual, to float32 rounding), so the next round does not
+        send the lost round's update again."""
+        if self.residual is not None:
+            torch.sub(self.x, self.vector, out=self.residual)
+
     def expire(self) -> list[Part]:
         """The deadline passed: send what we have; the coverage says what is missing."""
         if self.done:
@@ -286,6 +312,8 @@ class AveragingRound:
     def _msg(self, phase: str, j: int, wire: Wire, **meta) -> BlockUpdate:
         if self.departed:
             meta["departed"] = sorted(self.departed)
+        if self.mismatched:
+            meta["mismatched"] = sorted(self.mismatched)
         return BlockUpdate(block=self.block, round=self.round, codec=self.update_codec, tensors=_tensors(wire),
                            meta={"phase": phase, "part": j, "group": self.group, **meta})
 
