@@ -115,9 +115,11 @@ def transport(json_path, mib, repeats, pings):
 @click.option("--prompts", default=3, show_default=True, type=click.IntRange(1, 1000),
               help="WikiText-2 test prompts (64 bytes each); medians over prompts x repeats.")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 21))
-@click.option("--mode", "modes", multiple=True, type=click.Choice(["blocktrain", "exact", "autoregressive"]),
-              help="Run only this mode (repeatable; default: all three). The speedup needs exact and "
-                   "autoregressive; the identity check too.")
+@click.option("--mode", "modes", multiple=True, metavar="MODE[,MODE]",
+              help="Run only these modes: blocktrain, exact, autoregressive (a comma list, or repeated; default: all "
+                   "three). The speedup and the identity check need exact and autoregressive.")
+@click.option("--split", type=click.Choice(["test", "valid"]), default="test", show_default=True,
+              help="Where the prompts come from: valid keeps the test split for final figures.")
 @click.option("--sweep", is_flag=True, help="N in 16..256 x RTT in 0..200 ms (autoregressive timed on 32 bytes and "
                                             "scaled, labelled); writes a table and a PNG.")
 @click.option("--kernel", is_flag=True,
@@ -125,7 +127,7 @@ def transport(json_path, mib, repeats, pings):
                    "kernel lacks it, a userspace relay (needs root; blocktrain and autoregressive modes).")
 @click.option("--out", default="runs/bench-wan", show_default=True, type=click.Path(file_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
-def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, sweep, kernel, out, json_path):
+def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split, sweep, kernel, out, json_path):
     """One output sequence across a chain of serving peers on WAN-like links, three modes side by side
     (or those --mode names).
 
@@ -143,10 +145,16 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, sweep,
     from .wan import MODES, compare
 
     log = lambda s: click.echo(s, err=True)  # noqa: E731
+    modes = tuple(m.strip() for v in modes for m in v.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)}: expected blocktrain, exact or autoregressive", param_hint="--mode")
     if (kernel or sweep) and modes:
         raise click.UsageError("--mode selects the modes of a plain run, not of --kernel (blocktrain and "
                                "autoregressive) or --sweep (all three)")
     modes = tuple(m for m in MODES if m in modes) or MODES  # the order of MODES, whatever the order given
+    if kernel and split != "test":
+        raise click.UsageError("--kernel takes its prompts from the test split (no --split)")
     if kernel:
         from .netns import available
         from .wan_kernel import run_kernel
@@ -162,7 +170,7 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, sweep,
         rows = []
         for rtt in (0.0, 50.0, 200.0):
             for n in (16, 64, 256):
-                r = compare(checkpoints, n, rtt, rate_mbit, prompts, 1, ar_bytes=32)
+                r = compare(checkpoints, n, rtt, rate_mbit, prompts, 1, ar_bytes=32, split=split)
                 rows.append(r)
                 log(f"N {n:4d} RTT {rtt:4.0f} ms: exact {r['exact']['seconds']:.2f} s "
                     f"({r['exact']['bytes_per_traversal']:.1f} B/traversal), autoregressive "
@@ -180,7 +188,7 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, sweep,
                 pbar.update(1)
 
             result = {"benchmark": "wan", **compare(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats,
-                                                    log=log, progress=progress, modes=modes)}
+                                                    log=log, progress=progress, modes=modes, split=split)}
         for m in (m for m in ("exact", "autoregressive", "blocktrain") if m in modes):
             r = result[m]
             extra = ""

@@ -37,11 +37,11 @@ PROMPT_LEN = 64
 MODES = ("blocktrain", "exact", "autoregressive")
 
 
-def test_prompts(n: int, n_bytes: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
-    """``n`` (prompt, true continuation) pairs: 64-byte windows of the test split at evenly spread
+def test_prompts(n: int, n_bytes: int, seed: int = 0, split: str = "test") -> list[tuple[bytes, bytes]]:
+    """``n`` (prompt, true continuation) pairs: 64-byte windows of ``split`` at evenly spread
     offsets, each followed by ``n_bytes`` of the text."""
     from blocktrain.blocks.data import read_split
-    text = read_split("test")
+    text = read_split(split)
     span = PROMPT_LEN + n_bytes
     step = max(1, (len(text) - span) // max(1, n))
     return [(text[i:i + PROMPT_LEN], text[i + PROMPT_LEN:i + span]) for i in range(seed, seed + step * n, step)][:n]
@@ -58,7 +58,7 @@ def _bound(traversals: float, hops: int, link: LinkSpec, moved: float, compute: 
 
 async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts: int = 3,
               repeats: int = 1, modes=MODES, threads: int = 1, log=lambda s: None, ar_bytes: int | None = None,
-              progress=lambda s: None) -> dict:
+              progress=lambda s: None, split: str = "test") -> dict:
     """Every mode on the same chain, prompts and links; medians over prompts x repeats.
 
     ``ar_bytes``: time autoregressive decoding on this many bytes and scale to ``n_bytes``
@@ -85,8 +85,9 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
         peers.append(p)
     client = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], list(range(hops)), tmo, link,
                             codec="bf16", timeout_s=600)
-    pairs = test_prompts(prompts, n_bytes)
+    pairs = test_prompts(prompts, n_bytes, split=split)
     out: dict = {"n_bytes": n_bytes, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "hops": hops, "prompts": len(pairs),
+                 "split": split,
                  "repeats": repeats, "model": cfg.to_dict(), "checkpoints": str(checkpoints or "shipped model"),
                  "links": "in-process link shaper (per-frame serialization at the rate, then one-way delay)",
                  "numerics": "exact and autoregressive both batch-invariant (what makes their output identical); "
@@ -161,13 +162,14 @@ async def _one_traversal_quality(client: PipelineClient, pairs, n_bytes: int) ->
 
 
 def compare(checkpoints, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts: int = 3, repeats: int = 1,
-            log=lambda s: None, ar_bytes: int | None = None, progress=lambda s: None, modes=MODES) -> dict:
+            log=lambda s: None, ar_bytes: int | None = None, progress=lambda s: None, modes=MODES,
+            split: str = "test") -> dict:
     """``progress(what)`` after each request (modes x prompts x repeats of them). Targets are judged
     where the modes run allow it (the speedup and the identity need exact and autoregressive)."""
     import uvloop
 
     r = uvloop.run(run(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats, modes=modes, log=log,
-                       ar_bytes=ar_bytes, progress=progress))
+                       ar_bytes=ar_bytes, progress=progress, split=split))
     r["modes"] = list(modes)
     r["within_bound"] = {m: r[m]["vs_bound"] <= 1.25 for m in MODES if m in r}
     r["targets"] = {"every mode within 1.25x of its bound": all(r["within_bound"].values())}

@@ -32,13 +32,16 @@ def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path
 
     from blocktrain.bench.cli import main
     out = tmp_path / "wan.json"
-    r = CliRunner().invoke(main, ["wan", "--mode", "autoregressive", "--mode", "blocktrain", "--bytes", "4",
-                                  "--prompts", "1", "--rtt-ms", "0", "--rate-mbit", "0", "--json", str(out)])
+    r = CliRunner().invoke(main, ["wan", "--mode", "autoregressive,blocktrain", "--mode", "blocktrain", "--bytes", "4",
+                                  "--prompts", "1", "--rtt-ms", "0", "--rate-mbit", "0", "--split", "valid",
+                                  "--json", str(out)])
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
-    assert d["modes"] == ["blocktrain", "autoregressive"] and "exact" not in d
+    assert d["modes"] == ["blocktrain", "autoregressive"] and "exact" not in d and d["split"] == "valid"
     assert d["autoregressive"]["traversals"] == 4 and d["blocktrain"]["traversals"] == 1
     assert set(d["targets"]) == {"every mode within 1.25x of its bound"} and "speedup_blocktrain_vs_autoregressive" in d
     for every in ([], ["--mode", "exact", "--mode", "blocktrain", "--mode", "autoregressive"]):
         r = CliRunner().invoke(main, ["wan", "--mode", "exact", "--kernel", *every])
         assert r.exit_code == 2 and "--mode" in r.output  # --kernel runs its own two modes
+    r = CliRunner().invoke(main, ["wan", "--mode", "exact,fast"])
+    assert r.exit_code == 2 and "fast: expected" in r.output
