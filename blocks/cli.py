@@ -10,7 +10,7 @@ import sys
 import click
 
 from . import checkpoint as ckpt
-from .config import ConfigError, JobConfig, load
+from .config import SIZES, ConfigError, JobConfig, load
 from .data import DataError
 from .progress import bar
 from .schedule import SCHEDULES
@@ -19,6 +19,11 @@ from .schedule import SCHEDULES
 @click.command(context_settings={"help_option_names": ["-h", "--help"]},
                epilog="Examples: bt-train | bt-train --steps 1000 --set model.d_model=192 --set model.n_head=6 | "
                       "bt-train --config job.json --schedule sequential --out runs/seq")
+@click.option("--size", type=click.Choice(list(SIZES)), default=None,
+              help="A named model size (tiny = the default d 128 x 6 layers, small d 512 x 12, base d 1024 x 24); "
+                   "--config and --set override it. --dry-run prints what it costs.")
+@click.option("--dry-run", is_flag=True, help="Print each block's parameters, a worker's memory and the FLOPs of a "
+                                              "step, then exit without training.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
               help="JSON file of overrides (the same keys as --set, or nested sections).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
@@ -37,7 +42,7 @@ from .schedule import SCHEDULES
               help="Train each block in its own process, exchanging checkpoint files (staggered, parallel or "
                    "sequential; relay needs same-block averaging between workers, which bt-peer provides).")
 @click.option("--threads", type=click.IntRange(1), default=None, help="torch threads (default 2).")
-def main(config_file, sets, steps, schedule, data, out, no_reference, processes, threads):
+def main(size, dry_run, config_file, sets, steps, schedule, data, out, no_reference, processes, threads):
     """Train a 3-block BlockTrain model and the end-to-end reference on WikiText-2 bytes, under the
     same budget; report the test CE of every head along the chain, write results.json, curves.png
     and the checkpoints (servable with `bt-peer serve --checkpoints OUT/checkpoints`).
@@ -47,12 +52,15 @@ def main(config_file, sets, steps, schedule, data, out, no_reference, processes,
     """
     from .job import run_job
     try:
-        job = load(JobConfig(), config_file, sets, **{"train.steps": steps, "schedule": schedule, "data": data,
+        job = load(JobConfig(), config_file, sets, size, **{"train.steps": steps, "schedule": schedule, "data": data,
                                                        "out": out, "threads": threads,
                                                        "reference": False if no_reference else None,
                                                        "processes": True if processes else None})
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="configuration") from None
+    if dry_run:
+        _print_plan(job)
+        return
     try:
         run_job(job, log=lambda s: click.echo(s, err=True), bar=bar)
     except (DataError, ValueError, RuntimeError, ckpt.CheckpointError) as e:
@@ -61,6 +69,23 @@ def main(config_file, sets, steps, schedule, data, out, no_reference, processes,
     except KeyboardInterrupt:
         click.echo("bt-train: interrupted; checkpoints written so far are kept", err=True)
         sys.exit(130)
+
+
+def _print_plan(job: JobConfig) -> None:
+    from .plan import dry_run
+    p = dry_run(job)
+    m = job.model
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    click.echo(f"model: d {m.d_model}, {m.n_head} heads, {m.n_layer} layers in {m.n_blocks} blocks, "
+               f"{p['params_total']:,} parameters; batch {p['batch'][0]} x {p['batch'][1]} bytes, "
+               f"{p['steps_per_block']} steps per block")
+    for r in p["blocks"]:
+        mem = r["memory"]
+        click.echo(f"block {r['block']}: {r['params']:>13,} parameters; a worker holds {gib(mem['total_bytes_estimate'])} "
+                   f"(trained {gib(mem['trained_bytes'])}, frozen below {gib(mem['frozen_below_bytes'])}, "
+                   f"activations ~{gib(mem['activations_bytes_estimate'])}); "
+                   f"{r['train_flops_per_step'] / 1e12:.3f} TFLOP a step")
+    click.echo(f"end-to-end reference: {p['reference_flops_per_step'] / 1e12:.3f} TFLOP a step. {p['note']}.")
 
 
 if __name__ == "__main__":

@@ -123,6 +123,15 @@ class ConfigError(ValueError):
     """A configuration key or value is unknown or invalid."""
 
 
+# Named model sizes (``--size``): overrides applied before --config and --set, which may change any
+# of them. tiny is the default model; parameter counts, memory and FLOPs: ``bt-train --dry-run``.
+SIZES = {
+    "tiny": {"model.d_model": 128, "model.n_head": 4, "model.n_layer": 6},
+    "small": {"model.d_model": 512, "model.n_head": 8, "model.n_layer": 12},
+    "base": {"model.d_model": 1024, "model.n_head": 16, "model.n_layer": 24},
+}
+
+
 @dataclass
 class JobConfig:
     """``bt-train``: a BlockTrain model and the end-to-end reference, under the same budget."""
@@ -250,9 +259,13 @@ def apply_overrides(cfg, overrides: dict):
         raise ConfigError(str(e)) from None
 
 
-def load(cfg, config_file: str | Path | None = None, sets=(), **options):
-    """``cfg`` with a config file, then ``--set`` items, then explicit options (None: not given)."""
-    overrides = read_config_file(config_file) if config_file else {}
+def load(cfg, config_file: str | Path | None = None, sets=(), size: str | None = None, **options):
+    """``cfg`` with a named size (SIZES), then a config file, then ``--set`` items, then explicit
+    options (None: not given)."""
+    if size is not None and size not in SIZES:
+        raise ConfigError(f"size {size!r}: expected one of {', '.join(SIZES)}")
+    overrides = dict(SIZES[size]) if size else {}
+    overrides.update(read_config_file(config_file) if config_file else {})
     overrides.update(parse_set(sets))
     overrides.update({k: v for k, v in options.items() if v is not None})
     return apply_overrides(cfg, overrides)

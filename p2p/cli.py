@@ -16,6 +16,8 @@ from pathlib import Path
 
 import click
 
+from blocktrain.blocks.config import SIZES
+
 from .identity import KeyError_, load_or_create_identity, load_swarm_key, new_swarm_key, peer_id
 from .link import LinkSpec, load_topology
 from .transport import Timeouts, install_uvloop
@@ -128,6 +130,9 @@ def _train_options(f):
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Any setting: model.d_model=128, train.steps=300, swarm.round_timeout_s=60, ... "
                           "Every peer of a swarm must use the same model and train settings."),
+        click.option("--size", type=click.Choice(list(SIZES)), default=None,
+                     help="A named model size, as bt-train's (--set overrides it; `bt-train --size S --dry-run` "
+                          "prints what it costs)."),
         click.option("--data", type=click.Path(exists=True), default=None,
                      help="A corpus `bt-data prepare` wrote (memory-mapped), or a directory of the standard "
                           "WikiText files (default: the embedded WikiText-2)."),
@@ -197,7 +202,7 @@ def _training(o: dict):
     from .swarm.settings import PeerJob
 
     try:
-        job = load(PeerJob(), None, o["overrides"], **{
+        job = load(PeerJob(), None, o["overrides"], o["size"], **{
             "train.steps": o["steps"], "swarm.schedule": o["schedule"],
             "swarm.sync": o["sync"] or ("params" if o["overlap"] else None),  # --overlap means parameter rounds
             "swarm.every": o["every"], "swarm.codec": o["codec"], "swarm.min_group": o["min_group"],
