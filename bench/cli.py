@@ -113,7 +113,7 @@ def transport(json_path, mib, repeats, pings):
 @click.option("--bytes", "n_bytes", default=256, show_default=True, type=click.IntRange(2, 4096),
               help="Output sequence length N (after a 64-byte prompt).")
 @click.option("--prompts", default=3, show_default=True, type=click.IntRange(1, 1000),
-              help="WikiText-2 test prompts (64 bytes each); medians over prompts x repeats.")
+              help="WikiText-2 prompts (64 bytes each, from --split); medians over prompts x repeats.")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 21))
 @click.option("--mode", "modes", multiple=True, metavar="MODE[,MODE]",
               help="Run only these modes: blocktrain, exact, autoregressive (a comma list, or repeated; default: all "
@@ -145,7 +145,10 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
     from .wan import MODES, compare
 
     log = lambda s: click.echo(s, err=True)  # noqa: E731
+    given = bool(modes)
     modes = tuple(m.strip() for v in modes for m in v.split(",") if m.strip())
+    if given and not modes:
+        raise click.BadParameter("name at least one mode: blocktrain, exact or autoregressive", param_hint="--mode")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise click.BadParameter(f"{', '.join(unknown)}: expected blocktrain, exact or autoregressive", param_hint="--mode")
@@ -154,7 +157,7 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
                                "autoregressive) or --sweep (all three)")
     modes = tuple(m for m in MODES if m in modes) or MODES  # the order of MODES, whatever the order given
     if kernel and split != "test":
-        raise click.UsageError("--kernel takes its prompts from the test split (no --split)")
+        raise click.UsageError("--split applies to the plain run and --sweep; --kernel has prompts of its own")
     if kernel:
         from .netns import available
         from .wan_kernel import run_kernel

@@ -21,7 +21,9 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
+import mmap
 import os
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -85,6 +87,7 @@ def read_split(split: str, data_dir: str | Path | None = None, variant: str = "t
 MANIFEST = "manifest.json"
 PREPARED_FORMAT = "blocktrain-bytes/1"
 CHUNK = 8 << 20  # bytes read and written at a time by prepare (its memory, whatever the corpus)
+MIN_SPLIT_BYTES = 1025  # prepare's floor per split (one 1024-byte window); a job checks its own seq_len too
 
 
 def prepare(src: str | Path, out: str | Path, valid_frac: float = 0.01, test_frac: float = 0.01,
@@ -96,8 +99,8 @@ def prepare(src: str | Path, out: str | Path, valid_frac: float = 0.01, test_fra
     ``valid_frac`` before them valid, the rest train (cut at byte offsets, stated in the manifest).
     Streams CHUNK bytes at a time. Returns the manifest."""
     src, out = Path(src), Path(out)
-    if not 0 <= valid_frac < 0.5 or not 0 <= test_frac < 0.5:
-        raise DataError(f"--valid-frac and --test-frac must be in [0, 0.5), got {valid_frac} and {test_frac}")
+    if not 0 < valid_frac < 0.5 or not 0 < test_frac < 0.5:
+        raise DataError(f"--valid-frac and --test-frac must be in (0, 0.5), got {valid_frac} and {test_frac}")
     if not src.exists():
         raise DataError(f"{src} does not exist")
     wikitext = src.is_dir() and all((src / _file_name(sp, "tokens")).is_file() for sp in SPLITS)
@@ -105,7 +108,9 @@ def prepare(src: str | Path, out: str | Path, valid_frac: float = 0.01, test_fra
         plan = {sp: [src / _file_name(sp, "tokens")] for sp in SPLITS}
         carve = "the source's own WikiText splits (wiki.{train,valid,test}.tokens), as they are"
     else:
-        files = [src] if src.is_file() else sorted(p for p in src.glob(pattern) if p.is_file())
+        inside = out.resolve()  # a --out inside SRC: its own files are not sources
+        files = [src] if src.is_file() else sorted(p for p in src.glob(pattern)
+                                                   if p.is_file() and inside not in p.resolve().parents)
         if not files:
             raise DataError(f"{src} holds no file matching {pattern!r} (--glob)")
         plan = {"all": files}
@@ -114,8 +119,10 @@ def prepare(src: str | Path, out: str | Path, valid_frac: float = 0.01, test_fra
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # not a prepared corpus until the new manifest is written
     splits = _write_splits(plan, out, valid_frac, test_frac, progress)
-    if splits["train"]["bytes"] < 2:
-        raise DataError(f"{src}: the train split would hold {splits['train']['bytes']} bytes")
+    small = [sp for sp in SPLITS if splits[sp]["bytes"] < MIN_SPLIT_BYTES]
+    if small:
+        raise DataError(f"{src}: the {' and '.join(small)} split(s) would hold fewer than {MIN_SPLIT_BYTES} bytes "
+                        f"({', '.join(str(splits[sp]['bytes']) for sp in small)}): a larger corpus or fraction")
     manifest = {"format": PREPARED_FORMAT, "source": str(src.resolve()), "carve": carve,
                 "valid_frac": None if wikitext else valid_frac, "test_frac": None if wikitext else test_frac,
                 "files": sum(len(v) for v in plan.values()), "splits": splits}
@@ -221,11 +228,28 @@ def load_split(split: str, data: str | Path | None = None, variant: str = "token
         if n < 2:
             raise DataError(f"{Path(str(data)) / (split + '.bin')} holds {n} bytes: prepare with a larger "
                             f"--{split}-frac" if split != "train" else f"{data}: the train split is empty")
-        return torch.from_file(str(Path(str(data)) / f"{split}.bin"), shared=False, size=n, dtype=torch.uint8)
+        return _mapped(Path(str(data)) / f"{split}.bin")
     if data is not None and (Path(data).is_file() or (Path(data).is_dir() and not any(Path(data).glob("wiki.*")))):
         raise DataError(f"{data} is neither a prepared corpus nor a WikiText directory; prepare it once with "
                         f"`bt-data prepare {data} --out DIR`, then pass --data DIR")
     return as_tensor(read_split(split, data, variant))
+
+
+# Linux's MAP_NORESERVE (Python's mmap names it from 3.13 on): no memory reserved for the mapping.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+def _mapped(path: Path) -> torch.Tensor:
+    """The file as a flat uint8 tensor on a private copy-on-write mapping with nothing reserved:
+    pages are read as used, a write (nothing here writes) stays in this process, never reaches the
+    file. torch.from_file maps privately without MAP_NORESERVE, so the kernel reserves memory for
+    the whole file and a corpus larger than RAM fails; a read-only mapping would crash the process
+    on a write."""
+    if not hasattr(mmap, "MAP_PRIVATE"):  # no POSIX mmap: read it whole
+        return as_tensor(path.read_bytes())
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE | MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(m, dtype=torch.uint8)
 
 
 def as_tensor(data: bytes) -> torch.Tensor:

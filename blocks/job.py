@@ -81,6 +81,10 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     train, valid, test = (load_split(sp, job.data) for sp in ("train", "valid", "test"))
+    for name, t in (("valid", valid), ("test", test)):  # before training, not after it
+        if t.numel() < job.train.seq_len + 1:
+            raise DataError(f"the {name} split holds {t.numel()} bytes, fewer than one window of "
+                            f"train.seq_len + 1 = {job.train.seq_len + 1}")
     try:
         test_raw = None if prepared(job.data) else load_split("test", job.data, "raw")
     except DataError:
@@ -177,6 +181,8 @@ def train_in_processes(job: JobConfig, directory: Path, log, bar=no_bar):
             cmd = [sys.executable, "-m", "blocktrain.blocks.worker", "--block", str(k), "--dir", str(directory),
                    "--schedule", job.schedule, "--model", json.dumps(mc.to_dict()),
                    "--train", json.dumps(tc.to_dict()), "--ckpt-every", str(tc.refresh_every), "--threads", "1"]
+            if job.data is not None:  # the workers train on the job's data, not the embedded default
+                cmd += ["--data", str(job.data)]
             procs.append(subprocess.Popen(cmd))
         with bar(f"blocktrain ({job.schedule}, {mc.n_blocks} processes)", mc.n_blocks * tc.steps) as b:
             done = 0

@@ -24,7 +24,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .checkpoint import block_path
-from .data import as_tensor, read_split
+from .data import DataError, load_split
 from .lower import LowerInputs
 from .model import ModelConfig
 from .schedule import make_plans
@@ -65,7 +65,7 @@ def run_worker(k: int, mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, dire
                ckpt_every: int = 25, data: torch.Tensor | None = None, wait_timeout_s: float = 3600.0,
                log=lambda s: None) -> BlockTrainer:
     directory = Path(directory)
-    data = data if data is not None else as_tensor(read_split("train"))
+    data = data if data is not None else load_split("train")
     plan = make_plans(schedule, mcfg.n_blocks, tcfg.steps, tcfg.decay_frac)[k]
     tr = BlockTrainer(mcfg, tcfg, k, data)
     tr.lr_plan = (plan.decay_start, plan.decay_end)
@@ -106,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--train", default="{}", help="JSON overrides of TrainConfig")
     ap.add_argument("--ckpt-every", type=int, default=25)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--data", default=None, help="bt-train's --data (default: the embedded WikiText-2)")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -113,8 +114,8 @@ def main(argv=None):
     tcfg = TrainConfig.from_dict(json.loads(a.train))
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.verbose else (lambda s: None)
     try:
-        run_worker(a.block, mcfg, tcfg, a.schedule, a.dir, a.ckpt_every, log=log)
-    except (ckpt.CheckpointError, TimeoutError) as e:
+        run_worker(a.block, mcfg, tcfg, a.schedule, a.dir, a.ckpt_every, load_split("train", a.data), log=log)
+    except (ckpt.CheckpointError, TimeoutError, DataError) as e:
         print(f"block worker {a.block}: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -14,9 +14,9 @@ from blocktrain.blocks.datacli import main as bt_data
 
 def _corpus(root):
     (root / "a").mkdir(parents=True)
-    (root / "a" / "one.txt").write_bytes(b"first file\n" * 50)
-    (root / "a" / "two.txt").write_bytes(b"no newline at the end " * 40)  # prepare adds one
-    (root / "b.txt").write_bytes("caf\u00e9 and bytes \xff\n".encode() * 30)
+    (root / "a" / "one.txt").write_bytes(b"first file\n" * 1500)
+    (root / "a" / "two.txt").write_bytes(b"no newline at the end " * 1200)  # prepare adds one
+    (root / "b.txt").write_bytes("caf\u00e9 and bytes \xff\n".encode() * 900)
     (root / "notes.md").write_bytes(b"not matched by the default glob\n")
     (root / "empty.txt").write_bytes(b"")
     files = [root / "a" / "one.txt", root / "a" / "two.txt", root / "b.txt", root / "empty.txt"]  # sorted
@@ -24,7 +24,7 @@ def _corpus(root):
                     for f in sorted(files))
 
 
-@pytest.mark.parametrize("chunk", [7, 1 << 20])  # chunks that straddle every cut, and one chunk per file
+@pytest.mark.parametrize("chunk", [4099, 1 << 20])  # chunks that straddle every cut, and one chunk per file
 def test_prepare_carves_the_concatenation_at_the_stated_offsets_and_loads_it_mapped(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(data, "CHUNK", chunk)
     whole = _corpus(tmp_path / "src")
@@ -38,8 +38,10 @@ def test_prepare_carves_the_concatenation_at_the_stated_offsets_and_loads_it_map
         t = load_split(sp, tmp_path / "out")
         assert t.dtype == torch.uint8 and bytes(t.numpy()) == b
     assert m["files"] == 4 and json.loads((tmp_path / "out" / "manifest.json").read_text()) == m
-    again = prepare(tmp_path / "src", tmp_path / "again", valid_frac=0.1, test_frac=0.05)
-    assert again["digest"] == m["digest"]  # a pure function of the sources and the fractions
+    again = prepare(tmp_path / "src", tmp_path / "src" / "again", valid_frac=0.1, test_frac=0.05, pattern="**/*")
+    assert again["digest"] != m["digest"]  # notes.md is in, with **/*; the first run's output is not:
+    again2 = prepare(tmp_path / "src", tmp_path / "src" / "again", valid_frac=0.1, test_frac=0.05, pattern="**/*")
+    assert again2["digest"] == again["digest"]  # a pure function of the sources and the fractions
     x, y = ByteBatches(load_split("train", tmp_path / "out"), 4, 16, seed=3).batch(5)
     assert x.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
 
@@ -48,7 +50,7 @@ def test_a_wikitext_folder_keeps_its_own_splits(tmp_path):
     src = tmp_path / "wt"
     src.mkdir()
     for sp in ("train", "valid", "test"):
-        (src / f"wiki.{sp}.tokens").write_bytes(f" = {sp} = \n".encode() * 20)
+        (src / f"wiki.{sp}.tokens").write_bytes(f" = {sp} = \n".encode() * 200)
     m = prepare(src, tmp_path / "out")
     assert m["valid_frac"] is None and "as they are" in m["carve"]
     for sp in ("train", "valid", "test"):
@@ -57,8 +59,13 @@ def test_a_wikitext_folder_keeps_its_own_splits(tmp_path):
 
 def test_bad_corpora_are_refused_with_what_to_do(tmp_path):
     whole = _corpus(tmp_path / "src")
-    prepare(tmp_path / "src", tmp_path / "out")
-    assert prepared(tmp_path / "out")["splits"]["train"]["bytes"] == int(len(whole) * 0.98)
+    prepare(tmp_path / "src", tmp_path / "out", valid_frac=0.05, test_frac=0.05)
+    assert prepared(tmp_path / "out")["splits"]["train"]["bytes"] == int(len(whole) * 0.9)
+    with pytest.raises(DataError, match="fewer than 1025 bytes"):  # nothing to evaluate on
+        prepare(tmp_path / "src", tmp_path / "tiny", valid_frac=0.001, test_frac=0.05)
+    assert not (tmp_path / "tiny" / "manifest.json").exists()
+    with pytest.raises(DataError, match="valid-frac"):
+        prepare(tmp_path / "src", tmp_path / "x", valid_frac=0.0)
     with open(tmp_path / "out" / "train.bin", "r+b") as f:  # truncated after it was prepared
         f.truncate(100)
     with pytest.raises(DataError, match="manifest says .* prepare again"):
@@ -88,3 +95,27 @@ def test_bt_data_prepare_and_info(tmp_path):
     r = CliRunner().invoke(bt_data, ["prepare", str(tmp_path / "src"), "--out", str(tmp_path / "o2"),
                                      "--glob", "*.nothing"])
     assert r.exit_code == 2 and "no file matching" in r.output
+
+
+def test_a_corpus_larger_than_memory_is_mapped_not_reserved(tmp_path):
+    """A split is mapped with nothing reserved: a 64 GiB (sparse) train split loads and gives batches
+    on a machine with less memory than that (torch.from_file's mapping reserved it all and failed
+    past the machine's memory); a write stays in the process, the file is untouched."""
+    _corpus(tmp_path / "src")
+    prepare(tmp_path / "src", tmp_path / "out", valid_frac=0.05, test_frac=0.05)
+    big = 64 << 30
+    with open(tmp_path / "out" / "train.bin", "r+b") as f:
+        f.truncate(big)  # sparse: no disk, no memory
+    if (tmp_path / "out" / "train.bin").stat().st_blocks * 512 > 64 << 20:
+        pytest.skip("this filesystem does not keep the file sparse")
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    m["splits"]["train"]["bytes"] = big
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(m))
+    t = load_split("train", tmp_path / "out")
+    assert t.numel() == big
+    x, _ = ByteBatches(t, 4, 16, seed=1).batch(0)
+    assert x.shape == (4, 16)
+    first = int(t[0])
+    t[0] = first ^ 0xFF
+    with open(tmp_path / "out" / "train.bin", "rb") as f:
+        assert f.read(1)[0] == first  # nothing is ever written to a user's corpus

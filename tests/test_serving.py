@@ -45,3 +45,5 @@ def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path
         assert r.exit_code == 2 and "--mode" in r.output  # --kernel runs its own two modes
     r = CliRunner().invoke(main, ["wan", "--mode", "exact,fast"])
     assert r.exit_code == 2 and "fast: expected" in r.output
+    r = CliRunner().invoke(main, ["wan", "--mode", ","])
+    assert r.exit_code == 2 and "at least one mode" in r.output
