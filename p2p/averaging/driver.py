@@ -56,9 +56,9 @@ SUSPECT_ROUNDS = 5
 # them is bounded in total; past it the oldest goes (an old identity excluded long ago may come back
 # and be judged again, as any new one).
 MAX_NAMED = 1024
-# Rounds in a row a member that sees another group fails for us before it departs (rule 9): a
-# change of members reaches a round's members before its next round begins, or, under overlap,
-# the one after.
+# Rounds a member that sees another group fails for us, since our rounds' members last changed,
+# before it departs (rule 9): a change of members reaches a round's members before its next round
+# begins, or, under overlap, the one after.
 MISMATCH_ROUNDS = 2
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
 
