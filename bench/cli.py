@@ -331,6 +331,104 @@ def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, 
         click.echo(f"wrote {json_path}")
 
 
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected comma-separated integers", param_hint=name) from None
+    return vals
+
+
+@main.command()
+@click.option("--members", default="8,64,256", show_default=True, metavar="W[,W]",
+              help="Members of the one block, per simulated size (comma-separated, each 4..1024).")
+@click.option("--all-to-all", "all_sizes", default="8,64", show_default=True, metavar="W[,W]",
+              help="Sizes at which the all-to-all round runs beside gossip ('' for none); robust up to "
+                   "16 members, the plain mean above (a robust round of W members costs W^2 parts here).")
+@click.option("--size", default=4, show_default=True, type=click.IntRange(3, 16),
+              help="Gossip size k: small groups of k to 2k-1 members, a new partition every round.")
+@click.option("--rounds", default=40, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--local-steps", default=8, show_default=True, type=click.IntRange(1, 1000),
+              help="Local steps between rounds (H).")
+@click.option("--lr", default=1e-2, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="Adam learning rate of the members' local steps.")
+@click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8"]), default="raw", show_default=True,
+              help="Part codec (topk and sign need a point every partner holds: gossip has none).")
+@click.option("--aggregate", type=click.Choice(["robust", "mean"]), default="robust", show_default=True)
+@click.option("--churn", default=0.0, show_default=True, type=click.FloatRange(0, 10),
+              help="Fraction of the members that leave per minute of virtual time (as many join).")
+@click.option("--timeout-s", default=5.0, show_default=True, type=click.FloatRange(0.01, 600),
+              help="A silent partner is departed this long after a member began its round.")
+@click.option("--step-ms", default=200.0, show_default=True, type=click.FloatRange(0.1, 1e6),
+              help="Virtual compute per local step (median; each member's speed varies).")
+@click.option("--rtt-ms", default="10,200", show_default=True, metavar="LO,HI",
+              help="Range of a member's round trip (log-uniform).")
+@click.option("--rate-mbit", default="10,1000", show_default=True, metavar="LO,HI",
+              help="Range of a member's uplink rate (log-uniform).")
+@click.option("--attackers", default=0, show_default=True, type=click.IntRange(0, 1023),
+              help="Malicious members (the honest run is simulated beside).")
+@click.option("--attack", type=click.Choice(["flip", "x8"]), default="flip", show_default=True,
+              help="flip: the attacker's update sent reversed; x8: sent 8 times as large.")
+@click.option("--target-loss", type=float, default=None,
+              help="Rounds and time to this validation CE (default: all-to-all's final CE + 0.02, where it runs).")
+@click.option("--eval-every", default=5, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--png", "png_path", type=click.Path(dir_okay=False),
+              help="Plot consensus distance and loss against rounds here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
+def gossip(members, all_sizes, size, rounds, local_steps, lr, codec, aggregate, churn, timeout_s, step_ms, rtt_ms,
+           rate_mbit, attackers, attack, target_loss, eval_every, seed, png_path, json_path):
+    """Simulate one block's group of hundreds of members, gossip against all-to-all.
+
+    One process, virtual time: each member's round is the real sans-IO AveragingRound, its small
+    group the real partition (rule 10 of the averaging package); links, compute and churn are
+    virtual (bench/gossip.py says how). Reports per size the bytes a member sends per round,
+    the consensus distance (spread of the members' parameters), the validation CE of the members'
+    own models, rounds and virtual time to a target CE, the longest a silent partner held a round.
+    """
+    from blocktrain.bench import gossip as sim
+
+    sizes, alls = _ints(members, "--members"), _ints(all_sizes, "--all-to-all")
+    if not sizes or any(not 4 <= w <= 1024 for w in sizes):
+        raise click.BadParameter(f"{members!r}: sizes of 4..1024 members", param_hint="--members")
+    ranges = {}
+    for name, text in (("--rtt-ms", rtt_ms), ("--rate-mbit", rate_mbit)):
+        try:
+            lo, hi = (float(x) for x in text.split(","))
+        except ValueError:
+            raise click.BadParameter(f"{text!r}: expected LO,HI", param_hint=name) from None
+        if not 0 < lo <= hi:
+            raise click.BadParameter(f"{text!r}: expected 0 < LO <= HI", param_hint=name)
+        ranges[name] = (lo, hi)
+    if attackers and attackers >= min(sizes):
+        raise click.BadParameter(f"{attackers} attackers need more members than that", param_hint="--attackers")
+    base = sim.SimConfig(size=size, rounds=rounds, local_steps=local_steps, lr=lr, codec=codec, aggregate=aggregate,
+                         churn=churn, timeout_s=timeout_s, step_ms=step_ms, rtt_ms=ranges["--rtt-ms"],
+                         rate_mbit=ranges["--rate-mbit"], attackers=attackers, attack=attack, eval_every=eval_every,
+                         seed=seed)
+
+    def progress(w, name, st):
+        if st.loss is not None:
+            click.echo(f"  {w:>4} {name:<10} round {st.round:>4}  CE {st.loss:.4f}  consensus {st.consensus_rel:.4f}  "
+                       f"{st.bytes_per_member / 1e3:,.0f} kB/member  t {st.time_s:,.1f} s", err=True)
+
+    result = sim.bench(sizes, alls, base, target_loss, progress)
+    click.echo(f"{'members':>7} {'run':<11} {'kB/member/round':>15} {'consensus':>9} {'CE':>7} {'to target':>9} "
+               f"{'time s':>8} {'blocked s':>9}")
+    for s in result["sizes"]:
+        for name, run in [("gossip", s), *((k, s[k]) for k in ("all_to_all", "honest") if k in s)]:
+            click.echo(f"{s['members']:>7} {name:<11} {run['bytes_per_member_per_round'] / 1e3:>15,.1f} "
+                       f"{run['consensus_distance']:>9.4f} {run['loss']:>7.4f} {str(run['rounds_to_target']):>9} "
+                       f"{run['time_s']:>8.1f} {run['max_blocked_s']:>9.2f}")
+    click.echo(f"per-member bytes, largest / smallest size: {result['bytes_spread']:.2f}x")
+    if png_path:
+        sim.plot(result, png_path)
+        click.echo(f"wrote {png_path}")
+    if json_path:
+        write_result(json_path, result)
+        click.echo(f"wrote {json_path}")
+
+
 def _write_json(path, result: dict) -> None:
     write_result(path, result)
 

@@ -29,11 +29,11 @@ def _source_dirs() -> list[Path]:
 
 
 def code_hash() -> str:
-    """sha256 (16 hex digits) over the package's Python files, by name and content."""
+    """sha256 (16 hex digits) over the package's Python files (subpackages included), by path and content."""
     h = hashlib.sha256()
     for d in _source_dirs():
-        for f in sorted(d.glob("*.py")):
-            h.update(f"{d.name}/{f.name}".encode() + b"\0" + f.read_bytes())
+        for f in sorted(d.rglob("*.py")):  # subpackages too (p2p/averaging, p2p/swarm)
+            h.update(f"{d.name}/{f.relative_to(d).as_posix()}".encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -178,6 +178,9 @@ class AveragingRound:
         self.out = _result_buffer(out, vector, n)
         self._lay_out_arena(arena)
         self.departed: dict[str, str] = {}
+        self._live_key: tuple | None = None  # (departed, rejected) counts the cache of ``_live`` is for
+        self._live_cache: tuple[list[str], set[str]] = ([], set())
+        self._owners: list[str] = []  # piece -> its owner now (kept with the cache)
         self.mismatched: set[str] = set()  # members that began the round with another view of the group (rule 4)
         self.rejected: list[dict] = []  # {"peer", "reason"}, in order
         self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
@@ -206,15 +209,25 @@ class AveragingRound:
         return {r["peer"] for r in self.rejected}
 
     def live(self) -> list[str]:
-        bad = self.rejected_ids()
-        return [p for p in self.ids if p not in self.departed and p not in bad]
+        return list(self._live()[0])
+
+    def _live(self) -> tuple[list[str], set[str]]:
+        """The live members, as a list and a set: kept until a member departs or is rejected (both
+        only grow), since every part asks who owns every piece."""
+        key = (len(self.departed), len(self.rejected))
+        if self._live_key != key:
+            bad = self.rejected_ids()
+            live = [p for p in self.ids if p not in self.departed and p not in bad]
+            alive, R = set(live), len(self.ids)
+            owners = [self.ids[j % R] for j in range(self.P)]  # a piece of a gone owner moves to a live
+            self._owners = [o if o in alive or not live else live[j % len(live)]  # member, the same for
+                            for j, o in enumerate(owners)]                     # all (rule 4)
+            self._live_cache, self._live_key = (live, alive), key
+        return self._live_cache
 
     def owner(self, j: int) -> str:
-        o = self.ids[j % len(self.ids)]
-        live = self.live()
-        if o not in live:  # the piece moves to a live member, the same for all (rule 4)
-            o = live[j % len(live)]
-        return o
+        self._live()
+        return self._owners[j]
 
     @property
     def done(self) -> bool:
@@ -227,7 +240,7 @@ class AveragingRound:
     def receive(self, pid: str, msg: BlockUpdate) -> list[Part]:
         """A part from ``pid``; returns what to send next. A part that fails validation rejects
         its sender (see ``rejected``)."""
-        if self.done or pid not in self.live():
+        if self.done or pid not in self._live()[1]:
             return []
         phase, j = msg.meta.get("phase"), msg.meta.get("part")
         if type(j) is not int or not 0 <= j < self.P or phase not in ("reduce", "gather"):
@@ -240,10 +253,10 @@ class AveragingRound:
         for d in other:  # before ``departed`` lists them: a relayed mismatch is one
             if isinstance(d, str) and d != self.me and d != pid and d in self.ids:
                 self.mismatched.add(d)
-                if d in self.live():
+                if d in self._live()[1]:
                     self.departed[d] = f"another view of the group, said {pid[:12]}"
         for d in gone:
-            if isinstance(d, str) and d != self.me and d != pid and d in self.live():
+            if isinstance(d, str) and d != self.me and d != pid and d in self._live()[1]:
                 self.departed[d] = f"departed at {pid[:12]}"
         a, b = self.bounds_[j], self.bounds_[j + 1]
         if self.everyone and phase != "reduce":
@@ -266,7 +279,7 @@ class AveragingRound:
         return self._progress(final=False)
 
     def depart(self, pid: str, why: str) -> list[Part]:
-        if pid not in self.live() or pid == self.me or self.done:
+        if pid not in self._live()[1] or pid == self.me or self.done:
             return []
         self.departed[pid] = why
         return self._progress(final=False)
@@ -369,7 +382,7 @@ class AveragingRound:
             if self.me not in sent:
                 sent.add(self.me)
                 self._received[j][self.me] = self._own(j)
-            for p in self.live():
+            for p in self._live()[0]:
                 if p not in sent:
                     sent.add(p)
                     out.append(Part(p, self._msg("reduce", j, self.wires[j]), _stored(self.wires[j])))

@@ -1,0 +1,539 @@
+"""``bt-bench gossip``: hundreds of virtual members of one block, gossip against all-to-all.
+
+A discrete-event simulator in one process, around the real sans-IO code: every round of every
+member is an ``AveragingRound`` (p2p/averaging/round.py), fed the real parts its partners' rounds
+return, in the order a virtual network delivers them; small groups come from ``gossip_groups``
+(gossip.py, rule 10). Only the network and the clock are virtual:
+
+- Each member has an uplink rate and a one-way latency, drawn log-uniform (``--rate-mbit``,
+  ``--rtt-ms``: ranges). A part leaves when its sender's uplink is free and arrives its bytes
+  over the rate, plus the two ends' latencies halved, later. Downlinks are not contended.
+- A local step takes ``--step-ms`` of virtual compute, scaled per member by a log-normal factor
+  (sigma 0.3): members are not equally fast.
+- No global barrier: a member's round r begins when its own round r - 1 is done and its local
+  steps ran; its round ends when its small group's parts came. Rounds are simulated in order,
+  but their times are each member's own.
+- Churn (``--churn``: the fraction of members that leave per minute of virtual time; as many
+  join): a leaver crashes at a random moment. One that left before a round's partition is not in
+  it; one that leaves before sending its round's parts is silent there, and its partners depart
+  it (round.py rule 4) one ``--timeout-s`` after they began: the heartbeat timeout of the
+  membership layer. A joiner takes a random member's parameters (their bytes over its rate) and
+  is in the first partition after that.
+- Membership: every member holds the same view of who is in (departures known at once, joins
+  after their state transfer): the real peers' view lags (rule 9 of driver.py handles that);
+  here it does not.
+
+The model is a small byte-level MLP (the previous 4 bytes, an embedding of 16 each, a hidden
+layer, 256 logits; about 45 k parameters), one per member, trained by AdamW on its own random
+windows of WikiText-2 (train split), H local steps a round; all members' models are one batched
+tensor, so a step of 256 members is one batched matmul. A round averages the members' parameters
+(gossip averages parameters: rule 10). Loss is each honest member's own model on a fixed sample
+of the validation split, averaged over members; the consensus distance is the root mean square
+distance of the members' parameter vectors from their mean, also relative to that mean's norm.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from blocktrain.blocks.data import load_split
+from blocktrain.p2p.averaging import AveragingRound, RoundFailed
+from blocktrain.p2p.averaging.gossip import check_gossip_codec, gossip_groups, gossip_start
+
+CONTEXT = 4  # previous bytes the model sees
+EMBED = 16
+HIDDEN = 128
+ATTACKS = ("flip", "x8")
+
+
+@dataclass
+class SimConfig:
+    members: int = 16
+    mode: str = "gossip"  # or "all": one round of every member
+    size: int = 4  # gossip: small groups of size to 2 x size - 1
+    rounds: int = 40
+    local_steps: int = 8  # H: local steps between rounds
+    batch: int = 32
+    lr: float = 1e-2
+    codec: str = "raw"
+    aggregate: str = "robust"
+    churn: float = 0.0  # fraction of members leaving (and as many joining) per minute of virtual time
+    timeout_s: float = 5.0  # a silent partner is departed this long after a member began its round
+    step_ms: float = 200.0  # virtual compute per local step (median)
+    rtt_ms: tuple = (10.0, 200.0)  # log-uniform range of a member's round trip
+    rate_mbit: tuple = (10.0, 1000.0)  # log-uniform range of a member's uplink
+    attackers: int = 0
+    attack: str = "flip"
+    eval_every: int = 5
+    eval_windows: int = 4096  # validation positions of the loss
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in ("gossip", "all"):
+            raise ValueError(f"mode {self.mode!r}: expected gossip or all")
+        if self.mode == "gossip":
+            check_gossip_codec(self.codec)
+        if self.attack not in ATTACKS:
+            raise ValueError(f"attack {self.attack!r}: expected one of {ATTACKS}")
+        if not 0 <= self.attackers < self.members:
+            raise ValueError(f"{self.attackers} attackers among {self.members} members")
+        if self.members < 2:
+            raise ValueError("at least 2 members")
+
+
+class BatchedMLP:
+    """One small model per row of ``params`` (rows, n): all members' steps in one batched pass."""
+
+    def __init__(self, rows: int, gen: torch.Generator):
+        shapes = {"emb": (256, EMBED), "w1": (CONTEXT * EMBED, HIDDEN), "b1": (HIDDEN,),
+                  "w2": (HIDDEN, 256), "b2": (256,)}
+        self.slices, at = {}, 0
+        for name, shape in shapes.items():
+            self.slices[name] = (at, at + math.prod(shape), shape)
+            at += math.prod(shape)
+        self.n = at
+        one = torch.empty(at)
+        for name, (a, b, shape) in self.slices.items():  # every member starts from the same point
+            fan_in = shape[0] if name in ("w1", "w2") else 1
+            one[a:b] = torch.randn(b - a, generator=gen) * (0.02 if name == "emb" else fan_in ** -0.5) \
+                if not name.startswith("b") else 0.0
+        self.params = one.repeat(rows, 1)
+        self.m = torch.zeros_like(self.params)  # AdamW moments and step counts, per row
+        self.v = torch.zeros_like(self.params)
+        self.t = torch.zeros(rows)
+
+    def _views(self, p: torch.Tensor) -> dict:
+        return {name: p[:, a:b].view(p.shape[0], *shape) for name, (a, b, shape) in self.slices.items()}
+
+    def loss(self, p: torch.Tensor, ctx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Per-row mean cross-entropy (rows,) of ``ctx`` (rows, B, CONTEXT) -> ``y`` (rows, B)."""
+        w = self._views(p)
+        rows, B = y.shape
+        emb = torch.gather(w["emb"], 1, ctx.reshape(rows, -1, 1).expand(-1, -1, EMBED))  # (rows, B*C, E)
+        h = F.gelu(torch.baddbmm(w["b1"][:, None], emb.reshape(rows, B, CONTEXT * EMBED), w["w1"]))
+        logits = torch.baddbmm(w["b2"][:, None], h, w["w2"])  # (rows, B, 256)
+        return F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), reduction="none").view(rows, B).mean(1)
+
+    def step(self, ctx: torch.Tensor, y: torch.Tensor, lr: float, betas=(0.9, 0.99), eps: float = 1e-8) -> torch.Tensor:
+        """One Adam step of every row (each row its own model, its own moments and step count)."""
+        p = self.params.requires_grad_(True)
+        losses = self.loss(p, ctx, y)
+        losses.sum().backward()
+        g = p.grad
+        assert g is not None, "the batched loss depends on every row"
+        with torch.no_grad():
+            self.t += 1
+            self.m.mul_(betas[0]).add_(g, alpha=1 - betas[0])
+            self.v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+            denom = (self.v / (1 - betas[1] ** self.t)[:, None]).sqrt_().add_(eps)
+            p.addcdiv_(self.m, denom * (1 - betas[0] ** self.t)[:, None], value=-lr)
+        p.grad = None
+        self.params = p.detach()
+        return losses.detach()
+
+    def keep(self, rows: list[int]) -> None:
+        """Only ``rows``, in that order (members that left are dropped)."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        self.params, self.m, self.v, self.t = self.params[idx], self.m[idx], self.v[idx], self.t[idx]
+
+    def add_row(self, like: int) -> int:
+        """A joiner's row: ``like``'s parameters, fresh optimizer state."""
+        self.params = torch.cat([self.params, self.params[like:like + 1].clone()])
+        self.m = torch.cat([self.m, torch.zeros(1, self.n)])
+        self.v = torch.cat([self.v, torch.zeros(1, self.n)])
+        self.t = torch.cat([self.t, torch.zeros(1)])
+        return self.params.shape[0] - 1
+
+
+@dataclass
+class Member:
+    pid: str
+    row: int
+    rate_bps: float  # uplink, bytes per second
+    latency_s: float  # one way, its half of every link it is on
+    speed: float  # compute time factor
+    ready: float = 0.0  # when its next round begins (virtual seconds)
+    done: float = 0.0  # when its last round ended
+    leaves: float = math.inf  # when it crashes
+    attacker: bool = False
+    residual: torch.Tensor | None = None  # a lossy codec's error feedback
+
+
+@dataclass
+class RoundStats:
+    round: int
+    members: int
+    groups: int
+    bytes_per_member: float
+    wait_s: float  # median over members of (round end - round begin): the exchange and the waiting
+    time_s: float  # median member's round end (virtual)
+    silent: int = 0
+    blocked_s: float = 0.0  # the longest a member waited past its live partners' readiness (silent partner)
+    failed: int = 0
+    loss: float | None = None
+    consensus: float | None = None
+    consensus_rel: float | None = None
+    named: int = 0  # honest members that rejected an attacker (so far)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    rounds: list = field(default_factory=list)
+    final_loss: float = math.nan
+    final_consensus: float = math.nan
+    joined: int = 0
+    left: int = 0
+
+
+def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
+    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, train: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.train = load_split("train") if train is None else train
+        valid = load_split("valid") if valid is None else valid
+        pos = torch.randint(CONTEXT, valid.numel(), (cfg.eval_windows,), generator=self.gen)
+        self.eval_ctx = valid[pos[:, None] + torch.arange(-CONTEXT, 0)[None]].long()
+        self.eval_y = valid[pos].long()
+        self.model = BatchedMLP(cfg.members, self.gen)
+        self.members: dict[str, Member] = {}
+        self.next_id = 0
+        for i in range(cfg.members):
+            self._new_member(i, 0.0, attacker=i < cfg.attackers)
+        self.result = SimResult(cfg)
+        self.named: set[str] = set()  # honest members that rejected an attacker
+        self.banned: dict[str, set[str]] = {}  # member -> ids it rejected (excluded from its rounds)
+        self.streak: dict[tuple[str, str], int] = {}  # (member, other) -> suspect rounds in a row
+
+    def _new_member(self, row: int, t: float, attacker: bool = False) -> Member:
+        pid = f"{self.next_id:04d}" + f"{self.rng.getrandbits(48):012x}"
+        self.next_id += 1
+        c = self.cfg
+        rtt = _log_uniform(self.rng, *c.rtt_ms) / 1000
+        m = Member(pid, row, _log_uniform(self.rng, *c.rate_mbit) * 1e6 / 8, rtt / 4, math.exp(self.rng.gauss(0, 0.3)),
+                   ready=t, done=t, attacker=attacker)
+        if c.churn > 0:
+            m.leaves = t + self.rng.expovariate(c.churn / 60)  # each member leaves at rate churn per minute
+        self.members[pid] = m
+        return m
+
+    # --- local steps ------------------------------------------------------------------------
+    def _local_steps(self, rnd: int) -> dict:
+        """H local steps of every member (rows of the batched model), each on its own windows.
+        Returns the attackers' start points (what their attack moves from)."""
+        live = sorted(self.members.values(), key=lambda m: m.row)
+        self.model.keep([m.row for m in live])  # the rows of members that left go
+        for i, m in enumerate(live):
+            m.row = i
+        starts = {m.pid: self.model.params[m.row].clone() for m in live if m.attacker}
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + rnd)
+        for _ in range(self.cfg.local_steps):
+            pos = torch.randint(CONTEXT, self.train.numel(), (len(live), self.cfg.batch), generator=g)
+            ctx = self.train[pos[..., None] + torch.arange(-CONTEXT, 0)].long()
+            self.model.step(ctx, self.train[pos].long(), self.cfg.lr)
+        return starts
+
+    # --- one round --------------------------------------------------------------------------
+    def round(self, rnd: int) -> RoundStats:
+        c = self.cfg
+        live = sorted(self.members.values(), key=lambda m: m.pid)
+        t_partition = min(m.done + c.local_steps * c.step_ms / 1000 * m.speed for m in live)
+        for m in [m for m in live if m.leaves <= t_partition]:  # left before the partition: not in it
+            self._leave(m)
+        self._joins(t_partition, [m for m in live if m.pid in self.members])
+        live = sorted(self.members.values(), key=lambda m: m.pid)
+        for m in live:
+            m.ready = m.done + c.local_steps * c.step_ms / 1000 * m.speed
+        starts = self._local_steps(rnd)
+        ids = [m.pid for m in live]
+        groups = gossip_groups(ids, rnd, c.size, salt="sim") if c.mode == "gossip" else [ids]
+        silent = {m.pid for m in live if m.leaves < m.ready}  # crashes before sending this round's parts
+        sent_bytes: dict[str, int] = {}
+        stats = RoundStats(rnd, len(live), len(groups), 0.0, 0.0, 0.0, silent=len(silent))
+        waits, ends = [], []
+        for g in groups:
+            for pid, (end, nbytes, blocked, failed) in self._exchange(g, rnd, silent, starts).items():
+                m = self.members[pid]
+                waits.append(end - m.ready)
+                ends.append(end)
+                m.done = end
+                sent_bytes[pid] = nbytes
+                stats.blocked_s = max(stats.blocked_s, blocked)
+                stats.failed += failed
+        for pid in silent:
+            self._leave(self.members[pid])
+        stats.bytes_per_member = statistics.fmean(sent_bytes.values()) if sent_bytes else 0.0
+        stats.wait_s = statistics.median(waits) if waits else 0.0
+        stats.time_s = statistics.median(ends) if ends else 0.0
+        stats.named = len(self.named)
+        return stats
+
+    def _leave(self, m: Member) -> None:
+        del self.members[m.pid]
+        self.result.left += 1
+
+    def _joins(self, t: float, live: list[Member]) -> None:
+        """Joiners up to ``t`` (as many as leave, on average): each takes a random live member's
+        parameters over its own link and is in from the first partition after."""
+        c = self.cfg
+        if c.churn <= 0 or not live:
+            return
+        if not hasattr(self, "_next_join"):
+            self._next_join = self.rng.expovariate(c.churn * c.members / 60)
+        while self._next_join <= t:
+            sponsor = self.rng.choice(live)
+            row = self.model.add_row(sponsor.row)
+            m = self._new_member(row, self._next_join)
+            m.done = self._next_join + self.model.n * 4 / min(m.rate_bps, sponsor.rate_bps) + m.latency_s + sponsor.latency_s
+            m.done = max(m.done, t)
+            self.result.joined += 1
+            self._next_join += self.rng.expovariate(c.churn * c.members / 60)
+
+    def _vector(self, m: Member, starts: dict) -> torch.Tensor:
+        x = self.model.params[m.row]
+        if not m.attacker:
+            return x
+        s = starts[m.pid]  # its round's start: the update it took is s - x
+        return s + (x - s) * (-1.0 if self.cfg.attack == "flip" else 8.0)
+
+    def _exchange(self, group: list[str], rnd: int, silent: set, starts: dict) -> dict:
+        """The small group's round, message by message in virtual time. Returns, per member that
+        is not silent: (its round's end, bytes it sent, how long a silent partner held it past its
+        live partners' readiness, 1 if its round failed)."""
+        c = self.cfg
+        rounds: dict[str, AveragingRound] = {}
+        for pid in group:
+            if pid in silent:
+                continue
+            m = self.members[pid]
+            rounds[pid] = AveragingRound(pid, 0, rnd, group, self._vector(m, starts), codec=c.codec,
+                                         start=gossip_start("sim") if c.mode == "gossip" else "all",
+                                         aggregate=c.aggregate, residual=m.residual, min_coverage=1.0)
+        for pid, r in rounds.items():  # a member we excluded departs our round at once; it hears that
+            for other in self.banned.get(pid, set()) & set(rounds):  # it is excluded and stops waiting for us
+                r.depart(other, "excluded")
+                rounds[other].depart(pid, "excluded us")
+        uplink = {pid: self.members[pid].ready for pid in rounds}
+        nbytes = dict.fromkeys(rounds, 0)
+        end = {pid: math.inf for pid in rounds}
+        heap: list = []
+        seq = 0
+
+        def send(src: str, parts, now: float):
+            nonlocal seq
+            for p in parts:
+                if p.peer not in rounds and p.peer not in silent:
+                    continue
+                start = max(now, uplink[src])
+                uplink[src] = start + p.stored_bytes / self.members[src].rate_bps
+                nbytes[src] += p.stored_bytes
+                if p.peer in rounds:  # a silent member is gone: what is sent to it goes nowhere
+                    at = uplink[src] + self.members[src].latency_s + self.members[p.peer].latency_s
+                    heapq.heappush(heap, (at, seq, p.peer, src, p.msg))
+                    seq += 1
+
+        for pid, r in rounds.items():
+            send(pid, r.start(), self.members[pid].ready)
+            for s in silent & set(r.ids):  # the heartbeat timeout departs it
+                heapq.heappush(heap, (self.members[pid].ready + c.timeout_s, seq, pid, s, None))
+                seq += 1
+            if r.done:
+                end[pid] = self.members[pid].ready
+        while heap:
+            now, _, dst, src, msg = heapq.heappop(heap)
+            r = rounds[dst]
+            if r.done:
+                continue
+            if msg is None:
+                out = r.depart(src, "silent past the timeout")
+            elif msg.meta.get("group") != r.group:  # the driver's check (rule 9): never here, one view
+                out = r.mismatch(src, "sees another group")
+            else:
+                out = r.receive(src, msg)
+            send(dst, out, now)
+            if r.done:
+                end[dst] = now
+        out = {}
+        live_ready = max(self.members[p].ready for p in rounds) if rounds else 0.0
+        for pid, r in rounds.items():
+            m = self.members[pid]
+            if not r.done:  # nothing more can come: the round's deadline
+                r.expire()
+                end[pid] = m.ready + c.timeout_s
+            failed = 0
+            try:
+                vec, rep = r.result()
+                for rej in rep.rejected:
+                    self._reject(pid, rej["peer"])
+                self._suspicions(pid, r)
+                if not m.attacker:
+                    self.model.params[m.row] = vec
+            except RoundFailed:
+                r.undo_feedback()
+                failed = 1
+            m.residual = r.residual
+            blocked = end[pid] - live_ready if silent & set(r.ids) else 0.0
+            out[pid] = (end[pid], nbytes[pid], blocked, failed)
+        return out
+
+    def _reject(self, pid: str, other: str) -> None:
+        self.banned.setdefault(pid, set()).add(other)
+        if other in self.members and self.members[other].attacker and not self.members[pid].attacker:
+            self.named.add(pid)
+
+    def _suspicions(self, pid: str, r: AveragingRound) -> None:
+        """The driver's rule 6 (driver.py ``_suspicions``): a suspect SUSPECT_ROUNDS rounds in a row
+        (rounds with it) is excluded."""
+        from blocktrain.p2p.averaging.driver import SUSPECT_ROUNDS
+        if not r.robust:
+            return
+        opposed = r.opposed()
+        for other in r.live():
+            if other == pid:
+                continue
+            key = (pid, other)
+            if other in r.suspects or other in opposed:
+                self.streak[key] = self.streak.get(key, 0) + 1
+                if self.streak[key] >= SUSPECT_ROUNDS:
+                    self._reject(pid, other)
+            else:
+                self.streak.pop(key, None)
+
+    # --- measures -----------------------------------------------------------------------------
+    def honest(self) -> list[Member]:
+        return [m for m in sorted(self.members.values(), key=lambda m: m.pid) if not m.attacker]
+
+    @torch.no_grad()
+    def loss(self) -> float:
+        hon = self.honest()
+        rows = torch.tensor([m.row for m in hon])
+        p = self.model.params[rows]
+        total = torch.zeros(len(hon))
+        n = self.eval_y.numel()
+        for a in range(0, n, 1024):
+            ctx, y = self.eval_ctx[a:a + 1024], self.eval_y[a:a + 1024]
+            total += self.model.loss(p, ctx.expand(len(hon), -1, -1), y.expand(len(hon), -1)) * y.numel()
+        return float((total / n).mean())
+
+    @torch.no_grad()
+    def consensus(self) -> tuple[float, float]:
+        p = self.model.params[torch.tensor([m.row for m in self.honest()])]
+        mean = p.mean(0)
+        d = float(((p - mean) ** 2).sum(1).mean().sqrt())
+        return d, d / float(mean.norm())
+
+    def run(self, progress=None) -> SimResult:
+        c = self.cfg
+        for rnd in range(1, c.rounds + 1):
+            st = self.round(rnd)
+            if rnd % c.eval_every == 0 or rnd == c.rounds:
+                st.loss = self.loss()
+                st.consensus, st.consensus_rel = self.consensus()
+            self.result.rounds.append(st)
+            if progress is not None:
+                progress(st)
+        self.result.final_loss = self.result.rounds[-1].loss or math.nan
+        self.result.final_consensus = self.result.rounds[-1].consensus_rel or math.nan
+        return self.result
+
+
+def simulate(cfg: SimConfig, progress=None, train=None, valid=None) -> SimResult:
+    return Simulation(cfg, train, valid).run(progress)
+
+
+# All-to-all references above this many members average with the plain mean: a robust round of W
+# members has every member compute every piece from W parts (rule 6), W^2 x P parts per round in
+# this one process (64 members: minutes a round), where the mean's reduce-scatter sends 2 W P.
+ROBUST_ALL_MAX = 16
+
+
+def _summary(res: SimResult, target: float | None) -> dict:
+    rows = res.rounds
+    evals = [r for r in rows if r.loss is not None]
+    reach = next((r for r in evals if target is not None and r.loss <= target), None)
+    return {
+        "mode": res.config.mode, "aggregate": res.config.aggregate, "attackers": res.config.attackers,
+        "bytes_per_member_per_round": statistics.median(r.bytes_per_member for r in rows),
+        "consensus_distance": res.final_consensus,
+        "consensus_distance_max": max(r.consensus_rel for r in evals),
+        "loss": res.final_loss,
+        "time_s": rows[-1].time_s,
+        "round_wait_s": statistics.median(r.wait_s for r in rows),
+        "max_blocked_s": max(r.blocked_s for r in rows),
+        "silent": sum(r.silent for r in rows), "failed_rounds": sum(r.failed for r in rows),
+        "joined": res.joined, "left": res.left, "named_by": rows[-1].named,
+        "target_loss": target, "rounds_to_target": reach.round if reach else None,
+        "time_to_target_s": reach.time_s if reach else None,
+        "curve": [{"round": r.round, "loss": r.loss, "consensus_distance": r.consensus_rel, "time_s": r.time_s}
+                  for r in evals],
+    }
+
+
+def bench(sizes: list[int], all_sizes: list[int], base: SimConfig, target_loss: float | None = None,
+          progress=None) -> dict:
+    """Per size: gossip and, at ``all_sizes``, all-to-all (robust up to ROBUST_ALL_MAX members, the
+    mean above), and with attackers the honest gossip run beside; the same seed and data for all."""
+    from dataclasses import asdict, replace
+    train, valid = load_split("train"), load_split("valid")
+    out: dict = {"config": {k: v for k, v in asdict(base).items() if k not in ("members", "mode")},
+                 "robust_all_max": ROBUST_ALL_MAX, "sizes": []}
+    for W in sizes:
+        runs = {"gossip": replace(base, members=W, mode="gossip")}
+        if W in all_sizes:
+            runs["all_to_all"] = replace(base, members=W, mode="all", attackers=0, churn=0.0,
+                                         aggregate=base.aggregate if W <= ROBUST_ALL_MAX else "mean")
+        if base.attackers:
+            runs["honest"] = replace(base, members=W, mode="gossip", attackers=0)
+        done = {}
+        for name, cfg in runs.items():
+            done[name] = simulate(cfg, progress and (lambda st, n=name, w=W: progress(w, n, st)), train, valid)
+        target = target_loss
+        if target is None and "all_to_all" in done:
+            target = done["all_to_all"].final_loss + 0.02
+        entry = {"members": W, **_summary(done.pop("gossip"), target)}
+        for name, res in done.items():
+            entry[name] = _summary(res, target)
+        out["sizes"].append(entry)
+    b = [s["bytes_per_member_per_round"] for s in out["sizes"]]
+    out["bytes_spread"] = max(b) / min(b) if b else None
+    return out
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for s in result["sizes"]:
+        for name, run in [("gossip", s), *((k, s[k]) for k in ("all_to_all", "honest") if k in s)]:
+            c = run["curve"]
+            ls = "-" if name == "gossip" else "--" if name == "all_to_all" else ":"
+            label = f"{s['members']} members, {name.replace('_', '-')}"
+            a1.plot([r["round"] for r in c], [r["consensus_distance"] for r in c], ls, label=label)
+            a2.plot([r["round"] for r in c], [r["loss"] for r in c], ls, label=label)
+    a1.set_yscale("log")
+    a1.set_xlabel("round")
+    a1.set_ylabel("consensus distance (RMS / |mean|)")
+    a2.set_xlabel("round")
+    a2.set_ylabel("validation CE (mean over members)")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+    a2.legend(fontsize=7)
+    fig.suptitle("Gossip in small changing groups vs all-to-all (simulated members, real rounds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,104 @@
+"""Gossip (rule 10 of the averaging package): the partition, and the simulator around real rounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from blocktrain.p2p.averaging.gossip import (MAX_GOSSIP_SIZE, check_gossip_codec, gossip_group, gossip_groups,
+                                             uses_gossip)
+from blocktrain.bench.gossip import SimConfig, Simulation
+
+IDS = [f"{i:02x}" * 16 for i in range(40)]
+
+
+@pytest.mark.parametrize("W,k", [(8, 4), (9, 4), (15, 4), (40, 3), (40, 16), (31, 5)])
+def test_every_member_is_in_one_small_group_of_k_to_2k_minus_1(W, k):
+    groups = gossip_groups(IDS[:W], 7, k, salt="s")
+    flat = [p for g in groups for p in g]
+    assert sorted(flat) == sorted(IDS[:W]) and len(flat) == W
+    assert len(groups) == W // k and all(k <= len(g) <= 2 * k - 1 for g in groups)
+    assert all(g == sorted(g) for g in groups)
+
+
+def test_the_partition_is_the_same_on_every_member_and_new_every_round():
+    a = gossip_groups(IDS, 3, 4, salt="s")
+    assert gossip_groups(list(reversed(IDS)) + IDS[:5], 3, 4, salt="s") == a  # order and repeats do not matter
+    assert all(gossip_group(IDS, me, 3, 4, salt="s") in a for me in IDS)
+    assert gossip_groups(IDS, 4, 4, salt="s") != a and gossip_groups(IDS, 3, 4, salt="t") != a
+    # over many rounds a member meets most others (random groups, not a fixed grid)
+    met = set()
+    for r in range(60):
+        met |= set(gossip_group(IDS, IDS[0], r, 4))
+    assert len(met) > 30
+
+
+def test_gossip_by_size_and_what_it_refuses():
+    assert not uses_gossip(7, 4) and uses_gossip(8, 4) and not uses_gossip(500, 0)
+    for bad in (2, MAX_GOSSIP_SIZE + 1):
+        with pytest.raises(ValueError, match="gossip size"):
+            gossip_groups(IDS, 1, bad)
+    for codec in ("sign", "topk"):
+        with pytest.raises(ValueError, match="gossip partners hold none"):
+            check_gossip_codec(codec)
+    check_gossip_codec("int8")
+    with pytest.raises(ValueError, match="gossip partners hold none"):
+        SimConfig(codec="sign")
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (20_000,), dtype=torch.uint8, generator=g), \
+        torch.randint(0, 256, (5_000,), dtype=torch.uint8, generator=g)
+
+
+def test_a_gossip_round_leaves_each_small_group_on_one_point_and_sends_the_same_bytes_at_any_size():
+    train, valid = _data()
+    per_member = {}
+    for W in (8, 16):
+        sim = Simulation(SimConfig(members=W, rounds=1, local_steps=2, eval_windows=256), train, valid)
+        st = sim.round(1)
+        groups = gossip_groups(sorted(sim.members), 1, 4, salt="sim")
+        assert st.groups == len(groups) == W // 4 and st.failed == 0
+        p = sim.model.params
+        for g in groups:
+            rows = [sim.members[pid].row for pid in g]
+            assert all(torch.equal(p[rows[0]], p[r]) for r in rows[1:])  # honest parts: the same mean
+        assert not torch.equal(p[sim.members[groups[0][0]].row], p[sim.members[groups[1][0]].row])
+        per_member[W] = st.bytes_per_member
+        assert st.bytes_per_member == 3 * sim.model.n * 4  # k - 1 copies of the parameters, raw
+    assert per_member[8] == per_member[16]
+
+
+def test_a_silent_partner_holds_a_round_for_its_timeout_and_no_longer():
+    train, valid = _data()
+    sim = Simulation(SimConfig(members=8, rounds=2, local_steps=1, eval_windows=256, timeout_s=3.0), train, valid)
+    sim.round(1)
+    ready = {pid: m.done + m.speed * 0.2 for pid, m in sim.members.items()}  # 1 step of 200 ms, scaled
+    gone = max(ready, key=ready.get)  # crashes after the partition, before its round-2 parts
+    sim.members[gone].leaves = (min(ready.values()) + ready[gone]) / 2
+    st = sim.round(2)
+    assert st.silent == 1 and gone not in sim.members and st.failed == 0
+    assert 3.0 <= st.blocked_s < 3.0 + 1.0  # its partners waited the timeout, then finished without it
+    assert sim.round(3).silent == 0 and len(sim.members) == 7
+
+
+def test_an_attacker_sending_its_update_x8_is_clipped_and_the_honest_members_still_learn():
+    train, valid = _data()
+    sim = Simulation(SimConfig(members=8, rounds=6, local_steps=2, attackers=1, attack="x8", eval_every=6,
+                               eval_windows=512), train, valid)
+    before = sim.loss()
+    res = sim.run()
+    assert math.isfinite(res.final_loss) and res.final_loss < before
+    assert all(not m.attacker for m in sim.honest()) and len(sim.honest()) == 7
+
+
+def test_bench_gossip_writes_each_size_and_refuses_bad_sizes(tmp_path):
+    from blocktrain.bench.cli import main
+    r = CliRunner().invoke(main, ["gossip", "--members", "8,3"])
+    assert r.exit_code == 2 and "sizes of 4..1024" in r.output
+    r = CliRunner().invoke(main, ["gossip", "--members", "8", "--rtt-ms", "5"])
+    assert r.exit_code == 2 and "LO,HI" in r.output
