@@ -183,6 +183,11 @@ def _round_options(f):
                           "nothing (default 1.0)."),
         click.option("--min-group", type=click.IntRange(1), default=None,
                      help="Start only once this many peers (this one included) start together, or join a group."),
+        click.option("--gossip", type=click.IntRange(0, 16), default=None, metavar="K",
+                     help="Many peers on one block: from 2K members on, each round averages the parameters in "
+                          "small groups of K..2K-1 that change every round (no barrier across the group; K 3..16, "
+                          "0: all-to-all, the default). Needs parameter rounds (--sync params) without overlap, "
+                          "a dense codec and the plain average (outer sgd, rate 1)."),
     ])
 
 
@@ -204,11 +209,11 @@ def _training(o: dict):
     try:
         job = load(PeerJob(), None, o["overrides"], o["size"], **{
             "train.steps": o["steps"], "swarm.schedule": o["schedule"],
-            "swarm.sync": o["sync"] or ("params" if o["overlap"] else None),  # --overlap means parameter rounds
+            "swarm.sync": o["sync"] or ("params" if o["overlap"] or o["gossip"] else None),  # they mean parameter rounds
             "swarm.every": o["every"], "swarm.codec": o["codec"], "swarm.min_group": o["min_group"],
             "swarm.density": o["density"], "swarm.outer": o["outer"], "swarm.outer_lr": o["outer_lr"],
             "swarm.outer_momentum": o["outer_momentum"], "swarm.min_coverage": o["min_coverage"],
-            "swarm.overlap": o["overlap"]})
+            "swarm.overlap": o["overlap"], "swarm.gossip": o["gossip"]})
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="--set")
     if o["every"] and not o["sync"] and job.swarm.sync == "grads":

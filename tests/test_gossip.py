@@ -102,3 +102,31 @@ def test_bench_gossip_writes_each_size_and_refuses_bad_sizes(tmp_path):
     assert r.exit_code == 2 and "sizes of 4..1024" in r.output
     r = CliRunner().invoke(main, ["gossip", "--members", "8", "--rtt-ms", "5"])
     assert r.exit_code == 2 and "LO,HI" in r.output
+
+
+def _partition_rows():
+    from vectors import tables
+    rows = []
+    for rnd, k, salt, members, groups, digest in tables("Gossip partition"):
+        ids = {c: c * 64 for c in members.split(",")}
+        rows.append((int(rnd), int(k), "" if salt == "(empty)" else salt, ids,
+                     [[ids[c] for c in g.strip().split(",")] for g in groups.split("/")], digest))
+    return rows
+
+
+def test_the_partition_vectors_of_protocol_md_both_ways():
+    """Each row: the partition and the first small group's digest computed from the row's inputs;
+    and the other way, each small group of the row is what every one of its members computes."""
+    from vectors import VALID
+    from blocktrain.p2p.averaging import AveragingRound
+    from blocktrain.p2p.averaging.gossip import gossip_start
+    rows = _partition_rows()
+    assert len(rows) >= 3
+    for rnd, k, salt, ids, groups, digest in rows:
+        assert gossip_groups(ids.values(), rnd, k, salt) == groups
+        for g in groups:
+            assert all(gossip_group(ids.values(), me, rnd, k, salt) == g for me in g)
+        first = AveragingRound(groups[0][0], 0, rnd, groups[0], torch.zeros(8), start=gossip_start(salt),
+                               aggregate="robust")
+        assert first.group == digest
+    assert VALID["block_update_gossip"].meta["group"] == rows[0][5] and VALID["block_update_gossip"].round == rows[0][0]

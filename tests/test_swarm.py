@@ -695,3 +695,30 @@ def test_bench_swarm_compare_sync_runs_every_step_beside_the_mode_and_states_the
     assert (tmp_path / "ce_vs_gb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="choose one"):
         bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["sync"])
+
+
+async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_path):
+    """swarm.gossip 3 with 6 members: every round, two small groups of 3 (rule 10's partition, the
+    same on every member); each ends the round on its small group's point, the two points differ."""
+    from blocktrain.p2p.averaging.gossip import gossip_groups
+    peers = await mesh(6, FAST, blocks=[(0,)] * 6)
+    tc = TrainConfig(**{**TC.to_dict(), "steps": 6})
+    sc = SwarmConfig(**{**SC.__dict__, "min_group": 6, "schedule": "parallel", "sync": "params", "every": 2,
+                        "gossip": 3})
+    try:
+        sps = trainers(peers, tmp_path, sc, tc, blocks=[0] * 6)
+        reps = await asyncio.wait_for(asyncio.gather(*(sp.run() for sp in sps)), 120)
+        ids = sorted(p.id for p in peers)
+        for r in reps:
+            assert r["state"] == "done" and not r["failed_rounds"] and len(r["rounds"]) == 3
+            for x in r["rounds"]:
+                assert sorted(x["members"]) in gossip_groups(ids, x["round"], 3, f"block{x['block']}")
+                assert len(x["members"]) == 3 and not x["candidates_outside"] and x["bytes_sent"] > 0
+        last = reps[0]["rounds"][-1]["round"]
+        point = {p.id: flatten(list(sp.trainer.block.parameters())) for p, sp in zip(peers, sps)}
+        a, b = gossip_groups(ids, last, 3, "block0")
+        assert all(torch.equal(point[a[0]], point[p]) for p in a) and all(torch.equal(point[b[0]], point[p]) for p in b)
+        assert not torch.equal(point[a[0]], point[b[0]])
+    finally:
+        for p in peers:
+            await p.stop()

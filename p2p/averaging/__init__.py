@@ -12,6 +12,7 @@ The package, by concern; each module opens with the rules it implements, numbere
 - ``driver.py``: ``Averager``, the thin asyncio driver: it sends, feeds the round as parts come,
   excludes members and lends the round its buffers.
 - ``outer.py``: ``OuterOptimizer`` (the outer step), ``flatten`` and ``unflatten_``.
+- ``gossip.py``: pure functions: a large group's partition into small groups, new every round.
 
 Rules (the module named holds the full text; a rule that spans modules is in each, its part):
 - Rule 1 (round.py): everything a round does happens in ``AveragingRound``: parts, departures and
@@ -37,6 +38,10 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
 - Rule 9 (driver.py; round.py): a member that began the round with another view of the group
   fails it for us (``GroupMismatch``: nothing applied, it stays in the group) in up to
   MISMATCH_ROUNDS rounds since our rounds' members last changed, then departs it.
+- Rule 10 (gossip.py; driver.py): a group of 2k members or more (gossip size k) averages each
+  round in the small groups of a partition every member computes alike (k to 2k - 1 members,
+  new every round); a round's ``group`` digest names its small group and the gossip salt; members
+  excluded stay in that digest and depart the round at once.
 
 Every name here was importable from the one module ``averaging.py`` this package replaces.
 Setting one on the package (``monkeypatch.setattr(averaging, "PIECE_FLOATS", ...)``) sets it in

@@ -99,6 +99,7 @@ class Averager(EarlyParts):
         self._wake: asyncio.Event | None = None  # set when the outbox has parts or the round is done
         self._failure: BaseException | None = None  # a bug met while feeding the round (raised by average)
         self._absent_told: set = set()
+        self._gossip_group: list | None = None  # the whole group of the gossip round in progress (rule 10)
         peer.on(BlockUpdate, self._route, inline=True)
         peer.on_membership(self._membership)
 
@@ -147,12 +148,16 @@ class Averager(EarlyParts):
 
     # --- rounds --------------------------------------------------------------------------------
     async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "",
-                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, RoundReport]:
+                      out: torch.Tensor | None = None, group=None) -> tuple[torch.Tensor, RoundReport]:
         """Average ``vector`` (1-D float32) with ``members`` (peer ids, or id -> address; ours
         included) in round ``rnd`` whose start point has digest ``start``. The result is written
         into ``out`` when given (a caller that reuses one buffer round after round makes the round
-        touch no fresh memory), else into a new tensor."""
+        touch no fresh memory), else into a new tensor. ``group``: a gossip round's whole group
+        (``members`` is its small group, rule 10): members we excluded stay in the round's
+        ``group`` digest, which every partner computes alike, and depart it at once; rule 9
+        counts mismatches since the whole group last changed."""
         t0 = time.perf_counter()
+        self._gossip_group = None if group is None else sorted(group)
         r = self._begin(rnd, vector, members, start, out)
         early = self._begin_early(rnd, r.ids, vector.numel())
         conns: dict[str, PeerConnection] = {}
@@ -179,7 +184,8 @@ class Averager(EarlyParts):
                out: torch.Tensor | None) -> AveragingRound:
         """Round ``rnd`` with the members we have not excluded (nor that exclude us), this driver's
         buffers lent to it; it becomes the round in progress."""
-        ids = [p for p in members if p not in self.banned and p not in self.shunned]
+        ids = list(members) if self._gossip_group is not None else \
+            [p for p in members if p not in self.banned and p not in self.shunned]
         if self.codec != "raw" and (self._scratch is None or self._scratch["x"].numel() != vector.numel()):
             self._scratch = None
             self._scratch = lossy_scratch(vector.numel(), self.codec)
@@ -198,6 +204,8 @@ class Averager(EarlyParts):
         for pid in r.ids:
             if pid != self.peer.id and self.peer.member(pid) is None:
                 self._feed(pid, "not a member")
+            elif pid in self.banned or pid in self.shunned:  # a gossip round's (rule 10; else not in ids)
+                self._feed(pid, "excluded")
         self._outbox += r.start()
         for pid, msg in early:
             self._feed(pid, msg)
@@ -294,8 +302,9 @@ class Averager(EarlyParts):
     def _mismatches(self, r: AveragingRound) -> None:
         """Rule 9: GroupMismatch when a member saw another group in this round and, since our
         rounds' members last changed, in at most MISMATCH_ROUNDS rounds."""
-        if r.ids != self._mismatch_ids:
-            self._mismatch_count, self._mismatch_ids = {}, list(r.ids)
+        ids = self._gossip_group if self._gossip_group is not None else r.ids
+        if ids != self._mismatch_ids:
+            self._mismatch_count, self._mismatch_ids = {}, list(ids)
         for p in r.mismatched:
             self._mismatch_count[p] = self._mismatch_count.get(p, 0) + 1
         tolerated = sorted(p for p in r.mismatched if self._mismatch_count[p] <= MISMATCH_ROUNDS)

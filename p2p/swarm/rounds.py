@@ -11,6 +11,8 @@ Rules:
   round's start point is kept (the steps are taken back). Members silent in it leave the group and
   join again, taking the group's state.
 - ``overlap`` (params only): see ``_overlapped``.
+- ``gossip`` (params only, no overlap): a group of 2 x gossip members or more averages each
+  round's parameters in the small groups of averaging/gossip.py (rule 10): see ``_gossip``.
 - Training steps run off the event loop (heartbeats and streams go on meanwhile); their time is
   ``busy_s``.
 """
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..averaging import Averager, RoundFailed, flatten, unflatten_
+from ..averaging.gossip import gossip_group, gossip_start, uses_gossip
 from ..group import Group
 from ..services import PeerServices
 from .membership import Membership
@@ -142,6 +145,8 @@ class Rounds:
         start = flatten(self.params())
         rnd, members = self._begin(start)
         t0 = time.perf_counter()
+        if self.scfg.gossip and uses_gossip(len(members), self.scfg.gossip):
+            return await self._gossip(rnd, members, t0)
         if self.scfg.sync == "grads":
             loss = self.last_loss = await self._timed(self.tr.compute_grads)
             vec = self.tr.grads()
@@ -167,6 +172,25 @@ class Rounds:
         else:
             unflatten_(self.params(), self.outer.step(start, avg))
         self._stepped(loss, members)
+        await self._after(rnd, rep, loss, members, time.perf_counter() - t0)
+
+    async def _gossip(self, rnd: int, members: list, t0: float) -> None:
+        """Rule 10 (averaging/gossip.py): H local steps, then the parameters averaged with this
+        round's small group only (the same partition on every member); a failed round keeps our
+        own parameters and steps (no member waits for an agreed point)."""
+        salt = f"block{self.pos.block}"
+        small = gossip_group(members, self.peer.id, rnd, self.scfg.gossip, salt)
+        loss = await self._local_steps()
+        vec = flatten(self.params())
+        try:
+            avg, rep = await self.averager.average(rnd, vec, small, start=gossip_start(salt), group=members)
+        except RoundFailed as e:
+            self._failed(rnd, self.pos.gstep + self.schedule.H, e, "keeping our own parameters (gossip)")
+            self._stepped(loss, members)
+            await self._after(rnd, None, loss, members, time.perf_counter() - t0, failed=True)
+            return
+        unflatten_(self.params(), avg)
+        self._stepped(loss, members)  # the report's round names the small group (rep.members)
         await self._after(rnd, rep, loss, members, time.perf_counter() - t0)
 
     async def _overlapped(self) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from blocktrain.blocks.config import ModelConfig, TrainConfig
 
 from ..averaging import UPDATE_CODECS, OuterOptimizer
+from ..averaging.gossip import MAX_GOSSIP_SIZE, MIN_GOSSIP_SIZE, check_gossip_codec
 from .schedule import EVAL_POINTS
 
 SCHEDULES = ("relay", "parallel")
@@ -43,6 +44,8 @@ class SwarmConfig:
     # -1: about EVAL_POINTS over the run, so the live page draws a curve for a run of any length)
     min_group: int = 1  # start only once this many peers (us included) start together or a group exists
     margin: int = 2  # rounds between a joiner's admission and its first round
+    gossip: int = 0  # params only: from 2 x gossip members on, average in small groups of gossip..2 x gossip - 1
+    #                  that change every round (averaging/gossip.py, rule 10); 0: always all-to-all
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -70,6 +73,22 @@ class SwarmConfig:
             raise ValueError("margin must be >= 2 and min_group >= 1")
         if not 0 <= self.min_coverage <= 1:
             raise ValueError("min_coverage must be in [0, 1]")
+        if self.gossip:
+            self._check_gossip()
+
+    def _check_gossip(self) -> None:
+        """Gossip averages the members' parameters (rule 10): it needs parameter rounds, a dense
+        codec, and the plain average as the outer step; overlap's agreed point does not exist."""
+        if not MIN_GOSSIP_SIZE <= self.gossip <= MAX_GOSSIP_SIZE:
+            raise ValueError(f"gossip {self.gossip}: small groups of {MIN_GOSSIP_SIZE}..{MAX_GOSSIP_SIZE} "
+                             "(0: all-to-all)")
+        if self.sync != "params" or self.overlap:
+            raise ValueError("gossip needs sync=params without overlap: members average their parameters, "
+                             "and no point is agreed by the whole group")
+        check_gossip_codec(self.codec)
+        if (self.outer, self.outer_lr, self.outer_momentum) != ("sgd", 1.0, 0.0):
+            raise ValueError("gossip's outer step is the plain average of the small group's parameters: "
+                             "outer sgd, outer_lr 1, outer_momentum 0")
 
     @property
     def steps_per_round(self) -> int:
