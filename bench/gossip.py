@@ -175,8 +175,8 @@ class RoundStats:
     wait_s: float  # median over members of (round end - round begin): the exchange and the waiting
     time_s: float  # median member's round end (virtual)
     silent: int = 0
-    blocked_s: float = 0.0  # the longest a member waited past its live partners' readiness (silent partner)
-    failed: int = 0
+    blocked_s: float = 0.0  # the longest an honest member waited past its live partners' readiness (silent partner)
+    failed: int = 0  # honest members whose round failed (nothing applied)
     loss: float | None = None
     consensus: float | None = None
     consensus_rel: float | None = None
@@ -270,8 +270,9 @@ class Simulation:
                 ends.append(end)
                 m.done = end
                 sent_bytes[pid] = nbytes
-                stats.blocked_s = max(stats.blocked_s, blocked)
-                stats.failed += failed
+                if not m.attacker:  # what the honest members suffered
+                    stats.blocked_s = max(stats.blocked_s, blocked)
+                    stats.failed += failed
         for pid in silent:
             self._leave(self.members[pid])
         stats.bytes_per_member = statistics.fmean(sent_bytes.values()) if sent_bytes else 0.0
