@@ -130,3 +130,22 @@ def test_the_partition_vectors_of_protocol_md_both_ways():
                                aggregate="robust")
         assert first.group == digest
     assert VALID["block_update_gossip"].meta["group"] == rows[0][5] and VALID["block_update_gossip"].round == rows[0][0]
+
+
+def test_bench_gossip_writes_the_figures_the_issue_names(tmp_path):
+    import json
+
+    from blocktrain.bench.cli import main
+    out, png = tmp_path / "g.json", tmp_path / "g.png"
+    r = CliRunner().invoke(main, ["gossip", "--members", "8,12", "--all-to-all", "8", "--rounds", "2",
+                                  "--local-steps", "1", "--eval-every", "1", "--json", str(out), "--png", str(png)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert [s["members"] for s in d["sizes"]] == [8, 12] and png.stat().st_size > 0
+    for s in d["sizes"]:
+        assert s["bytes_per_member_per_round"] == 3 * 45_440 * 4  # k - 1 raw copies of the MLP's parameters
+        assert 0 < s["consensus_distance"] < 1 and math.isfinite(s["loss"]) and len(s["curve"]) == 2
+    a = d["sizes"][0]["all_to_all"]
+    assert a["bytes_per_member_per_round"] == 7 * 45_440 * 4 and a["consensus_distance"] < 1e-6
+    assert "all_to_all" not in d["sizes"][1] and d["bytes_spread"] == 1.0
+    assert d["code_version"]["code_hash"] and d["command"].startswith("bt-bench")  # (argv: pytest's, under CliRunner)
