@@ -722,3 +722,24 @@ async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_pa
     finally:
         for p in peers:
             await p.stop()
+
+
+async def test_a_gossip_group_below_twice_the_gossip_size_averages_everyone_as_one_small_group(tmp_path):
+    """swarm.gossip 3 with 4 members (< 6): one small group of all four every round, named as a gossip
+    round (their points may differ), so all four end on one point."""
+    peers = await mesh(4, FAST, blocks=[(0,)] * 4)
+    tc = TrainConfig(**{**TC.to_dict(), "steps": 4})
+    sc = SwarmConfig(**{**SC.__dict__, "min_group": 4, "schedule": "parallel", "sync": "params", "every": 2,
+                        "gossip": 3})
+    try:
+        sps = trainers(peers, tmp_path, sc, tc, blocks=[0] * 4)
+        reps = await asyncio.wait_for(asyncio.gather(*(sp.run() for sp in sps)), 120)
+        ids = sorted(p.id for p in peers)
+        for r in reps:
+            assert r["state"] == "done" and not r["failed_rounds"]
+            assert [sorted(x["members"]) for x in r["rounds"]] == [ids, ids]
+        points = [flatten(list(sp.trainer.block.parameters())) for sp in sps]
+        assert all(torch.equal(points[0], p) for p in points[1:])
+    finally:
+        for p in peers:
+            await p.stop()

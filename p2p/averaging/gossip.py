@@ -1,7 +1,7 @@
 """Gossip: a large group averages in small groups that change every round (sans-IO, pure functions).
 
-Rule 10: a block's group of W members at a round's start, with a gossip size k (and W >= 2k, see
-``uses_gossip``), does not average all-to-all. Each member computes the same partition of the
+Rule 10: a block's group of W members at a round's start, with a gossip size k (W >= 2k: below,
+the partition is one small group of everyone, ``uses_gossip``), does not average all-to-all. Each member computes the same partition of the
 round's members (``gossip_groups``): every id is ordered by ``sha256("{salt}|{round}|{id}")``
 (hex, ties by id), and the member at place i of that order goes to small group i mod G, with
 G = W // k groups; so every small group has k to 2k - 1 members, and the partition is new every
@@ -36,9 +36,10 @@ GOSSIP_START = "gossip"
 
 
 def uses_gossip(members: int, size: int) -> bool:
-    """Whether a group of ``members`` averages by gossip with small groups of ``size`` (0: never).
-    From 2 x size on: below it the partition would be a single group (W // k = 1), i.e. all-to-all
-    with more members than size, at no saving."""
+    """Whether a group of ``members`` is cut into several small groups of ``size`` (0: never gossip).
+    From 2 x size on: below it the partition is a single group (W // k = 1) of every member, an
+    all-to-all round of the members' parameters, named as a gossip round (a group that gossiped
+    holds no common start point, and one that shrinks below 2k must still average its points)."""
     return size > 0 and members >= 2 * size
 
 

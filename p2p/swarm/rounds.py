@@ -11,8 +11,9 @@ Rules:
   round's start point is kept (the steps are taken back). Members silent in it leave the group and
   join again, taking the group's state.
 - ``overlap`` (params only): see ``_overlapped``.
-- ``gossip`` (params only, no overlap): a group of 2 x gossip members or more averages each
-  round's parameters in the small groups of averaging/gossip.py (rule 10): see ``_gossip``.
+- ``gossip`` (params only, no overlap): every round averages the parameters in the small groups
+  of averaging/gossip.py (rule 10; below 2 x gossip members, one small group of everyone, still
+  of parameters: the members' points differ, so no start point is common): see ``_gossip``.
 - Training steps run off the event loop (heartbeats and streams go on meanwhile); their time is
   ``busy_s``.
 """
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..averaging import Averager, RoundFailed, flatten, unflatten_
-from ..averaging.gossip import gossip_group, gossip_start, uses_gossip
+from ..averaging.gossip import gossip_group, gossip_start
 from ..group import Group
 from ..services import PeerServices
 from .membership import Membership
@@ -145,7 +146,7 @@ class Rounds:
         start = flatten(self.params())
         rnd, members = self._begin(start)
         t0 = time.perf_counter()
-        if self.scfg.gossip and uses_gossip(len(members), self.scfg.gossip):
+        if self.scfg.gossip and len(members) > 1:  # below 2 x gossip members, one small group of all
             return await self._gossip(rnd, members, t0)
         if self.scfg.sync == "grads":
             loss = self.last_loss = await self._timed(self.tr.compute_grads)
