@@ -322,10 +322,11 @@ class Simulation:
             rounds[pid] = AveragingRound(pid, 0, rnd, group, self._vector(m, starts), codec=c.codec,
                                          start=gossip_start("sim") if c.mode == "gossip" else "all",
                                          aggregate=c.aggregate, residual=m.residual, min_coverage=1.0)
+        first: dict[str, list] = {pid: [] for pid in rounds}  # what each sends as its round begins
         for pid, r in rounds.items():  # a member we excluded departs our round at once; it hears that
             for other in self.banned.get(pid, set()) & set(rounds):  # it is excluded and stops waiting for us
-                r.depart(other, "excluded")
-                rounds[other].depart(pid, "excluded us")
+                first[pid] += r.depart(other, "excluded")  # (as the driver's _feed: the parts it returns
+                first[other] += rounds[other].depart(pid, "excluded us")  # are sent, not dropped)
         uplink = {pid: self.members[pid].ready for pid in rounds}
         nbytes = dict.fromkeys(rounds, 0)
         end = {pid: math.inf for pid in rounds}
@@ -346,7 +347,7 @@ class Simulation:
                     seq += 1
 
         for pid, r in rounds.items():
-            send(pid, r.start(), self.members[pid].ready)
+            send(pid, first[pid] + r.start(), self.members[pid].ready)
             for s in silent & set(r.ids):  # the heartbeat timeout departs it
                 heapq.heappush(heap, (self.members[pid].ready + c.timeout_s, seq, pid, s, None))
                 seq += 1

@@ -86,14 +86,19 @@ def test_a_silent_partner_holds_a_round_for_its_timeout_and_no_longer():
     assert sim.round(3).silent == 0 and len(sim.members) == 7
 
 
-def test_an_attacker_sending_its_update_x8_is_clipped_and_the_honest_members_still_learn():
+@pytest.mark.parametrize("attack", ["x8", "flip"])
+def test_an_attacker_is_clipped_then_excluded_and_no_honest_round_fails(attack):
+    """The attacker's partners clip it in their robust small group, exclude it once it was a suspect
+    in 5 rounds they shared (departing it at once from then on: its parts, and theirs to it, are
+    not waited for), and never fail a round over it."""
     train, valid = _data()
-    sim = Simulation(SimConfig(members=8, rounds=6, local_steps=2, attackers=1, attack="x8", eval_every=6,
+    sim = Simulation(SimConfig(members=8, rounds=24, local_steps=1, attackers=1, attack=attack, eval_every=24,
                                eval_windows=512), train, valid)
     before = sim.loss()
     res = sim.run()
     assert math.isfinite(res.final_loss) and res.final_loss < before
     assert all(not m.attacker for m in sim.honest()) and len(sim.honest()) == 7
+    assert sum(st.failed for st in res.rounds) == 0 and res.rounds[-1].named >= 1
 
 
 def test_bench_gossip_writes_each_size_and_refuses_bad_sizes(tmp_path):
