@@ -697,28 +697,45 @@ def test_bench_swarm_compare_sync_runs_every_step_beside_the_mode_and_states_the
         bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["sync"])
 
 
-async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_path):
-    """swarm.gossip 3 with 6 members: every round, two small groups of 3 (rule 10's partition, the
-    same on every member); each ends the round on its small group's point, the two points differ."""
+@pytest.mark.parametrize("exclusion", [False, True])
+async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_path, exclusion):
+    """swarm.gossip 3 with 6 members: two small groups of 3 a round (rule 10's partition, the same
+    on every member), and the block's last round one group of all 6, which ends it on one point.
+    With an exclusion (member 0 excludes member 5): the two depart each other from the rounds
+    they share and nobody else does; every member keeps all 6 in its view of the group (every
+    round's small group is still the partition of the 6) and no round fails."""
     from blocktrain.p2p.averaging.gossip import gossip_groups
     peers = await mesh(6, FAST, blocks=[(0,)] * 6)
-    tc = TrainConfig(**{**TC.to_dict(), "steps": 6})
+    tc = TrainConfig(**{**TC.to_dict(), "steps": 8})
     sc = SwarmConfig(**{**SC.__dict__, "min_group": 6, "schedule": "parallel", "sync": "params", "every": 2,
                         "gossip": 3})
     try:
         sps = trainers(peers, tmp_path, sc, tc, blocks=[0] * 6)
+        av = sps[0].averager
+        average = av.average
+
+        async def excluding(rnd, *a, **k):  # from round 2 on: an exclusion after the group formed
+            if exclusion and rnd == 2:
+                av.reject(peers[5].id, "excluded by the test", rnd)
+            return await average(rnd, *a, **k)
+        av.average = excluding
         reps = await asyncio.wait_for(asyncio.gather(*(sp.run() for sp in sps)), 120)
         ids = sorted(p.id for p in peers)
-        for r in reps:
-            assert r["state"] == "done" and not r["failed_rounds"] and len(r["rounds"]) == 3
-            for x in r["rounds"]:
+        pair = {peers[0].id, peers[5].id}
+        for p, r in zip(peers, reps):
+            assert r["state"] == "done" and not r["failed_rounds"] and len(r["rounds"]) == 4
+            for x in r["rounds"][:-1]:
                 assert sorted(x["members"]) in gossip_groups(ids, x["round"], 3, f"block{x['block']}")
                 assert len(x["members"]) == 3 and not x["candidates_outside"] and x["bytes_sent"] > 0
-        last = reps[0]["rounds"][-1]["round"]
-        point = {p.id: flatten(list(sp.trainer.block.parameters())) for p, sp in zip(peers, sps)}
-        a, b = gossip_groups(ids, last, 3, "block0")
-        assert all(torch.equal(point[a[0]], point[p]) for p in a) and all(torch.equal(point[b[0]], point[p]) for p in b)
-        assert not torch.equal(point[a[0]], point[b[0]])
+            assert sorted(r["rounds"][-1]["members"]) == ids
+            for x in r["rounds"]:
+                shared = exclusion and x["round"] >= 2 and p.id in pair and pair <= set(x["members"])
+                assert x["departed"] == (sorted(pair - {p.id}) if shared else [])
+        points = [flatten(list(sp.trainer.block.parameters())) for sp in sps]
+        if not exclusion:
+            assert all(torch.equal(points[0], q) for q in points[1:])
+        else:  # the last round: 1-4 mix everyone's parts; 0 and 5 each leave the other's out
+            assert all(torch.equal(points[1], q) for q in points[2:5]) and not torch.equal(points[0], points[5])
     finally:
         for p in peers:
             await p.stop()

@@ -205,7 +205,7 @@ class Averager(EarlyParts):
             if pid != self.peer.id and self.peer.member(pid) is None:
                 self._feed(pid, "not a member")
             elif pid in self.banned or pid in self.shunned:  # a gossip round's (rule 10; else not in ids)
-                self._feed(pid, "excluded")
+                self._feed(pid, "excluded" if pid in self.banned else "excluded us", relay=False)
         self._outbox += r.start()
         for pid, msg in early:
             self._feed(pid, msg)
@@ -246,17 +246,17 @@ class Averager(EarlyParts):
                 self._feed(p.peer, f"unreachable: {e}")
         return bytes_sent
 
-    def _feed(self, pid: str, msg) -> None:
+    def _feed(self, pid: str, msg, relay: bool = True) -> None:
         """Everything for the round in progress goes in here as it comes, in the connections'
         readers: a part is checked and decoded where it belongs at once (no frame waits in a queue
         holding its receive buffer while we send); what the round has to send next goes to the
-        outbox. ``msg`` is a BlockUpdate or, for a departure, why."""
+        outbox. ``msg`` is a BlockUpdate or, for a departure, why (``relay``: round.py's ``depart``)."""
         r = self._round
         assert r is not None and self._wake is not None, "fed only while a round is in progress"
         before = len(r.rejected)
         try:
             if isinstance(msg, str):
-                out = r.depart(pid, msg)
+                out = r.depart(pid, msg, relay)
             elif msg.meta.get("phase") == Phase.ABSENT.value:
                 out = r.mismatch(pid, MISMATCHED[1])
             elif msg.meta.get("group") != r.group:  # another view of the group: not usable
@@ -356,4 +356,4 @@ class Averager(EarlyParts):
         log_event(self.events, {"event": "excluded by", "peer": pid, "round": rnd, "reason": why, "time": time.time()})
         log.warning("block %d: %s rejected our update in round %d (%s) and excludes us", self.block, pid[:12], rnd, why)
         if self._round is not None:
-            self._feed(pid, "excluded us")
+            self._feed(pid, "excluded us", relay=self._gossip_group is None)  # gossip: between us (rule 10)

@@ -182,6 +182,7 @@ class AveragingRound:
         self._live_cache: tuple[list[str], set[str]] = ([], set())
         self._owners: list[str] = []  # piece -> its owner now (kept with the cache)
         self.mismatched: set[str] = set()  # members that began the round with another view of the group (rule 4)
+        self._private: set[str] = set()  # departed, not relayed in meta ``departed`` (``depart``)
         self.rejected: list[dict] = []  # {"peer", "reason"}, in order
         self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
         self._sent_to: dict[int, str | set[str]] = {}  # piece -> owner (mean) or the members it went to (robust)
@@ -278,10 +279,16 @@ class AveragingRound:
             self.gathered[j] = [p for p in c if isinstance(p, str)] if isinstance(c, list) else []
         return self._progress(final=False)
 
-    def depart(self, pid: str, why: str) -> list[Part]:
+    def depart(self, pid: str, why: str, relay: bool = True) -> list[Part]:
+        """``pid`` leaves the round; ``relay``: listed in meta ``departed`` of our parts (rule 4), so
+        the others depart it too; not for a matter between the two of us (a gossip round's
+        exclusion, rule 10 of the package: relayed, it would let an excluded member have its
+        excluder departed by everyone who hears of it first)."""
         if pid not in self._live()[1] or pid == self.me or self.done:
             return []
         self.departed[pid] = why
+        if not relay:
+            self._private.add(pid)
         return self._progress(final=False)
 
     def mismatch(self, pid: str, why: str) -> list[Part]:
@@ -323,8 +330,9 @@ class AveragingRound:
         return from_wire(w) if self.codec.lossy else self.x[a:b]
 
     def _msg(self, phase: str, j: int, wire: Wire, **meta) -> BlockUpdate:
-        if self.departed:
-            meta["departed"] = sorted(self.departed)
+        relayed = sorted(p for p in self.departed if p not in self._private)
+        if relayed:
+            meta["departed"] = relayed
         if self.mismatched:
             meta["mismatched"] = sorted(self.mismatched)
         return BlockUpdate(block=self.block, round=self.round, codec=self.update_codec, tensors=_tensors(wire),

@@ -178,21 +178,30 @@ class Rounds:
     async def _gossip(self, rnd: int, members: list, t0: float) -> None:
         """Rule 10 (averaging/gossip.py): H local steps, then the parameters averaged with this
         round's small group only (the same partition on every member); a failed round keeps our
-        own parameters and steps (no member waits for an agreed point)."""
+        own parameters and steps (no member waits for an agreed point). A block's last round is
+        one small group of every member, so that the block ends on one point (the relay's next
+        block trains on it; it is the checkpoint served). Who departed a small group's round
+        leaves that round only: the rest of the group never heard of it, and the partition of
+        every later round needs the same members on every member (the group's own signals, a
+        LEAVE or the swarm's dead peer, remove a member from the group)."""
         salt = f"block{self.pos.block}"
-        small = gossip_group(members, self.peer.id, rnd, self.scfg.gossip, salt)
+        small = sorted(members) if self.schedule.last_round(self.pos.gstep) else \
+            gossip_group(members, self.peer.id, rnd, self.scfg.gossip, salt)
         loss = await self._local_steps()
         vec = flatten(self.params())
+        if self._avg_out is None or self._avg_out.numel() != vec.numel():
+            self._avg_out = torch.empty(vec.numel())
         try:
-            avg, rep = await self.averager.average(rnd, vec, small, start=gossip_start(salt), group=members)
+            avg, rep = await self.averager.average(rnd, vec, small, start=gossip_start(salt), group=members,
+                                                   out=self._avg_out)
         except RoundFailed as e:
-            self._failed(rnd, self.pos.gstep + self.schedule.H, e, "keeping our own parameters (gossip)")
+            self._failed(rnd, self.pos.gstep + self.schedule.H, e, "keeping our own parameters (gossip)", depart=False)
             self._stepped(loss, members)
             await self._after(rnd, None, loss, members, time.perf_counter() - t0, failed=True)
             return
         unflatten_(self.params(), avg)
         self._stepped(loss, members)  # the report's round names the small group (rep.members)
-        await self._after(rnd, rep, loss, members, time.perf_counter() - t0)
+        await self._after(rnd, rep, loss, members, time.perf_counter() - t0, depart=False)
 
     async def _overlapped(self) -> None:
         """sync=params with overlap: the round of phase r (its H local steps) is on the wire while
@@ -252,17 +261,21 @@ class Rounds:
             unflatten_(self.params(), self._g)
         await self._after(p.rnd, rep, p.loss, p.members, time.perf_counter() - p.t0, failed=avg is None)
 
-    def _failed(self, rnd: int, step: int, e: RoundFailed, outcome: str) -> None:
+    def _failed(self, rnd: int, step: int, e: RoundFailed, outcome: str, depart: bool = True) -> None:
+        """``depart``: members silent in it leave the group (not in a gossip round: _gossip)."""
         log.warning("%s; %s", e, outcome)
         self.stats.failed.append({"round": rnd, "step": step, "reason": str(e), "silent": sorted(e.silent)})
-        for pid in e.silent:  # they failed the round: they join again, taking the group's state
+        for pid in e.silent if depart else ():  # they failed the round: they join again, taking the group's state
             self.group.depart(pid, f"silent in round {rnd}")
 
-    async def _after(self, rnd: int, rep, loss: float, members: list, seconds: float, failed: bool = False):
+    async def _after(self, rnd: int, rep, loss: float, members: list, seconds: float, failed: bool = False,
+                     depart: bool = True):
+        """The round's report and joiners; ``depart``: its departed members leave the group (not
+        in a gossip round: _gossip)."""
         if not failed:
             cand = set(self.membership.candidates()) | {self.peer.id}
             entry = round_entry(rnd, self.pos.block, self.pos.gstep, loss, rep, self.peer.id, members, cand, seconds)
-            if rep:
+            if rep and depart:
                 for pid in rep.departed:  # gone from the round: gone from the group (rule 5 of group.py),
                     if self.group.joined.get(pid, 0) <= rnd:  # unless it was admitted for a later round
                         self.group.depart(pid, rep.why.get(pid, "departed mid-round"))
