@@ -90,15 +90,17 @@ def test_a_silent_partner_holds_a_round_for_its_timeout_and_no_longer():
 def test_an_attacker_is_clipped_then_excluded_and_no_honest_round_fails(attack):
     """The attacker's partners clip it in their robust small group, exclude it once it was a suspect
     in 5 rounds they shared (departing it at once from then on: its parts, and theirs to it, are
-    not waited for), and never fail a round over it."""
-    train, valid = _data()
+    not waited for), and never fail a round over it. On text: an update's direction is signal there
+    (on random bytes an honest update is noise too, and nobody stands out)."""
+    from blocktrain.blocks.data import load_split
+    train, valid = load_split("train")[:500_000], load_split("valid")[:50_000]
     sim = Simulation(SimConfig(members=8, rounds=24, local_steps=1, attackers=1, attack=attack, eval_every=24,
                                eval_windows=512), train, valid)
     before = sim.loss()
     res = sim.run()
     assert math.isfinite(res.final_loss) and res.final_loss < before
-    assert all(not m.attacker for m in sim.honest()) and len(sim.honest()) == 7
-    assert sum(st.failed for st in res.rounds) == 0 and res.rounds[-1].named >= 1
+    assert len(sim.honest()) == 7 and len(sim.members) == 8
+    assert sum(st.failed for st in res.rounds) == 0 and res.rounds[-1].named == 7  # every honest member
 
 
 def test_bench_gossip_writes_each_size_and_refuses_bad_sizes(tmp_path):
