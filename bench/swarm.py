@@ -349,8 +349,8 @@ class Bench:
                              f"(got {self.eval_every})")
         if self.equal_total_lr not in LR_RULES:
             raise ValueError(f"equal_total_lr is one of {', '.join(LR_RULES)}, not {self.equal_total_lr!r}")
-        job = apply_overrides(PeerJob(), self.overrides)
-        self.K, self._train = job.model.n_blocks, job.train
+        job = apply_overrides(PeerJob(), {**self.overrides, **{f"swarm.{k}": v for k, v in self.swarm.items()}})
+        self.K, self._train = job.model.n_blocks, job.train  # (--sync and --set swarm.gossip checked together)
 
     def overrides_for(self, comp: str, w: int) -> dict:
         """One run's config: ours, and for an equal-total run under the linear rule the learning
