@@ -760,3 +760,33 @@ async def test_a_gossip_group_below_twice_the_gossip_size_averages_everyone_as_o
     finally:
         for p in peers:
             await p.stop()
+
+
+async def test_a_joiner_of_a_gossip_group_takes_a_members_state_and_ends_on_the_blocks_one_point(tmp_path):
+    """swarm.gossip 3: six members start (two small groups a round), a seventh joins mid-block. It
+    fetches a member's state and is in the partition of the rounds after its admission (rule 2 of
+    group.py; a member that learnt of it a round late fails at most 2 rounds, rule 9); the block's
+    last round has all seven, so the seven end on one point."""
+    peers = await mesh(7, FAST, blocks=[(0,)] * 7)
+    tc = TrainConfig(**{**TC.to_dict(), "steps": 24})
+    sc = SwarmConfig(**{**SC.__dict__, "min_group": 6, "schedule": "parallel", "sync": "params", "every": 2,
+                        "gossip": 3})
+    try:
+        sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, sc, tc, blocks=[0] * 7)]
+        first = [asyncio.ensure_future(sp.run()) for sp in sps[:6]]
+        deadline = time.monotonic() + 60
+        while sps[0].stats.applied < 3:  # the six are under way without the seventh
+            assert time.monotonic() < deadline and not any(t.done() for t in first)
+            await asyncio.sleep(0.05)
+        joiner = await asyncio.wait_for(sps[6].run(), 120)
+        reps = await asyncio.wait_for(asyncio.gather(*first), 60)
+        assert joiner["joins"][-1]["how"] == "fetched the group's state"
+        ids = sorted(p.id for p in peers)
+        for r in reps + [joiner]:
+            assert r["state"] == "done" and len(r["failed_rounds"]) <= 2
+            assert sorted(r["rounds"][-1]["members"]) == ids
+        points = [flatten(list(sp.trainer.block.parameters())) for sp in sps]
+        assert all(torch.equal(points[0], q) for q in points[1:])
+    finally:
+        for p in peers:
+            await p.stop()
