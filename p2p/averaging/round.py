@@ -19,7 +19,8 @@ Rules (numbered as in the package's index, ``__init__.py``):
   the round finishes with the others. Coverage counts the live members. A member that departs
   a peer for a reason only it can see (another view of the group, unreachable) lists it in meta
   ``departed`` of every part it sends from then on; the receivers depart it too, so nobody waits
-  for a member that will not come. A member that began the round with another view of the group
+  for a member that will not come (not a departure between two members only: a gossip round's
+  exclusion, rule 10, ``depart(relay=False)``). A member that began the round with another view of the group
   (its parts carry another ``group``, or it says it is not in our round's group) is recorded in
   ``mismatched`` as well, and listed in meta ``mismatched`` of every part we send, so that every
   member learns it was a mismatch whichever way it hears of it first (driver.py, rule 9, fails such
