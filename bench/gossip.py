@@ -44,13 +44,14 @@ import heapq
 import math
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from blocktrain.blocks.data import load_split
 from blocktrain.p2p.averaging import AveragingRound, RoundFailed
+from blocktrain.p2p.averaging.driver import outliers_in_a_row
 from blocktrain.p2p.averaging.gossip import check_gossip_codec, gossip_groups, gossip_start
 
 CONTEXT = 4  # previous bytes the model sees
@@ -219,10 +220,12 @@ class Simulation:
         self.next_id = 0
         for i in range(cfg.members):
             self._new_member(i, 0.0, attacker=i < cfg.attackers)
+        # the next join (as many join as leave, on average); drawn after the members, as before
+        self._next_join = self.rng.expovariate(cfg.churn * cfg.members / 60) if cfg.churn > 0 else math.inf
         self.result = SimResult(cfg)
         self.named: set[str] = set()  # honest members that rejected an attacker
         self.banned: dict[str, set[str]] = {}  # member -> ids it rejected (excluded from its rounds)
-        self.streak: dict[tuple[str, str], int] = {}  # (member, other) -> suspect rounds in a row
+        self.streak: dict[str, dict[str, int]] = {}  # member -> other -> suspect rounds in a row
 
     def _new_member(self, row: int, t: float, attacker: bool = False) -> Member:
         pid = f"{self.next_id:04d}" + f"{self.rng.getrandbits(48):012x}"
@@ -256,13 +259,13 @@ class Simulation:
     def round(self, rnd: int) -> RoundStats:
         c = self.cfg
         live = sorted(self.members.values(), key=lambda m: m.pid)
-        t_partition = min(m.done + c.local_steps * c.step_ms / 1000 * m.speed for m in live)
+        t_partition = min(self._ready_at(m) for m in live)
         for m in [m for m in live if m.leaves <= t_partition]:  # left before the partition: not in it
             self._leave(m)
         self._joins(t_partition, [m for m in live if m.pid in self.members])
         live = sorted(self.members.values(), key=lambda m: m.pid)
         for m in live:
-            m.ready = m.done + c.local_steps * c.step_ms / 1000 * m.speed
+            m.ready = self._ready_at(m)
         starts = self._local_steps(rnd)
         ids = [m.pid for m in live]
         groups = gossip_groups(ids, rnd, c.size, salt="sim") if c.mode == "gossip" else [ids]
@@ -288,6 +291,10 @@ class Simulation:
         stats.named = len(self.named)
         return stats
 
+    def _ready_at(self, m: Member) -> float:
+        """When ``m``'s next round begins: its last round's end, then its local steps."""
+        return m.done + self.cfg.local_steps * self.cfg.step_ms / 1000 * m.speed
+
     def _leave(self, m: Member) -> None:
         del self.members[m.pid]
         self.result.left += 1
@@ -298,8 +305,6 @@ class Simulation:
         c = self.cfg
         if c.churn <= 0 or not live:
             return
-        if not hasattr(self, "_next_join"):
-            self._next_join = self.rng.expovariate(c.churn * c.members / 60)
         while self._next_join <= t:
             sponsor = self.rng.choice(live)
             row = self.model.add_row(sponsor.row)
@@ -406,22 +411,10 @@ class Simulation:
             self.named.add(pid)
 
     def _suspicions(self, pid: str, r: AveragingRound) -> None:
-        """The driver's rule 6 (driver.py ``_suspicions``): a suspect SUSPECT_ROUNDS rounds in a row
-        (rounds with it) is excluded."""
-        from blocktrain.p2p.averaging.driver import SUSPECT_ROUNDS
-        if not r.robust:
-            return
-        opposed = r.opposed()
-        for other in r.live():
-            if other == pid:
-                continue
-            key = (pid, other)
-            if other in r.suspects or other in opposed:
-                self.streak[key] = self.streak.get(key, 0) + 1
-                if self.streak[key] >= SUSPECT_ROUNDS:
-                    self._reject(pid, other)
-            else:
-                self.streak.pop(key, None)
+        """The driver's rule 6: a partner that was a suspect in SUSPECT_ROUNDS rounds in a row that
+        they shared is excluded."""
+        for other, _ in outliers_in_a_row(r, pid, self.streak.setdefault(pid, {})):
+            self._reject(pid, other)
 
     # --- measures -----------------------------------------------------------------------------
     def honest(self) -> list[Member]:
@@ -497,7 +490,6 @@ def bench(sizes: list[int], all_sizes: list[int], base: SimConfig, target_loss: 
           progress=None) -> dict:
     """Per size: gossip and, at ``all_sizes``, all-to-all (robust up to ROBUST_ALL_MAX members, the
     mean above), and with attackers the honest gossip run beside; the same seed and data for all."""
-    from dataclasses import asdict, replace
     train, valid = load_split("train"), load_split("valid")
     out: dict = {"config": {k: v for k, v in asdict(base).items() if k not in ("members", "mode")},
                  "robust_all_max": ROBUST_ALL_MAX, "sizes": []}

@@ -697,6 +697,16 @@ def test_bench_swarm_compare_sync_runs_every_step_beside_the_mode_and_states_the
         bench_swarm.Bench(workers=[3], steps=10, seeds=[0], compare=["sync"])
 
 
+async def _gossip_swarm(n: int, steps: int, min_group: int | None = None):
+    """``n`` peers on block 0 (started, meshed) and the configs of a parameter-round gossip swarm:
+    gossip 3, a round every 2 steps, ``steps`` steps, the parallel schedule."""
+    peers = await mesh(n, FAST, blocks=[(0,)] * n)
+    tc = TrainConfig(**{**TC.to_dict(), "steps": steps})
+    sc = SwarmConfig(**{**SC.__dict__, "min_group": min_group or n, "schedule": "parallel", "sync": "params",
+                        "every": 2, "gossip": 3})
+    return peers, tc, sc
+
+
 @pytest.mark.parametrize("exclusion", [False, True])
 async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_path, exclusion):
     """swarm.gossip 3 with 6 members: two small groups of 3 a round (rule 10's partition, the same
@@ -705,10 +715,7 @@ async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_pa
     they share and nobody else does; every member keeps all 6 in its view of the group (every
     round's small group is still the partition of the 6) and no round fails."""
     from blocktrain.p2p.averaging.gossip import gossip_groups
-    peers = await mesh(6, FAST, blocks=[(0,)] * 6)
-    tc = TrainConfig(**{**TC.to_dict(), "steps": 8})
-    sc = SwarmConfig(**{**SC.__dict__, "min_group": 6, "schedule": "parallel", "sync": "params", "every": 2,
-                        "gossip": 3})
+    peers, tc, sc = await _gossip_swarm(6, 8)
     try:
         sps = trainers(peers, tmp_path, sc, tc, blocks=[0] * 6)
         av = sps[0].averager
@@ -744,10 +751,7 @@ async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_pa
 async def test_a_gossip_group_below_twice_the_gossip_size_averages_everyone_as_one_small_group(tmp_path):
     """swarm.gossip 3 with 4 members (< 6): one small group of all four every round, named as a gossip
     round (their points may differ), so all four end on one point."""
-    peers = await mesh(4, FAST, blocks=[(0,)] * 4)
-    tc = TrainConfig(**{**TC.to_dict(), "steps": 4})
-    sc = SwarmConfig(**{**SC.__dict__, "min_group": 4, "schedule": "parallel", "sync": "params", "every": 2,
-                        "gossip": 3})
+    peers, tc, sc = await _gossip_swarm(4, 4)
     try:
         sps = trainers(peers, tmp_path, sc, tc, blocks=[0] * 4)
         reps = await asyncio.wait_for(asyncio.gather(*(sp.run() for sp in sps)), 120)
@@ -767,10 +771,7 @@ async def test_a_joiner_of_a_gossip_group_takes_a_members_state_and_ends_on_the_
     fetches a member's state and is in the partition of the rounds after its admission (rule 2 of
     group.py; a member that learnt of it a round late fails at most 2 rounds, rule 9); the block's
     last round has all seven, so the seven end on one point."""
-    peers = await mesh(7, FAST, blocks=[(0,)] * 7)
-    tc = TrainConfig(**{**TC.to_dict(), "steps": 24})
-    sc = SwarmConfig(**{**SC.__dict__, "min_group": 6, "schedule": "parallel", "sync": "params", "every": 2,
-                        "gossip": 3})
+    peers, tc, sc = await _gossip_swarm(7, 24, min_group=6)
     try:
         sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, sc, tc, blocks=[0] * 7)]
         first = [asyncio.ensure_future(sp.run()) for sp in sps[:6]]

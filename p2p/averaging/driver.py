@@ -63,6 +63,29 @@ MISMATCH_ROUNDS = 2
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
 
 
+def outliers_in_a_row(r: AveragingRound, me: str, streak: dict) -> list[tuple[str, str]]:
+    """Rule 6, for ``me`` after robust round ``r``: its suspects (and members opposed to the median)
+    counted in ``streak`` (member -> rounds in a row as a suspect, rounds with it); those that
+    reach SUSPECT_ROUNDS, each with why."""
+    if not r.robust:
+        return []
+    opposed = r.opposed()
+    out = []
+    for pid in r.live():
+        if pid == me:
+            continue
+        if pid in r.suspects or pid in opposed:
+            streak[pid] = streak.get(pid, 0) + 1
+            if streak[pid] >= SUSPECT_ROUNDS:
+                why = (f"{r.suspects[pid]:.1f} median distances from the others'" if pid in r.suspects else
+                       f"pointing against the others' median, cosine {opposed[pid]:.2f}")
+                out.append((pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row ({why} in round "
+                                 f"{r.round})"))
+        else:
+            streak.pop(pid, None)
+    return out
+
+
 def remember(names: dict, key, value, bound: int = MAX_NAMED) -> None:
     """``names[key] = value``, the oldest entries dropped past ``bound``."""
     names[key] = value
@@ -283,21 +306,8 @@ class Averager(EarlyParts):
 
     def _suspicions(self, r: AveragingRound, rnd: int):
         """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row is excluded (named)."""
-        if not r.robust:
-            return
-        opposed = r.opposed()
-        for pid in r.live():
-            if pid == self.peer.id:
-                continue
-            if pid in r.suspects or pid in opposed:
-                self._suspect_streak[pid] = self._suspect_streak.get(pid, 0) + 1
-                if self._suspect_streak[pid] >= SUSPECT_ROUNDS:
-                    why = (f"{r.suspects[pid]:.1f} median distances from the others'" if pid in r.suspects else
-                           f"pointing against the others' median, cosine {opposed[pid]:.2f}")
-                    self._reject(pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row ({why} in round "
-                                      f"{rnd})", rnd)
-            else:
-                self._suspect_streak.pop(pid, None)
+        for pid, why in outliers_in_a_row(r, self.peer.id, self._suspect_streak):
+            self._reject(pid, why, rnd)
 
     def _mismatches(self, r: AveragingRound) -> None:
         """Rule 9: GroupMismatch when a member saw another group in this round and, since our

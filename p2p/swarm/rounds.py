@@ -121,6 +121,12 @@ class Rounds:
         self.averager.expect_members(self.group.members(rnd + 1))  # whose parts for the next round we hold
         return rnd, members
 
+    def _result_buffer(self, n: int) -> torch.Tensor:
+        """The rounds' result buffer of ``n`` floats, reused round after round: no fresh memory."""
+        if self._avg_out is None or self._avg_out.numel() != n:
+            self._avg_out = torch.empty(n)
+        return self._avg_out
+
     async def _timed(self, fn, *args):
         t = time.perf_counter()
         try:
@@ -157,9 +163,8 @@ class Rounds:
         rep, avg = None, vec
         if len(members) > 1:
             try:
-                if self._avg_out is None or self._avg_out.numel() != vec.numel():
-                    self._avg_out = torch.empty(vec.numel())  # reused round after round: no fresh memory
-                avg, rep = await self.averager.average(rnd, vec, members, start=digest(start), out=self._avg_out)
+                avg, rep = await self.averager.average(rnd, vec, members, start=digest(start),
+                                                       out=self._result_buffer(vec.numel()))
             except RoundFailed as e:
                 self._failed(rnd, self.pos.gstep + self.schedule.H, e,
                              "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
@@ -189,11 +194,9 @@ class Rounds:
             gossip_group(members, self.peer.id, rnd, self.scfg.gossip, salt)
         loss = await self._local_steps()
         vec = flatten(self.params())
-        if self._avg_out is None or self._avg_out.numel() != vec.numel():
-            self._avg_out = torch.empty(vec.numel())
         try:
             avg, rep = await self.averager.average(rnd, vec, small, start=gossip_start(salt), group=members,
-                                                   out=self._avg_out)
+                                                   out=self._result_buffer(vec.numel()))
         except RoundFailed as e:
             self._failed(rnd, self.pos.gstep + self.schedule.H, e, "keeping our own parameters (gossip)", depart=False)
             self._stepped(loss, members)
