@@ -208,7 +208,7 @@ def load_optimizer_state(opt: torch.optim.Optimizer, named_params: dict, state: 
         if f"{n}.exp_avg" not in state:
             continue
         opt.state[p] = {
-            "exp_avg": state[f"{n}.exp_avg"].clone(),
-            "exp_avg_sq": state[f"{n}.exp_avg_sq"].clone(),
+            "exp_avg": state[f"{n}.exp_avg"].to(p.device, copy=True),  # the parameter's device
+            "exp_avg_sq": state[f"{n}.exp_avg_sq"].to(p.device, copy=True),
             "step": torch.tensor(float(state[f"{n}.step"].item())),
         }

@@ -34,15 +34,22 @@ from .schedule import SCHEDULES
 @click.option("--schedule", type=click.Choice(SCHEDULES), default=None,
               help="When each block trains (default relay: every worker on one block, then the next).")
 @click.option("--data", type=click.Path(exists=True), default=None,
-              help="A corpus `bt-data prepare` wrote (memory-mapped: any size), or a directory with "
-                   "wiki.{train,valid,test}.tokens (default: the embedded WikiText-2).")
+              help="A text file or a folder of .txt files (prepared once into a cache; `bt-data prepare` chooses "
+                   "the fractions), a corpus `bt-data prepare` wrote (memory-mapped: any size), or a directory "
+                   "with wiki.{train,valid,test}.tokens (default: the embedded WikiText-2).")
+@click.option("--device", default=None, metavar="auto|cpu|cuda[:N]|mps",
+              help="Where to train (default auto: cuda, else mps, else cpu). Checkpoints are device-independent.")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default=None,
+              help="bf16: forward passes under bfloat16 autocast (default auto: bf16 on a CUDA device that "
+                   "supports it, else fp32).")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Output directory (default runs/train-<time>).")
 @click.option("--no-reference", is_flag=True, default=None, help="Skip the end-to-end reference.")
 @click.option("--processes", is_flag=True, default=None,
               help="Train each block in its own process, exchanging checkpoint files (staggered, parallel or "
                    "sequential; relay needs same-block averaging between workers, which bt-peer provides).")
 @click.option("--threads", type=click.IntRange(1), default=None, help="torch threads (default 2).")
-def main(size, dry_run, config_file, sets, steps, schedule, data, out, no_reference, processes, threads):
+def main(size, dry_run, config_file, sets, steps, schedule, data, device, precision, out, no_reference, processes,
+         threads):
     """Train a 3-block BlockTrain model and the end-to-end reference on WikiText-2 bytes, under the
     same budget; report the test CE of every head along the chain, write results.json, curves.png
     and the checkpoints (servable with `bt-peer serve --checkpoints OUT/checkpoints`).
@@ -53,7 +60,7 @@ def main(size, dry_run, config_file, sets, steps, schedule, data, out, no_refere
     from .job import run_job
     try:
         job = load(JobConfig(), config_file, sets, size, **{"train.steps": steps, "schedule": schedule, "data": data,
-                                                       "out": out, "threads": threads,
+                                                       "device": device, "precision": precision, "out": out, "threads": threads,
                                                        "reference": False if no_reference else None,
                                                        "processes": True if processes else None})
     except ConfigError as e:
@@ -77,7 +84,8 @@ def _print_plan(job: JobConfig) -> None:
     m = job.model
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     click.echo(f"model: d {m.d_model}, {m.n_head} heads, {m.n_layer} layers in {m.n_blocks} blocks, "
-               f"{p['params_total']:,} parameters; batch {p['batch'][0]} x {p['batch'][1]} bytes, "
+               f"{p['params_total']:,} parameters; batch {p['batch'][0]} x {p['batch'][1]} bytes"
+               + (f" in {p['micro_batches']} slices" if p["micro_batches"] > 1 else "") + ", "
                f"{p['steps_per_block']} steps per block")
     for r in p["blocks"]:
         mem = r["memory"]

@@ -100,6 +100,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     draft_frac: float = 0.6  # draft phase of the last block's draft model, in ``steps`` (0: none), on top of them
     draft_unroll: int = 3  # drafting steps unrolled in training (the draft model reads its own predictions)
+    micro_batches: int = 1  # gradient accumulation: a step's batch is computed in this many slices, one after
+    #                         another (same gradient, 1/micro_batches of the activation memory); not compared between peers
 
     @property
     def draft_steps(self) -> int:
@@ -110,6 +112,8 @@ class TrainConfig:
             raise ValueError("steps, batch_size, seq_len, eval_every, eval_windows and refresh_every must be >= 1")
         if self.lr <= 0 or self.warmup < 0 or not 0 <= self.decay_frac <= 1 or not 0 <= self.mask_frac <= 1:
             raise ValueError("lr must be > 0, warmup >= 0, decay_frac and mask_frac in [0, 1]")
+        if not 1 <= self.micro_batches <= self.batch_size:
+            raise ValueError(f"micro_batches {self.micro_batches}: expected 1..batch_size ({self.batch_size})")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -142,7 +146,9 @@ class JobConfig:
     reference: bool = True  # also train the end-to-end reference under the same budget
     test_windows: int = 300  # test windows of train.seq_len bytes for the final CE; 0 = the whole split
     threads: int = 2  # torch threads
-    data: str | None = None  # directory of standard WikiText files; None = embedded WikiText-2
+    data: str | None = None  # a text file or folder (prepared once), a prepared corpus or a WikiText directory; None = embedded WikiText-2
+    device: str = "auto"  # auto | cpu | cuda[:N] | mps (blocks/device.py)
+    precision: str = "auto"  # auto | fp32 | bf16 (auto: bf16 on a CUDA device that supports it)
     out: str | None = None  # output directory; None = runs/train-<time>
 
     def __post_init__(self):

@@ -24,6 +24,7 @@ import lzma
 import mmap
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -217,6 +218,26 @@ def prepared(data_dir: str | Path | None) -> dict | None:
     return m
 
 
+def verify(data_dir: str | Path, progress=lambda done, total: None) -> dict:
+    """A prepared corpus checked in full: sizes (``prepared``), then every split's sha256 against
+    its manifest, streamed CHUNK bytes at a time. Returns the manifest; DataError names a damaged split."""
+    m = prepared(data_dir)
+    if m is None:
+        raise DataError(f"{data_dir} has no {MANIFEST}: not a prepared corpus")
+    total, done = sum(m["splits"][sp]["bytes"] for sp in SPLITS), 0
+    for sp in SPLITS:
+        h = hashlib.sha256()
+        with open(Path(data_dir) / f"{sp}.bin", "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+                done += len(chunk)
+                progress(done, total)
+        if h.hexdigest() != m["splits"][sp]["sha256"]:
+            raise DataError(f"{Path(data_dir) / (sp + '.bin')}: sha256 {h.hexdigest()[:16]}..., the manifest says "
+                            f"{m['splits'][sp]['sha256'][:16]}...: damaged; prepare again")
+    return m
+
+
 def load_split(split: str, data: str | Path | None = None, variant: str = "tokens") -> torch.Tensor:
     """One split as a flat uint8 tensor: memory-mapped from a prepared corpus (read-only use: the
     mapping is private, nothing is written back), else read whole (the embedded default, a WikiText
@@ -235,6 +256,63 @@ def load_split(split: str, data: str | Path | None = None, variant: str = "token
     return as_tensor(read_split(split, data, variant))
 
 
+def resolve_data(data: str | Path | None, say=lambda line: None, cache: str | Path | None = None) -> str | None:
+    """What ``--data`` names, as something ``load_split`` reads: the embedded default (None), a
+    prepared corpus or a WikiText directory as they are; a text file or another folder is prepared
+    once (``prepare``, default fractions and glob) into ``cache``/KEY (default
+    ``$BT_DATA_CACHE`` or ``~/.cache/blocktrain/corpora``), KEY a hash of the source's path, sizes
+    and modification times, and reused while they stay the same. Concurrent callers (peers started
+    together on one machine) prepare it once: the others wait on a lock."""
+    if data is None or prepared(data) is not None:
+        return None if data is None else str(data)
+    src = Path(data)
+    if src.is_dir() and any(src.glob("wiki.*")):
+        return str(src)
+    if not src.exists():
+        raise DataError(f"{src} does not exist")
+    files = [src] if src.is_file() else sorted(p for p in src.glob("**/*.txt") if p.is_file())
+    if not files:
+        raise DataError(f"{src} holds no .txt file (prepare another glob with `bt-data prepare {src} --glob ... "
+                        "--out DIR`, then pass --data DIR)")
+    h = hashlib.sha256(str(src.resolve()).encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"\0{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    root = Path(cache or os.environ.get("BT_DATA_CACHE") or Path.home() / ".cache" / "blocktrain" / "corpora")
+    out = root / h.hexdigest()[:16]
+    out.mkdir(parents=True, exist_ok=True)
+    import fcntl
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer; the others find its manifest
+        m = prepared(out) if (out / MANIFEST).is_file() else None
+        if m is None:
+            say(f"preparing {src} ({sum(f.stat().st_size for f in files):,} bytes) into {out} (once; "
+                "bt-data prepare does this with other fractions or a glob)")
+            m = prepare(src, out)
+    say(f"data: {src} as prepared in {out} (corpus digest {m['digest']})")
+    return str(out)
+
+
+def corpus_digest(data: str | Path | None) -> str:
+    """16 hex digits naming the corpus ``data`` holds (what ``load_split`` reads), the same on every
+    machine: a prepared corpus's manifest digest, the sha256 of a WikiText directory's tokens files,
+    the embedded WikiText-2's. Peers of a swarm compare it before they group."""
+    m = prepared(data)
+    if m is not None:
+        return m["digest"]
+    if data is None:
+        shas = {sp: EMBEDDED_SHA256[_file_name(sp, "tokens")] for sp in SPLITS}
+    else:
+        shas = {}
+        for sp in SPLITS:
+            h = hashlib.sha256()
+            with open(Path(data) / _file_name(sp, "tokens"), "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+            shas[sp] = h.hexdigest()
+    return hashlib.sha256(json.dumps(shas, sort_keys=True).encode()).hexdigest()[:16]
+
+
 # Linux's MAP_NORESERVE (Python's mmap names it from 3.13 on): no memory reserved for the mapping.
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
@@ -249,7 +327,25 @@ def _mapped(path: Path) -> torch.Tensor:
         return as_tensor(path.read_bytes())
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE | MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(m, dtype=torch.uint8)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    ptr = t.data_ptr()
+    _MAPPINGS[ptr] = m
+    weakref.finalize(t, _MAPPINGS.pop, ptr, None)
+    return t
+
+
+# A mapped split's mmap, by the address of its tensor's first byte (drop_pages).
+_MAPPINGS: dict[int, mmap.mmap] = {}
+
+
+def drop_pages(data: torch.Tensor) -> None:
+    """Unmap the pages of a mapped split that reads have mapped (nothing if ``data`` is not one):
+    the kernel maps a read's neighbourhood too (fault-around, readahead), so random windows over a
+    large corpus would otherwise leave the process's RSS growing toward the corpus's size. Clean
+    pages of a private file mapping: a later read maps them again from the page cache."""
+    m = _MAPPINGS.get(data.data_ptr())
+    if m is not None and hasattr(mmap, "MADV_DONTNEED"):
+        m.madvise(mmap.MADV_DONTNEED)
 
 
 def as_tensor(data: bytes) -> torch.Tensor:
@@ -291,6 +387,7 @@ class ByteBatches:
         starts = torch.randint(lo, hi - self.seq_len - 1, (self.batch_size,), generator=g)
         idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
         w = self.data[idx].long()
+        drop_pages(self.data)  # a mapped corpus: what this read mapped goes again (RSS stays flat)
         return w[:, :-1], w[:, 1:]
 
 
@@ -303,11 +400,13 @@ def _mix(*values: int) -> int:
 
 
 def eval_windows(data: torch.Tensor, seq_len: int, max_windows: int | None = None):
-    """Non-overlapping ``(x, y)`` windows covering ``data`` in order (for test CE)."""
+    """Non-overlapping ``(x, y)`` windows covering ``data`` in order (for test CE), as views of
+    ``data`` in its own dtype (no copy): a caller turns the rows it uses to int64 (``.long()``) a
+    batch at a time, so a whole split (``--test-windows 0``) never becomes int64 at once (8x its
+    bytes)."""
     n = (data.numel() - 1) // seq_len
     if max_windows is not None:
         n = min(n, max_windows)
-    w = data[: n * seq_len + 1].long()
-    x = w[:-1].view(n, seq_len)
-    y = w[1:].view(n, seq_len)
+    x = data[: n * seq_len].view(n, seq_len)
+    y = data[1: n * seq_len + 1].view(n, seq_len)
     return x, y

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .data import MANIFEST, DataError, prepare, prepared
+from .data import MANIFEST, DataError, prepare, prepared, verify
 from .progress import bar
 
 
@@ -53,17 +53,27 @@ def prepare_cmd(src, out, valid_frac, test_frac, pattern):
 
 @main.command("info")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-def info(directory):
-    """Check a prepared corpus (files against its manifest) and print its manifest."""
+@click.option("--quick", is_flag=True, help="Check the files' sizes only, not their sha256 (which reads every byte).")
+def info(directory, quick):
+    """Check a prepared corpus against its manifest (sizes, and every split's sha256 unless
+    --quick) and print the manifest. Its `digest` is what peers of a swarm compare at join."""
     try:
-        m = prepared(directory)
+        if quick:
+            m = prepared(directory)
+            if m is None:
+                raise DataError(f"{directory} has no {MANIFEST}: not a prepared corpus")
+        else:
+            with bar("bt-data info (sha256)", None, unit="byte") as b:
+                def progress(done, total):
+                    if b.total is None:
+                        b.total = total
+                    b.update(done - b.n)
+                m = verify(directory, progress)
     except DataError as e:
         click.echo(f"bt-data: {e}", err=True)
         sys.exit(2)
-    if m is None:
-        click.echo(f"bt-data: {directory} has no {MANIFEST}: not a prepared corpus", err=True)
-        sys.exit(2)
     click.echo(json.dumps(m, indent=1))
+    click.echo(f"{'sizes' if quick else 'sizes and sha256'} match the manifest; digest {m['digest']}", err=True)
 
 
 if __name__ == "__main__":

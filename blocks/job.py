@@ -12,6 +12,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import resource
 import sys
@@ -22,7 +23,8 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import JobConfig
-from .data import DataError, load_split, prepared
+from .data import DataError, load_split, prepared, resolve_data
+from .device import describe, pick_device, pick_precision
 from .model import Assembled
 from .run import train_blocktrain, train_e2e
 from .schedule import make_plans
@@ -80,6 +82,10 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    device = pick_device(job.device)
+    precision = pick_precision(job.precision, device)
+    data = resolve_data(job.data, log)
+    job = dataclasses.replace(job, data=data)  # the workers (--processes) read what was prepared
     train, valid, test = (load_split(sp, job.data) for sp in ("train", "valid", "test"))
     for name, t in (("valid", valid), ("test", test)):  # before training, not after it
         if t.numel() < job.train.seq_len + 1:
@@ -94,7 +100,9 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     log(f"data: train {train.numel():,} bytes, valid {valid.numel():,}, test {test.numel():,} "
         f"({'embedded WikiText-2' if job.data is None else job.data})")
     log(f"model: d {mc.d_model}, {mc.n_layer} layers in {mc.n_blocks} blocks, head_layers {mc.head_layers}; "
-        f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} bytes; schedule {job.schedule}")
+        f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} bytes"
+        + (f" in {tc.micro_batches} slices" if tc.micro_batches > 1 else "")
+        + f"; schedule {job.schedule}; on {describe(device, precision)}")
 
     plans = make_plans(job.schedule, mc.n_blocks, tc.steps, tc.decay_frac)
     wall = max(p.end(tc.steps) for p in plans)
@@ -104,18 +112,22 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     else:
         draft = tc.draft_steps if mc.draft_layers else 0  # the last block's draft phase comes after
         with bar(f"blocktrain ({job.schedule}{', then the draft model' if draft else ''})", wall + draft) as b:
-            bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(b, [p.start for p in plans]))
+            bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(b, [p.start for p in plans]),
+                                  device=device, precision=precision)
+    heads = eval_chain(bt.blocks, test, tc.seq_len, tw)  # on the device the blocks trained on
+    heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
+    bt.blocks = [b.cpu() for b in bt.blocks]  # checkpoints and the serving checks below: on the CPU
+    if not job.processes:
         for k, b in enumerate(bt.blocks):
             ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
                                       extra={"schedule": job.schedule, "final": True,
                                              **({"drafter_steps": tc.draft_steps} if b.drafter is not None else {})}),
                       out / "checkpoints" / ckpt.block_file(k))
-    heads = eval_chain(bt.blocks, test, tc.seq_len, tw)
-    heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
     asm = Assembled(bt.blocks)
     result = {
         "job": {"model": mc.to_dict(), "train": tc.to_dict(), "schedule": job.schedule,
-                "test_windows": job.test_windows, "data": job.data or "embedded WikiText-2"},
+                "test_windows": job.test_windows, "data": job.data or "embedded WikiText-2",
+                "device": str(device), "precision": precision},
         "blocktrain": {
             "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
             "curve": bt.curve, "train_seconds": bt.seconds, "train_flops": bt.train_flops,
@@ -127,14 +139,16 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     if job.reference:
         ref_draft = tc.draft_steps if mc.draft_layers else 0  # its draft phase too (the progress went past the total)
         with bar(f"end-to-end reference{', then the draft model' if ref_draft else ''}", tc.steps + ref_draft) as b:
-            e2e = train_e2e(mc, tc, train, valid, progress_for(b))
+            e2e = train_e2e(mc, tc, train, valid, progress_for(b), device=device, precision=precision)
+        ce = eval_e2e(e2e.model, test, tc.seq_len, tw)
+        ce_raw = eval_e2e(e2e.model, test_raw, tc.seq_len, tw) if test_raw is not None else None
+        e2e.model = e2e.model.cpu()
         for k, b in enumerate(e2e.model.blocks):  # the reference, split by the same layers, for serving
             ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), extra={"model": "end-to-end"}),
                       out / "reference" / ckpt.block_file(k))
-        ce = eval_e2e(e2e.model, test, tc.seq_len, tw)
         fwd = lambda ids: e2e.model(ids)[0]  # noqa: E731
         result["reference"] = {
-            "test_ce": ce, "test_raw_ce": eval_e2e(e2e.model, test_raw, tc.seq_len, tw) if test_raw is not None else None,
+            "test_ce": ce, "test_raw_ce": ce_raw,
             "curve": e2e.curve, "train_seconds": e2e.seconds, "train_flops": e2e.train_flops,
             "trainable_bytes": e2e.trainable_bytes[0],
             "continuation_teacher_forced": eval_continuation(fwd, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=False),
@@ -183,6 +197,7 @@ def train_in_processes(job: JobConfig, directory: Path, log, bar=no_bar):
                    "--train", json.dumps(tc.to_dict()), "--ckpt-every", str(tc.refresh_every), "--threads", "1"]
             if job.data is not None:  # the workers train on the job's data, not the embedded default
                 cmd += ["--data", str(job.data)]
+            cmd += ["--device", job.device, "--precision", job.precision]
             procs.append(subprocess.Popen(cmd))
         with bar(f"blocktrain ({job.schedule}, {mc.n_blocks} processes)", mc.n_blocks * tc.steps) as b:
             done = 0

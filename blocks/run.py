@@ -41,10 +41,11 @@ class RunResult:
 
 
 def train_blocktrain(mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, train: torch.Tensor,
-                     valid: torch.Tensor, progress=None, identity_start: bool = True) -> RunResult:
+                     valid: torch.Tensor, progress=None, identity_start: bool = True,
+                     device: torch.device | str = "cpu", precision: str = "fp32") -> RunResult:
     K, S = mcfg.n_blocks, tcfg.steps
     plans: list[BlockPlan] = make_plans(schedule, K, S, tcfg.decay_frac)
-    trainers = [BlockTrainer(mcfg, tcfg, k, train) for k in range(K)]
+    trainers = [BlockTrainer(mcfg, tcfg, k, train, device=device, precision=precision) for k in range(K)]
     for tr, p in zip(trainers, plans):
         tr.lr_plan = (p.decay_start, p.decay_end)
     published: list[dict | None] = [None] * K
@@ -99,8 +100,8 @@ def train_blocktrain(mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, train:
 
 
 def train_e2e(mcfg: ModelConfig, tcfg: TrainConfig, train: torch.Tensor, valid: torch.Tensor,
-              progress=None) -> RunResult:
-    tr = EndToEndTrainer(mcfg, tcfg, train)
+              progress=None, device: torch.device | str = "cpu", precision: str = "fp32") -> RunResult:
+    tr = EndToEndTrainer(mcfg, tcfg, train, device=device, precision=precision)
     res = RunResult("end-to-end")
     t0 = time.perf_counter()
     for t in range(tcfg.steps):

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from . import checkpoint as ckpt
 from .data import ByteBatches, eval_windows
+from .device import autocast, host_state, to_host
 from .config import TrainConfig  # the config's home is config.py (imported from here too)
 from .model import MASK_ID, Block, EndToEnd, KVCache, ModelConfig, lr_at
 
@@ -78,7 +79,7 @@ def draft_loss(block: Block, f: torch.Tensor, x: torch.Tensor, unroll: int = 1) 
     prev = torch.cat([f.new_zeros(B, 1, C), f[:, :-1]], dim=1)  # entry q pairs feature q-1 with byte q
     total, kls = 0.0, []
     for s, mask in enumerate(draft_masks(T, unroll), start=1):
-        u = d(prev, x, caches, mask)
+        u = d(prev, x, caches, mask.to(f.device))
         valid = slice(s - 1, T)  # entries q < s-1 have no step-(s-1) prediction before them
         logq = F.log_softmax(block.logits(u[:, valid]), dim=-1)
         kl = F.kl_div(logq, teacher[:, valid], log_target=True, reduction="batchmean") / (T - s + 1)
@@ -141,6 +142,31 @@ def _split_layout(layout: dict | None, parts: int) -> list[dict | None]:
     return [{k: v[i] for k, v in split.items()} for i in range(parts)]
 
 
+def _to(device: torch.device, x, y, layout, weights):
+    """A batch (``slot_batch``'s four parts) on ``device``."""
+    if device.type == "cpu":
+        return x, y, layout, weights
+    return (x.to(device), y.to(device), None if layout is None else {k: v.to(device) for k, v in layout.items()},
+            None if weights is None else weights.to(device))
+
+
+def _grad_pass(batch, parts: int, loss_of) -> float:
+    """Forward and backward of one step's batch ``(x, y, layout, weights)`` in ``parts`` slices
+    of rows, one after another (``loss_of(x, y, layout, weights)`` the slice's loss): the
+    gradients accumulate in ``.grad`` to the batch's (a slice's mean loss weighs by its share of
+    the rows; a weighted loss already holds the batch's weights). Returns the batch's loss."""
+    x, y, layout, weights = batch
+    assert 1 <= parts <= x.shape[0], f"{parts} slices for a batch of {x.shape[0]} rows"
+    total = 0.0
+    ws = weights.tensor_split(parts) if weights is not None else [None] * parts
+    for xs, ys, ls, w in zip(x.tensor_split(parts), y.tensor_split(parts), _split_layout(layout, parts), ws):
+        loss = loss_of(xs, ys, ls, w)
+        share = 1.0 if w is not None else xs.shape[0] / x.shape[0]
+        (loss * share).backward()
+        total += loss.item() * share
+    return total
+
+
 def _adamw(params, cfg: TrainConfig):
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -153,10 +179,11 @@ class BlockTrainer:
     """Trains block ``k`` on its local objective over frozen lower blocks."""
 
     def __init__(self, mcfg: ModelConfig, tcfg: TrainConfig, k: int, data: torch.Tensor,
-                 shard: int = 0, num_shards: int = 1):
+                 shard: int = 0, num_shards: int = 1, device: torch.device | str = "cpu", precision: str = "fp32"):
         self.mcfg, self.tcfg, self.k = mcfg, tcfg, k
+        self.device, self.precision = torch.device(device), precision
         torch.manual_seed(tcfg.seed * 100 + k)
-        self.block = Block(mcfg, k)
+        self.block = Block(mcfg, k).to(self.device)  # built on the CPU: the same start on every device
         self.lower: list[Block] = []
         self.lower_steps: list[int] = []  # step of each lower checkpoint in use
         self.opt = _adamw(list(self.block.parameters()), tcfg)
@@ -169,7 +196,7 @@ class BlockTrainer:
         """Install frozen copies of blocks 0..k-1 from their state dicts (parameters only)."""
         assert len(states) == self.k, f"block {self.k} needs {self.k} lower blocks, got {len(states)}"
         if not self.lower:
-            self.lower = [Block(self.mcfg, j) for j in range(self.k)]
+            self.lower = [Block(self.mcfg, j).to(self.device) for j in range(self.k)]
             for b in self.lower:
                 b.requires_grad_(False)
                 b.eval()
@@ -197,9 +224,10 @@ class BlockTrainer:
 
     @torch.no_grad()
     def lower_hidden(self, x: torch.Tensor, layout: dict | None = None) -> torch.Tensor:
-        h = x
-        for b in self.lower:
-            h = b.trunk(h, **(layout or {}))
+        h = x.to(self.device)
+        with autocast(self.device, self.precision):
+            for b in self.lower:
+                h = b.trunk(h, **(layout or {}))
         return h.detach()
 
     def lr(self) -> float:
@@ -216,32 +244,30 @@ class BlockTrainer:
         return loss
 
     def compute_grads(self, replicas: int = 1) -> float:
-        """Forward and backward on this step's batch: the gradients are left in ``.grad``."""
+        """Forward and backward on this step's batch: the gradients are left in ``.grad``. The
+        rows are computed in ``replicas`` x ``micro_batches`` slices (at most one per row)."""
         x, y = self.batches.batch(self.step)
-        x, y, layout, weights = slot_batch(x, y, self.tcfg, self.step, self.mcfg.max_seq_len)
+        batch = _to(self.device, *slot_batch(x, y, self.tcfg, self.step, self.mcfg.max_seq_len))
         self.block.train()
         self.opt.zero_grad(set_to_none=True)
         assert 1 <= replicas <= x.shape[0], f"{replicas} workers for a batch of {x.shape[0]} rows"
-        total = 0.0
-        ws = weights.tensor_split(replicas) if weights is not None else [None] * replicas
-        for xs, ys, ls, w in zip(x.tensor_split(replicas), y.tensor_split(replicas), _split_layout(layout, replicas), ws):
-            inp = self.lower_hidden(xs, ls) if self.k > 0 else xs  # worker r's rows
-            _, loss = self.block(inp, ys, ls, w)
-            # weighted: the rows' terms of the batch's loss; mean: the rows' share of the batch
-            share = 1.0 if w is not None else xs.shape[0] / x.shape[0]
-            (loss * share).backward()
-            total += loss.item() * share
-        return total
+
+        def loss_of(xs, ys, ls, w):
+            inp = self.lower_hidden(xs, ls) if self.k > 0 else xs
+            with autocast(self.device, self.precision):
+                return self.block(inp, ys, ls, w)[1]
+        return _grad_pass(batch, min(x.shape[0], replicas * self.tcfg.micro_batches), loss_of)
 
     def grads(self) -> torch.Tensor:
-        """The gradients as one flat float32 vector (parameter order)."""
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.block.parameters()])
+        """The gradients as one flat float32 CPU vector (parameter order): one transfer."""
+        return to_host(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                  for p in self.block.parameters()]))
 
     def apply_grads(self, flat: torch.Tensor | None = None):
         """Clip and take the optimizer step, with ``flat`` (e.g. the group's average) as the
         gradients when given, else those that ``compute_grads`` left."""
         if flat is not None:
+            flat = flat.to(self.device)  # one transfer
             pos = 0
             for p in self.block.parameters():
                 n = p.numel()
@@ -258,18 +284,19 @@ class BlockTrainer:
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """This block's output on input bytes ``x`` (no gradient): what its draft model reads."""
-        with torch.no_grad():
-            return self.block.trunk(self.lower_hidden(x) if self.k > 0 else x)
+        with torch.no_grad(), autocast(self.device, self.precision):
+            return self.block.trunk(self.lower_hidden(x) if self.k > 0 else x.to(self.device)).float()
 
     def draft_phase(self) -> "DraftPhase":
-        return DraftPhase(self.block, self.tcfg, self.batches, self.features)
+        return DraftPhase(self.block, self.tcfg, self.batches, self.features, self.device, self.precision)
 
     def checkpoint(self) -> ckpt.Checkpoint:
         names = {p: n for n, p in self.block.named_parameters()}
-        return ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.step,
-                               {k: v.clone() for k, v in self.block.state_dict().items()},
-                               ckpt.optimizer_state(self.opt, names), data_position=self.step,
+        return ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.step, host_state(self.block),
+                               {k: to_host(v) for k, v in ckpt.optimizer_state(self.opt, names).items()},
+                               data_position=self.step,
                                extra={"lower_steps": self.lower_steps, "train": self.tcfg.to_dict()})
+
 
     def restore(self, c: ckpt.Checkpoint):
         if c.block != self.k:
@@ -291,10 +318,12 @@ class EndToEndTrainer:
     """The reference, on the blocks' objective: the same masked-slot inputs (``mask_tail``) and,
     after its steps, the same draft phase for its last block's draft model."""
 
-    def __init__(self, mcfg: ModelConfig, tcfg: TrainConfig, data: torch.Tensor):
+    def __init__(self, mcfg: ModelConfig, tcfg: TrainConfig, data: torch.Tensor,
+                 device: torch.device | str = "cpu", precision: str = "fp32"):
         self.mcfg, self.tcfg = mcfg, tcfg
+        self.device, self.precision = torch.device(device), precision
         torch.manual_seed(tcfg.seed * 100 + 99)
-        self.model = EndToEnd(mcfg)
+        self.model = EndToEnd(mcfg).to(self.device)
         self.opt = _adamw(list(self.model.parameters()), tcfg)
         self.batches = ByteBatches(data, tcfg.batch_size, tcfg.seq_len, seed=tcfg.seed)
         self.step = 0
@@ -306,26 +335,30 @@ class EndToEndTrainer:
 
     def train_step(self) -> float:
         x, y = self.batches.batch(self.step)
-        x, y, layout, weights = slot_batch(x, y, self.tcfg, self.step, self.mcfg.max_seq_len)
+        batch = _to(self.device, *slot_batch(x, y, self.tcfg, self.step, self.mcfg.max_seq_len))
         for g in self.opt.param_groups:
             g["lr"] = self.lr()
         self.model.train()
-        _, loss = self.model(x, y, layout=layout, weights=weights)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+
+        def loss_of(xs, ys, ls, w):
+            with autocast(self.device, self.precision):
+                return self.model(xs, ys, layout=ls, weights=w)[1]
+        loss = _grad_pass(batch, self.tcfg.micro_batches, loss_of)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
         self.opt.step()
         self.step += 1
-        return loss.item()
+        return loss
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
+        x = x.to(self.device)
+        with torch.no_grad(), autocast(self.device, self.precision):
             for b in self.model.blocks:
                 x = b.trunk(x)
-        return x
+        return x.float()
 
     def draft_phase(self) -> "DraftPhase":
-        return DraftPhase(self.model.blocks[-1], self.tcfg, self.batches, self.features)
+        return DraftPhase(self.model.blocks[-1], self.tcfg, self.batches, self.features, self.device, self.precision)
 
     def trainable_bytes(self) -> dict:
         p = sum(t.numel() * t.element_size() for t in self.model.parameters())
@@ -337,9 +370,11 @@ class DraftPhase:
     optimizer, on the batches after the block's own ``tcfg.steps`` (``features(x)``: the
     block's frozen output), every other parameter untouched."""
 
-    def __init__(self, block: Block, tcfg: TrainConfig, batches: ByteBatches, features):
+    def __init__(self, block: Block, tcfg: TrainConfig, batches: ByteBatches, features,
+                 device: torch.device | str = "cpu", precision: str = "fp32"):
         assert block.drafter is not None, f"block {block.index} has no draft model"
         self.block, self.tcfg, self.batches, self.features = block, tcfg, batches, features
+        self.device, self.precision = torch.device(device), precision
         self.opt = _adamw(list(block.drafter.parameters()), tcfg)
         self.step = 0
 
@@ -352,7 +387,8 @@ class DraftPhase:
             g["lr"] = lr_at(self.step, t.draft_steps, t.lr, t.warmup, decay, t.draft_steps, t.lr_floor)
         self.block.eval()  # the trunk and head run frozen
         self.block.drafter.train()
-        loss, kls = draft_loss(self.block, self.features(x), x, t.draft_unroll)
+        with autocast(self.device, self.precision):
+            loss, kls = draft_loss(self.block, self.features(x), x.to(self.device), t.draft_unroll)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.block.drafter.parameters(), t.grad_clip)
@@ -369,17 +405,19 @@ class DraftPhase:
 @torch.no_grad()
 def eval_chain(blocks: list[Block], data: torch.Tensor, seq_len: int, max_windows: int | None = None,
                batch: int = 16) -> list[float]:
-    """CE (nats/byte) of every block's head along the chain 0..len(blocks)-1."""
+    """CE (nats/byte) of every block's head along the chain 0..len(blocks)-1 (on the blocks' device,
+    in float32; the windows turn to int64 a batch at a time)."""
     x, y = eval_windows(data, seq_len, max_windows)
     tot = [0.0] * len(blocks)
+    dev = _device_of(blocks[0])
     for i in range(0, x.shape[0], batch):
-        h = x[i:i + batch]
+        h, yb = x[i:i + batch].to(dev).long(), y[i:i + batch].to(dev).long()
         for j, b in enumerate(blocks):
             b.eval()
             h = b.trunk(h)
             if b.head is not None:
                 lg = b.logits(h)
-                tot[j] += F.cross_entropy(lg.flatten(0, 1), y[i:i + batch].flatten(), reduction="sum").item()
+                tot[j] += F.cross_entropy(lg.flatten(0, 1), yb.flatten(), reduction="sum").item()
     n = y.numel()
     return [t / n for t in tot]
 
@@ -390,10 +428,15 @@ def eval_e2e(model: EndToEnd, data: torch.Tensor, seq_len: int, max_windows: int
     model.eval()
     x, y = eval_windows(data, seq_len, max_windows)
     tot = 0.0
+    dev = _device_of(model)
     for i in range(0, x.shape[0], batch):
-        lg, _ = model(x[i:i + batch])
-        tot += F.cross_entropy(lg.flatten(0, 1), y[i:i + batch].flatten(), reduction="sum").item()
+        lg, _ = model(x[i:i + batch].to(dev).long())
+        tot += F.cross_entropy(lg.flatten(0, 1), y[i:i + batch].to(dev).long().flatten(), reduction="sum").item()
     return tot / y.numel()
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
 
 
 @torch.no_grad()
@@ -407,7 +450,7 @@ def eval_continuation(forward, data: torch.Tensor, prompt_len: int, n_bytes: int
     """
     T = prompt_len + n_bytes
     x, _ = eval_windows(data, T, max_windows)
-    x_full = x
+    x = x_full = x.long()
     prompt, truth = x_full[:, :prompt_len], x_full[:, prompt_len:]
     if one_traversal:
         ids = torch.cat([prompt, torch.full((x.shape[0], n_bytes - 1), MASK_ID, dtype=torch.long)], 1)
@@ -423,6 +466,7 @@ def eval_continuation(forward, data: torch.Tensor, prompt_len: int, n_bytes: int
 def eval_generation(generate, data: torch.Tensor, prompt_len: int, n_bytes: int, max_windows: int = 64) -> dict:
     """Byte accuracy of free-running greedy decoding (``generate(prompt, n)``) against the truth."""
     x, _ = eval_windows(data, prompt_len + n_bytes, max_windows)
+    x = x.long()
     out = generate(x[:, :prompt_len], n_bytes)
     return {"byte_accuracy": (out == x[:, prompt_len:]).float().mean().item(), "windows": int(x.shape[0]),
             "prompt_len": prompt_len, "n_bytes": n_bytes}
@@ -430,3 +474,4 @@ def eval_generation(generate, data: torch.Tensor, prompt_len: int, n_bytes: int,
 
 def snapshot(block: Block) -> dict:
     return {k: v.detach().clone() for k, v in block.state_dict().items()}
+

@@ -25,6 +25,7 @@ import torch
 from . import checkpoint as ckpt
 from .checkpoint import block_path
 from .data import DataError, load_split
+from .device import DeviceError, pick_device, pick_precision
 from .lower import LowerInputs
 from .model import ModelConfig
 from .schedule import make_plans
@@ -63,11 +64,11 @@ class LowerWatcher:
 
 def run_worker(k: int, mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, directory: Path,
                ckpt_every: int = 25, data: torch.Tensor | None = None, wait_timeout_s: float = 3600.0,
-               log=lambda s: None) -> BlockTrainer:
+               log=lambda s: None, device: str = "cpu", precision: str = "fp32") -> BlockTrainer:
     directory = Path(directory)
     data = data if data is not None else load_split("train")
     plan = make_plans(schedule, mcfg.n_blocks, tcfg.steps, tcfg.decay_frac)[k]
-    tr = BlockTrainer(mcfg, tcfg, k, data)
+    tr = BlockTrainer(mcfg, tcfg, k, data, device=device, precision=precision)
     tr.lr_plan = (plan.decay_start, plan.decay_end)
     own = block_path(directory, k)
     if own.exists():
@@ -107,6 +108,8 @@ def main(argv=None):
     ap.add_argument("--ckpt-every", type=int, default=25)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data", default=None, help="bt-train's --data (default: the embedded WikiText-2)")
+    ap.add_argument("--device", default="cpu", help="auto, cpu, cuda[:N] or mps")
+    ap.add_argument("--precision", default="fp32", help="auto, fp32 or bf16")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -114,8 +117,10 @@ def main(argv=None):
     tcfg = TrainConfig.from_dict(json.loads(a.train))
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.verbose else (lambda s: None)
     try:
-        run_worker(a.block, mcfg, tcfg, a.schedule, a.dir, a.ckpt_every, load_split("train", a.data), log=log)
-    except (ckpt.CheckpointError, TimeoutError, DataError) as e:
+        device = pick_device(a.device)
+        run_worker(a.block, mcfg, tcfg, a.schedule, a.dir, a.ckpt_every, load_split("train", a.data), log=log,
+                   device=device, precision=pick_precision(a.precision, device))
+    except (ckpt.CheckpointError, TimeoutError, DataError, DeviceError) as e:
         print(f"block worker {a.block}: {e}", file=sys.stderr)
         sys.exit(2)
 

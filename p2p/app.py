@@ -77,6 +77,9 @@ class Training:
     train_data: torch.Tensor  # uint8 tensor
     valid_data: torch.Tensor
     shard: tuple[int, int] | None = None
+    device: str = "cpu"  # where the block trains (blocks/device.py: a device checked to be present)
+    precision: str = "fp32"  # fp32 or bf16 (autocast)
+    corpus: str = ""  # blocks/data.corpus_digest of the data (compared at join; "": not compared)
 
 
 def with_work_dir(training: Training, identity: X25519PrivateKey) -> Training:
@@ -169,7 +172,8 @@ async def _prepared_trainer(peer: Peer, training: Training, on_line, on_step) ->
     assert training.work_dir is not None  # a default is chosen before any peer runs (with_work_dir)
     trainer = SwarmTrainer(peer, training.block, j.model, j.train, j.swarm, training.work_dir,
                            training.train_data, training.valid_data, training.shard, progress=on_line,
-                           on_step=on_step)
+                           on_step=on_step, device=training.device, precision=training.precision,
+                           corpus=training.corpus)
     try:  # before listening: seconds of CPU that would keep the event loop from answering anyone
         await asyncio.to_thread(trainer.prepare)
     except Exception as e:  # e.g. a damaged own checkpoint: the operator must see it

@@ -134,9 +134,17 @@ def _train_options(f):
                      help="A named model size, as bt-train's (--set overrides it; `bt-train --size S --dry-run` "
                           "prints what it costs)."),
         click.option("--data", type=click.Path(exists=True), default=None,
-                     help="A corpus `bt-data prepare` wrote (memory-mapped), or a directory of the standard "
-                          "WikiText files (default: the embedded WikiText-2)."),
+                     help="A text file or a folder of .txt files (prepared once into a cache, as `bt-data prepare` "
+                          "does), a corpus `bt-data prepare` wrote (memory-mapped), or a directory of the standard "
+                          "WikiText files (default: the embedded WikiText-2). Every peer of a swarm must train on "
+                          "the same corpus: a peer refuses to group with one whose corpus digest differs."),
         click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="torch threads."),
+        click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]|mps",
+                     help="Where the block trains (auto: cuda, else mps, else cpu). Checkpoints and the wire "
+                          "stay device-independent."),
+        click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+                     help="bf16: forward passes under bfloat16 autocast (auto: bf16 on a CUDA device that "
+                          "supports it, else fp32)."),
         click.option("--no-train", is_flag=True, help="Join as a plain member (no training), e.g. a bootstrap peer."),
         click.option("--exit-when-done", is_flag=True,
                      help="Leave once training is done (default: stay and serve the checkpoint until stopped)."),
@@ -201,7 +209,8 @@ def _training(o: dict):
     import torch
 
     from blocktrain.blocks.config import ConfigError, load
-    from blocktrain.blocks.data import DataError, load_split
+    from blocktrain.blocks.data import DataError, corpus_digest, load_split, resolve_data
+    from blocktrain.blocks.device import DeviceError, pick_device, pick_precision
 
     from .app import Training
     from .swarm.settings import PeerJob
@@ -228,11 +237,19 @@ def _training(o: dict):
             raise click.BadParameter(f"expected I/N with 0 <= I < N, got {o['shard']!r}", param_hint="--shard")
         shard = (int(i), int(n))
     try:
-        train, valid = load_split("train", o["data"]), load_split("valid", o["data"])
+        device = pick_device(o["device"])
+        precision = pick_precision(o["precision"], device)
+    except DeviceError as e:
+        raise click.BadParameter(str(e), param_hint="--device/--precision")
+    try:
+        data = resolve_data(o["data"], lambda s: click.echo(s, err=True))
+        train, valid = load_split("train", data), load_split("valid", data)
+        corpus = corpus_digest(data)
     except DataError as e:
         raise click.ClickException(str(e))
     torch.set_num_threads(o["threads"])
-    return Training(job, k, Path(o["work_dir"]) if o["work_dir"] else None, train, valid, shard)
+    return Training(job, k, Path(o["work_dir"]) if o["work_dir"] else None, train, valid, shard,
+                    str(device), precision, corpus)
 
 
 def _options(o: dict, role: str):

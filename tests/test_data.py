@@ -91,7 +91,15 @@ def test_bt_data_prepare_and_info(tmp_path):
     digest = prepared(tmp_path / "out")["digest"]
     assert f"digest {digest}" in r.output and "train" in r.output
     r = CliRunner().invoke(bt_data, ["info", str(tmp_path / "out")])
-    assert r.exit_code == 0 and json.loads(r.output)["digest"] == digest
+    assert r.exit_code == 0 and json.loads(r.stdout)["digest"] == digest and "sha256 match" in r.output
+    valid = tmp_path / "out" / "valid.bin"  # one byte changed, the size kept: only the sha256 tells
+    data = bytearray(valid.read_bytes())
+    data[len(data) // 2] ^= 1
+    valid.write_bytes(bytes(data))
+    r = CliRunner().invoke(bt_data, ["info", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "valid.bin: sha256" in r.output and "damaged" in r.output
+    r = CliRunner().invoke(bt_data, ["info", "--quick", str(tmp_path / "out")])
+    assert r.exit_code == 0 and "sizes match" in r.output
     r = CliRunner().invoke(bt_data, ["prepare", str(tmp_path / "src"), "--out", str(tmp_path / "o2"),
                                      "--glob", "*.nothing"])
     assert r.exit_code == 2 and "no file matching" in r.output

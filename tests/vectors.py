@@ -57,6 +57,9 @@ VALID = {
         meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"}),
     "block_update_join": BlockUpdate(block=1, round=8, codec="raw",
                                      meta={"phase": "join", "step": 7, "digest": "0a1b2c3d", "scope": "relay"}),
+    "block_update_join_job": BlockUpdate(block=1, round=8, codec="raw",  # the first "Job digest" row's job
+                                         meta={"phase": "join", "step": 7, "digest": "0a1b2c3d", "scope": "relay",
+                                               "job": "65d86729021fe986.00bcecbceb487a88"}),
     "block_update_admit": BlockUpdate(block=1, round=8, codec="raw",
                                       meta={"phase": "admit", "peer": "ab" * 32, "at": 10, "scope": "relay"}),
     "block_update_admit_after": BlockUpdate(block=1, round=8, codec="raw",

@@ -35,6 +35,7 @@ def test_prompts(n: int = 200, prompt_len: int = 64, n_bytes: int = 256) -> list
     """(prompt, true continuation) from the first ``n`` non-overlapping windows of wiki.test.tokens."""
     test = as_tensor(read_split("test"))
     x, _ = eval_windows(test, prompt_len + n_bytes, n)
+    x = x.long()
     return [(bytes(r[:prompt_len].tolist()), bytes(r[prompt_len:].tolist())) for r in x]
 
 

@@ -13,10 +13,17 @@ import torch
 
 
 def flatten(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in params]) if params else torch.empty(0)
+    """The parameters as one flat float32 CPU vector (on an accelerator: one transfer)."""
+    if not params:
+        return torch.empty(0)
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    return flat if flat.device.type == "cpu" else flat.to("cpu")
 
 
 def unflatten_(params, vec: torch.Tensor):
+    """Write ``vec`` back into ``params`` (on their device: one transfer)."""
+    if params:
+        vec = vec.to(params[0].device)
     pos = 0
     for p in params:
         k = p.numel()

@@ -17,6 +17,13 @@ Rules:
   member hears ours at once (at most every ``STATUS_REPLY_S``), peers outside our group every
   ``STATUS_EVERY_S``.
 - After each round, joiners admitted at it are told the name of the state they take (READY).
+- Job (PROTOCOL.md 7.2 "Job"): every control message we send carries ``job``
+  (settings.job_digest: the shared settings and the corpus). One that carries another job is not
+  of our group: a JOIN is answered ABSENT (with our job, so the joiner learns why), an answer to
+  our JOIN counts as ABSENT, anything else is dropped; each such peer is named once
+  (``other_jobs``, ``MAX_OTHER_JOBS`` kept). A join attempt whose every answer carried another
+  job, that would start alone or wait, stops with ``JobMismatch``: the user started this peer with
+  the wrong data or settings. A message without ``job`` (an older peer) is not checked.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from ..checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, FetchError
 from ..group import Decision, Group, Phase, Send, State, is_control
 from ..services import PeerServices, PeerUnreachable
 from .checks import StateCheck
+from .lower import SwarmError
 from .schedule import Position
+from .settings import job_difference
 
 log = logging.getLogger("blocktrain.p2p")
 
@@ -45,13 +54,22 @@ STATUS_EVERY_S = 5.0
 STATUS_REPLY_S = 0.5
 READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes first
 READY_PER_MEMBER = 2  # of them from one member (an honest one tells one per admission)
+MAX_OTHER_JOBS = 64  # peers of another job remembered (named once each; identities are free: the oldest go)
+MAX_JOB_CHARS = 64  # a peer's job string kept (ours is 33 characters)
+
+
+class JobMismatch(SwarmError):
+    """Every peer in scope trains another job (corpus or shared settings) than ours."""
 
 
 class Membership:
     def __init__(self, peer: PeerServices, group: Group, averager: Averager, pos: Position, scope: str,
                  block_filter: int | None, fetcher: CheckpointFetcher, check: StateCheck, joins: list,
-                 say: Callable[[str], None]):
+                 say: Callable[[str], None], job: str = ""):
         self.peer, self.group, self.averager, self.pos = peer, group, averager, pos
+        self.job = job  # settings.job_digest ("": not checked)
+        self.other_jobs: dict[str, str] = {}  # peer -> its job, for peers of another job (MAX_OTHER_JOBS)
+        self._other_now: set[str] = set()  # answers to the join attempt in progress that carried another job
         self.scope, self.block_filter = scope, block_filter  # parallel: our block; relay: None
         self.fetcher, self.check, self.joins, self.say = fetcher, check, joins, say
         self.joining = False
@@ -83,6 +101,16 @@ class Membership:
             if phase is Phase.JOIN:  # another scope's join: we are not in its group
                 self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value})])
             return
+        theirs = meta.get("job")
+        if self.job and isinstance(theirs, str) and theirs != self.job:  # not of our group, whatever it says
+            self._other_job(pid, theirs)
+            if phase is Phase.JOIN:
+                self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value})])
+            elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
+                self._other_now.add(pid)
+                self.group.on_reply(pid, Phase.ABSENT, {})
+            self.peer.notify()
+            return
         if phase is Phase.JOIN:
             self.send(self.group.on_join(pid, meta))
         elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
@@ -98,6 +126,16 @@ class Membership:
         elif phase is Phase.STATUS:
             self._on_status(pid, meta)
         self.peer.notify()
+
+    def _other_job(self, pid: str, theirs: str) -> None:
+        theirs = theirs[:MAX_JOB_CHARS]
+        if self.other_jobs.get(pid) == theirs:
+            return
+        self.other_jobs.pop(pid, None)
+        self.other_jobs[pid] = theirs
+        while len(self.other_jobs) > MAX_OTHER_JOBS:
+            del self.other_jobs[next(iter(self.other_jobs))]
+        self.say(f"peer {pid[:12]} trains {job_difference(self.job, theirs)}; not grouping with it")
 
     def _on_ready(self, pid: str, meta: dict) -> None:
         """Every member's READY, kept while we join: the newest rounds, names bounded."""
@@ -138,7 +176,8 @@ class Membership:
         """Control messages, in order: on the live connection at once, else after dialling a member
         we know. A peer id from a message (an ADMIT's joiner) is never dialled as an address."""
         for s in sends:
-            msg = BlockUpdate(block=self.pos.block, round=max(0, s.round), meta={**s.meta, "scope": self.scope})
+            job = {"job": self.job} if self.job else {}
+            msg = BlockUpdate(block=self.pos.block, round=max(0, s.round), meta={**s.meta, "scope": self.scope, **job})
             pc = self.peer.live_connection(s.peer)
             if pc is not None:
                 try:
@@ -184,10 +223,15 @@ class Membership:
         try:
             while True:
                 self._ready.clear()  # an earlier attempt's admission is not this one's
+                self._other_now = set()
                 rnd = self.pos.rnd + 1
-                self.send(self.group.start_join(self.candidates(), self.pos.gstep, start_digest(), rnd))
+                asked = set(self.candidates()) - {self.peer.id}
+                self.send(self.group.start_join(asked, self.pos.gstep, start_digest(), rnd))
                 await self.peer.wait_for(lambda: not self.group.waiting_for(), join_timeout_s)
                 d = self.group.decide(min_group)
+                if asked and self._other_now >= asked and (d.action == "retry" or len(d.members) <= 1):
+                    theirs = self.other_jobs.get(min(asked), "")
+                    raise JobMismatch(f"every peer in scope ({len(asked)}) trains {job_difference(self.job, theirs)}")
                 if d.action == "train":
                     self._joined(d, "own state")
                     return

@@ -8,7 +8,9 @@ in blocks/config.py). Every peer of a swarm must use the same values.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
 
 from blocktrain.blocks.config import ModelConfig, TrainConfig
 
@@ -103,3 +105,35 @@ class PeerJob:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+
+
+# What the peers of one swarm must share, beside the corpus: the model, how a block trains (not the
+# evaluation's sampling or how a step's batch is sliced: micro_batches gives the same gradient), and
+# the rounds' arithmetic (not timeouts, bounds or group sizes, each peer's own).
+LOCAL_TRAIN = ("eval_every", "eval_windows", "micro_batches")
+SHARED_SWARM = ("schedule", "sync", "every", "codec", "density", "aggregate", "outer", "outer_lr",
+                "outer_momentum", "overlap", "gossip")
+
+
+def job_digest(job: PeerJob, corpus: str) -> str:
+    """``CONFIG.CORPUS``: 16 hex digits of the settings every peer must share (canonical JSON of
+    the model, the train settings less LOCAL_TRAIN, the swarm settings in SHARED_SWARM), then the
+    corpus digest (blocks/data.corpus_digest). Group control carries it (membership.py)."""
+    train = {k: v for k, v in job.train.to_dict().items() if k not in LOCAL_TRAIN}
+    swarm = {k: v for k, v in asdict(job.swarm).items() if k in SHARED_SWARM}
+    swarm["every"] = job.swarm.steps_per_round
+    blob = json.dumps({"model": job.model.to_dict(), "train": train, "swarm": swarm}, sort_keys=True)
+    return f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}.{corpus}"
+
+
+def job_difference(ours: str, theirs: str) -> str:
+    """What differs between two job digests, in words."""
+    (oc, _, od), (tc, _, td) = ours.partition("."), theirs.partition(".")
+    parts = []
+    if od != td:
+        parts.append(f"another corpus (digest {td[:16]}, ours {od[:16]}: every peer must train on the same "
+                     "data; `bt-data info DIR` prints a prepared corpus's digest)")
+    if oc != tc:
+        parts.append(f"other settings (config digest {tc[:16]}, ours {oc[:16]}: the model, train and round "
+                     "settings must match)")
+    return " and ".join(parts)

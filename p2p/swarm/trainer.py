@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.device import host_state
 
 from ..averaging import Averager, flatten
 from ..checkpoints import CheckpointFetcher, CheckpointServer
@@ -38,7 +39,7 @@ from .membership import Membership
 from .report import RunState, Stats, progress_line, training_report, work_status
 from .rounds import Rounds, digest
 from .schedule import Position, Schedule
-from .settings import SwarmConfig
+from .settings import PeerJob, SwarmConfig, job_digest
 from .store import OUTER_MOMENTUM, CheckpointStore, Found
 
 if TYPE_CHECKING:
@@ -53,8 +54,9 @@ class SwarmTrainer:
 
     def __init__(self, peer: PeerServices, k: int, mcfg, tcfg, scfg: SwarmConfig, workdir: str | Path,
                  data: torch.Tensor, valid: torch.Tensor, shard: tuple[int, int] | None = None, progress=None,
-                 on_step=None):
+                 on_step=None, device: torch.device | str = "cpu", precision: str = "fp32", corpus: str = ""):
         self.peer, self.k, self.mcfg, self.tcfg, self.scfg = peer, k, mcfg, tcfg, scfg
+        self.device, self.precision = torch.device(device), precision  # where the block trains (blocks/device.py)
         self.relay = scfg.schedule == "relay"
         self.schedule = Schedule(k, mcfg.n_blocks, tcfg.steps, scfg.steps_per_round, self.relay,
                                  scfg.eval_every, tcfg.refresh_every)
@@ -73,8 +75,10 @@ class SwarmTrainer:
         self.stats = Stats()
         self.check = StateCheck(mcfg, self.schedule, valid, tcfg.seq_len)
         self.store = CheckpointStore(self.server, self.dir, mcfg, tcfg, scfg, self.schedule)
+        self.job = job_digest(PeerJob(mcfg, tcfg, scfg), corpus) if corpus else ""  # compared at join
         self.membership = Membership(peer, self.group, self.averager, self.pos, self.scope,
-                                     None if self.relay else k, self.fetcher, self.check, self.stats.joins, self._say)
+                                     None if self.relay else k, self.fetcher, self.check, self.stats.joins, self._say,
+                                     self.job)
         self.rounds = Rounds(peer, self.group, self.averager, self.membership, scfg, self.schedule, self.pos,
                              self.stats)
         self.rounds.on_step, self.rounds.save_join_state = on_step, self.save_join_state
@@ -138,7 +142,7 @@ class SwarmTrainer:
         old = self.trainer
         self.trainer = None  # one block's optimizer at a time: the old one goes first
         tr = BlockTrainer(self.mcfg, self.tcfg, b, self.data, shard=self.shard[0] if self.shard else 0,
-                          num_shards=self.shard[1] if self.shard else 1)
+                          num_shards=self.shard[1] if self.shard else 1, device=self.device, precision=self.precision)
         if self.shard is None:  # this peer's own stream of random windows over all the data
             tr.batches = ByteBatches(self.data, self.tcfg.batch_size, self.tcfg.seq_len, seed=_seed(self.peer.id, b))
         if b > 0 and self.relay:
@@ -321,7 +325,7 @@ class SwarmTrainer:
 
     async def _finish_block(self) -> None:
         """Relay: the block in work is final; keep its parameters, drop its optimizer."""
-        self.finals[self.block] = {n: t.detach().clone() for n, t in self.tr.block.state_dict().items()}
+        self.finals[self.block] = host_state(self.tr.block)
         await asyncio.to_thread(self._save, True)
         self.stats.phases[-1]["end_step"] = self.gstep
         self.stats.phases[-1]["ended"] = time.time()
@@ -340,8 +344,7 @@ class SwarmTrainer:
         self.state = RunState.DRAFT_PHASE
         n = self.tcfg.draft_steps
         self.draft_seconds = await train_drafter(self.tr, n, self.stats.draft_curve, self._say)
-        tensors = {k: v.detach().clone() for k, v in self.tr.block.state_dict().items()}
-        c = ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.schedule.S, tensors,
+        c = ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.schedule.S, host_state(self.tr.block),
                             extra={"final": True, "gstep": self.total_steps, "drafter_steps": n,
                                    "train": self.tcfg.to_dict()})
         await asyncio.to_thread(self.store.publish_own, c)
