@@ -594,5 +594,71 @@ def train(json_path, steps, d_model, n_head, variants, jobs, results_dir, test_w
         click.echo(f"wrote {json_path}")
 
 
+@main.command()
+@click.option("--sizes", default="tiny,small", show_default=True, metavar="SIZE[,SIZE]",
+              help="Named model sizes (as bt-train names them: tiny, small, base), comma-separated.")
+@click.option("--device", default="cpu", show_default=True, help="auto, cpu, cuda, cuda:N or mps.")
+@click.option("--precision", default="auto", show_default=True,
+              help="auto, fp32 or bf16 (auto: bf16 on a CUDA device that supports it, else fp32).")
+@click.option("--batch", type=click.IntRange(1), default=None,
+              help="Sequences per step (default: the training config's, 16).")
+@click.option("--seq", type=click.IntRange(2), default=None,
+              help="Bytes per sequence (default: the training config's, 128).")
+@click.option("--steps", default=5, show_default=True, type=click.IntRange(1, 1000),
+              help="Timed steps per arm (medians are reported), after one counted and 2 warmup steps. "
+                   "The default run (tiny and small, 2 idle CPU cores) takes about 2.5 minutes; "
+                   "longer when the machine is busy.")
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(1, 1024), help="torch threads.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Model/training config overrides applied to every size (model.n_layer=6, "
+                   "train.slot_branches=0, ...).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
+def step(sizes, device, precision, batch, seq, steps, threads, overrides, json_path):
+    """One block worker's training step against a plain PyTorch loop training the same model end
+    to end, on the same device, side by side in one run.
+
+    Per size: the plain loop (EndToEnd, next-byte CE, AdamW, clip) and the block worker of every
+    block (BlockTrainer.train_step: frozen blocks below, placeholder branches of its objective),
+    their FLOPs per step counted (torch's FLOP counter), median seconds per step with the arms'
+    steps interleaved, FLOP/s and training bytes/s; ratio = block worker's FLOP/s / plain loop's.
+    Also each block's gradient + optimizer bytes against the end-to-end model's / K plus its
+    head's. Targets (on CPU): ratio >= 0.95 at both sizes; memory within that budget.
+    """
+    from blocktrain.blocks.config import ConfigError
+    from blocktrain.blocks.device import DeviceError, pick_device, pick_precision
+
+    from .step import configs, run
+
+    try:
+        dev = pick_device(device)
+        prec = pick_precision(precision, dev)
+    except DeviceError as e:
+        raise click.BadParameter(str(e), param_hint="--device/--precision")
+    try:
+        plan = configs([s.strip() for s in sizes.split(",") if s.strip()], overrides, batch, seq)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--sizes/--set")
+    result = run(plan, dev, prec, steps, threads, log=lambda s: click.echo(s, err=True))
+    click.echo(f"{result['device']}, {threads} thread(s), median of {steps} timed step(s) per arm")
+    click.echo(f"{'size':<6} {'arm':<8} {'GFLOP/step':>10} {'s/step':>8} {'GFLOP/s':>8} {'bytes/s':>9} "
+               f"{'ratio':>6} {'grad+optim MB':>13} {'budget MB':>9}")
+    for s in result["sizes"]:
+        p = s["plain"]
+        click.echo(f"{s['size']:<6} {'plain':<8} {p['flops_per_step'] / 1e9:>10.2f} {p['seconds_per_step']:>8.3f} "
+                   f"{p['flops_per_s'] / 1e9:>8.2f} {p['bytes_per_s']:>9,.0f} {'':>6} "
+                   f"{p['grad_optim_bytes'] / 1e6:>13.1f}")
+        for b in s["blocks"]:
+            click.echo(f"{s['size']:<6} {'block ' + str(b['block']):<8} {b['flops_per_step'] / 1e9:>10.2f} "
+                       f"{b['seconds_per_step']:>8.3f} {b['flops_per_s'] / 1e9:>8.2f} {b['bytes_per_s']:>9,.0f} "
+                       f"{b['ratio']:>6.3f} {b['grad_optim_bytes'] / 1e6:>13.1f} "
+                       f"{b['grad_optim_budget_bytes'] / 1e6:>9.1f}{'' if b['within_budget'] else ' OVER'}")
+    ok = lambda b: "met" if b else "MISSED"  # noqa: E731
+    for name, met in result["targets"].items():
+        click.echo(f"target {name}: {ok(met)}")
+    if json_path:
+        write_result(json_path, result)
+        click.echo(f"wrote {json_path}")
+
+
 if __name__ == "__main__":
     main()
