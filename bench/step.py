@@ -129,6 +129,8 @@ def held_bytes(params, opt: torch.optim.Optimizer) -> int:
 def _sync(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _timed(step, device: torch.device) -> float:

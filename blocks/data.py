@@ -261,7 +261,8 @@ def resolve_data(data: str | Path | None, say=lambda line: None, cache: str | Pa
     prepared corpus or a WikiText directory as they are; a text file or another folder is prepared
     once (``prepare``, default fractions and glob) into ``cache``/KEY (default
     ``$BT_DATA_CACHE`` or ``~/.cache/blocktrain/corpora``), KEY a hash of the source's path, sizes
-    and modification times, and reused while they stay the same. Concurrent callers (peers started
+    and modification times, and reused while they stay the same (a changed source is prepared
+    into a new KEY; older ones stay until the user removes them). Concurrent callers (peers started
     together on one machine) prepare it once: the others wait on a lock."""
     if data is None or prepared(data) is not None:
         return None if data is None else str(data)
@@ -284,7 +285,10 @@ def resolve_data(data: str | Path | None, say=lambda line: None, cache: str | Pa
     import fcntl
     with open(out / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer; the others find its manifest
-        m = prepared(out) if (out / MANIFEST).is_file() else None
+        try:
+            m = prepared(out) if (out / MANIFEST).is_file() else None
+        except DataError:  # damaged (a file removed or cut): prepared again
+            m = None
         if m is None:
             say(f"preparing {src} ({sum(f.stat().st_size for f in files):,} bytes) into {out} (once; "
                 "bt-data prepare does this with other fractions or a glob)")
@@ -328,13 +332,15 @@ def _mapped(path: Path) -> torch.Tensor:
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE | MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     t = torch.frombuffer(m, dtype=torch.uint8)
-    ptr = t.data_ptr()
+    ptr = t.untyped_storage().data_ptr()
     _MAPPINGS[ptr] = m
-    weakref.finalize(t, _MAPPINGS.pop, ptr, None)
+    weakref.finalize(t, _MAPPINGS.pop, ptr, None)  # while the tensor load_split returned lives
     return t
 
 
-# A mapped split's mmap, by the address of its tensor's first byte (drop_pages).
+# A mapped split's mmap, by the address of its storage (views of the split share it: drop_pages).
+# The mapping is private and writable only so that torch takes it; nothing may write to a split
+# (drop_pages would silently undo the write).
 _MAPPINGS: dict[int, mmap.mmap] = {}
 
 
@@ -343,7 +349,7 @@ def drop_pages(data: torch.Tensor) -> None:
     the kernel maps a read's neighbourhood too (fault-around, readahead), so random windows over a
     large corpus would otherwise leave the process's RSS growing toward the corpus's size. Clean
     pages of a private file mapping: a later read maps them again from the page cache."""
-    m = _MAPPINGS.get(data.data_ptr())
+    m = _MAPPINGS.get(data.untyped_storage().data_ptr())
     if m is not None and hasattr(mmap, "MADV_DONTNEED"):
         m.madvise(mmap.MADV_DONTNEED)
 

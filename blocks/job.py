@@ -79,11 +79,11 @@ def progress_for(bar, starts=None):
 def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     check_job(job)
     torch.set_num_threads(job.threads)
+    device = pick_device(job.device)  # before anything is written
+    precision = pick_precision(job.precision, device)
     out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    device = pick_device(job.device)
-    precision = pick_precision(job.precision, device)
     data = resolve_data(job.data, log)
     job = dataclasses.replace(job, data=data)  # the workers (--processes) read what was prepared
     train, valid, test = (load_split(sp, job.data) for sp in ("train", "valid", "test"))

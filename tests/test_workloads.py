@@ -102,14 +102,18 @@ def test_devices_are_checked_and_auto_is_the_cpu_without_a_gpu():
     assert pick_precision("bf16", torch.device("cpu")) == "bf16"
     with pytest.raises(DeviceError, match="precision"):
         pick_precision("fp8", torch.device("cpu"))
-    r = CliRunner().invoke(__import__("blocktrain.blocks.cli", fromlist=["main"]).main, ["--device", "cuda:7"])
-    if not torch.cuda.is_available():
-        assert r.exit_code == 2 and "CUDA" in r.output
+
+def test_an_absent_device_is_refused_before_anything_is_written(tmp_path):
+    from blocktrain.blocks.cli import main
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    r = CliRunner().invoke(main, ["--device", f"cuda:{n}", "--out", str(tmp_path / "run")])
+    assert r.exit_code == 2 and "CUDA device" in r.output and not (tmp_path / "run").exists()
 
 
-def test_micro_batches_give_the_steps_gradient_in_slices():
+@pytest.mark.parametrize("slots", [4, 0])  # a weighted loss (placeholder branches), a plain mean (masked tails)
+def test_micro_batches_give_the_steps_gradient_in_slices(slots):
     mc = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64)
-    base = TrainConfig(steps=4, batch_size=8, seq_len=32, warmup=1)
+    base = TrainConfig(steps=4, batch_size=8, seq_len=32, warmup=1, slot_branches=slots)
     for k in (0, 2):
         grads = []
         for m in (1, 4):
@@ -119,8 +123,13 @@ def test_micro_batches_give_the_steps_gradient_in_slices():
             tr.compute_grads()
             grads.append(tr.grads())
         assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
-    e = [EndToEndTrainer(mc, TrainConfig(**{**base.to_dict(), "micro_batches": m}), DATA) for m in (1, 8)]
+        assert grads[0].abs().sum() > 0
+    # the reference: its gradients as the step left them (no clipping: AdamW and a clip would hide a scale)
+    e = [EndToEndTrainer(mc, TrainConfig(**{**base.to_dict(), "micro_batches": m, "grad_clip": 1e9}), DATA)
+         for m in (1, 8)]
     assert abs(e[0].train_step() - e[1].train_step()) < 1e-5
+    g = [torch.cat([p.grad.reshape(-1) for p in t.model.parameters() if p.grad is not None]) for t in e]
+    assert g[0].abs().sum() > 0 and torch.allclose(g[0], g[1], atol=1e-6, rtol=1e-4)
     with pytest.raises(ConfigError, match="micro_batches"):
         load(JobConfig(), None, ["train.micro_batches=9", "train.batch_size=8"])
 

@@ -21,15 +21,19 @@ Rules:
   (settings.job_digest: the shared settings and the corpus). One that carries another job is not
   of our group: a JOIN is answered ABSENT (with our job, so the joiner learns why), an answer to
   our JOIN counts as ABSENT, anything else is dropped; each such peer is named once
-  (``other_jobs``, ``MAX_OTHER_JOBS`` kept). A join attempt whose every answer carried another
-  job, that would start alone or wait, stops with ``JobMismatch``: the user started this peer with
-  the wrong data or settings. A message without ``job`` (an older peer) is not checked.
+  (``other_jobs``, ``MAX_OTHER_JOBS`` kept, ``OTHER_JOB_LINES`` named a minute). A ``job`` not of
+  the form ``JOB_FORM`` is another job; a LEAVE is honoured whatever its job (it removes only its
+  sender). A first join whose every asked peer answered with another job, attempt after attempt
+  for ``JOB_PATIENCE_S``, stops with ``JobMismatch``: the user started this peer with the wrong
+  data or settings. A rejoin never stops on it. A message without ``job`` (an older peer) is not
+  checked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import Callable
 
@@ -55,7 +59,9 @@ STATUS_REPLY_S = 0.5
 READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes first
 READY_PER_MEMBER = 2  # of them from one member (an honest one tells one per admission)
 MAX_OTHER_JOBS = 64  # peers of another job remembered (named once each; identities are free: the oldest go)
-MAX_JOB_CHARS = 64  # a peer's job string kept (ours is 33 characters)
+OTHER_JOB_LINES = 8  # of them named per minute at most (each identity is named once, and identities are free)
+JOB_FORM = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{16}")  # a job of any other form counts as another job
+JOB_PATIENCE_S = 5.0  # a first join stops (JobMismatch) only after meeting only other jobs this long
 
 
 class JobMismatch(SwarmError):
@@ -70,6 +76,8 @@ class Membership:
         self.job = job  # settings.job_digest ("": not checked)
         self.other_jobs: dict[str, str] = {}  # peer -> its job, for peers of another job (MAX_OTHER_JOBS)
         self._other_now: set[str] = set()  # answers to the join attempt in progress that carried another job
+        self._asked_now: set[str] = set()  # whom the join attempt in progress asked
+        self._said_at: list[float] = []  # when peers of another job were named (OTHER_JOB_LINES)
         self.scope, self.block_filter = scope, block_filter  # parallel: our block; relay: None
         self.fetcher, self.check, self.joins, self.say = fetcher, check, joins, say
         self.joining = False
@@ -101,13 +109,14 @@ class Membership:
             if phase is Phase.JOIN:  # another scope's join: we are not in its group
                 self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value})])
             return
-        theirs = meta.get("job")
-        if self.job and isinstance(theirs, str) and theirs != self.job:  # not of our group, whatever it says
-            self._other_job(pid, theirs)
+        theirs = meta.get("job", self.job)  # absent: an older peer, not checked
+        if self.job and theirs != self.job and phase is not Phase.LEAVE:  # not of our group, whatever it says
+            self._other_job(pid, theirs)  # (a LEAVE removes only its sender: honoured whatever its job)
             if phase is Phase.JOIN:
                 self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value})])
             elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
-                self._other_now.add(pid)
+                if self.joining and pid in self._asked_now:
+                    self._other_now.add(pid)
                 self.group.on_reply(pid, Phase.ABSENT, {})
             self.peer.notify()
             return
@@ -127,15 +136,19 @@ class Membership:
             self._on_status(pid, meta)
         self.peer.notify()
 
-    def _other_job(self, pid: str, theirs: str) -> None:
-        theirs = theirs[:MAX_JOB_CHARS]
-        if self.other_jobs.get(pid) == theirs:
+    def _other_job(self, pid: str, theirs) -> None:
+        """Name ``pid`` once (whatever it sends next), at most OTHER_JOB_LINES lines a minute."""
+        if pid in self.other_jobs:
             return
-        self.other_jobs.pop(pid, None)
-        self.other_jobs[pid] = theirs
+        job = theirs if isinstance(theirs, str) and JOB_FORM.fullmatch(theirs) else "malformed"
+        self.other_jobs[pid] = job
         while len(self.other_jobs) > MAX_OTHER_JOBS:
             del self.other_jobs[next(iter(self.other_jobs))]
-        self.say(f"peer {pid[:12]} trains {job_difference(self.job, theirs)}; not grouping with it")
+        now = time.monotonic()
+        self._said_at = [t for t in self._said_at if now - t < 60.0]
+        if len(self._said_at) < OTHER_JOB_LINES:
+            self._said_at.append(now)
+            self.say(f"peer {pid[:12]} trains {job_difference(self.job, job)}; not grouping with it")
 
     def _on_ready(self, pid: str, meta: dict) -> None:
         """Every member's READY, kept while we join: the newest rounds, names bounded."""
@@ -219,19 +232,27 @@ class Membership:
         """Find our group (group.py): start it, start together, or take its state (``install``d).
         Returns when we are a member (or alone)."""
         delay, said = 0.2, None
+        first_join, only_others_since = not self.joins, None
         self.joining = True
         try:
             while True:
                 self._ready.clear()  # an earlier attempt's admission is not this one's
                 self._other_now = set()
                 rnd = self.pos.rnd + 1
-                asked = set(self.candidates()) - {self.peer.id}
+                asked = self._asked_now = set(self.candidates()) - {self.peer.id}
                 self.send(self.group.start_join(asked, self.pos.gstep, start_digest(), rnd))
                 await self.peer.wait_for(lambda: not self.group.waiting_for(), join_timeout_s)
+                if first_join and asked and self._other_now >= asked:  # every peer in scope answered: another job
+                    only_others_since = only_others_since or time.monotonic()
+                    if time.monotonic() - only_others_since >= JOB_PATIENCE_S:
+                        theirs = self.other_jobs.get(min(asked), "malformed")
+                        raise JobMismatch(f"every peer in scope ({len(asked)}) trains "
+                                          f"{job_difference(self.job, theirs)}")
+                    await asyncio.sleep(delay)  # ours may not be known yet: ask again before deciding
+                    delay = min(2 * delay, 2.0)
+                    continue
+                only_others_since = None
                 d = self.group.decide(min_group)
-                if asked and self._other_now >= asked and (d.action == "retry" or len(d.members) <= 1):
-                    theirs = self.other_jobs.get(min(asked), "")
-                    raise JobMismatch(f"every peer in scope ({len(asked)}) trains {job_difference(self.job, theirs)}")
                 if d.action == "train":
                     self._joined(d, "own state")
                     return

@@ -129,6 +129,8 @@ def job_digest(job: PeerJob, corpus: str) -> str:
 def job_difference(ours: str, theirs: str) -> str:
     """What differs between two job digests, in words."""
     (oc, _, od), (tc, _, td) = ours.partition("."), theirs.partition(".")
+    if theirs == "malformed" or not td:
+        return "a malformed job (not CONFIG.CORPUS, PROTOCOL.md 7.2)"
     parts = []
     if od != td:
         parts.append(f"another corpus (digest {td[:16]}, ours {od[:16]}: every peer must train on the same "
