@@ -47,3 +47,26 @@ def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path
     assert r.exit_code == 2 and "fast: expected" in r.output
     r = CliRunner().invoke(main, ["wan", "--mode", ","])
     assert r.exit_code == 2 and "at least one mode" in r.output
+
+
+def test_bench_wan_samples_at_a_temperature_and_judges_the_sampled_target(tmp_path):
+    """`--temperature`: exact and autoregressive sample; no identity check (the bytes differ by
+    design), the sampled target judged, the per-prompt spread and the repetition reported."""
+    import json
+
+    from click.testing import CliRunner
+
+    from blocktrain.bench.cli import main
+    out = tmp_path / "wan.json"
+    r = CliRunner().invoke(main, ["wan", "--mode", "exact,autoregressive", "--bytes", "6", "--prompts", "2",
+                                  "--rtt-ms", "0", "--rate-mbit", "0", "--split", "valid", "--temperature", "0.8",
+                                  "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert d["temperature"] == 0.8 and "identical_prompts" not in d["exact"] and "sampled" in d["exact"]["output"]
+    assert set(d["targets"]) == {"every mode within 1.25x of its bound", "speedup_exact_vs_autoregressive >= 2 (sampled)"}
+    per = d["speedup_per_prompt"]
+    assert per["min"] <= per["median"] <= per["max"] and d["autoregressive"]["traversals"] == 6
+    assert d["exact"]["continuations_repeating_a_16gram"] == "0/2"  # 6 bytes hold no 16-gram
+    r = CliRunner().invoke(main, ["wan", "--sweep", "--temperature", "0.8"])
+    assert r.exit_code == 2 and "--temperature" in r.output
