@@ -33,15 +33,10 @@ def prepare_cmd(src, out, valid_frac, test_frac, pattern):
     """Write SRC as train.bin, valid.bin and test.bin (raw bytes) with manifest.json (sizes, sha256,
     how valid and test were carved) in --out. SRC: one text file, a folder of them, or a folder of
     the standard WikiText files (whose own splits are kept). Training memory-maps the splits, so a
-    worker's memory does not grow with the corpus; every peer of a swarm should train on the same
-    prepared corpus (compare the manifest's digest)."""
+    worker's memory does not grow with the corpus. Peers of a swarm compare the manifest's digest
+    when they join and never group with a peer of another corpus."""
     try:
-        with bar("bt-data prepare", None, unit="byte") as b:
-            def progress(done, total):
-                if b.total is None:
-                    b.total = total
-                b.update(done - b.n)
-            m = prepare(src, out, valid_frac, test_frac, pattern, progress)
+        m = _with_bar("bt-data prepare", lambda progress: prepare(src, out, valid_frac, test_frac, pattern, progress))
     except (DataError, OSError) as e:
         click.echo(f"bt-data: {e}", err=True)
         sys.exit(2)
@@ -49,6 +44,16 @@ def prepare_cmd(src, out, valid_frac, test_frac, pattern):
         click.echo(f"{sp:<6}{d['bytes']:>15,} bytes  sha256 {d['sha256'][:16]}  {Path(out) / d['file']}")
     click.echo(f"{m['files']} file(s) from {m['source']}; carved: {m['carve']}")
     click.echo(f"digest {m['digest']}; use it with --data {out}")
+
+
+def _with_bar(title: str, work):
+    """``work(progress)`` with a byte progress bar (``progress(done, total)``); its result."""
+    with bar(title, None, unit="byte") as b:
+        def progress(done, total):
+            if b.total is None:
+                b.total = total
+            b.update(done - b.n)
+        return work(progress)
 
 
 @main.command("info")
@@ -63,12 +68,7 @@ def info(directory, quick):
             if m is None:
                 raise DataError(f"{directory} has no {MANIFEST}: not a prepared corpus")
         else:
-            with bar("bt-data info (sha256)", None, unit="byte") as b:
-                def progress(done, total):
-                    if b.total is None:
-                        b.total = total
-                    b.update(done - b.n)
-                m = verify(directory, progress)
+            m = _with_bar("bt-data info (sha256)", lambda progress: verify(directory, progress))
     except DataError as e:
         click.echo(f"bt-data: {e}", err=True)
         sys.exit(2)
