@@ -30,7 +30,16 @@ from blocktrain.blocks.evaluate import evaluate, load_chain
 run = Path(sys.argv[1])
 out = ckpt.SHIPPED_MODEL
 out.mkdir(parents=True, exist_ok=True)
-res = json.loads((run / "results.json").read_text())
+if (run / "results.json").exists():
+    res = json.loads((run / "results.json").read_text())
+else:  # the run was stopped after its blocks were written, before its reference: say so, and the settings
+    from blocktrain.blocks.config import JobConfig, load as load_config
+    job = load_config(JobConfig(), None, sys.argv[2:])  # the --set items the run was started with
+    first = ckpt.load(ckpt.block_files(run / "checkpoints")[0])
+    res = {"job": {"model": first.config, "train": job.train.to_dict(), "schedule": first.extra["schedule"],
+                   "test_windows": job.test_windows},
+           "blocktrain": {"test_ce_heads": None},
+           "stopped": "stopped before its end-to-end reference; no results.json (settings from the command line)"}
 assert res["blocktrain"]["draft_curve"] if "draft_curve" in res["blocktrain"] else True
 for k, path in ckpt.block_files(run / "checkpoints").items():
     c = ckpt.load(path)
@@ -84,7 +93,7 @@ meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(s
         "data": "embedded WikiText-2 (wiki.*.tokens), sha256 of the bytes: " + json.dumps(data_sha),
         "test_ce_heads_shipped_bf16": ev["head_ce"], "test_windows": "whole split, 128-byte windows",
         f"test_ce_heads_shipped_bf16_{ev_train['seq_len']}_byte_windows_1000": ev_train["head_ce"],
-        "test_ce_heads_at_training_fp32": res["blocktrain"]["test_ce_heads"],
+        "test_ce_heads_at_training_fp32": res["blocktrain"]["test_ce_heads"], "run": res.get("stopped", "complete"),
         "reference_test_ce_fp32": ref.get("test_ce"),
         "prompts": f"{n} validation prompts of 64 bytes, 64 bytes each",
         "exact_greedy_bytes_per_traversal": {"mean": sum(bpt) / n, "median": med(bpt), "min": min(bpt), "max": max(bpt)},
@@ -94,6 +103,9 @@ meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(s
         "exact_identical_to_autoregressive": f"{same}/20",
         "measure_seconds": time.perf_counter() - t0}
 (out / "model.json").write_text(json.dumps(meta, indent=1))
+NO_REFERENCE = ("not trained (the run was stopped before it); the nearest: 1.3154, the end-to-end model of "
+                "results/train-d128-3000-fair (d 128, 3000 steps, the slot objective; no position shift, no draft "
+                "phase)")
 (out / "MODEL.md").write_text(f"""# The shipped model
 
 A small BlockTrain model trained by the project's own `bt-train` on the embedded WikiText-2
@@ -104,7 +116,7 @@ fresh clone without training first. d {meta['model']['d_model']}, {meta['model']
 - Made by: `{meta['command']}`
 - Test CE of each head along the chain (nats/byte, the whole test split in windows of 128 bytes,
   shipped weights): {' / '.join(f'{x:.4f}' for x in ev['head_ce'])}; the end-to-end reference trained
-  at the same settings (same objective, steps, batches): {meta['reference_test_ce_fp32'] or 'not trained'}.
+  at the same settings (same objective, steps, batches): {meta['reference_test_ce_fp32'] or NO_REFERENCE}.
 - Exact mode, 64 bytes after each of {n} validation prompts of 64 bytes: greedy
   {meta['exact_greedy_bytes_per_traversal']['mean']:.2f} bytes per traversal (median
   {meta['exact_greedy_bytes_per_traversal']['median']:.2f}), sampled at temperature 0.8
