@@ -1,9 +1,14 @@
 """Make the small trained model the package ships (blocks/data/model/) from a bt-train run.
 
-    git rev-parse HEAD > runs/ship-d128-3000/COMMIT  # (mkdir first) the code it trains with
-    .venv/bin/bt-train --steps 3000 --schedule sequential --set train.position_shift=true \
-        --set test_windows=0 --out runs/ship-d128-3000
-    .venv/bin/python results/ship/make_shipped_model.py runs/ship-d128-3000
+    mkdir -p runs/ship && git rev-parse HEAD > runs/ship/COMMIT  # the code it trains with
+    .venv/bin/bt-train --steps 3000 --schedule sequential --device cuda --set model.d_model=192 \
+        --set model.n_head=6 --set train.batch_size=64 --set train.position_shift=true \
+        --set test_windows=0 --out runs/ship
+    .venv/bin/python results/ship/make_shipped_model.py runs/ship
+
+The shipped model of 12-04 was trained so on one H200 (bf16 autocast, 270 s with its reference;
+results/ship/train-results.json and train-curves.png are that run's own files); on 2 CPU cores
+the same command takes about 16x longer.
 
 (The command recorded in model.json is rebuilt from the run's own settings.)
 
@@ -84,7 +89,9 @@ sets += [f"--set train.{k}={v}" for k, v in res["job"]["train"].items()
          if k != "steps" and TrainConfig().to_dict().get(k) != v]
 ref = res.get("reference") or {}
 med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+device = res["job"].get("device", "cpu")
 meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(sets)} --schedule {res['job']['schedule']} "
+                   f"--device {device.split(':')[0]} "
                    f"{'' if ref else '--no-reference '}--set test_windows={res['job']['test_windows']} --out {run}; "
                    f"python results/ship/make_shipped_model.py {run}",
         "trained_at_commit": (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None,
@@ -93,8 +100,9 @@ meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(s
         "data": "embedded WikiText-2 (wiki.*.tokens), sha256 of the bytes: " + json.dumps(data_sha),
         "test_ce_heads_shipped_bf16": ev["head_ce"], "test_windows": "whole split, 128-byte windows",
         f"test_ce_heads_shipped_bf16_{ev_train['seq_len']}_byte_windows_1000": ev_train["head_ce"],
-        "test_ce_heads_at_training_fp32": res["blocktrain"]["test_ce_heads"], "run": res.get("stopped", "complete"),
-        "reference_test_ce_fp32": ref.get("test_ce"),
+        "trained_on": f"{device} ({res['job'].get('precision', 'fp32')})",
+        "test_ce_heads_at_training": res["blocktrain"]["test_ce_heads"], "run": res.get("stopped", "complete"),
+        "reference_test_ce": ref.get("test_ce"),
         "prompts": f"{n} validation prompts of 64 bytes, 64 bytes each",
         "exact_greedy_bytes_per_traversal": {"mean": sum(bpt) / n, "median": med(bpt), "min": min(bpt), "max": max(bpt)},
         "exact_sampled_t0.8_bytes_per_traversal": {"mean": sum(bpt_sampled) / n, "median": med(bpt_sampled),
@@ -112,11 +120,12 @@ A small BlockTrain model trained by the project's own `bt-train` on the embedded
 bytes (CC BY-SA 3.0, see ../README.md), so that `bt-peer serve` and `bt-bench wan` work on a
 fresh clone without training first. d {meta['model']['d_model']}, {meta['model']['n_layer']} layers in
 {meta['model']['n_blocks']} blocks, a one-layer draft model on the last block; weights stored bfloat16.
+Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}.
 
 - Made by: `{meta['command']}`
 - Test CE of each head along the chain (nats/byte, the whole test split in windows of 128 bytes,
   shipped weights): {' / '.join(f'{x:.4f}' for x in ev['head_ce'])}; the end-to-end reference trained
-  at the same settings (same objective, steps, batches): {meta['reference_test_ce_fp32'] or NO_REFERENCE}.
+  at the same settings (same objective, steps, batches): {meta['reference_test_ce'] or NO_REFERENCE}.
 - Exact mode, 64 bytes after each of {n} validation prompts of 64 bytes: greedy
   {meta['exact_greedy_bytes_per_traversal']['mean']:.2f} bytes per traversal (median
   {meta['exact_greedy_bytes_per_traversal']['median']:.2f}), sampled at temperature 0.8
