@@ -33,6 +33,7 @@ from blocktrain.blocks.data import read_split
 from blocktrain.blocks.evaluate import evaluate, load_chain
 
 run = Path(sys.argv[1])
+made_by = code_version()  # before this script rewrites the shipped files (which would make the tree dirty)
 out = ckpt.SHIPPED_MODEL
 out.mkdir(parents=True, exist_ok=True)
 if (run / "results.json").exists():
@@ -95,7 +96,7 @@ meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(s
                    f"{'' if ref else '--no-reference '}--set test_windows={res['job']['test_windows']} --out {run}; "
                    f"python results/ship/make_shipped_model.py {run}",
         "trained_at_commit": (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None,
-        "made_by": code_version(),
+        "made_by": made_by,
         "model": res["job"]["model"], "train": res["job"]["train"],
         "data": "embedded WikiText-2 (wiki.*.tokens), sha256 of the bytes: " + json.dumps(data_sha),
         "test_ce_heads_shipped_bf16": ev["head_ce"], "test_windows": "whole split, 128-byte windows",
@@ -125,13 +126,14 @@ Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}.
 - Made by: `{meta['command']}`
 - Test CE of each head along the chain (nats/byte, the whole test split in windows of 128 bytes,
   shipped weights): {' / '.join(f'{x:.4f}' for x in ev['head_ce'])}; the end-to-end reference trained
-  at the same settings (same objective, steps, batches): {meta['reference_test_ce'] or NO_REFERENCE}.
-- Exact mode, 64 bytes after each of {n} validation prompts of 64 bytes: greedy
-  {meta['exact_greedy_bytes_per_traversal']['mean']:.2f} bytes per traversal (median
-  {meta['exact_greedy_bytes_per_traversal']['median']:.2f}), sampled at temperature 0.8
-  {meta['exact_sampled_t0.8_bytes_per_traversal']['mean']:.2f} (median
-  {meta['exact_sampled_t0.8_bytes_per_traversal']['median']:.2f}); greedy output identical to
-  autoregressive decoding on {same}/20 checked; {repeats} of {n} greedy continuations repeat a 16-gram.
+  at the same settings (same objective, steps, batches): {f"{ref['test_ce']:.4f}" if ref else NO_REFERENCE}.
+- Exact mode, 64 bytes after each of {n} validation prompts of 64 bytes:
+  - greedy: {meta['exact_greedy_bytes_per_traversal']['mean']:.2f} bytes per traversal (median
+    {meta['exact_greedy_bytes_per_traversal']['median']:.2f}, min {meta['exact_greedy_bytes_per_traversal']['min']:.2f});
+    output identical to autoregressive decoding on {same}/20 checked;
+  - sampled at temperature 0.8: {meta['exact_sampled_t0.8_bytes_per_traversal']['mean']:.2f} bytes per
+    traversal (median {meta['exact_sampled_t0.8_bytes_per_traversal']['median']:.2f});
+  - {repeats} of {n} greedy continuations repeat a 16-gram.
 - Data: {meta['data']}
 
 model.json holds the full configs and figures.
