@@ -375,9 +375,11 @@ def test_session_is_a_state_machine():
 def test_the_shipped_model_is_served_by_default_and_decodes_exactly_in_few_traversals():
     """The small trained model in the package (blocks/data/model): `bt-peer serve` without
     --checkpoints serves it, its draft model is trained (more than 2 bytes per traversal), its
-    exact output is its autoregressive output, and that output is words."""
+    exact output is its autoregressive output, and that output is words of the training text, not noise
+    (a small model's greedy output repeats itself: "second second second the second ...")."""
     import re
 
+    from blocktrain.blocks.data import read_split
     from blocktrain.blocks.decode import generate
     from blocktrain.p2p.pipeline import load_served
     served = load_served([0, 1, 2])
@@ -387,4 +389,6 @@ def test_the_shipped_model_is_served_by_default_and_decodes_exactly_in_few_trave
     exact, st = generate(blocks, prompt, 48, draft_len=16, drafter=True)
     ar, _ = generate(blocks, prompt, 48)
     assert exact == ar and st.bytes_per_traversal(48) > 2
-    assert len(set(re.findall(rb"[A-Za-z]{3,}", exact))) >= 4, exact
+    words = re.findall(rb"[A-Za-z]{3,}", bytes(exact)[:-8])  # the last word may be cut off
+    known = set(re.findall(rb"[A-Za-z]{3,}", read_split("train")))
+    assert len(words) >= 4 and sum(w in known for w in words) >= 0.8 * len(words), exact
