@@ -123,6 +123,10 @@ def transport(json_path, mib, repeats, pings):
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 10),
               help="0: greedy (exact's output is checked to be autoregressive's); > 0: exact and autoregressive "
                    "sample (prompt i with seed i), each distributed as autoregressive sampling, not the same bytes.")
+@click.option("--clients", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="After the modes ran one prompt at a time, this many clients at once (client j on prompt j, "
+                   "each its own identity), exact and autoregressive: each client's time against its time alone, "
+                   "the aggregate bytes per second against one client's. Needs --prompts >= --clients.")
 @click.option("--sweep", is_flag=True, help="N in 16..256 x RTT in 0..200 ms (autoregressive timed on 32 bytes and "
                                             "scaled, labelled); writes a table and a PNG.")
 @click.option("--kernel", is_flag=True,
@@ -130,8 +134,8 @@ def transport(json_path, mib, repeats, pings):
                    "kernel lacks it, a userspace relay (needs root; blocktrain and autoregressive modes).")
 @click.option("--out", default="runs/bench-wan", show_default=True, type=click.Path(file_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
-def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split, temperature, sweep, kernel, out,
-        json_path):
+def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split, temperature, clients, sweep, kernel,
+        out, json_path):
     """One output sequence across a chain of serving peers on WAN-like links, three modes side by side
     (or those --mode names).
 
@@ -164,6 +168,11 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
         raise click.UsageError("--split applies to the plain run and --sweep; --kernel has prompts of its own")
     if (kernel or sweep) and temperature:
         raise click.UsageError("--temperature applies to the plain run only")
+    if (kernel or sweep) and clients > 1:
+        raise click.UsageError("--clients applies to the plain run only")
+    if clients > prompts:
+        raise click.BadParameter(f"{clients} clients need --prompts {clients} or more: each client's time alone is "
+                                 "measured on its own prompt first", param_hint="--clients")
     if kernel:
         from .netns import available
         from .wan_kernel import run_kernel
@@ -191,14 +200,16 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
     else:
         from blocktrain.blocks.progress import bar as progress_bar
 
-        with progress_bar("bt-bench wan", len(modes) * prompts * repeats, unit="request") as pbar:
+        together = len([m for m in modes if m != "blocktrain"]) * repeats if clients > 1 else 0
+        with progress_bar("bt-bench wan", len(modes) * prompts * repeats + together, unit="request",
+                          threads=0) as pbar:  # it mostly waits on the emulated links
             def progress(what):
                 pbar.set_postfix_str(what)
                 pbar.update(1)
 
             result = {"benchmark": "wan", **compare(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats,
                                                     log=log, progress=progress, modes=modes, split=split,
-                                                    temperature=temperature)}
+                                                    temperature=temperature, clients=clients)}
         for m in (m for m in ("exact", "autoregressive", "blocktrain") if m in modes):
             r = result[m]
             extra = ""
@@ -228,6 +239,11 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
         if "speedup_blocktrain_vs_autoregressive" in result:
             click.echo(f"blocktrain vs autoregressive (not the same output): "
                        f"{result['speedup_blocktrain_vs_autoregressive']:.1f}x")
+        for m, c in ((m, c) for m, c in result.get("clients", {}).items() if isinstance(c, dict)):
+            click.echo(f"{clients} clients at once, {m}: {c['aggregate_bytes_per_s']:.1f} B/s in all, "
+                       f"{c['aggregate_vs_one_client']:.1f}x one client's; each client's time "
+                       f"{c['slowdown']['median']:.2f}x its time alone (median), {c['slowdown']['max']:.2f}x (worst); "
+                       f"output as alone: {c['outputs_identical_to_alone']}")
         click.echo(f"links: {result['links']}")
     if json_path:
         write_result(json_path, result)

@@ -10,6 +10,11 @@ for the same prompts (64-byte windows of the WikiText-2 test split):
   stated beside its time: the CE of the true continuation per offset, against the model's own
   next-byte CE.
 
+``clients`` > 1: after the modes ran one prompt at a time, that many clients (each its own
+identity and connections) run exact and autoregressive at once, client j on prompt j; each
+client's time beside its time alone (the same prompt, measured just before), the aggregate
+output bytes per second beside one client's, and whether each output is the one it wrote alone.
+
 Links are the in-process link shaper (one-way delay = RTT/2 on every link, rate limit), the only
 delay that works on machines without netem; the report says so. The physical bound of a run is:
 traversals x links x one-way delay + the serialization of every frame sent at the link rate +
@@ -20,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -58,8 +65,9 @@ def _bound(traversals: float, hops: int, link: LinkSpec, moved: float, compute: 
 
 async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts: int = 3,
               repeats: int = 1, modes=MODES, threads: int = 1, log=lambda s: None, ar_bytes: int | None = None,
-              progress=lambda s: None, split: str = "test", temperature: float = 0.0) -> dict:
-    """Every mode on the same chain, prompts and links; medians over prompts x repeats.
+              progress=lambda s: None, split: str = "test", temperature: float = 0.0, clients: int = 1) -> dict:
+    """Every mode on the same chain, prompts and links; medians over prompts x repeats; then, with
+    ``clients`` > 1, that many clients at once (``_together``).
 
     ``temperature`` > 0: exact and autoregressive sample (prompt i with seed i), each output
     distributed as autoregressive sampling but not the same bytes (no identity check: the
@@ -105,6 +113,7 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
                     await p.connection(q.addr)
         await client.generate(pairs[0][0], 2, "exact", max_seq_len=cfg.max_seq_len)  # warm-up
         outputs: dict[str, list[bytes]] = {}
+        alone: dict[str, list[float]] = {}  # per prompt: the median of its repeats, one client
         for mode in modes:
             n_run = min(n_bytes, ar_bytes) if mode == "autoregressive" and ar_bytes else n_bytes
             runs, texts = [], []
@@ -120,6 +129,8 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
                     progress(f"{mode}, prompt {i + 1}/{len(pairs)}: {runs[-1]['seconds']:.2f} s, "
                              f"{runs[-1]['traversals']} traversal(s)")
             outputs[mode] = texts
+            alone[mode] = [statistics.median(r["seconds"] for r in runs[i * repeats:(i + 1) * repeats])
+                           for i in range(len(pairs))]
             med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
             scale = n_bytes / n_run
             secs, moved, compute, trav = med("seconds"), med("bytes"), med("compute_s"), med("traversals")
@@ -153,12 +164,61 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
             if "autoregressive" in outputs:
                 out["speedup_blocktrain_vs_autoregressive"] = (out["autoregressive"]["seconds"]
                                                                / out["blocktrain"]["seconds"])
+        if clients > 1:
+            out["clients"] = await _together(clients, [p.addr for p in peers], psk, tmo, link, pairs, n_bytes,
+                                             cfg.max_seq_len, [m for m in modes if m != "blocktrain"], repeats,
+                                             temperature, alone, outputs, progress)
+        out["process_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out["process_note"] = "the peers and the clients run in this one process: its peak RSS is all of theirs"
         out["sample"] = {m: outputs[m][0].decode("utf-8", "replace") for m in outputs}
         out["sample_prompt"] = pairs[0][0].decode("utf-8", "replace")
         return out
     finally:
         await client.close()
         await asyncio.gather(*(p.stop() for p in peers))
+
+
+async def _together(n: int, route: list[str], psk: bytes, tmo: Timeouts, link: LinkSpec, pairs, n_bytes: int,
+                    max_seq_len: int, modes: list[str], repeats: int, temperature: float, alone: dict, outputs: dict,
+                    progress) -> dict:
+    """``n`` clients at once, client j on prompt j, ``repeats`` times per mode: each client's median
+    time against its time alone, the aggregate output bytes per second against one client's, and
+    each output against the one written alone (the same seed when sampled)."""
+    clients = [PipelineClient(X25519PrivateKey.generate(), psk, route, list(range(len(route))), tmo, link,
+                              codec="bf16", timeout_s=600) for _ in range(n)]
+    res: dict = {"clients": n, "prompts": f"client j on prompt j (0..{n - 1}), its own identity and connections",
+                 "note": "each hop computes COMPUTE_SLOTS traversals at once, round-robin by client; no batching "
+                         "across sessions"}
+    try:
+        await asyncio.gather(*(c.connect() for c in clients))
+        for mode in modes:
+            times: list[list[float]] = [[] for _ in range(n)]
+            walls, same = [], 0
+
+            async def one(j: int):
+                return await clients[j].generate(pairs[j][0], n_bytes, mode, max_seq_len=max_seq_len,
+                                                 sampling=Sampling(temperature, seed=j))
+
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                got = await asyncio.gather(*(one(j) for j in range(n)))
+                walls.append(time.perf_counter() - t0)
+                for j, (text, st) in enumerate(got):
+                    times[j].append(st["seconds"])
+                    same += r == 0 and text == outputs[mode][j]
+                progress(f"{mode}, {n} clients at once: {walls[-1]:.2f} s")
+            together = [statistics.median(t) for t in times]
+            slowdown = [t / a for t, a in zip(together, alone[mode][:n])]
+            wall = statistics.median(walls)
+            one_client = n_bytes / statistics.median(alone[mode][:n])
+            res[mode] = {"wall_s": wall, "seconds_per_client": together, "seconds_alone": alone[mode][:n],
+                         "slowdown": {"median": statistics.median(slowdown), "max": max(slowdown), "per_client": slowdown},
+                         "aggregate_bytes_per_s": n * n_bytes / wall, "one_client_bytes_per_s": one_client,
+                         "aggregate_vs_one_client": n * n_bytes / wall / one_client,
+                         "outputs_identical_to_alone": f"{same}/{n}"}
+        return res
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
 
 
 def repeats_16gram(text: bytes) -> bool:
@@ -184,13 +244,14 @@ async def _one_traversal_quality(client: PipelineClient, pairs, n_bytes: int) ->
 
 def compare(checkpoints, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts: int = 3, repeats: int = 1,
             log=lambda s: None, ar_bytes: int | None = None, progress=lambda s: None, modes=MODES,
-            split: str = "test", temperature: float = 0.0) -> dict:
-    """``progress(what)`` after each request (modes x prompts x repeats of them). Targets are judged
-    where the modes run allow it (the speedup and the identity need exact and autoregressive)."""
+            split: str = "test", temperature: float = 0.0, clients: int = 1) -> dict:
+    """``progress(what)`` after each request (modes x prompts x repeats of them) and each round of
+    clients at once. Targets are judged where the modes run allow it (the speedup and the identity
+    need exact and autoregressive; the clients' targets, exact)."""
     import uvloop
 
     r = uvloop.run(run(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats, modes=modes, log=log,
-                       ar_bytes=ar_bytes, progress=progress, split=split, temperature=temperature))
+                       ar_bytes=ar_bytes, progress=progress, split=split, temperature=temperature, clients=clients))
     r["modes"] = list(modes)
     r["within_bound"] = {m: r[m]["vs_bound"] <= 1.25 for m in MODES if m in r}
     r["targets"] = {"every mode within 1.25x of its bound": all(r["within_bound"].values())}
@@ -201,4 +262,9 @@ def compare(checkpoints, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts:
     elif "exact" in r and "autoregressive" in r:
         r["targets"]["speedup_exact_vs_autoregressive >= 2 (sampled)"] = (r["speedup_exact_vs_autoregressive"] >= 2
                                                                           and not r["speedup_extrapolated"])
+    c = r.get("clients", {}).get("exact")
+    if c:
+        n = r["clients"]["clients"]
+        r["targets"][f"{n} clients (exact): aggregate bytes/s >= 4x one client's"] = c["aggregate_vs_one_client"] >= 4
+        r["targets"][f"{n} clients (exact): each client's median time <= 2x alone"] = c["slowdown"]["max"] <= 2
     return r

@@ -49,6 +49,35 @@ def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path
     assert r.exit_code == 2 and "at least one mode" in r.output
 
 
+def test_bench_wan_clients_at_once_each_write_what_they_wrote_alone(tmp_path):
+    """`--clients N` (issue 31): N clients, each its own identity, run exact and autoregressive at
+    once after the modes ran alone; each client's output is the one it wrote alone, and its time
+    and the aggregate rate stand beside its time alone."""
+    import json
+
+    from click.testing import CliRunner
+
+    from blocktrain.bench.cli import main
+    out = tmp_path / "wan.json"
+    r = CliRunner().invoke(main, ["wan", "--mode", "exact,autoregressive", "--clients", "3", "--bytes", "6",
+                                  "--prompts", "3", "--rtt-ms", "0", "--rate-mbit", "0", "--split", "valid",
+                                  "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    for mode in ("exact", "autoregressive"):
+        c = d["clients"][mode]
+        assert c["outputs_identical_to_alone"] == "3/3" and len(c["seconds_per_client"]) == 3
+        assert c["seconds_alone"] == d[mode]["seconds_per_prompt"][:3]
+        assert c["aggregate_bytes_per_s"] == 3 * 6 / c["wall_s"] and c["slowdown"]["median"] <= c["slowdown"]["max"]
+    assert {"3 clients (exact): aggregate bytes/s >= 4x one client's",
+            "3 clients (exact): each client's median time <= 2x alone"} <= set(d["targets"])
+    assert d["process_peak_rss_mib"] > 0 and "3 clients at once, exact" in r.output
+    r = CliRunner().invoke(main, ["wan", "--clients", "4", "--prompts", "3"])
+    assert r.exit_code == 2 and "--prompts 4" in r.output
+    r = CliRunner().invoke(main, ["wan", "--sweep", "--clients", "2"])
+    assert r.exit_code == 2 and "--clients" in r.output
+
+
 def test_bench_wan_samples_at_a_temperature_and_judges_the_sampled_target(tmp_path):
     """`--temperature`: exact and autoregressive sample; no identity check (the bytes differ by
     design), the sampled target judged, the per-prompt spread and the repetition reported."""
