@@ -4,7 +4,9 @@ it, collect the answers, and retry through other holders when a hop fails.
 Rules:
 - The client keeps a connection to the first hop (requests) and the last (answers); it is a
   client, never a member. Answers are matched to requests by id; a connection that closes fails
-  every request waiting on it.
+  every request waiting on it. It sends a PING on each every ``keepalive_s``: a hop closes a
+  client it has not heard for ``client_idle_s`` (300 s), and the last hop only answers (a session
+  longer than that lost its answers).
 - Decoding is ``blocks/decode.Session`` (sans-IO): the client sends its specs and feeds it the
   last hop's logits and drafts. ``exact`` (the default): the last block drafts, the next
   traversal verifies; greedy output is the autoregressive output byte for byte, sampled output
@@ -30,7 +32,7 @@ import time
 import torch
 
 from blocktrain.blocks.decode import MAX_TREE, Sampling, Session, one_traversal_spec
-from blocktrain.protocol import ConnectionClosed, PipelineForward, PipelineResult, Role
+from blocktrain.protocol import ConnectionClosed, Ping, PipelineForward, PipelineResult, ProtocolError, Role
 
 from .identity import peer_id
 from .serving import DEFAULT_CODEC, MODES, PipelineError
@@ -40,6 +42,7 @@ from .view import chain_when_ready
 
 
 DRAFT_LEN = 16  # bytes drafted per traversal in exact mode
+KEEPALIVE_S = 30.0  # a PING on each connection this often (hops close clients silent for 300 s)
 
 
 def _request_id() -> int:
@@ -55,11 +58,12 @@ class PipelineClient:
     """
 
     def __init__(self, identity, swarm_key, route: list[str], blocks: list[int], timeouts: Timeouts | None = None,
-                 link=None, codec: str = DEFAULT_CODEC, timeout_s: float = 30.0):
+                 link=None, codec: str = DEFAULT_CODEC, timeout_s: float = 30.0,
+                 keepalive_s: float | None = KEEPALIVE_S):
         self.identity, self.swarm_key = identity, swarm_key
         self.route, self.blocks = list(route), list(blocks)
         self.timeouts = timeouts or Timeouts()
-        self.link, self.codec, self.timeout_s = link, codec, timeout_s
+        self.link, self.codec, self.timeout_s, self.keepalive_s = link, codec, timeout_s, keepalive_s
         self.conns: dict[str, PeerConnection] = {}
         self.pending: dict[int, asyncio.Future] = {}
         self._readers: list[asyncio.Task] = []
@@ -73,6 +77,20 @@ class PipelineClient:
             pc = await open_connection(host, int(port), conn, self.timeouts, self.link, name=addr)
             self.conns[addr] = pc
             self._readers.append(asyncio.get_running_loop().create_task(self._read(pc, addr)))
+        if self.keepalive_s:
+            self._readers.append(asyncio.get_running_loop().create_task(self._keepalive(self.keepalive_s)))
+
+    async def _keepalive(self, every: float):
+        """A PING on every open connection each ``every`` seconds (None: never, for tests)."""
+        nonce = 0
+        while True:
+            await asyncio.sleep(every)  # the keepalive: time is the behaviour here
+            for pc in self.conns.values():
+                nonce += 1
+                try:
+                    pc.send_nowait(Ping(nonce=nonce))
+                except (ConnectionError, ProtocolError):
+                    pass  # a closed connection: its reader fails what waited on it
 
     async def _read(self, pc, addr):
         try:

@@ -31,11 +31,11 @@ def models():
     return bt, EndToEnd(CFG)
 
 
-async def start_chain(psk, bt, e2e, extra_block=None):
+async def start_chain(psk, bt, e2e, extra_block=None, timeouts=FAST):
     peers, servers = [], []
     for k in range(3):
         p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=(k,), role="serve",
-                       timeouts=FAST).start()
+                       timeouts=timeouts).start()
         if peers:
             await p.join("127.0.0.1", peers[0].port)
         servers.append(PipelineServer(p, ServedBlocks({k: bt[k]}, {k: e2e.blocks[k]})))
@@ -57,6 +57,34 @@ async def served_chain(bt, e2e, route=None, blocks=(0, 1, 2), **client_kw):
         await client.close()
         for p in peers:
             await p.stop()
+
+
+@pytest.mark.parametrize("keepalive_s", [0.25, None])
+async def test_a_client_keeps_its_answers_past_the_hops_idle_limit(models, keepalive_s):
+    """A hop closes a client it has not heard for ``client_idle_s``; the last hop only answers, so
+    without the client's PINGs a session longer than that lost its answers (bt-bench wan died
+    after 300 s). With them, requests for 3x the limit all come back."""
+    import dataclasses
+
+    bt, e2e = models
+    psk = os.urandom(32)
+    peers, _ = await start_chain(psk, bt, e2e, timeouts=dataclasses.replace(FAST, client_idle_s=1.0))
+    client = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], [0, 1, 2], FAST,
+                            timeout_s=3, keepalive_s=keepalive_s)
+    answered = 0
+    try:
+        await client.connect()
+        for _ in range(8):  # a request every 0.4 s or so for about 3 s: the first hop hears each
+            await client.generate(b"ab", 1, "autoregressive")
+            answered += 1
+            await asyncio.sleep(0.4)
+    except PipelineError:
+        pass
+    finally:
+        await client.close()
+        for p in peers:
+            await p.stop()
+    assert answered == 8 if keepalive_s else answered < 8
 
 
 def in_process(blocks, prompt, n, draft_len=0, sampling=None):
