@@ -23,20 +23,28 @@ def test_block_at_reads_only_an_int_at_a_hop_in_range():
         assert block_at(meta, hop) is None
 
 
-def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path):
-    """The design card's `bt-bench wan --mode blocktrain|autoregressive` (issue 31): only the modes
-    named run; the exact-mode targets (speedup, identity) are not judged without exact."""
+def _wan(*args: str, json_path=None):
+    """``bt-bench wan ARGS`` on unshaped links (``--rtt-ms 0 --rate-mbit 0``), validation prompts;
+    (the result, the JSON it wrote or None)."""
     import json
 
     from click.testing import CliRunner
 
     from blocktrain.bench.cli import main
-    out = tmp_path / "wan.json"
-    r = CliRunner().invoke(main, ["wan", "--mode", "autoregressive,blocktrain", "--mode", "blocktrain", "--bytes", "4",
-                                  "--prompts", "1", "--rtt-ms", "0", "--rate-mbit", "0", "--split", "valid",
-                                  "--json", str(out)])
+    extra = ["--rtt-ms", "0", "--rate-mbit", "0", "--split", "valid"] + (["--json", str(json_path)] if json_path else [])
+    r = CliRunner().invoke(main, ["wan", *args, *extra])
     assert r.exit_code == 0, r.output
-    d = json.loads(out.read_text())
+    return r, json.loads(json_path.read_text()) if json_path else None
+
+
+def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path):
+    """The design card's `bt-bench wan --mode blocktrain|autoregressive` (issue 31): only the modes
+    named run; the exact-mode targets (speedup, identity) are not judged without exact."""
+    from click.testing import CliRunner
+
+    from blocktrain.bench.cli import main
+    _, d = _wan("--mode", "autoregressive,blocktrain", "--mode", "blocktrain", "--bytes", "4", "--prompts", "1",
+                json_path=tmp_path / "wan.json")
     assert d["modes"] == ["blocktrain", "autoregressive"] and "exact" not in d and d["split"] == "valid"
     assert d["autoregressive"]["traversals"] == 4 and d["blocktrain"]["traversals"] == 1
     assert set(d["targets"]) == {"every mode within 1.25x of its bound"} and "speedup_blocktrain_vs_autoregressive" in d
@@ -53,17 +61,11 @@ def test_bench_wan_clients_at_once_each_write_what_they_wrote_alone(tmp_path):
     """`--clients N` (issue 31): N clients, each its own identity, run exact and autoregressive at
     once after the modes ran alone; each client's output is the one it wrote alone, and its time
     and the aggregate rate stand beside its time alone."""
-    import json
-
     from click.testing import CliRunner
 
     from blocktrain.bench.cli import main
-    out = tmp_path / "wan.json"
-    r = CliRunner().invoke(main, ["wan", "--mode", "exact,autoregressive", "--clients", "3", "--bytes", "6",
-                                  "--prompts", "3", "--rtt-ms", "0", "--rate-mbit", "0", "--split", "valid",
-                                  "--json", str(out)])
-    assert r.exit_code == 0, r.output
-    d = json.loads(out.read_text())
+    r, d = _wan("--mode", "exact,autoregressive", "--clients", "3", "--bytes", "6", "--prompts", "3",
+                json_path=tmp_path / "wan.json")
     for mode in ("exact", "autoregressive"):
         c = d["clients"][mode]
         assert c["outputs_identical_to_alone"] == "3/3" and len(c["seconds_per_client"]) == 3
@@ -81,17 +83,11 @@ def test_bench_wan_clients_at_once_each_write_what_they_wrote_alone(tmp_path):
 def test_bench_wan_samples_at_a_temperature_and_judges_the_sampled_target(tmp_path):
     """`--temperature`: exact and autoregressive sample; no identity check (the bytes differ by
     design), the sampled target judged, the per-prompt spread and the repetition reported."""
-    import json
-
     from click.testing import CliRunner
 
     from blocktrain.bench.cli import main
-    out = tmp_path / "wan.json"
-    r = CliRunner().invoke(main, ["wan", "--mode", "exact,autoregressive", "--bytes", "6", "--prompts", "2",
-                                  "--rtt-ms", "0", "--rate-mbit", "0", "--split", "valid", "--temperature", "0.8",
-                                  "--json", str(out)])
-    assert r.exit_code == 0, r.output
-    d = json.loads(out.read_text())
+    _, d = _wan("--mode", "exact,autoregressive", "--bytes", "6", "--prompts", "2", "--temperature", "0.8",
+                json_path=tmp_path / "wan.json")
     assert d["temperature"] == 0.8 and "identical_prompts" not in d["exact"] and "sampled" in d["exact"]["output"]
     assert set(d["targets"]) == {"every mode within 1.25x of its bound", "speedup_exact_vs_autoregressive >= 2 (sampled)"}
     per = d["speedup_per_prompt"]
