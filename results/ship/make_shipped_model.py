@@ -6,13 +6,9 @@
         --set test_windows=0 --out runs/ship
     .venv/bin/python results/ship/make_shipped_model.py runs/ship
 
-The shipped model of 12-04 was trained so on one H200 at 277c66f (bf16 autocast, 270 s with its
-reference; results/ship/train-results.json and train-curves.png are that run's own files); on 2
-CPU cores the same command takes about 16x longer. That code's draft phase ignored
-position_shift, so its draft model was trained again (CPU, fp32, about 32 min) before measuring:
-
-    .venv/bin/python results/ship/retrain_drafter.py runs/ship runs/ship-redraft
-    .venv/bin/python results/ship/make_shipped_model.py runs/ship-redraft
+The shipped model of 12-04 was trained so on one H200 (bf16 autocast, 270 s with its reference;
+results/ship/train-results.json and train-curves.png are that run's own files); on 2 CPU cores
+the same command takes about 16x longer.
 
 (The command recorded in model.json is rebuilt from the run's own settings.)
 
@@ -115,27 +111,17 @@ meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(s
         "greedy_continuations_repeating_a_16gram": f"{repeats}/{n}",
         "exact_identical_to_autoregressive": f"{same}/20",
         "measure_seconds": time.perf_counter() - t0}
-again = run / "DRAFTER.json"  # results/ship/retrain_drafter.py trained the draft model again
-if again.exists():
-    d = json.loads(again.read_text())
-    meta["draft_model_trained_again"] = {k: v for k, v in d.items() if k != "kl_curve"}
-    meta["command"] = meta["command"].replace(f"--out {run};", f"--out {d['from_run']}; {d['command']};")
 (out / "model.json").write_text(json.dumps(meta, indent=1))
 NO_REFERENCE = ("not trained (the run was stopped before it); the nearest: 1.3154, the end-to-end model of "
                 "results/train-d128-3000-fair (d 128, 3000 steps, the slot objective; no position shift, no draft "
                 "phase)")
-DRAFTER_AGAIN = "" if not again.exists() else (
-    f"\nIts draft model was trained again on {meta['draft_model_trained_again']['device']} by "
-    f"`results/ship/retrain_drafter.py` at commit {meta['draft_model_trained_again']['code']['commit']} (the same "
-    f"phase, {meta['draft_model_trained_again']['steps']} steps, with the rows shifted as the blocks trained; the "
-    f"first draft phase saw positions 0..{meta['train']['seq_len'] - 1} only).")
 (out / "MODEL.md").write_text(f"""# The shipped model
 
 A small BlockTrain model trained by the project's own `bt-train` on the embedded WikiText-2
 bytes (CC BY-SA 3.0, see ../README.md), so that `bt-peer serve` and `bt-bench wan` work on a
 fresh clone without training first. d {meta['model']['d_model']}, {meta['model']['n_layer']} layers in
 {meta['model']['n_blocks']} blocks, a one-layer draft model on the last block; weights stored bfloat16.
-Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}.{DRAFTER_AGAIN}
+Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}.
 
 - Made by: `{meta['command']}`
 - Test CE of each head along the chain (nats/byte, the whole test split in windows of 128 bytes,
