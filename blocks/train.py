@@ -90,14 +90,6 @@ def draft_loss(block: Block, f: torch.Tensor, x: torch.Tensor, unroll: int = 1) 
     return total / unroll, kls
 
 
-def row_shifts(rows: int, room: int, tcfg: TrainConfig, step: int) -> torch.Tensor:
-    """``position_shift``'s offsets for batch ``step``: (rows, 1), each in 0..room (a pure function
-    of seed and step)."""
-    assert room >= 0, f"rows do not fit in max_seq_len ({-room} positions short)"
-    gs = torch.Generator().manual_seed((tcfg.seed * 1_000_003 + step * 7919 + 31) % (1 << 62))
-    return torch.randint(0, room + 1, (rows, 1), generator=gs)
-
-
 def slot_batch(x: torch.Tensor, y: torch.Tensor, tcfg: TrainConfig, step: int, max_seq_len: int = 0):
     """The block objective's input for batch ``(x, y)``: ``(ids, targets, layout, weights)``.
 
@@ -113,7 +105,10 @@ def slot_batch(x: torch.Tensor, y: torch.Tensor, tcfg: TrainConfig, step: int, m
     B, T = x.shape
     shift = torch.zeros(B, 1, dtype=torch.long)
     if tcfg.position_shift:
-        shift = row_shifts(B, max_seq_len - T - (tcfg.slot_len if tcfg.slot_branches > 0 else 0), tcfg, step)
+        room = max_seq_len - T - (tcfg.slot_len if tcfg.slot_branches > 0 else 0)
+        assert room >= 0, f"rows of {T} bytes (+ placeholders) do not fit in max_seq_len {max_seq_len}"
+        gs = torch.Generator().manual_seed((tcfg.seed * 1_000_003 + step * 7919 + 31) % (1 << 62))
+        shift = torch.randint(0, room + 1, (B, 1), generator=gs)
     if tcfg.slot_branches <= 0:
         layout = {"positions": torch.arange(T)[None] + shift} if tcfg.position_shift else None
         return mask_tail(x, tcfg.mask_frac, step, tcfg.seed), y, layout, None
@@ -287,13 +282,10 @@ class BlockTrainer:
         self.opt.step()
         self.step += 1
 
-    def features(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """This block's output on input bytes ``x`` (no gradient), at ``positions`` (default
-        0..T-1): what its draft model reads."""
-        layout = None if positions is None else {"positions": positions.to(self.device)}
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's output on input bytes ``x`` (no gradient): what its draft model reads."""
         with torch.no_grad(), autocast(self.device, self.precision):
-            h = self.lower_hidden(x, layout) if self.k > 0 else x.to(self.device)
-            return self.block.trunk(h, **(layout or {})).float()
+            return self.block.trunk(self.lower_hidden(x) if self.k > 0 else x.to(self.device)).float()
 
     def draft_phase(self) -> "DraftPhase":
         return DraftPhase(self.block, self.tcfg, self.batches, self.features, self.device, self.precision)
@@ -358,12 +350,11 @@ class EndToEndTrainer:
         self.step += 1
         return loss
 
-    def features(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def features(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device)
-        positions = None if positions is None else positions.to(self.device)
         with torch.no_grad(), autocast(self.device, self.precision):
             for b in self.model.blocks:
-                x = b.trunk(x, positions=positions)
+                x = b.trunk(x)
         return x.float()
 
     def draft_phase(self) -> "DraftPhase":
@@ -376,10 +367,8 @@ class EndToEndTrainer:
 
 class DraftPhase:
     """The draft phase of ``block``'s draft model: ``tcfg.draft_steps`` steps with its own
-    optimizer, on the batches after the block's own ``tcfg.steps`` (``features(x, positions)``:
-    the block's frozen output), every other parameter untouched. Under ``position_shift`` each
-    row's features are computed at a random offset, as the block trained: the draft model then
-    drafts at every position a session reaches, not only below seq_len."""
+    optimizer, on the batches after the block's own ``tcfg.steps`` (``features(x)``: the
+    block's frozen output), every other parameter untouched."""
 
     def __init__(self, block: Block, tcfg: TrainConfig, batches: ByteBatches, features,
                  device: torch.device | str = "cpu", precision: str = "fp32"):
@@ -393,17 +382,13 @@ class DraftPhase:
         """One step; returns the KL per unrolled drafting step."""
         t = self.tcfg
         x, _ = self.batches.batch(t.steps + self.step)
-        positions = None
-        if t.position_shift:
-            B, T = x.shape
-            positions = torch.arange(T)[None] + row_shifts(B, self.block.cfg.max_seq_len - T, t, t.steps + self.step)
         decay = int(t.draft_steps * (1 - t.decay_frac))
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step, t.draft_steps, t.lr, t.warmup, decay, t.draft_steps, t.lr_floor)
         self.block.eval()  # the trunk and head run frozen
         self.block.drafter.train()
         with autocast(self.device, self.precision):
-            loss, kls = draft_loss(self.block, self.features(x, positions), x.to(self.device), t.draft_unroll)
+            loss, kls = draft_loss(self.block, self.features(x), x.to(self.device), t.draft_unroll)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.block.drafter.parameters(), t.grad_clip)

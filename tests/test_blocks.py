@@ -170,32 +170,6 @@ def test_draft_phase_trains_the_draft_model_only(valid):
             assert torch.equal(p, before[n]), f"{n} changed in the draft phase"
 
 
-def test_the_draft_phase_reads_features_at_the_offsets_the_blocks_trained_at(valid):
-    """Under ``position_shift`` the draft model learns from the chain's features at random row
-    offsets, as the blocks trained (issue 31: one that saw positions 0..seq_len-1 only drafted
-    1.5 bytes a traversal past position 192, 7 below 128); without it, at 0..seq_len-1."""
-    T = TCFG.seq_len
-    for shift in (False, True):
-        tc = TrainConfig(**{**TCFG.to_dict(), "draft_frac": 4 / TCFG.steps, "position_shift": shift})
-        t = BlockTrainer(TINY, tc, 2, valid)
-        t.set_lower([snapshot(Block(TINY, 0)), snapshot(Block(TINY, 1))])
-        phase, seen = t.draft_phase(), []
-        features = phase.features
-        phase.features = lambda x, positions=None: seen.append(positions) or features(x, positions)
-        for _ in range(4):
-            phase.train_step()
-        if not shift:
-            assert seen == [None] * 4
-            continue
-        assert all(p.shape == (TCFG.batch_size, T) and torch.equal(p - p[:, :1], torch.arange(T).expand_as(p))
-                   for p in seen)
-        starts = torch.cat([p[:, 0] for p in seen])
-        assert starts.min() >= 0 and starts.max() > 0 and (starts + T - 1).max() < TINY.max_seq_len
-        x, _ = t.batches.batch(0)
-        moved = torch.arange(T).expand(x.shape[0], T) + 7
-        assert not torch.allclose(t.features(x, moved), t.features(x))  # block 0's positions reach the top
-
-
 def test_configs_saved_before_draft_models_still_load():
     old = {k: v for k, v in TINY.to_dict().items() if k not in ("draft_layers", "slot_offsets")}  # a checkpoint's complete config
     assert ModelConfig.from_dict(old).draft_layers == 0 and ModelConfig.from_dict(old).slot_offsets == 0
