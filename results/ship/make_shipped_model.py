@@ -59,6 +59,32 @@ ev = evaluate(out, windows=0, seq_len=128)  # the whole test split in 128-byte w
 ev_train = evaluate(out, windows=1000, seq_len=res["job"]["train"]["seq_len"])  # ... and as it trained
 blocks, _ = load_chain(out)
 text = read_split("valid")  # prompts never used for tuning: the validation split
+
+
+@torch.no_grad()
+def ce_by_position(T: int = 384, rows: int = 48, band: int = 64) -> dict:
+    """The chain's next-byte CE in ``rows`` validation windows of ``T`` bytes, per band of positions:
+    where the context a session has outgrows the windows the model trained on."""
+    data = torch.tensor(list(text[:rows * 8192]))
+    xs = torch.stack([data[i:i + T + 1] for i in range(0, rows * 8192, 8192)])
+    h, y = xs[:, :-1].long(), xs[:, 1:].long()
+    for b in blocks:
+        b.eval()
+        h = b.trunk(h)
+    ce = torch.nn.functional.cross_entropy(blocks[-1].logits(h).flatten(0, 1), y.flatten(), reduction="none")
+    ce = ce.view(rows, T)
+    return {f"{a}-{a + band - 1}": float(ce[:, a:a + band].mean()) for a in range(0, T, band)}
+
+
+def drafting_by_prompt_length(lengths=(32, 64, 128, 192, 256), prompts: int = 8, n_out: int = 48) -> dict:
+    """Exact greedy bytes per traversal for ``n_out`` bytes after prompts of each length."""
+    gap = (len(text) - 512) // prompts
+    return {str(L): sum(decode.generate(blocks, list(text[i * gap:i * gap + L]), n_out, draft_len=16,
+                                        drafter=True)[1].bytes_per_traversal(n_out) for i in range(prompts)) / prompts
+            for L in lengths}
+
+
+by_position, by_prompt = ce_by_position(), drafting_by_prompt_length()
 n, span = 200, 64 + 64
 step = (len(text) - span) // n
 t0 = time.perf_counter()
@@ -110,6 +136,8 @@ meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(s
                                                    "min": min(bpt_sampled), "max": max(bpt_sampled)},
         "greedy_continuations_repeating_a_16gram": f"{repeats}/{n}",
         "exact_identical_to_autoregressive": f"{same}/20",
+        "next_byte_ce_by_position_384_byte_valid_windows": by_position,
+        "exact_greedy_bytes_per_traversal_by_prompt_length_48_bytes_out": by_prompt,
         "measure_seconds": time.perf_counter() - t0}
 (out / "model.json").write_text(json.dumps(meta, indent=1))
 NO_REFERENCE = ("not trained (the run was stopped before it); the nearest: 1.3154, the end-to-end model of "
@@ -134,6 +162,12 @@ Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}.
   - sampled at temperature 0.8: {meta['exact_sampled_t0.8_bytes_per_traversal']['mean']:.2f} bytes per
     traversal (median {meta['exact_sampled_t0.8_bytes_per_traversal']['median']:.2f});
   - {repeats} of {n} greedy continuations repeat a 16-gram.
+- Context: it trained on windows of {meta['train']['seq_len']} bytes, and past them it is worse. Its
+  next-byte CE in 384-byte validation windows, by position:
+  {', '.join(f'{k} {v:.2f}' for k, v in by_position.items())}. Exact greedy drafting, 48 bytes
+  after prompts of 32 / 64 / 128 / 192 / 256 bytes:
+  {' / '.join(f'{v:.2f}' for v in by_prompt.values())} bytes per traversal. Keep prompt + output
+  within about {meta['train']['seq_len']} bytes.
 - Data: {meta['data']}
 
 model.json holds the full configs and figures.
