@@ -170,6 +170,8 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
         raise click.UsageError("--temperature applies to the plain run only")
     if (kernel or sweep) and clients > 1:
         raise click.UsageError("--clients applies to the plain run only")
+    if clients > 1 and set(modes) <= {"blocktrain"}:
+        raise click.UsageError("--clients runs exact and autoregressive at once: name one of them with --mode")
     if clients > prompts:
         raise click.BadParameter(f"{clients} clients need --prompts {clients} or more: each client's time alone is "
                                  "measured on its own prompt first", param_hint="--clients")
@@ -239,7 +241,13 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
         if "speedup_blocktrain_vs_autoregressive" in result:
             click.echo(f"blocktrain vs autoregressive (not the same output): "
                        f"{result['speedup_blocktrain_vs_autoregressive']:.1f}x")
-        for m, c in ((m, c) for m, c in result.get("clients", {}).items() if isinstance(c, dict)):
+        clients_run = result.get("clients", {})
+        if "error" in clients_run:
+            click.echo(f"{clients} clients at once: {clients_run['error']}")
+        for m, c in ((m, c) for m, c in clients_run.items() if isinstance(c, dict)):
+            if "error" in c:
+                click.echo(f"{clients} clients at once, {m}: {c['error']}")
+                continue
             click.echo(f"{clients} clients at once, {m}: {c['aggregate_bytes_per_s']:.1f} B/s in all, "
                        f"{c['aggregate_vs_one_client']:.1f}x one client's; each client's time "
                        f"{c['slowdown']['median']:.2f}x its time alone (median), {c['slowdown']['max']:.2f}x (worst); "

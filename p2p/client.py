@@ -77,8 +77,9 @@ class PipelineClient:
             pc = await open_connection(host, int(port), conn, self.timeouts, self.link, name=addr)
             self.conns[addr] = pc
             self._readers.append(asyncio.get_running_loop().create_task(self._read(pc, addr)))
-        if self.keepalive_s:
-            self._readers.append(asyncio.get_running_loop().create_task(self._keepalive(self.keepalive_s)))
+        if self.keepalive_s:  # at least twice within the hops' idle limit (PROTOCOL.md 7.3)
+            every = min(self.keepalive_s, self.timeouts.client_idle_s / 2)
+            self._readers.append(asyncio.get_running_loop().create_task(self._keepalive(every)))
 
     async def _keepalive(self, every: float):
         """A PING on every open connection each ``every`` seconds (None: never, for tests)."""

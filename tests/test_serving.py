@@ -78,6 +78,8 @@ def test_bench_wan_clients_at_once_each_write_what_they_wrote_alone(tmp_path):
     assert r.exit_code == 2 and "--prompts 4" in r.output
     r = CliRunner().invoke(main, ["wan", "--sweep", "--clients", "2"])
     assert r.exit_code == 2 and "--clients" in r.output
+    r = CliRunner().invoke(main, ["wan", "--clients", "2", "--prompts", "2", "--mode", "blocktrain"])
+    assert r.exit_code == 2 and "--clients runs exact and autoregressive" in r.output
 
 
 def test_bench_wan_samples_at_a_temperature_and_judges_the_sampled_target(tmp_path):

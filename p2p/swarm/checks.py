@@ -22,7 +22,8 @@ from blocktrain.blocks.config import ModelConfig
 from .schedule import Schedule
 
 # A fetched state's parameter norm, against a fresh block's, must lie in this range: training
-# moves it (1.6-2.0x after 1000 steps of the shipped model), it does not zero it or scale it 1000x.
+# moves it (1.6-2.0x after 1000 steps per block, measured on the shipped model of 12-01), it does not
+# zero it or scale it 1000x.
 STATE_NORM_RATIO = (0.25, 8.0)
 # The top head's CE of a fetched state on the joiner's own validation windows may not exceed this
 # (a fresh block scores about ln 256 = 5.55; a state that scores worse than that by 0.5 is broken).

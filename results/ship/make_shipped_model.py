@@ -36,16 +36,7 @@ run = Path(sys.argv[1])
 made_by = code_version()  # before this script rewrites the shipped files (which would make the tree dirty)
 out = ckpt.SHIPPED_MODEL
 out.mkdir(parents=True, exist_ok=True)
-if (run / "results.json").exists():
-    res = json.loads((run / "results.json").read_text())
-else:  # the run was stopped after its blocks were written, before its reference: say so, and the settings
-    from blocktrain.blocks.config import JobConfig, load as load_config
-    job = load_config(JobConfig(), None, sys.argv[2:])  # the --set items the run was started with
-    first = ckpt.load(ckpt.block_files(run / "checkpoints")[0])
-    res = {"job": {"model": first.config, "train": job.train.to_dict(), "schedule": first.extra["schedule"],
-                   "test_windows": job.test_windows},
-           "blocktrain": {"test_ce_heads": None},
-           "stopped": "stopped before its end-to-end reference; no results.json (settings from the command line)"}
+res = json.loads((run / "results.json").read_text())
 assert res["blocktrain"]["draft_curve"] if "draft_curve" in res["blocktrain"] else True
 for k, path in ckpt.block_files(run / "checkpoints").items():
     c = ckpt.load(path)
@@ -128,7 +119,7 @@ meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(s
         "test_ce_heads_shipped_bf16": ev["head_ce"], "test_windows": "whole split, 128-byte windows",
         f"test_ce_heads_shipped_bf16_{ev_train['seq_len']}_byte_windows_1000": ev_train["head_ce"],
         "trained_on": f"{device} ({res['job'].get('precision', 'fp32')})",
-        "test_ce_heads_at_training": res["blocktrain"]["test_ce_heads"], "run": res.get("stopped", "complete"),
+        "test_ce_heads_at_training": res["blocktrain"]["test_ce_heads"],
         "reference_test_ce": ref.get("test_ce"),
         "prompts": f"{n} validation prompts of 64 bytes, 64 bytes each",
         "exact_greedy_bytes_per_traversal": {"mean": sum(bpt) / n, "median": med(bpt), "min": min(bpt), "max": max(bpt)},
@@ -140,9 +131,6 @@ meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(s
         "exact_greedy_bytes_per_traversal_by_prompt_length_48_bytes_out": by_prompt,
         "measure_seconds": time.perf_counter() - t0}
 (out / "model.json").write_text(json.dumps(meta, indent=1))
-NO_REFERENCE = ("not trained (the run was stopped before it); the nearest: 1.3154, the end-to-end model of "
-                "results/train-d128-3000-fair (d 128, 3000 steps, the slot objective; no position shift, no draft "
-                "phase)")
 (out / "MODEL.md").write_text(f"""# The shipped model
 
 A small BlockTrain model trained by the project's own `bt-train` on the embedded WikiText-2
@@ -154,7 +142,7 @@ Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}.
 - Made by: `{meta['command']}`
 - Test CE of each head along the chain (nats/byte, the whole test split in windows of 128 bytes,
   shipped weights): {' / '.join(f'{x:.4f}' for x in ev['head_ce'])}; the end-to-end reference trained
-  at the same settings (same objective, steps, batches): {f"{ref['test_ce']:.4f}" if ref else NO_REFERENCE}.
+  at the same settings (same objective, steps, batches): {f"{ref['test_ce']:.4f}" if ref else 'not trained'}.
 - Exact mode, 64 bytes after each of {n} validation prompts of 64 bytes:
   - greedy: {meta['exact_greedy_bytes_per_traversal']['mean']:.2f} bytes per traversal (median
     {meta['exact_greedy_bytes_per_traversal']['median']:.2f}, min {meta['exact_greedy_bytes_per_traversal']['min']:.2f});
@@ -165,7 +153,7 @@ Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}.
 - Context: it trained on windows of {meta['train']['seq_len']} bytes, and past them it is worse. Its
   next-byte CE in 384-byte validation windows, by position:
   {', '.join(f'{k} {v:.2f}' for k, v in by_position.items())}. Exact greedy drafting, 48 bytes
-  after prompts of 32 / 64 / 128 / 192 / 256 bytes:
+  after prompts of 32 / 64 / 128 / 192 / 256 bytes (8 prompts each):
   {' / '.join(f'{v:.2f}' for v in by_prompt.values())} bytes per traversal. Keep prompt + output
   within about {meta['train']['seq_len']} bytes.
 - Data: {meta['data']}
