@@ -82,7 +82,7 @@ class PipelineClient:
             self._readers.append(asyncio.get_running_loop().create_task(self._keepalive(every)))
 
     async def _keepalive(self, every: float):
-        """A PING on every open connection each ``every`` seconds (None: never, for tests)."""
+        """A PING on every open connection each ``every`` seconds (``keepalive_s`` None: no task)."""
         nonce = 0
         while True:
             await asyncio.sleep(every)  # the keepalive: time is the behaviour here

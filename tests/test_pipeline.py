@@ -44,10 +44,10 @@ async def start_chain(psk, bt, e2e, extra_block=None, timeouts=FAST):
 
 
 @contextlib.asynccontextmanager
-async def served_chain(bt, e2e, route=None, blocks=(0, 1, 2), **client_kw):
-    """Three serving peers and a connected client; everything stopped on the way out."""
+async def served_chain(bt, e2e, route=None, blocks=(0, 1, 2), timeouts=FAST, **client_kw):
+    """Three serving peers (with ``timeouts``) and a connected client; everything stopped on the way out."""
     psk = os.urandom(32)
-    peers, servers = await start_chain(psk, bt, e2e)
+    peers, servers = await start_chain(psk, bt, e2e, timeouts=timeouts)
     addrs = [p.addr for p in peers] if route is None else [peers[i].addr for i in route]
     client = PipelineClient(X25519PrivateKey.generate(), psk, addrs, list(blocks), FAST, **client_kw)
     try:
@@ -67,23 +67,14 @@ async def test_a_client_keeps_its_answers_past_the_hops_idle_limit(models, keepa
     import dataclasses
 
     bt, e2e = models
-    psk = os.urandom(32)
-    peers, _ = await start_chain(psk, bt, e2e, timeouts=dataclasses.replace(FAST, client_idle_s=1.0))
-    client = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], [0, 1, 2], FAST,
-                            timeout_s=3, keepalive_s=keepalive_s)
     answered = 0
-    try:
-        await client.connect()
-        for _ in range(8):  # a request every 0.4 s or so for about 3 s: the first hop hears each
-            await client.generate(b"ab", 1, "autoregressive")
-            answered += 1
-            await asyncio.sleep(0.4)
-    except PipelineError:
-        pass
-    finally:
-        await client.close()
-        for p in peers:
-            await p.stop()
+    with contextlib.suppress(PipelineError):
+        async with served_chain(bt, e2e, timeouts=dataclasses.replace(FAST, client_idle_s=1.0), timeout_s=3,
+                                keepalive_s=keepalive_s) as (_, _, client):
+            for _ in range(8):  # a request every 0.4 s or so for about 3 s: the first hop hears each
+                await client.generate(b"ab", 1, "autoregressive")
+                answered += 1
+                await asyncio.sleep(0.4)
     assert answered == 8 if keepalive_s else answered < 8
 
 
