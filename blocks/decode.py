@@ -243,6 +243,7 @@ class Session:
         self.state = "spec"
         self.stats = SessionStats()
         self._pending: dict | None = None
+        self.rows: list[torch.Tensor] = []  # per output byte, the logits row it was chosen from (checks)
 
     def reset_caches(self):
         """The chain lost this session's caches (a hop failed, or a new one took its block): the
@@ -348,9 +349,10 @@ class Session:
         children: dict[int, list[int]] = {}
         for i, p in enumerate(d_par):
             children.setdefault(p, []).append(i)
-        node, path, out = -1, [], []
+        node, path, out, rows = -1, [], [], []
         while True:
             row = logits[node + 1]
+            rows.append(row)
             kids = children.get(node, [])
             nxt, byte = self._choose(row, [(k, d_ids[k]) for k in kids])
             if nxt is None:
@@ -369,6 +371,7 @@ class Session:
         self.cached = start + len(self.keep)
         out = out[:self._left()]
         self.tokens.extend(out)
+        self.rows.extend(r.float().clone() for r in rows[:len(out)])
         if drafts is not None and torch.as_tensor(drafts).numel():
             d = torch.as_tensor(drafts)
             d = d[0] if d.dim() == 3 else d
@@ -500,6 +503,28 @@ def check_spec(spec, max_seq_len: int) -> dict:
         raise BadSpec("invariant: a bool")
     out["invariant"] = inv
     return out
+
+
+def recompute_spec(tokens: bytes | list[int], n_prompt: int) -> dict:
+    """The spec that recomputes a finished output in one traversal: the prompt and the output but
+    its last byte in one causal chain (new session, batch-invariant rows), the logits of every
+    position that chose an output byte. Its rows are, on the same hardware, the rows
+    ``Session.rows`` recorded while decoding (every mode but blocktrain's), up to rounding."""
+    tokens = list(tokens)
+    T = len(tokens) - 1
+    return {"base": 0, "keep": [], "start": 0, "ids": tokens[:T], "positions": list(range(T)),
+            "parents": list(range(-1, T - 1)), "logits": list(range(n_prompt - 1, T)), "slots": [], "draft": 0,
+            "invariant": True}
+
+
+def row_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """How far apart two answers for the same positions are: the largest total-variation distance
+    between their next-byte distributions (temperature 1), over the rows. 0: the same
+    distributions; 1: disjoint. Different shapes are 1."""
+    if a.shape != b.shape:
+        return 1.0
+    p, q = torch.softmax(a.double(), -1), torch.softmax(b.double(), -1)
+    return float(0.5 * (p - q).abs().sum(-1).max()) if a.numel() else 0.0
 
 
 def one_traversal_spec(prompt: bytes | list[int], n_bytes: int) -> dict:

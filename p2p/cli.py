@@ -416,8 +416,15 @@ def serve(bootstrap, checkpoints, reference, **o):
               help=WAIT_HELP + ", or no chain of serving peers is there yet.")
 @click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True,
               help="Seconds for a connection, and for each traversal's answer.")
+@click.option("--verify", is_flag=True,
+              help="Check the output before printing it: one more traversal recomputes it on other holders of each "
+                   "block; a hop whose answers differ is named and avoided, and the output made again. Blocks with "
+                   "one serving peer stay unchecked (said so); nothing prints if it cannot be checked at all.")
+@click.option("--verify-tol", type=click.FloatRange(0.0, 1.0), default=0.02, show_default=True,
+              help="--verify: the largest total-variation distance between two holders' next-byte distributions "
+                   "that still counts as the same answer (rounding across hardware is far smaller).")
 def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, top_k, seed, draft_len, wait_s,
-             timeout):
+             timeout, verify, verify_tol):
     """Continue --prompt by N bytes through a chain of serving peers found via ADDRESS."""
     from blocktrain.blocks.decode import Sampling
 
@@ -431,13 +438,19 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
     try:
         out, st = asyncio.run(run_generate(host, port, ident, key, os.fsencode(prompt), n_bytes, mode, timeout,
                                            log=lambda s: click.echo(s, err=True), sampling=sampling,
-                                           draft_len=draft_len, wait_s=wait_s))
+                                           draft_len=draft_len, wait_s=wait_s, verify=verify,
+                                           verify_tol=verify_tol))
     except (PipelineError, ConnectionError, OSError) as e:
         raise click.ClickException(f"generate via {address}: {e}")
     click.echo(out.decode("utf-8", "replace"))
     click.echo(f"[{mode}: {len(out)} bytes in {st['traversals']} traversal(s) "
                f"({len(out) / max(1, st['traversals']):.1f} bytes each), {st['seconds']:.3f} s, route {st['route']}]",
                err=True)
+    if "verify" in st:
+        v = st["verify"]
+        click.echo(f"[verified against {v['second_route']}: largest distance {v['gap']:.2g} (tolerance {verify_tol:g})"
+                   + (f"; blocks {v['unchecked_blocks']} have one serving peer: unchecked" if v["unchecked_blocks"] else "")
+                   + (f"; named {v['named']}" if v["named"] else "") + "]", err=True)
 
 
 @main.command()

@@ -26,19 +26,21 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 
 import torch
 
-from blocktrain.blocks.decode import MAX_TREE, Sampling, Session, one_traversal_spec
+from blocktrain.blocks.decode import MAX_TREE, Sampling, Session, one_traversal_spec, recompute_spec
 from blocktrain.protocol import ConnectionClosed, Ping, PipelineForward, PipelineResult, ProtocolError, Role
 
 from .identity import peer_id
 from .serving import DEFAULT_CODEC, MODES, PipelineError
 from .tensors import from_wire, to_wire
 from .transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
-from .view import chain_when_ready
+from .verify import DEFAULT_TOL, check_output
+from .view import chain_when_ready, holders, status_members
 
 
 DRAFT_LEN = 16  # bytes drafted per traversal in exact mode
@@ -68,6 +70,7 @@ class PipelineClient:
         self.pending: dict[int, asyncio.Future] = {}
         self._readers: list[asyncio.Task] = []
         self.id = peer_id(identity)
+        self.last_rows: torch.Tensor | None = None  # blocktrain: the logits its output came from
         self._drafter = True  # the last hop says whether its block has a draft model
 
     async def connect(self):
@@ -195,6 +198,7 @@ class PipelineClient:
         t0 = time.perf_counter()
         logits, _, compute = await self.traverse(secrets.randbits(62), "blocktrain", one_traversal_spec(prompt, n),
                                                  end=True)
+        self.last_rows = logits  # what the output was decoded from (checked by --verify)
         if sampling.temperature == 0:
             out = logits.argmax(-1).tolist()
         else:
@@ -203,6 +207,14 @@ class PipelineClient:
             out = [int(rng.choice(256, p=sampling.probs(row))) for row in logits]
         return bytes(out), {"seconds": time.perf_counter() - t0, "traversals": 1, "compute_s": compute,
                             "bytes_per_traversal": float(n)}
+
+    async def recompute(self, tokens: bytes, n_prompt: int, mode: str) -> torch.Tensor:
+        """The rows a finished output was decoded from, recomputed by this chain in one traversal
+        (a new session, ended with it): blocktrain's own traversal again, else ``recompute_spec``."""
+        n = len(tokens) - n_prompt
+        spec = one_traversal_spec(tokens[:n_prompt], n) if mode == "blocktrain" else recompute_spec(tokens, n_prompt)
+        logits, _, _ = await self.traverse(secrets.randbits(62), mode, spec, end=True)
+        return logits
 
     async def generate(self, prompt: bytes, n: int, mode: str = "exact", sampling: Sampling = Sampling(),
                        draft_len: int = DRAFT_LEN, max_seq_len: int | None = None) -> tuple[bytes, dict]:
@@ -241,11 +253,14 @@ def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = No
 
 async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode: str, timeout: float,
                    attempts: int = 3, log=lambda s: None, sampling: Sampling = Sampling(),
-                   draft_len: int = DRAFT_LEN, wait_s: float | None = None) -> tuple[bytes, dict]:
+                   draft_len: int = DRAFT_LEN, wait_s: float | None = None, verify: bool = False,
+                   verify_tol: float = DEFAULT_TOL) -> tuple[bytes, dict]:
     """Pick a chain from the swarm view via HOST:PORT and run the request; when a hop fails, retry
     through another peer holding that block (a session goes on where it was: the new chain
     rebuilds its caches from the bytes committed so far). While nothing listens at HOST:PORT or no
-    chain is there yet, ask again for up to ``wait_s`` (default: ``timeout``)."""
+    chain is there yet, ask again for up to ``wait_s`` (default: ``timeout``). ``verify``: check
+    the output on other holders (verify.py); a chain with a hop named there is avoided and the
+    output generated again (``stats["verify"]`` says what was checked)."""
     check_request(prompt, n, mode, sampling=sampling, draft_len=draft_len)
     tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
     avoid: set[str] = set()
@@ -262,25 +277,52 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
             await client.connect()
             if mode == "blocktrain":
                 out, stats = await client.generate_blocktrain(prompt, n, sampling)
+                rows = client.last_rows
             else:
-                if s is None:
+                if s is None or verify:  # a checked output that failed is made again from the prompt
                     s = new_session(prompt, n, mode, sampling, draft_len, msl)
                 else:
                     s.reset_caches()  # a new chain: its hops hold nothing of this session
                 stats = await client.run(s, mode)
-                out, stats["traversals"] = s.output, s.stats.traversals
-            stats["route"], stats["seconds"], stats["attempts"] = route, time.perf_counter() - t0, attempt + 1
+                out, stats["traversals"], rows = s.output, s.stats.traversals, torch.stack(s.rows)
+            stats["route"], stats["attempts"] = route, attempt + 1
+            if verify:
+                members = status_members(st)
+                others = {b: [h for h in holders(members, b, "serve") if h not in avoid] for b in range(len(route))}
+                check = await check_output(rows, route, others, functools.partial(_recompute, ident, key, tmo, timeout,
+                                                                                 prompt + out, len(prompt), mode),
+                                           verify_tol)
+                stats["verify"] = check.as_dict()
+                if check.named:
+                    log(f"--verify named {check.named}: {check.why or 'their answers differ from the other holders'}")
+                    avoid.update(check.named)
+                if not check.ok:
+                    raise PipelineError(f"the output through {route} failed its check: {check.why}", fault="verify")
+            stats["seconds"] = time.perf_counter() - t0
             return out, stats
         except (PipelineError, ConnectionError) as e:
             if getattr(e, "fault", "hop") == "request":
-                raise  # no other chain would serve it either
+                raise  # no other chain would serve it either (VerifyError: nothing can be checked)
             last = e
             log(f"attempt {attempt + 1} through {route} failed: {e}")
             hop = getattr(e, "hop", None)
             if isinstance(hop, int) and 0 <= hop < len(route):
                 avoid.add(route[hop])
-            else:  # no answer: let the swarm notice the silent peer before asking again
+            elif getattr(e, "fault", None) != "verify":  # no answer: let the swarm notice the silent peer
                 await asyncio.sleep(tmo.dead_after_s)  # the swarm's liveness timeout is the behaviour here
         finally:
             await client.close()
     raise PipelineError(f"gave up after {attempts} attempts: {last}")
+
+
+async def _recompute(ident, key, tmo: Timeouts, timeout: float, tokens: bytes, n_prompt: int, mode: str,
+                     route: list[str]) -> torch.Tensor:
+    """``tokens``' decoded rows, recomputed through ``route`` by a client of its own."""
+    client = PipelineClient(ident, key, route, list(range(len(route))), tmo, timeout_s=timeout)
+    try:
+        await client.connect()
+        return await client.recompute(tokens, n_prompt, mode)
+    except PipelineError as e:  # its hop index is this route's, not the generating chain's
+        raise PipelineError(f"checking through {route}: {e}", e.block, None, e.fault) from None
+    finally:
+        await client.close()

@@ -291,25 +291,30 @@ def refuse_requests(peer: PeerServices):
 
 def _input(msg: PipelineForward, b: Block, spec: dict) -> torch.Tensor | None:
     """The hidden states from the hop below, checked against the block and the spec before any
-    compute (a bad request is the request's fault: the client is told so and does not blame the
-    hop). Hop 0 takes its ids from the spec: no tensor."""
+    compute. Hop 0 takes its ids from the spec: a tensor there is the request's fault. At a later
+    hop the tensor is what the hop below computed (only members forward): a wrong shape, a bad
+    encoding or NaN is that hop's fault (fault "hop", naming it), so the client reroutes around it."""
     if b.is_first:
         if msg.tensors:
             raise bad_request("block 0 takes its token ids from the spec, not a tensor", b.index)
         return None
+    below, below_block = msg.hop - 1, block_at(msg.meta, msg.hop - 1)
+
+    def bad_input(why: str) -> PipelineError:
+        return PipelineError(f"block {b.index} got bad hidden states from hop {below} (block {below_block}): {why}",
+                             below_block, below, fault="hop")
     if len(msg.tensors) != 1:
-        raise bad_request("expected one tensor of hidden states", b.index)
+        raise bad_input(f"{len(msg.tensors)} tensors, expected one")
     w = msg.tensors[0]
     want = (1, len(spec["ids"]), b.cfg.d_model)
     if tuple(w.shape) != want or w.dtype != "float32":  # checked before anything is decompressed
-        raise bad_request(f"hidden states of shape {tuple(w.shape)} ({w.dtype}); block {b.index} takes "
-                           f"{want} float32 for this spec", b.index)
+        raise bad_input(f"shape {tuple(w.shape)} ({w.dtype}); block {b.index} takes {want} float32 for this spec")
     try:
         x = from_wire(w).float()
     except (ProtocolError, ValueError) as e:
-        raise bad_request(f"hidden states do not decode: {e}", b.index) from None
+        raise bad_input(f"they do not decode: {e}") from None
     if not torch.isfinite(x).all():
-        raise bad_request("hidden states hold NaN or infinity", b.index)
+        raise bad_input("they hold NaN or infinity")
     return x
 
 

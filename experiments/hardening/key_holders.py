@@ -10,7 +10,9 @@ Every attacker here holds the swarm key, and makes a fresh identity whenever it 
     wall time of a status query (an in-process `query_status`: handshake + answer), the peer's
     VmRSS and open descriptors. Target: status under 1 s throughout and after; RSS and fds within
     10% of the baseline after they leave. The report file's size is recorded as it goes.
-(2) Fuzz: against the same peer, F sealed frames (default 100,000) after a valid member handshake:
+(2) Fuzz: against a training peer (`bt-peer start --block 0`, tiny model, training all along),
+    F sealed frames (default 100,000) after a valid member handshake, each followed by a PING
+    whose PONG (or the close) is awaited, so every frame counted was read by the peer:
     half are messages of every type with random fields (random meta values, routes, tensors), half
     are valid messages whose payload bytes were then mutated (bytes changed, cut short or grown)
     before sealing. A connection the peer closes is opened again (a new handshake, same identity).
@@ -195,16 +197,19 @@ def mutated_payload(msg, compress=True):
     return flags, [bytes(b)]
 
 
-async def fuzz(tmp: Path, pid: int, port: int, n: int, log: Path):
+async def fuzz(tmp: Path, pid: int, port: int, n: int, log: Path, report: Path):
+    """``n`` fuzz frames, each followed by a PING whose PONG (or the connection's close) is awaited
+    before the next: every frame counted was read by the peer (a frame queued behind one that
+    closed the connection never is)."""
+    from blocktrain.protocol import ConnectionClosed, Pong
     psk, ident = keys(tmp)
-    wire.encode_payload = mutated_payload
     key = X25519PrivateKey.generate()
     info = {"addr": "127.0.0.9:9", "blocks": [0], "role": "train"}
     r = random.Random(0)
     base = {**sample(pid), "status_s": await status_s(port, psk, ident)}
-    sent, connections, pc, t0 = 0, 0, None, time.monotonic()
+    sent, closed_by_peer, connections, pc, t0 = 0, 0, 0, None, time.monotonic()
     try:
-        while sent < n:
+        while sent < n and time.monotonic() - t0 < 1800:
             if pc is None or pc.closed.done():
                 if pc is not None:
                     pc.abort("reopen")
@@ -212,22 +217,31 @@ async def fuzz(tmp: Path, pid: int, port: int, n: int, log: Path):
                 pc.send_nowait(Announce(peer=PeerInfo(peer_id(key), info["addr"], (0,), "train", 0)))
                 connections += 1
             msg = rmessage(r)
+            wire.encode_payload = mutated_payload if sent % 2 else _encode
             MUTATE[0] = sent % 2 == 1
             try:
                 pc.send_nowait(msg)
             except (ConnectionError, ProtocolError):
                 continue
             finally:
-                MUTATE[0] = False
+                MUTATE[0], wire.encode_payload = False, _encode
             sent += 1
-            if sent % 64 == 0:
-                try:
-                    await asyncio.wait_for(pc.drain(), 10)
-                except (ConnectionError, asyncio.TimeoutError):
-                    pass
-                await asyncio.sleep(0)
+            try:
+                pc.send_nowait(Ping(nonce=sent))
+                while True:
+                    m = await asyncio.wait_for(pc.recv(), 10)
+                    if isinstance(m, ConnectionClosed):
+                        closed_by_peer += 1
+                        break
+                    if isinstance(m, Pong) and m.nonce == sent:
+                        break
+            except (ConnectionError, ProtocolError):
+                closed_by_peer += 1
+            except asyncio.TimeoutError:
+                pc.abort("no pong within 10 s")
+                print(json.dumps({"no_pong_after_frame": sent}), flush=True)
             if sent % 10000 == 0:
-                print(json.dumps({"fuzz_frames": sent, "connections": connections,
+                print(json.dumps({"fuzz_frames": sent, "closed_by_peer": closed_by_peer, "connections": connections,
                                   "s": round(time.monotonic() - t0, 1), **sample(pid)}), flush=True)
     finally:
         wire.encode_payload = _encode
@@ -235,9 +249,10 @@ async def fuzz(tmp: Path, pid: int, port: int, n: int, log: Path):
             pc.abort("done")
     await asyncio.sleep(3)
     times = [await status_s(port, psk, ident) for _ in range(5)]
-    rep = json.loads((tmp / "victim.report.json").read_text()) if (tmp / "victim.report.json").exists() else {}
+    rep = json.loads(report.read_text()) if report.exists() else {}
     text = log.read_text(errors="replace")
-    out("fuzz", {"frames": sent, "connections_opened": connections, "seconds": round(time.monotonic() - t0, 1),
+    out("fuzz", {"frames": sent, "half_byte_mutated": True, "connections_opened": connections,
+                 "frames_that_closed_the_connection": closed_by_peer, "seconds": round(time.monotonic() - t0, 1),
                  "baseline": base, "after": sample(pid), "status_s_after": times,
                  "status_s_after_median": statistics.median(times),
                  "input_failures": rep.get("input_failures"), "log_tracebacks": text.count("Traceback"),
@@ -301,16 +316,20 @@ def main():
     try:
         out("code", provenance())
         subprocess.run([BT_PEER, "keygen", "--out", str(tmp / "swarm.key")], check=True, capture_output=True)
-        if only & {"churn", "fuzz"}:
+        if "churn" in only:
             port = free_port()
             p = start_peer(tmp, "victim", ["start", "--no-train", "--report", str(tmp / "victim.report.json"),
                                            "--report-every", "1"], port)
             wait_listening(p, port, tmp, "victim")
             time.sleep(2)
-            if "churn" in only:
-                asyncio.run(churn(tmp, p.pid, port, args.identities))
-            if "fuzz" in only:
-                asyncio.run(fuzz(tmp, p.pid, port, args.frames, tmp / "victim.log"))
+            asyncio.run(churn(tmp, p.pid, port, args.identities))
+        if "fuzz" in only:  # a training peer: group control, averaging and checkpoint streams all answer
+            port = free_port()
+            p = start_peer(tmp, "fuzzed", ["start", "--block", "0", *TINY, "--steps", "1000000", "--report",
+                                           str(tmp / "fuzzed.report.json"), "--report-every", "1"], port)
+            wait_listening(p, port, tmp, "fuzzed")
+            time.sleep(2)
+            asyncio.run(fuzz(tmp, p.pid, port, args.frames, tmp / "fuzzed.log", tmp / "fuzzed.report.json"))
         if "streams" in only:
             asyncio.run(streams(tmp, args.stream_identities))
     finally:

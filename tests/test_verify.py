@@ -1,0 +1,177 @@
+"""Issue 29, finding 9: served output is checked. ``--verify`` recomputes the output on other
+holders and names a hop whose answers differ; a hop that hands on a wrong shape is named and
+rerouted around. The search itself (verify.check_output) is tested without a network, the whole
+path with live serving peers, a liar among them."""
+
+import copy
+import os
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from blocktrain.blocks.decode import Sampling, recompute_spec, row_gap
+from blocktrain.p2p.client import generate
+from blocktrain.p2p.identity import peer_id
+from blocktrain.p2p.node import Peer
+from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
+from blocktrain.p2p.verify import MAX_JUDGES, VerifyError, check_output
+
+from test_pipeline import FAST, in_process, models  # noqa: F401 - models is a fixture
+
+BASE = torch.randn(6, 256, generator=torch.Generator().manual_seed(0))
+
+
+def fake_swarm(liars: dict[str, float], flaky: frozenset = frozenset()):
+    """Rows a route answers: the true rows, moved by each lying hop on it (its own direction, so
+    two liars never agree); ``flaky`` hops lie only the first time they are asked (while decoding)."""
+    asked: list[list[str]] = []
+
+    def lie(h):
+        g = torch.Generator().manual_seed(sum(map(ord, h)))
+        return liars[h] * torch.randn(BASE.shape, generator=g)
+
+    def answer(route, first=False):
+        out = BASE.clone()
+        for h in route:
+            if h in liars or (first and h in flaky):
+                out += lie(h) if h in liars else 3 * torch.randn(BASE.shape, generator=torch.Generator().manual_seed(9))
+        return out
+
+    async def rows(route):
+        asked.append(list(route))
+        return answer(route)
+    return answer, rows, asked
+
+
+HOLDERS = {0: ["a0", "b0"], 1: ["a1", "b1", "c1"], 2: ["a2", "b2", "c2"]}
+FIRST = ["a0", "a1", "a2"]
+
+
+async def test_an_honest_output_costs_one_traversal():
+    answer, rows, asked = fake_swarm({})
+    c = await check_output(answer(FIRST), FIRST, HOLDERS, rows)
+    assert c.ok and c.named == [] and c.second == ["b0", "b1", "b2"] and asked == [c.second] and c.traversals == 1
+
+
+@pytest.mark.parametrize("liar", ["a1", "a2", "a0"])
+async def test_a_liar_in_the_decoding_chain_is_named_by_the_other_holders(liar):
+    answer, rows, asked = fake_swarm({liar: 4.0})
+    if liar == "a0":  # block 0 has two holders: a disagreement with no third to judge names both
+        with pytest.raises(VerifyError) as ei:
+            await check_output(answer(FIRST), FIRST, HOLDERS, rows)
+        assert sorted(ei.value.named) == ["a0", "b0"]
+        return
+    c = await check_output(answer(FIRST), FIRST, HOLDERS, rows)
+    assert not c.ok and c.named == [liar] and c.traversals == len(asked) <= 2 + 3 + 3 * MAX_JUDGES
+
+
+async def test_a_liar_in_the_checking_chain_is_named_and_the_output_stands():
+    answer, rows, _ = fake_swarm({"b1": 4.0})
+    c = await check_output(answer(FIRST), FIRST, HOLDERS, rows)
+    assert c.ok and c.named == ["b1"]
+
+
+async def test_a_chain_that_lied_only_while_decoding_is_named_whole():
+    answer, rows, _ = fake_swarm({}, flaky=frozenset({"a1"}))
+    c = await check_output(answer(FIRST, first=True), FIRST, HOLDERS, rows)
+    assert not c.ok and c.named == FIRST and "differently" in c.why
+
+
+async def test_rounding_passes_and_one_holder_per_block_cannot_be_checked():
+    answer, rows, _ = fake_swarm({})
+    c = await check_output(answer(FIRST) + 1e-4 * torch.randn(BASE.shape), FIRST, {0: ["a0"], 1: ["a1", "b1"],
+                                                                                    2: ["a2"]}, rows)
+    assert c.ok and c.unchecked == [0, 2] and 0 < c.gap < 1e-3
+    with pytest.raises(VerifyError, match="no block has a second"):
+        await check_output(answer(FIRST), FIRST, {0: ["a0"], 1: ["a1"], 2: ["a2"]}, rows)
+
+
+def test_the_recompute_spec_gives_the_rows_decoding_chose_from(models):
+    """What --verify compares: every mode's recorded rows against one recomputing traversal, at
+    rounding distance (greedy and sampled, with and without drafts)."""
+    from blocktrain.blocks.decode import Session, bf16_round, drive, new_caches, run_chain
+    bt, _ = models
+    for temp, draft in ((0.0, 0), (0.0, 8), (0.9, 8)):
+        s = Session(b"check me", 30, 96, draft_len=draft, slots=draft, sampling=Sampling(temperature=temp, seed=1))
+        caches = new_caches(bt)
+        drive(s, lambda spec: run_chain(bt, caches, spec, between=bf16_round))
+        again = run_chain(bt, new_caches(bt), recompute_spec(s.tokens, s.n_prompt), between=bf16_round)["logits"][0]
+        assert len(s.rows) == 30 and row_gap(torch.stack(s.rows), again) < 1e-6
+
+
+# --- live peers ------------------------------------------------------------------------------------
+
+def _lying(block, how: str):
+    """A copy of ``block`` that lies: ``permute`` hands on its hidden states with the channels
+    permuted (a middle hop), ``force`` answers logits that always pick byte 0 (the last hop),
+    ``shape`` hands on one position too few."""
+    liar = copy.deepcopy(block)
+    extend, logits = liar.extend, liar.logits
+    perm = torch.randperm(block.cfg.d_model, generator=torch.Generator().manual_seed(1))
+    if how == "permute":
+        liar.extend = lambda *a, **k: extend(*a, **k)[..., perm]
+    elif how == "shape":
+        liar.extend = lambda *a, **k: extend(*a, **k)[:, 1:]
+    else:
+        def forced(h):
+            out = logits(h)
+            out[..., 0] += 20.0
+            return out
+        liar.logits = forced
+    return liar
+
+
+async def _swarm(bt, e2e, psk, liar_block: int, how: str):
+    """Holders 0 and 2 once, ``liar_block`` three times; its liar has the smallest peer id (the
+    client's first choice)."""
+    keys = sorted((X25519PrivateKey.generate() for _ in range(3)), key=peer_id)
+    peers = []
+    for k in range(3):
+        for j, key in enumerate(keys if k == liar_block else [X25519PrivateKey.generate()]):
+            p = await Peer(key, psk, "127.0.0.1", 0, blocks=(k,), role="serve", timeouts=FAST).start()
+            if peers:
+                await p.join("127.0.0.1", peers[0].port)
+            served = _lying(bt[k], how) if k == liar_block and j == 0 else bt[k]
+            PipelineServer(p, ServedBlocks({k: served}, {k: e2e.blocks[k]}))
+            peers.append(p)
+    for p in peers:
+        await p.wait_for(lambda p=p: len(p.members()) == len(peers) - 1, 10.0)
+    return peers, peers[liar_block]
+
+
+@pytest.mark.parametrize("liar_block,how", [(1, "permute"), (2, "force")])
+async def test_verify_names_a_lying_hop_reroutes_and_prints_the_true_output(models, liar_block, how):
+    """A middle hop permuting its hidden states, or a last hop forcing its logits, sits in the
+    client's first chain: without --verify its output is printed (exit 0); with it the liar is
+    named, avoided, and the output is what honest peers write."""
+    bt, e2e = models
+    psk = os.urandom(32)
+    peers, liar = await _swarm(bt, e2e, psk, liar_block, how)
+    try:
+        prompt = b"check this output"
+        want = in_process(bt, prompt, 12)
+        out, st = await generate("127.0.0.1", peers[0].port, X25519PrivateKey.generate(), psk, prompt, 12, "exact", 10)
+        assert liar.addr in st["route"] and out != want  # unchecked, the lie is printed
+        out, st = await generate("127.0.0.1", peers[0].port, X25519PrivateKey.generate(), psk, prompt, 12, "exact", 10,
+                                 verify=True)
+        assert out == want and liar.addr not in st["route"] and st["attempts"] == 2
+        assert st["verify"]["ok"] and st["verify"]["unchecked_blocks"] == [b for b in range(3) if b != liar_block]
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_a_hop_that_hands_on_a_wrong_shape_is_named_and_rerouted(models):
+    """The next hop refuses the wrong shape as the hop below's fault (not the request's): the
+    client avoids that hop and the output is right."""
+    bt, e2e = models
+    psk = os.urandom(32)
+    peers, liar = await _swarm(bt, e2e, psk, 1, "shape")
+    try:
+        prompt = b"shape shifter"
+        out, st = await generate("127.0.0.1", peers[0].port, X25519PrivateKey.generate(), psk, prompt, 8, "exact", 10)
+        assert out == in_process(bt, prompt, 8) and liar.addr not in st["route"] and st["attempts"] == 2
+    finally:
+        for p in peers:
+            await p.stop()
