@@ -101,7 +101,8 @@ def readout(block: Block, cache: BlockCache, h: torch.Tensor, spec: dict) -> dic
     slots = spec.get("slots") or []
     n_tokens = len(spec["ids"]) - sum(len(s) for s in slots)  # slot tokens come last
     if block.drafter is not None:
-        drafts = drafter_step(block, cache, h[:, :n_tokens], spec, logits, spec.get("draft", 0))
+        drafts = drafter_step(block, cache, h[:, :n_tokens], spec, logits, spec.get("draft", 0),
+                              spec.get("width", 1))
         if spec.get("draft", 0):
             return {"logits": logits, "drafts": drafts}
     S = max((len(s) for s in slots), default=0)
@@ -117,14 +118,20 @@ def readout(block: Block, cache: BlockCache, h: torch.Tensor, spec: dict) -> dic
 
 
 def drafter_step(block: Block, cache: BlockCache, f: torch.Tensor, spec: dict, logits: torch.Tensor,
-                 steps: int) -> torch.Tensor:
+                 steps: int, width: int = 1) -> torch.Tensor:
     """The draft model's share of a traversal at the last hop.
 
     Entries for the new (non-slot) tokens join its cache: token i pairs the feature of its
     parent (the last cached token for the root) with its byte. Then, from every verified node v
     at once, ``steps`` drafting steps: the first pairs v's feature with v's argmax byte (the
     byte that will follow v if v is the last accepted node, under greedy decoding), each next
-    one the predicted feature with the byte just drafted. Returns (B, len(logits), steps)."""
+    one the predicted feature with the byte just drafted. Returns (B, len(logits), steps).
+
+    ``width`` W > 1 (sampling: the byte after v is drawn, not always v's argmax): W chains per
+    verified node, the first steps pairing v's feature with each of v's W most likely bytes.
+    Returns (B, len(logits), W * (1 + 2 * steps)): per chain its first byte, its ``steps``
+    drafts, then each step's second most likely byte (a sibling of that step's draft); the
+    session continues the chain whose first byte is the byte it emitted."""
     d = block.drafter
     B, n, C = f.shape
     start = cache.features.length
@@ -139,19 +146,25 @@ def drafter_step(block: Block, cache: BlockCache, f: torch.Tensor, spec: dict, l
     d(f_prev, ids, cache.drafter, tree)
     cache.features.append(f)
     verify = spec["logits"]
-    V = len(verify)
-    drafts = torch.full((B, V, steps), -1, dtype=torch.long)
+    V, W = len(verify), width
     if steps == 0 or V == 0:
-        return drafts
-    base = tree[verify]  # (V, start + n): what each verified node sees
-    own = torch.eye(V, dtype=torch.bool)
-    u, byte = f[:, verify], logits.argmax(-1)  # (B, V, C), (B, V)
+        return torch.full((B, V, steps), -1, dtype=torch.long)
+    first = logits.topk(W, dim=-1).indices  # (B, V, W); W = 1: the argmax
+    drafts = torch.full((B, V * W, steps), -1, dtype=torch.long)
+    second = torch.full((B, V * W, steps), -1, dtype=torch.long)
+    base = tree[verify].repeat_interleave(W, dim=0)  # (V * W, start + n): what each chain's node sees
+    own = torch.eye(V * W, dtype=torch.bool)
+    u, byte = f[:, verify].repeat_interleave(W, dim=1), first.reshape(B, V * W)  # chain v * W + j
     for s in range(steps):
-        mask = torch.cat([base] + [own] * (s + 1), dim=1)  # + this node's previous steps and itself
+        mask = torch.cat([base] + [own] * (s + 1), dim=1)  # + this chain's previous steps and itself
         u = d(u, byte, cache.drafter, mask)
-        byte = block.logits(u).argmax(-1)
-        drafts[:, :, s] = byte
-    return drafts
+        top2 = block.logits(u).topk(2, dim=-1).indices
+        byte = top2[..., 0]
+        drafts[:, :, s], second[:, :, s] = byte, top2[..., 1]
+    if W == 1:
+        return drafts
+    chains = torch.cat([first.unsqueeze(-1), drafts.view(B, V, W, steps), second.view(B, V, W, steps)], dim=-1)
+    return chains.view(B, V, W * (1 + 2 * steps))
 
 
 def new_caches(blocks: list[Block]) -> list[BlockCache]:
@@ -216,7 +229,7 @@ class Session:
 
     def __init__(self, prompt: bytes | list[int], n_bytes: int, max_seq_len: int, *, draft_len: int = 0,
                  drafter: bool = False, slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(),
-                 invariant: bool = True):
+                 invariant: bool = True, width: int = 1):
         prompt = list(prompt)
         if not prompt:
             raise ValueError("the prompt must hold at least one byte")
@@ -231,15 +244,20 @@ class Session:
             raise ValueError("temperature and top_k must be >= 0")
         if drafter and slots:
             raise ValueError("drafts come from the draft model or from slots, not both")
+        if not 1 <= width <= MAX_WIDTH:
+            raise ValueError(f"width must be in 1..{MAX_WIDTH}")
         self.tokens = prompt
         self.n_prompt, self.n_bytes, self.max_seq_len = len(prompt), n_bytes, max_seq_len
         self.draft_len, self.slots, self.lookup, self.sampling = draft_len, slots, lookup, sampling
         self.drafter = drafter
+        # greedy output always follows a node's argmax: one chain; sampled, ``width`` chains
+        self.width = width if sampling.temperature > 0 else 1
         self.invariant = invariant
         self.rng = np.random.default_rng(sampling.seed)
         self.cached = 0  # tokens whose keys are in every hop's cache once the next rollback is done
         self.base, self.keep = 0, []  # rollback of the next spec
         self.model_draft: list[int] = []  # from the last traversal's slots / draft module
+        self.model_alt: list[int] = []  # wide drafts: the runner-up byte at each step of model_draft
         self.state = "spec"
         self.stats = SessionStats()
         self._pending: dict | None = None
@@ -282,9 +300,12 @@ class Session:
                 branches.append(("lookup", self._lookup_draft(min(budget, self.draft_len))))
         ids, parents, source = [], [], []
         children: dict[tuple[int, int], int] = {}  # (parent, byte) -> node: branches share prefixes
+        model_parents = []  # the parent of each node of the model's branch
         for src, seq in branches:
             parent = -1
             for b in seq:
+                if src == "model":
+                    model_parents.append(parent)
                 node = children.get((parent, b))
                 if node is None:
                     node = len(ids)
@@ -293,6 +314,12 @@ class Session:
                     parents.append(parent)
                     source.append(src)
                 parent = node
+        for parent, b in zip(model_parents, self.model_alt):  # wide drafts: each step's runner-up, a leaf
+            if 0 <= b < VOCAB_SIZE and (parent, b) not in children:
+                children[(parent, b)] = len(ids)
+                ids.append(b)
+                parents.append(parent)
+                source.append("model")
         return ids, parents, source
 
     def next_spec(self) -> dict:
@@ -328,7 +355,10 @@ class Session:
                 "positions": [start + d for d in depth], "parents": parents, "logits": verify,
                 "slots": slot_lists, "draft": min(self.draft_len, max(0, left - 2)) if self.drafter else 0,
                 "invariant": self.invariant}
-        self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src}
+        if spec["draft"] and self.width > 1:
+            spec["width"] = self.width
+        self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src,
+                         "draft": spec["draft"]}
         self.stats.traversals += 1
         self.stats.new_tokens += len(ids)
         self.stats.drafted += len(d_ids)
@@ -357,6 +387,7 @@ class Session:
             nxt, byte = self._choose(row, [(k, d_ids[k]) for k in kids])
             if nxt is None:
                 out.append(byte)  # the model's own byte: correction, or the bonus after a full match
+                emitted = byte
                 break
             path.append(nxt)
             out.append(d_ids[nxt])
@@ -376,9 +407,15 @@ class Session:
             d = torch.as_tensor(drafts)
             d = d[0] if d.dim() == 3 else d
             row = d[node + 1].tolist()
+            W, steps = self.width, pend["draft"]
+            self.model_alt = []
+            if W > 1 and len(row) == W * (1 + 2 * steps):  # W chains: the one that begins with the byte emitted
+                chains = [row[j * (1 + 2 * steps):(j + 1) * (1 + 2 * steps)] for j in range(W)]
+                chain = next((c for c in chains if c[0] == emitted), [0] + [-1] * (2 * steps))
+                row, self.model_alt = chain[1:1 + steps], chain[1 + steps:]
             self.model_draft = [b for b in row if 0 <= b < VOCAB_SIZE]
         else:
-            self.model_draft = []
+            self.model_draft, self.model_alt = [], []
         self._pending = None
         self.state = "done" if self._left() <= 0 else "spec"
         return out
@@ -418,7 +455,7 @@ def drive(session: Session, step) -> bytes:
 @torch.no_grad()
 def generate(blocks: list[Block], prompt: bytes | list[int], n_bytes: int, *, draft_len: int = 0,
              drafter: bool = False, slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(),
-             invariant: bool = True, between=None) -> tuple[bytes, SessionStats]:
+             invariant: bool = True, between=None, width: int = 1) -> tuple[bytes, SessionStats]:
     """Decode ``n_bytes`` after ``prompt`` with the chain ``blocks`` in process.
 
     ``draft_len=0``: autoregressive (one traversal per byte). Otherwise exact mode with the
@@ -426,7 +463,7 @@ def generate(blocks: list[Block], prompt: bytes | list[int], n_bytes: int, *, dr
     for b in blocks:
         b.eval()
     s = Session(prompt, n_bytes, blocks[0].cfg.max_seq_len, draft_len=draft_len, drafter=drafter, slots=slots,
-                lookup=lookup, sampling=sampling, invariant=invariant)
+                lookup=lookup, sampling=sampling, invariant=invariant, width=width)
     caches = new_caches(blocks)
     drive(s, lambda spec: run_chain(blocks, caches, spec, between=between))
     return s.output, s.stats
@@ -443,6 +480,7 @@ def bf16_round(h: torch.Tensor) -> torch.Tensor:
 MAX_TREE = 256  # new tokens of one traversal beyond max_seq_len (draft tree and slot branches)
 MAX_VERIFY = 65  # verified nodes (logits rows) per traversal: the root and two draft branches of 32
 MAX_DRAFT = 32  # draft-model bytes per verified node
+MAX_WIDTH = 4  # draft-model chains per verified node (sampling)
 
 
 class BadSpec(ValueError):
@@ -496,6 +534,10 @@ def check_spec(spec, max_seq_len: int) -> dict:
     if type(draft) is not int or not 0 <= draft <= MAX_DRAFT:
         raise BadSpec(f"draft: an int in [0, {MAX_DRAFT}]")
     out["draft"] = draft
+    width = spec.get("width", 1)
+    if type(width) is not int or not 1 <= width <= MAX_WIDTH:
+        raise BadSpec(f"width: an int in [1, {MAX_WIDTH}]")
+    out["width"] = width
     if draft and len(out["logits"]) > MAX_VERIFY:  # the draft model runs ``draft`` steps from every one
         raise BadSpec(f"logits: at most {MAX_VERIFY} tokens when the draft model drafts")
     inv = spec.get("invariant", False)

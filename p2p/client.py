@@ -44,6 +44,7 @@ from .view import chain_when_ready, holders, status_members
 
 
 DRAFT_LEN = 16  # bytes drafted per traversal in exact mode
+DRAFT_WIDTH = 4  # sampled exact mode: draft chains per verified node, one per likely next byte
 KEEPALIVE_S = 30.0  # a PING on each connection this often (hops close clients silent for 300 s)
 
 
@@ -229,7 +230,7 @@ def new_session(prompt: bytes, n: int, mode: str, sampling: Sampling = Sampling(
                 max_seq_len: int | None = None) -> Session:
     exact = mode == "exact"
     return Session(prompt, n, max_seq_len or len(prompt) + n, draft_len=draft_len if exact else 0, drafter=exact,
-                   sampling=sampling, invariant=True)
+                   sampling=sampling, invariant=True, width=DRAFT_WIDTH)
 
 
 def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None, sampling: Sampling = Sampling(),
@@ -277,6 +278,7 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
             await client.connect()
             if mode == "blocktrain":
                 out, stats = await client.generate_blocktrain(prompt, n, sampling)
+                assert client.last_rows is not None  # generate_blocktrain sets it
                 rows = client.last_rows
             else:
                 if s is None or verify:  # a checked output that failed is made again from the prompt

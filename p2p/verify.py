@@ -80,8 +80,7 @@ async def check_output(decoded: torch.Tensor, first: list[str], holders: dict[in
     again = await rows(first)
     n += 1
     if row_gap(again, ref) <= tol:  # the first chain agrees now, not while it decoded
-        named = [first[b] for b in range(K) if b not in unchecked]
-        return Check(False, second, gap, unchecked, named, n,
+        return Check(False, second, gap, unchecked, [first[b] for b in range(K) if b not in unchecked], n,
                      "the chain answered differently while decoding than when asked again")
     named: list[str] = []
     disputed = []

@@ -299,10 +299,22 @@ class MemoModel:
 
 def fake_chain(model: MemoModel, session: Session, draft_len: int):
     """A traversal computed from byte prefixes; drafts after each verified node's argmax: the
-    most likely byte, then the second, alternately (deterministic, often right, often wrong)."""
+    most likely byte, then the second, alternately (deterministic, often right, often wrong).
+    With a spec ``width`` W > 1 (the draft model's wide drafts), per node W chains: each of its W
+    most likely bytes, then ``spec["draft"]`` such drafts after it, then their runners-up."""
+    def drafted(p, n, alternates=False):
+        d, alt = [], []
+        for k in range(n):
+            top = model(p).topk(3).indices.tolist()
+            d.append(top[k % 2])
+            alt.append(top[2 - k % 2])
+            p = p + (d[-1],)
+        return d + alt if alternates else d
+
     def step(spec):
         base = tuple(session.tokens[:spec["start"]])
         logits, drafts = [], []
+        W = spec.get("width", 1)
         for node in spec["logits"]:
             path, j = [], node
             while j >= 0:
@@ -310,11 +322,11 @@ def fake_chain(model: MemoModel, session: Session, draft_len: int):
                 j = spec["parents"][j]
             prefix = base + tuple(path[::-1])
             logits.append(model(prefix))
-            d, p = [], prefix + (int(model(prefix).argmax()),)
-            for k in range(draft_len):
-                d.append(int(model(p).topk(2).indices[k % 2]))
-                p = p + (d[-1],)
-            drafts.append(d)
+            if W == 1:
+                drafts.append(drafted(prefix + (int(model(prefix).argmax()),), draft_len))
+            else:
+                drafts.append([x for c in model(prefix).topk(W).indices.tolist()
+                               for x in [c] + drafted(prefix + (c,), spec["draft"], alternates=True)])
         return {"logits": torch.stack(logits)[None], "drafts": torch.tensor([drafts]).reshape(1, len(drafts), -1)}
     return step
 
@@ -338,21 +350,43 @@ def test_speculative_sampling_matches_autoregressive_distribution():
                 expand(prefix + (b,), prob * p[b], depth + 1)
     expand(tuple(prompt), 1.0, 0)
     assert len(exact) == 27 and abs(sum(exact.values()) - 1) < 1e-9
-    counts = {"ar": {}, "exact": {}}
-    accepted = drafted = 0
-    for mode, draft_len in (("ar", 0), ("exact", 2)):
+    counts = {"ar": {}, "exact": {}, "wide": {}}
+    for mode, kw in (("ar", {}), ("exact", {"draft_len": 2}), ("wide", {"draft_len": 2, "drafter": True, "width": 3})):
+        accepted = drafted = 0
         for i in range(n_samples):
-            s = Session(prompt, n_bytes, 64, draft_len=draft_len,
-                        sampling=Sampling(samp.temperature, samp.top_k, seed=i + (0 if mode == "ar" else 10**6)))
-            out = tuple(drive(s, fake_chain(model, s, draft_len)))
+            s = Session(prompt, n_bytes, 64, **kw,
+                        sampling=Sampling(samp.temperature, samp.top_k,
+                                          seed=i + {"ar": 0, "exact": 10**6, "wide": 2 * 10**6}[mode]))
+            out = tuple(drive(s, fake_chain(model, s, kw.get("draft_len", 0))))
             counts[mode][out] = counts[mode].get(out, 0) + 1
             accepted += s.stats.accepted
             drafted += s.stats.drafted
-    assert 0.2 * drafted < accepted < 0.8 * drafted, (accepted, drafted)  # drafts often accepted, often not
-    for mode in ("ar", "exact"):
+        if mode != "ar":  # drafts often accepted, often not
+            assert 0.2 * drafted < accepted < 0.8 * drafted, (mode, accepted, drafted)
+    for mode in counts:
         assert set(counts[mode]) <= set(exact)
         chi2 = sum((counts[mode].get(k, 0) - n_samples * p) ** 2 / (n_samples * p) for k, p in exact.items())
         assert chi2 < _chi2_critical(len(exact) - 1), (mode, chi2)
+
+
+def test_wide_drafts_continue_the_chain_of_the_byte_emitted():
+    """Sampled exact mode asks the draft model for ``width`` chains per verified node, one per
+    likely next byte; the session continues the chain whose first byte it emitted (its drafts,
+    and each step's runner-up as a sibling leaf), and none when it emitted another byte. Greedy
+    sessions ask for one chain (the argmax is always emitted)."""
+    assert "width" not in Session(b"ab", 8, 64, draft_len=4, drafter=True, width=3).next_spec()
+    for emitted, want, alt in ((7, [70, 71, 72], [170, 171, 172]), (9, [90, 91, 92], [190, 191, 192]), (5, [], [])):
+        s = Session(b"ab", 8, 64, draft_len=4, drafter=True, width=3, sampling=Sampling(temperature=1.0, seed=0))
+        spec = s.next_spec()
+        assert spec["width"] == 3 and spec["draft"] == 4 and spec["logits"] == [1]
+        logits = torch.full((1, 256), -1e9)
+        logits[0, emitted] = 0.0  # the session samples ``emitted`` for sure
+        chains = [[7, 70, 71, 72, -1, 170, 171, 172, -1], [8, 80, 81, 82, 83, 180, 181, 182, 183],
+                  [9, 90, 91, 92, -1, 190, 191, 192, -1]]
+        assert s.feed(logits, torch.tensor([[sum(chains, [])]])) == [emitted]
+        assert s.model_draft == want
+        nxt = s.next_spec()  # the next traversal verifies that chain, each runner-up beside its step
+        assert nxt["ids"][1:] == want + alt and nxt["parents"][1:] == [0, 1, 2][:len(want)] + [0, 1, 2][:len(alt)]
 
 
 def test_sampling_through_the_chain_is_reproducible_and_valid():

@@ -23,6 +23,11 @@ FAST = Timeouts(connect_s=5, handshake_s=3, heartbeat_s=0.3, dead_after_s=3, clo
 
 @pytest.fixture
 def models():
+    return make_models()
+
+
+def make_models():
+    """A perturbed 3-block chain and an end-to-end model (the serving tests' models)."""
     torch.manual_seed(0)
     bt = [Block(CFG, k) for k in range(3)]
     for b in bt[1:]:  # identity-started blocks would make the test trivial: perturb them
@@ -78,10 +83,10 @@ async def test_a_client_keeps_its_answers_past_the_hops_idle_limit(models, keepa
     assert answered == 8 if keepalive_s else answered < 8
 
 
-def in_process(blocks, prompt, n, draft_len=0, sampling=None):
+def in_process(blocks, prompt, n, draft_len=0, sampling=None, width=1):
     from blocktrain.blocks.decode import Sampling, bf16_round, generate
     out, _ = generate(blocks, prompt, n, draft_len=draft_len, drafter=draft_len > 0,
-                      sampling=sampling or Sampling(), between=bf16_round)
+                      sampling=sampling or Sampling(), between=bf16_round, width=width)
     return out
 
 
@@ -152,7 +157,8 @@ async def test_sampled_exact_output_is_reproducible_and_matches_one_process(mode
     async with served_chain(bt, e2e, timeout_s=20) as (_, _, client):
         a, _ = await client.generate(b"sample ", 20, "exact", sampling)
         b, _ = await client.generate(b"sample ", 20, "exact", sampling)
-    assert a == b == in_process(bt, b"sample ", 20, draft_len=16, sampling=sampling)
+    from blocktrain.p2p.client import DRAFT_WIDTH  # the client asks for wide drafts when it samples
+    assert a == b == in_process(bt, b"sample ", 20, draft_len=16, sampling=sampling, width=DRAFT_WIDTH)
 
 
 async def test_a_hop_that_lost_the_session_gets_it_rebuilt_and_the_output_is_unchanged(models):

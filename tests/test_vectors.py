@@ -271,9 +271,12 @@ def test_the_serving_vector_holds_a_spec_that_a_hop_accepts_and_bad_ones_it_refu
     """Section 7.3: the vector's spec passes a hop's checks; each rule of the checks refuses."""
     from blocktrain.blocks.decode import BadSpec, check_spec
     spec = VALID["pipeline_forward_exact"].meta["spec"]
-    assert check_spec(spec, 64) == spec
+    assert check_spec(spec, 64) == {**spec, "width": 1}  # no width: one draft chain per node (r6.8)
+    wide = VALID["pipeline_forward_wide"].meta["spec"]
+    assert check_spec(wide, 64) == wide
     for bad in ({**spec, "start": 5}, {**spec, "keep": [1, 0]}, {**spec, "positions": [4, 5, 64]},
                 {**spec, "parents": [-1, 2, 1]}, {**spec, "ids": [104, 105, 257]}, {**spec, "draft": 33},
-                {**spec, "invariant": 1}, {**spec, "logits": []}, {**spec, "slots": [[0], [], []]}):
+                {**spec, "invariant": 1}, {**spec, "logits": []}, {**spec, "slots": [[0], [], []]},
+                {**wide, "width": 0}, {**wide, "width": 5}, {**wide, "width": True}):
         with pytest.raises(BadSpec):
             check_spec(bad, 64)

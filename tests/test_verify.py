@@ -17,7 +17,12 @@ from blocktrain.p2p.node import Peer
 from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
 from blocktrain.p2p.verify import MAX_JUDGES, VerifyError, check_output
 
-from test_pipeline import FAST, in_process, models  # noqa: F401 - models is a fixture
+from test_pipeline import FAST, in_process, make_models
+
+@pytest.fixture
+def models():
+    return make_models()
+
 
 BASE = torch.randn(6, 256, generator=torch.Generator().manual_seed(0))
 
