@@ -24,6 +24,10 @@ Every attacker here holds the swarm key, and makes a fresh identity whenever it 
     client connection, send 4 STREAM_REQUESTs for it and read nothing for 15 s; then they close.
     VmRSS before, at the peak (sampled every 0.25 s) and 10 s after. Target: +64 MiB at most.
 
+(4) Serving flood: three `bt-peer serve` processes (the shipped model); a legitimate client's
+    `generate` (64 bytes, exact) alone, 3 times, then while 8 identities each keep 8 traversals
+    of a 200-byte new session in flight. Target: at most 2x slower (median); the last hop's RSS.
+
 Only processes this script starts are stopped, by pid; everything lives in a temporary directory.
 """
 import argparse
@@ -299,13 +303,80 @@ async def streams(tmp: Path, n_ids: int):
                     "target_met": peak["rss_mib"] - base["rss_mib"] <= 64})
 
 
+# --- (4) serving flood -----------------------------------------------------------------------------
+
+async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int):
+    """Three `bt-peer serve` processes (the shipped model, blocks 0..2). A legitimate client's
+    `generate` (64 bytes, exact, greedy) alone, ``runs`` times; then again while ``n_ids``
+    identities each keep ``in_flight`` traversals in flight (a new session of a 200-byte prompt
+    each, ended with it; a refused one is sent again after 50 ms). The last hop's RSS throughout."""
+    import secrets
+
+    from blocktrain.blocks.decode import recompute_spec
+    from blocktrain.p2p.client import PipelineClient, generate
+    from blocktrain.p2p.serving import PipelineError
+    psk, ident = keys(tmp)
+    ports, procs = [free_port() for _ in range(3)], []
+    for k, port in enumerate(ports):
+        boot = [] if k == 0 else [f"127.0.0.1:{ports[0]}"]
+        procs.append(start_peer(tmp, f"serve{k}", ["serve", *boot, "--block", str(k)], port))
+        wait_listening(procs[-1], port, tmp, f"serve{k}")
+    route = [f"127.0.0.1:{p}" for p in ports]
+    prompt = b"The history of the city begins in the early years of the nineteenth century , when "
+    await generate("127.0.0.1", ports[0], ident, psk, prompt, 8, "exact", 60, wait_s=60)  # the chain is up
+
+    async def legit():
+        t = time.perf_counter()
+        out, _ = await generate("127.0.0.1", ports[0], ident, psk, prompt, 64, "exact", 120)
+        return time.perf_counter() - t, out
+    alone = [await legit() for _ in range(runs)]
+    rss0 = rss_mib(procs[2].pid)
+    flood_text = (b"x" * 20 + prompt) * 2
+    spec = recompute_spec(flood_text[:201], 200)  # 200 new positions, one logits row
+    stop, answered, refused = asyncio.Event(), [0], [0]
+    clients = [PipelineClient(X25519PrivateKey.generate(), psk, route, [0, 1, 2], FAST, timeout_s=120)
+               for _ in range(n_ids)]
+
+    async def flood(c):
+        while not stop.is_set():
+            try:
+                await c.traverse(secrets.randbits(62), "autoregressive", spec, end=True)
+                answered[0] += 1
+            except PipelineError:
+                refused[0] += 1
+                await asyncio.sleep(0.05)
+    for c in clients:
+        await c.connect()
+    tasks = [asyncio.ensure_future(flood(c)) for c in clients for _ in range(in_flight)]
+    peak = rss0
+    await asyncio.sleep(5)
+    flooded = []
+    for _ in range(runs):
+        flooded.append(await legit())
+        peak = max(peak, rss_mib(procs[2].pid))
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for c in clients:
+        await c.close()
+    await asyncio.sleep(5)
+    a, f = statistics.median(t for t, _ in alone), statistics.median(t for t, _ in flooded)
+    out("serving_flood", {"identities": n_ids, "in_flight_each": in_flight, "legit_bytes": 64, "runs": runs,
+                          "legit_alone_s": [round(t, 2) for t, _ in alone],
+                          "legit_flooded_s": [round(t, 2) for t, _ in flooded],
+                          "slowdown_median": round(f / a, 2),
+                          "same_output": all(o == alone[0][1] for _, o in alone + flooded),
+                          "flood_answered": answered[0], "flood_refused": refused[0],
+                          "last_hop_rss_mib": {"before": rss0, "peak": peak, "after_5s": rss_mib(procs[2].pid)},
+                          "target_met": f / a <= 2, "note": "3 hops and all clients share this machine's cores"})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="results/hardening/key_holders.json")
     ap.add_argument("--identities", type=int, default=5000)
     ap.add_argument("--frames", type=int, default=100000)
     ap.add_argument("--stream-identities", type=int, default=96)
-    ap.add_argument("--only", default="churn,fuzz,streams")
+    ap.add_argument("--only", default="churn,fuzz,streams,flood")
     args = ap.parse_args()
     if args.json != "results/hardening/key_holders.json" or args.identities != 5000 or args.frames != 100000:
         RESULTS["command"] = ("python experiments/hardening/key_holders.py " +
@@ -332,6 +403,8 @@ def main():
             asyncio.run(fuzz(tmp, p.pid, port, args.frames, tmp / "fuzzed.log", tmp / "fuzzed.report.json"))
         if "streams" in only:
             asyncio.run(streams(tmp, args.stream_identities))
+        if "flood" in only:
+            asyncio.run(serving_flood(tmp, 8, 8, 3))
     finally:
         finish(t0, args.json, tmp)
 

@@ -1,0 +1,82 @@
+"""Exact mode's bytes per traversal on the shipped model, in process, greedy and sampled, with the
+draft chains the client asks for (issue 31's drafting targets).
+
+    .venv/bin/python experiments/serving/drafting.py --json results/serving/drafting.json
+
+The prompts are those of the shipped model's own figures (results/ship/make_shipped_model.py):
+N (default 200) 64-byte windows of the validation split at even offsets; 64 bytes each, draft
+length 16 (the client's). Arms, side by side: greedy (one chain: the argmax is always emitted);
+sampled at temperature 0.8 (seed = prompt index) with width 1 (the draft model's one chain after
+each node's argmax: r6.7's client), width 4 without runners-up, and the client's width
+(DRAFT_WIDTH chains, each step's runner-up a sibling leaf: r6.8). Bytes per traversal depend on
+the drafts and the sampled bytes only, not on the machine's speed.
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import shlex
+
+from blocktrain.bench.provenance import code_version
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks import decode
+from blocktrain.blocks.data import read_split
+from blocktrain.blocks.evaluate import load_chain
+from blocktrain.p2p.client import DRAFT_LEN, DRAFT_WIDTH
+
+
+def no_runners_up(session_cls):
+    """Session._draft_tree without the wide drafts' runner-up leaves (the width-only arm)."""
+    tree = session_cls._draft_tree
+
+    def without(self, budget):
+        alt, self.model_alt = self.model_alt, []
+        try:
+            return tree(self, budget)
+        finally:
+            self.model_alt = alt
+    return without
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="results/serving/drafting.json")
+    ap.add_argument("--prompts", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    blocks, _ = load_chain(ckpt.SHIPPED_MODEL)
+    text = read_split("valid")
+    n, span = args.prompts, 64
+    step = (len(text) - 128) // n  # as make_shipped_model.py: room for the prompt and its continuation
+    prompts = [list(text[i * step:i * step + span]) for i in range(n)]
+    arms = {"greedy": (0.0, 1, True), "sampled_t0.8_width1": (0.8, 1, True),
+            "sampled_t0.8_width4_no_runners_up": (0.8, 4, False), f"sampled_t0.8_width{DRAFT_WIDTH}": (0.8, DRAFT_WIDTH, True)}
+    out = {}
+    plain = decode.Session._draft_tree
+    for name, (temp, width, runners_up) in arms.items():
+        decode.Session._draft_tree = plain if runners_up else no_runners_up(decode.Session)
+        bpt = []
+        for i, prompt in enumerate(prompts):
+            _, st = decode.generate(blocks, prompt, 64, draft_len=DRAFT_LEN, drafter=True, width=width,
+                                    sampling=decode.Sampling(temperature=temp, seed=i))
+            bpt.append(st.bytes_per_traversal(64))
+        out[name] = {"temperature": temp, "width": width, "runners_up": runners_up and width > 1,
+                     "mean": round(sum(bpt) / n, 3), "median": round(statistics.median(bpt), 3),
+                     "min": round(min(bpt), 3), "max": round(max(bpt), 3)}
+        print(json.dumps({name: out[name]}), flush=True)
+    decode.Session._draft_tree = plain
+    result = ({"what": "exact-mode bytes per traversal, in process, shipped model", "prompts": n,
+                      "prompt_bytes": span, "output_bytes": 64, "draft_len": DRAFT_LEN, "split": "valid",
+                      "arms": out, "target_sampled": 2.5, "target_greedy": 4.0,
+                      "sampled_target_met": out[f"sampled_t0.8_width{DRAFT_WIDTH}"]["mean"] >= 2.5,
+                      "code_version": code_version(), "command": shlex.join(["python", *sys.argv])})
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
