@@ -271,19 +271,14 @@ def resolve_data(data: str | Path | None, say=lambda line: None, cache: str | Pa
         return str(src)
     if not src.exists():
         raise DataError(f"{src} does not exist")
-    files = [src] if src.is_file() else sorted(p for p in src.glob("**/*.txt") if p.is_file())
+    files = _cached_files(src)
     if not files:
         raise DataError(f"{src} holds no .txt file (prepare another glob with `bt-data prepare {src} --glob ... "
                         "--out DIR`, then pass --data DIR)")
-    h = hashlib.sha256(str(src.resolve()).encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"\0{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    root = Path(cache or os.environ.get("BT_DATA_CACHE") or Path.home() / ".cache" / "blocktrain" / "corpora")
-    out = root / h.hexdigest()[:16]
+    out = cache_root(cache) / _cache_key(src, files)
     out.mkdir(parents=True, exist_ok=True)
     import fcntl
-    with open(out / ".lock", "w") as lock:
+    with open(out / ".lock", "w") as lock:  # opened for writing: its mtime says when it was last used
         fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer; the others find its manifest
         try:
             m = prepared(out) if (out / MANIFEST).is_file() else None
@@ -295,6 +290,75 @@ def resolve_data(data: str | Path | None, say=lambda line: None, cache: str | Pa
             m = prepare(src, out)
     say(f"data: {src} as prepared in {out} (corpus digest {m['digest']})")
     return str(out)
+
+
+def cache_root(cache: str | Path | None = None) -> Path:
+    """Where ``resolve_data`` prepares text it is given: ``cache``, else ``$BT_DATA_CACHE``, else
+    ``~/.cache/blocktrain/corpora``."""
+    return Path(cache or os.environ.get("BT_DATA_CACHE") or Path.home() / ".cache" / "blocktrain" / "corpora")
+
+
+def _cached_files(src: Path) -> list[Path]:
+    return [src] if src.is_file() else sorted(p for p in src.glob("**/*.txt") if p.is_file())
+
+
+def _cache_key(src: Path, files: list[Path]) -> str:
+    """16 hex digits of the source's path and its files' paths, sizes and modification times."""
+    h = hashlib.sha256(str(src.resolve()).encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"\0{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CachedCorpus:
+    path: Path
+    source: str | None  # the text it was prepared from (None: no readable manifest)
+    bytes: int  # on disk
+    last_used: float  # when resolve_data last took it (seconds since the epoch)
+    current: bool  # its source is still there, unchanged: resolve_data would take it again
+
+
+def cached_corpora(cache: str | Path | None = None) -> list[CachedCorpus]:
+    """What ``resolve_data`` prepared into the cache, oldest use first. An entry whose source
+    changed or went away is never taken again (a changed source is prepared into a new entry)."""
+    root = cache_root(cache)
+    out = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        lock = d / ".lock"
+        used = (lock if lock.exists() else d).stat().st_mtime
+        try:
+            m = json.loads((d / MANIFEST).read_text())
+            source = str(m["source"])
+        except (OSError, ValueError, KeyError, TypeError):
+            source = None
+        current = False
+        if source is not None and Path(source).exists():
+            files = _cached_files(Path(source))
+            current = bool(files) and _cache_key(Path(source), files) == d.name
+        out.append(CachedCorpus(d, source, size, used, current))
+    return sorted(out, key=lambda c: c.last_used)
+
+
+def remove_cached(entries: list[CachedCorpus]) -> list[CachedCorpus]:
+    """Remove ``entries`` from the cache, but for any a process is preparing right now (its lock
+    is held); returns those removed."""
+    import fcntl
+    import shutil
+    gone = []
+    for e in entries:
+        try:
+            with open(e.path / ".lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # in use: left alone
+                shutil.rmtree(e.path)
+            gone.append(e)
+        except BlockingIOError:
+            continue
+        except FileNotFoundError:
+            gone.append(e)
+    return gone
 
 
 def corpus_digest(data: str | Path | None) -> str:

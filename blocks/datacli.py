@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .data import MANIFEST, DataError, prepare, prepared, verify
+from .data import MANIFEST, DataError, cache_root, cached_corpora, prepare, prepared, remove_cached, verify
 from .progress import bar
 
 
@@ -74,6 +74,41 @@ def info(directory, quick):
         sys.exit(2)
     click.echo(json.dumps(m, indent=1))
     click.echo(f"{'sizes' if quick else 'sizes and sha256'} match the manifest; digest {m['digest']}", err=True)
+
+
+@main.command("cache")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="The cache (default: $BT_DATA_CACHE, else ~/.cache/blocktrain/corpora).")
+@click.option("--prune", is_flag=True, help="Remove the corpora whose source text changed or is gone (never used again).")
+@click.option("--clear", is_flag=True, help="Remove every cached corpus (each is prepared again when next used).")
+def cache_cmd(directory, prune, clear):
+    """List the corpora prepared from text that bt-train or bt-peer was given as its data (a text
+    file or folder is prepared once into this cache; a changed source is prepared into a new
+    entry and the old one stays):
+    size, last use, source, and whether it would be used again. --prune or --clear removes them;
+    an entry a process is preparing right now is left alone."""
+    if prune and clear:
+        raise click.UsageError("give --prune or --clear, not both")
+    root = cache_root(directory)
+    entries = cached_corpora(directory)
+    if not entries:
+        click.echo(f"no cached corpora in {root}")
+        return
+    import time
+    for e in entries:
+        age = (time.time() - e.last_used) / 86400
+        click.echo(f"{e.bytes:>15,} bytes  used {age:6.1f} days ago  {'current' if e.current else 'stale  '}  "
+                   f"{e.path.name}  {e.source or '(no manifest)'}")
+    total = sum(e.bytes for e in entries)
+    if prune or clear:
+        gone = remove_cached([e for e in entries if clear or not e.current])
+        kept = len(entries) - len(gone)
+        click.echo(f"removed {len(gone)} of {len(entries)} ({sum(e.bytes for e in gone):,} bytes); {kept} kept in {root}")
+    else:
+        stale = [e for e in entries if not e.current]
+        click.echo(f"{len(entries)} cached corpora, {total:,} bytes in {root}"
+                   + (f"; {len(stale)} stale ({sum(e.bytes for e in stale):,} bytes): --prune removes them"
+                      if stale else ""))
 
 
 if __name__ == "__main__":

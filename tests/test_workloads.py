@@ -217,3 +217,28 @@ def test_random_windows_over_a_mapped_corpus_leave_the_rss_flat(tmp_path):
     for s in range(1, 400):
         b.batch(s)
     assert rss_mib() - before < 8, f"RSS grew {rss_mib() - before:.1f} MiB"
+
+
+def test_the_corpus_cache_lists_what_it_holds_and_prunes_only_stale_entries(tmp_path):
+    """Issue 32: text given to --data is prepared into a cache that kept every version for good;
+    `bt-data cache` lists the entries, --prune removes those whose source changed or is gone (never
+    used again) and keeps the current one, --clear removes the rest."""
+    from click.testing import CliRunner
+
+    from blocktrain.blocks.datacli import main
+    cache = tmp_path / "cache"
+    src, gone = _text(tmp_path / "corpus.txt"), _text(tmp_path / "gone.txt", seed=2)
+    old = resolve_data(src, cache=cache)
+    resolve_data(gone, cache=cache)
+    gone.unlink()
+    _text(src, seed=1)  # changed: prepared into a new entry, the old one is stale
+    new = resolve_data(src, cache=cache)
+    r = CliRunner().invoke(main, ["cache", "--dir", str(cache)])
+    assert r.exit_code == 0 and "3 cached corpora" in r.output and "2 stale" in r.output, r.output
+    r = CliRunner().invoke(main, ["cache", "--dir", str(cache), "--prune"])
+    assert r.exit_code == 0 and "removed 2 of 3" in r.output, r.output
+    from pathlib import Path
+    assert Path(new).is_dir() and not Path(old).exists() and resolve_data(src, cache=cache) == new
+    r = CliRunner().invoke(main, ["cache", "--dir", str(cache), "--clear"])
+    assert r.exit_code == 0 and "removed 1 of 1" in r.output and not Path(new).exists(), r.output
+    assert "no cached corpora" in CliRunner().invoke(main, ["cache", "--dir", str(cache)]).output
