@@ -47,6 +47,7 @@ def main():
     ap.add_argument("--json", default="results/serving/drafting.json")
     ap.add_argument("--prompts", type=int, default=200)
     args = ap.parse_args()
+    made_by = code_version()  # what is measured: taken first (a commit made meanwhile is not it)
     torch.set_num_threads(1)
     blocks, _ = load_chain(ckpt.SHIPPED_MODEL)
     text = read_split("valid")
@@ -73,7 +74,7 @@ def main():
                       "prompt_bytes": span, "output_bytes": 64, "draft_len": DRAFT_LEN, "split": "valid",
                       "arms": out, "target_sampled": 2.5, "target_greedy": 4.0,
                       "sampled_target_met": out[f"sampled_t0.8_width{DRAFT_WIDTH}"]["mean"] >= 2.5,
-                      "code_version": code_version(), "command": shlex.join(["python", *sys.argv])})
+                      "code_version": made_by, "command": shlex.join(["python", *sys.argv])})
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
