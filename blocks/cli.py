@@ -5,6 +5,7 @@ This module parses the command line and prints; the job itself is blocktrain.blo
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
@@ -69,7 +70,7 @@ def main(size, dry_run, config_file, sets, steps, schedule, data, device, precis
         _print_plan(job)
         return
     try:
-        run_job(job, log=lambda s: click.echo(s, err=True), bar=bar)
+        run_job(job, log=lambda s: click.echo(s, err=True), bar=bar, command=shlex.join(["bt-train", *sys.argv[1:]]))
     except (DataError, ValueError, RuntimeError, ckpt.CheckpointError) as e:
         click.echo(f"bt-train: {e}", err=True)
         sys.exit(2)

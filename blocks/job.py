@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from blocktrain.provenance import code_version
+
 from . import checkpoint as ckpt
 from .config import JobConfig
 from .data import DataError, load_split, prepared, resolve_data
@@ -76,7 +78,10 @@ def progress_for(bar, starts=None):
     return cb
 
 
-def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
+def run_job(job: JobConfig, log=lambda s: None, bar=no_bar, command: str | None = None) -> dict:
+    """The job: results.json records the code version (taken first: what is measured) and
+    ``command`` (the command line that asked for it)."""
+    made_by = code_version()
     check_job(job)
     torch.set_num_threads(job.threads)
     device = pick_device(job.device)  # before anything is written
@@ -166,6 +171,7 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar) -> dict:
     if job.reference:
         result["samples"]["reference_autoregressive"] = bytes(e2e.model.generate(prompt, 64)[0].tolist()).decode(
             "utf-8", "replace")
+    result["code_version"], result["command"] = made_by, command
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["wall_seconds"] = time.perf_counter() - t0
     (out / "results.json").write_text(json.dumps(result, indent=1))
