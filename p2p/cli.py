@@ -410,8 +410,9 @@ def serve(bootstrap, checkpoints, reference, **o):
 @click.option("--top-k", type=click.IntRange(0, 256), default=0, show_default=True,
               help="Sample among the K most likely bytes (0: all).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (same seed, same output).")
-@click.option("--draft-len", type=click.IntRange(0, 32), default=16, show_default=True,
-              help="exact mode: bytes drafted per traversal.")
+@click.option("--draft-len", type=click.IntRange(0, 32), default=None,
+              help="exact mode: bytes drafted per traversal (default: 16 greedy, 8 sampled, where 4 chains are "
+                   "drafted per node, one per likely next byte).")
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=30.0, show_default=True,
               help=WAIT_HELP + ", or no chain of serving peers is there yet.")
 @click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True,

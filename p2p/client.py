@@ -43,8 +43,19 @@ from .verify import DEFAULT_TOL, check_output
 from .view import chain_when_ready, holders, status_members
 
 
-DRAFT_LEN = 16  # bytes drafted per traversal in exact mode
-DRAFT_WIDTH = 4  # sampled exact mode: draft chains per verified node, one per likely next byte
+DRAFT_LEN = 16  # bytes drafted per traversal in exact mode, greedy
+# Sampled exact mode: draft chains per verified node, one per likely next byte, each this long
+# (sampled drafts are rarely accepted past a few bytes: 8 keeps 99% of 16's bytes per traversal
+# at a third of the last hop's drafting compute; results/serving/drafting.json).
+DRAFT_WIDTH, SAMPLED_DRAFT_LEN = 4, 8
+
+
+def draft_length(draft_len: int | None, sampling: Sampling) -> int:
+    """The bytes drafted per traversal: ``draft_len`` as given, else the default for greedy or
+    sampled decoding."""
+    if draft_len is not None:
+        return draft_len
+    return SAMPLED_DRAFT_LEN if sampling.temperature > 0 else DRAFT_LEN
 KEEPALIVE_S = 30.0  # a PING on each connection this often (hops close clients silent for 300 s)
 
 
@@ -218,7 +229,7 @@ class PipelineClient:
         return logits
 
     async def generate(self, prompt: bytes, n: int, mode: str = "exact", sampling: Sampling = Sampling(),
-                       draft_len: int = DRAFT_LEN, max_seq_len: int | None = None) -> tuple[bytes, dict]:
+                       draft_len: int | None = None, max_seq_len: int | None = None) -> tuple[bytes, dict]:
         if mode == "blocktrain":
             return await self.generate_blocktrain(prompt, n, sampling)
         s = new_session(prompt, n, mode, sampling, draft_len, max_seq_len)
@@ -226,15 +237,16 @@ class PipelineClient:
         return s.output, stats
 
 
-def new_session(prompt: bytes, n: int, mode: str, sampling: Sampling = Sampling(), draft_len: int = DRAFT_LEN,
+def new_session(prompt: bytes, n: int, mode: str, sampling: Sampling = Sampling(), draft_len: int | None = None,
                 max_seq_len: int | None = None) -> Session:
     exact = mode == "exact"
-    return Session(prompt, n, max_seq_len or len(prompt) + n, draft_len=draft_len if exact else 0, drafter=exact,
+    return Session(prompt, n, max_seq_len or len(prompt) + n,
+                   draft_len=draft_length(draft_len, sampling) if exact else 0, drafter=exact,
                    sampling=sampling, invariant=True, width=DRAFT_WIDTH)
 
 
 def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None, sampling: Sampling = Sampling(),
-                  draft_len: int = DRAFT_LEN):
+                  draft_len: int | None = None):
     """Bad requests fail here, with the fix, before anything is sent."""
     if mode not in MODES:
         raise PipelineError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}", fault="request")
@@ -244,7 +256,7 @@ def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = No
         raise PipelineError("ask for at least one byte", fault="request")
     if sampling.temperature < 0 or sampling.top_k < 0 or not 0 <= sampling.top_k <= 256:
         raise PipelineError("temperature must be >= 0 and top-k in 0..256", fault="request")
-    if not 0 <= draft_len <= 32:
+    if draft_len is not None and not 0 <= draft_len <= 32:
         raise PipelineError("draft length must be in 0..32", fault="request")
     if max_seq_len is not None and len(prompt) + n - 1 > max_seq_len:
         raise PipelineError(f"prompt ({len(prompt)} bytes) + {n} bytes exceeds the model's {max_seq_len} positions: "
@@ -254,7 +266,7 @@ def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = No
 
 async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode: str, timeout: float,
                    attempts: int = 3, log=lambda s: None, sampling: Sampling = Sampling(),
-                   draft_len: int = DRAFT_LEN, wait_s: float | None = None, verify: bool = False,
+                   draft_len: int | None = None, wait_s: float | None = None, verify: bool = False,
                    verify_tol: float = DEFAULT_TOL) -> tuple[bytes, dict]:
     """Pick a chain from the swarm view via HOST:PORT and run the request; when a hop fails, retry
     through another peer holding that block (a session goes on where it was: the new chain

@@ -157,8 +157,8 @@ async def test_sampled_exact_output_is_reproducible_and_matches_one_process(mode
     async with served_chain(bt, e2e, timeout_s=20) as (_, _, client):
         a, _ = await client.generate(b"sample ", 20, "exact", sampling)
         b, _ = await client.generate(b"sample ", 20, "exact", sampling)
-    from blocktrain.p2p.client import DRAFT_WIDTH  # the client asks for wide drafts when it samples
-    assert a == b == in_process(bt, b"sample ", 20, draft_len=16, sampling=sampling, width=DRAFT_WIDTH)
+    from blocktrain.p2p.client import DRAFT_WIDTH, SAMPLED_DRAFT_LEN  # the client's drafts when it samples
+    assert a == b == in_process(bt, b"sample ", 20, draft_len=SAMPLED_DRAFT_LEN, sampling=sampling, width=DRAFT_WIDTH)
 
 
 async def test_a_hop_that_lost_the_session_gets_it_rebuilt_and_the_output_is_unchanged(models):
