@@ -276,9 +276,17 @@ def resolve_data(data: str | Path | None, say=lambda line: None, cache: str | Pa
         raise DataError(f"{src} holds no .txt file (prepare another glob with `bt-data prepare {src} --glob ... "
                         "--out DIR`, then pass --data DIR)")
     out = cache_root(cache) / _cache_key(src, files)
-    out.mkdir(parents=True, exist_ok=True)
     import fcntl
-    with open(out / ".lock", "w") as lock:  # opened for writing: its mtime says when it was last used
+    for _ in range(3):  # `bt-data cache --clear` may remove the folder between these two lines
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = open(out / ".lock", "w")  # opened for writing: its mtime says when it was last used
+            break
+        except FileNotFoundError:
+            continue
+    else:
+        raise DataError(f"{out} keeps disappearing while it is prepared (another process clearing the cache?)")
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer; the others find its manifest
         try:
             m = prepared(out) if (out / MANIFEST).is_file() else None
@@ -325,7 +333,7 @@ def cached_corpora(cache: str | Path | None = None) -> list[CachedCorpus]:
     changed or went away is never taken again (a changed source is prepared into a new entry)."""
     root = cache_root(cache)
     out = []
-    for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+    for d in sorted(p for p in root.iterdir() if _is_entry(p)) if root.is_dir() else []:
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         lock = d / ".lock"
         used = (lock if lock.exists() else d).stat().st_mtime
@@ -340,6 +348,13 @@ def cached_corpora(cache: str | Path | None = None) -> list[CachedCorpus]:
             current = bool(files) and _cache_key(Path(source), files) == d.name
         out.append(CachedCorpus(d, source, size, used, current))
     return sorted(out, key=lambda c: c.last_used)
+
+
+def _is_entry(d: Path) -> bool:
+    """A folder resolve_data made: named by a 16-hex-digit key, holding its lock or manifest
+    (nothing else in the cache folder is ever listed, let alone removed)."""
+    return d.is_dir() and len(d.name) == 16 and all(c in "0123456789abcdef" for c in d.name) \
+        and ((d / ".lock").is_file() or (d / MANIFEST).is_file())
 
 
 def remove_cached(entries: list[CachedCorpus]) -> list[CachedCorpus]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -86,7 +87,8 @@ def cache_cmd(directory, prune, clear):
     file or folder is prepared once into this cache; a changed source is prepared into a new
     entry and the old one stays):
     size, last use, source, and whether it would be used again. --prune or --clear removes them;
-    an entry a process is preparing right now is left alone."""
+    an entry a process is preparing right now is left alone (one a running job reads stays
+    readable to it: its files are memory-mapped)."""
     if prune and clear:
         raise click.UsageError("give --prune or --clear, not both")
     root = cache_root(directory)
@@ -94,7 +96,6 @@ def cache_cmd(directory, prune, clear):
     if not entries:
         click.echo(f"no cached corpora in {root}")
         return
-    import time
     for e in entries:
         age = (time.time() - e.last_used) / 86400
         click.echo(f"{e.bytes:>15,} bytes  used {age:6.1f} days ago  {'current' if e.current else 'stale  '}  "

@@ -355,10 +355,13 @@ class Session:
                 "positions": [start + d for d in depth], "parents": parents, "logits": verify,
                 "slots": slot_lists, "draft": min(self.draft_len, max(0, left - 2)) if self.drafter else 0,
                 "invariant": self.invariant}
-        if spec["draft"] and self.width > 1:
-            spec["width"] = self.width
+        width = self.width  # as many chains as keep the last hop's drafting within its bound
+        while width > 1 and len(verify) * width * spec["draft"] > MAX_DRAFTING:
+            width -= 1
+        if spec["draft"] and width > 1:
+            spec["width"] = width
         self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src,
-                         "draft": spec["draft"]}
+                         "draft": spec["draft"], "width": width}
         self.stats.traversals += 1
         self.stats.new_tokens += len(ids)
         self.stats.drafted += len(d_ids)
@@ -407,7 +410,7 @@ class Session:
             d = torch.as_tensor(drafts)
             d = d[0] if d.dim() == 3 else d
             row = d[node + 1].tolist()
-            W, steps = self.width, pend["draft"]
+            W, steps = pend["width"], pend["draft"]
             self.model_alt = []
             if W > 1 and len(row) == W * (1 + 2 * steps):  # W chains: the one that begins with the byte emitted
                 chains = [row[j * (1 + 2 * steps):(j + 1) * (1 + 2 * steps)] for j in range(W)]
@@ -480,7 +483,8 @@ def bf16_round(h: torch.Tensor) -> torch.Tensor:
 MAX_TREE = 256  # new tokens of one traversal beyond max_seq_len (draft tree and slot branches)
 MAX_VERIFY = 65  # verified nodes (logits rows) per traversal: the root and two draft branches of 32
 MAX_DRAFT = 32  # draft-model bytes per verified node
-MAX_WIDTH = 4  # draft-model chains per verified node (sampling)
+MAX_WIDTH = 4  # draft-model chains per verified node (sampling; the reference client asks for 4)
+MAX_DRAFTING = MAX_VERIFY * MAX_DRAFT  # verified nodes x chains x steps of one traversal: as before widths
 
 
 class BadSpec(ValueError):
@@ -538,6 +542,8 @@ def check_spec(spec, max_seq_len: int) -> dict:
     if type(width) is not int or not 1 <= width <= MAX_WIDTH:
         raise BadSpec(f"width: an int in [1, {MAX_WIDTH}]")
     out["width"] = width
+    if draft and len(out["logits"]) * width * draft > MAX_DRAFTING:  # the last hop's drafting work and cache
+        raise BadSpec(f"logits x width x draft: at most {MAX_DRAFTING} drafting steps a traversal")
     if draft and len(out["logits"]) > MAX_VERIFY:  # the draft model runs ``draft`` steps from every one
         raise BadSpec(f"logits: at most {MAX_VERIFY} tokens when the draft model drafts")
     inv = spec.get("invariant", False)

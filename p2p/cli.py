@@ -20,6 +20,7 @@ from blocktrain.blocks.config import SIZES
 
 from .identity import KeyError_, load_or_create_identity, load_swarm_key, new_swarm_key, peer_id
 from .link import LinkSpec, load_topology
+from .serving import VERIFY_TOL
 from .transport import Timeouts, install_uvloop
 
 DEFAULT_IDENTITY = Path.home() / ".blocktrain" / "identity"
@@ -421,9 +422,10 @@ def serve(bootstrap, checkpoints, reference, **o):
               help="Check the output before printing it: one more traversal recomputes it on other holders of each "
                    "block; a hop whose answers differ is named and avoided, and the output made again. Blocks with "
                    "one serving peer stay unchecked (said so); nothing prints if it cannot be checked at all.")
-@click.option("--verify-tol", type=click.FloatRange(0.0, 1.0), default=0.02, show_default=True,
+@click.option("--verify-tol", type=click.FloatRange(0.0, 1.0), default=VERIFY_TOL, show_default=True,
               help="--verify: the largest total-variation distance between two holders' next-byte distributions "
-                   "that still counts as the same answer (rounding across hardware is far smaller).")
+                   "that still counts as the same answer (the same code on the same hardware differs by about 1e-8; "
+                   "across hardware it was not measured).")
 def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, top_k, seed, draft_len, wait_s,
              timeout, verify, verify_tol):
     """Continue --prompt by N bytes through a chain of serving peers found via ADDRESS."""

@@ -39,7 +39,7 @@ from .identity import peer_id
 from .serving import DEFAULT_CODEC, MODES, PipelineError
 from .tensors import from_wire, to_wire
 from .transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
-from .verify import DEFAULT_TOL, check_output
+from .verify import DEFAULT_TOL, CheckFailed, OutputRejected, check_output
 from .view import chain_when_ready, holders, status_members
 
 
@@ -48,6 +48,7 @@ DRAFT_LEN = 16  # bytes drafted per traversal in exact mode, greedy
 # (sampled drafts are rarely accepted past a few bytes: 8 keeps 99% of 16's bytes per traversal
 # at a third of the last hop's drafting compute; results/serving/drafting.json).
 DRAFT_WIDTH, SAMPLED_DRAFT_LEN = 4, 8
+KEEPALIVE_S = 30.0  # a PING on each connection this often (hops close clients silent for 300 s)
 
 
 def draft_length(draft_len: int | None, sampling: Sampling) -> int:
@@ -56,7 +57,6 @@ def draft_length(draft_len: int | None, sampling: Sampling) -> int:
     if draft_len is not None:
         return draft_len
     return SAMPLED_DRAFT_LEN if sampling.temperature > 0 else DRAFT_LEN
-KEEPALIVE_S = 30.0  # a PING on each connection this often (hops close clients silent for 300 s)
 
 
 def _request_id() -> int:
@@ -308,10 +308,12 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
                                            verify_tol)
                 stats["verify"] = check.as_dict()
                 if check.named:
-                    log(f"--verify named {check.named}: {check.why or 'their answers differ from the other holders'}")
-                    avoid.update(check.named)
+                    log(f"--verify named {check.named}: their answers differ from the other holders of their block")
+                if check.suspects:
+                    log(f"--verify avoids {check.suspects} (suspects, not named: {check.why or 'unresolved'})")
                 if not check.ok:
-                    raise PipelineError(f"the output through {route} failed its check: {check.why}", fault="verify")
+                    raise OutputRejected(f"the output through {route} failed its check: {check.why}",
+                                         check.named + check.suspects)
             stats["seconds"] = time.perf_counter() - t0
             return out, stats
         except (PipelineError, ConnectionError) as e:
@@ -320,9 +322,13 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
             last = e
             log(f"attempt {attempt + 1} through {route} failed: {e}")
             hop = getattr(e, "hop", None)
-            if isinstance(hop, int) and 0 <= hop < len(route):
+            if isinstance(e, OutputRejected):
+                avoid.update(e.avoid)
+            elif isinstance(e, CheckFailed) and e.addr is not None:
+                avoid.add(e.addr)
+            elif isinstance(hop, int) and 0 <= hop < len(route):
                 avoid.add(route[hop])
-            elif getattr(e, "fault", None) != "verify":  # no answer: let the swarm notice the silent peer
+            else:  # no answer: let the swarm notice the silent peer
                 await asyncio.sleep(tmo.dead_after_s)  # the swarm's liveness timeout is the behaviour here
         finally:
             await client.close()
@@ -336,7 +342,8 @@ async def _recompute(ident, key, tmo: Timeouts, timeout: float, tokens: bytes, n
     try:
         await client.connect()
         return await client.recompute(tokens, n_prompt, mode)
-    except PipelineError as e:  # its hop index is this route's, not the generating chain's
-        raise PipelineError(f"checking through {route}: {e}", e.block, None, e.fault) from None
+    except PipelineError as e:  # its hop is this route's, and its fault never the request's (it was served)
+        hop = e.hop if isinstance(e.hop, int) and 0 <= e.hop < len(route) else None
+        raise CheckFailed(f"checking through {route}: {e}", None if hop is None else route[hop]) from None
     finally:
         await client.close()

@@ -18,8 +18,9 @@ Rules:
 - A session's caches are freed at its end, after SESSION_IDLE_S unused, or when the hop holds
   MAX_SESSIONS (the least recently used session of the client holding the most goes: identities
   are free, and a flood of sessions must not push out a client with one).
-- Traversals take COMPUTE_SLOTS compute slots round-robin by client, at most MAX_WAITING waiting
-  in all (fair.py): a flooding client delays another by about one traversal per active client. ``end`` without a spec only frees them, hop by hop.
+- Traversals take COMPUTE_SLOTS compute slots, fair by client over the tokens they compute, at
+  most MAX_WAITING waiting in all (fair.py): a client that asks little is served next, ahead of
+  clients flooding with large traversals. ``end`` without a spec only frees them, hop by hop.
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
@@ -58,7 +59,7 @@ SESSION_IDLE_S = 60.0  # caches unused this long are freed
 # about 13 MiB for the d 128 model at the spec bounds, 1.5 MiB for 256 bytes of d 192.
 MAX_SESSIONS = 64
 MAX_SESSIONS_PER_CLIENT = 8
-COMPUTE_SLOTS = 2  # traversals computed at once by one hop (the rest wait their turn, round-robin by client)
+COMPUTE_SLOTS = 2  # traversals computed at once by one hop (the rest wait their turn, fair by client: fair.py)
 # Traversals waiting for a compute slot at one hop, in all (fair.py: past it the client with the
 # most waiting gives way). Each holds its request's input (at most a frame, usually a few KiB).
 MAX_WAITING = 32
@@ -211,7 +212,7 @@ class PipelineServer:
         self._busy.add(key)
         self._inflight[client] = self._inflight.get(client, 0) + 1
         try:
-            await self._compute.acquire(client)
+            await self._compute.acquire(client, len(plan.spec["ids"]) if plan.spec else 1)  # fair by tokens
             try:
                 return await asyncio.to_thread(step)
             finally:

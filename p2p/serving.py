@@ -26,6 +26,9 @@ DEFAULT_CODEC = "bf16"
 FORWARDED = ("mode", "blocks", "reply_to", "session", "spec", "end", "codec", "compute_s")
 # Characters of a refusal's error text kept (a hop's exception text is not ours to bound).
 MAX_ERROR_CHARS = 1000
+# --verify (verify.py): two answers whose next-byte distributions are at most this far apart
+# (total variation) agree: far above rounding (1e-8 here), far below a lie.
+VERIFY_TOL = 0.02
 
 
 class PipelineError(Exception):

@@ -11,14 +11,19 @@ Rules:
 - Rows that differ start a search for the hop, bounded: the first chain recomputes; then, per
   block where the two chains differ, the first chain with that one hop swapped for the second's.
   A block whose swap moves the rows past ``tol`` is in dispute; up to ``MAX_JUDGES`` holders of
-  it each recompute in the first chain, and every holder outside the largest group that agrees
-  (within ``tol``, at least 2 strong) is named. Two holders that disagree, with no third to judge:
-  ``VerifyError`` naming both. At most 2 + K + K * MAX_JUDGES traversals in all.
-- The first chain agreeing with the second now, but not with what it answered while decoding:
-  its hops answer differently when asked again (an intermittent liar); every hop of it that has
-  an alternative is named. Nothing to name at all: ``VerifyError``.
-- The output is good when no hop of the first chain is named (a liar in the second chain only
-  cost the search). Otherwise the client avoids the named hops and generates again.
+  it each recompute beside the first chain's other hops, and again beside the second's. A holder
+  outside the largest group that agrees (within ``tol``, at least 2 strong) beside both is
+  *named*; outside it beside one only, or when some block is unchecked, it is a *suspect*
+  (avoided for the next try, not named): every hop sees the route, so a liar may lie only beside
+  a peer it wants avoided, and one context cannot tell them apart. Two holders that disagree,
+  with no third to judge: ``VerifyError`` naming both. At most 2 + K + 2K (MAX_JUDGES - 1)
+  traversals in all.
+- The first chain agreeing with the second now, but not with what it answered while decoding
+  (an intermittent liar), or no one swap explaining the difference: every checked hop of the
+  first chain is a suspect; nobody is named.
+- The output is good when no hop of the first chain is named or suspect (a liar in the second
+  chain only cost the search). Otherwise the client avoids the named hops and the suspects and
+  generates again (a bounded number of tries).
 - Not checked: a block with one holder; holders that lie alike (colluding, or one identity
   behind several); a difference within ``tol``. The rows are compared, not the sampling: the
   client samples itself.
@@ -34,18 +39,36 @@ import torch
 
 from blocktrain.blocks.decode import row_gap
 
-from .serving import PipelineError
+from .serving import VERIFY_TOL, PipelineError
 
-DEFAULT_TOL = 0.02  # total-variation distance: far above rounding (1e-8 here), far below a lie
-MAX_JUDGES = 3  # holders of a disputed block asked to recompute
+DEFAULT_TOL = VERIFY_TOL  # total-variation distance (serving.py: the client and the CLI share it)
+MAX_JUDGES = 3  # holders of a disputed block asked to recompute: the fewest that can outvote one liar
 
 
 class VerifyError(PipelineError):
-    """The output could not be checked, or its chain could not be judged: nothing is printed."""
+    """The output could not be checked, or its chain could not be judged: nothing is printed
+    (``holders``: the disagreeing holders, when that is why)."""
 
-    def __init__(self, msg: str, named: list[str] | None = None):
+    def __init__(self, msg: str, holders: list[str] | None = None):
         super().__init__(msg, fault="request")
-        self.named = named or []
+        self.holders = holders or []
+
+
+class OutputRejected(PipelineError):
+    """The output failed its check: its chain had a named or suspect hop (``avoid``); try again
+    through another chain."""
+
+    def __init__(self, msg: str, avoid: list[str]):
+        super().__init__(msg)
+        self.avoid = avoid
+
+
+class CheckFailed(PipelineError):
+    """A recomputing chain failed (not the output's): ``addr`` is its failed hop, when known."""
+
+    def __init__(self, msg: str, addr: str | None):
+        super().__init__(msg)
+        self.addr = addr
 
 
 @dataclass
@@ -57,10 +80,20 @@ class Check:
     named: list[str] = field(default_factory=list)  # hops whose answers differ from the other holders'
     traversals: int = 1
     why: str = ""
+    suspects: list[str] = field(default_factory=list)  # avoided for the next try, not named: unresolved
 
     def as_dict(self) -> dict:
         return {"ok": self.ok, "second_route": self.second, "gap": round(self.gap, 6), "unchecked_blocks": self.unchecked,
-                "named": self.named, "traversals": self.traversals, "why": self.why}
+                "named": self.named, "suspects": self.suspects, "traversals": self.traversals, "why": self.why}
+
+
+def _minority(answers: dict[str, torch.Tensor], tol: float) -> list[str] | None:
+    """The holders outside the largest group whose answers agree (within ``tol``), or None when no
+    two agree."""
+    judges = list(answers)
+    agree = {h: [g for g in judges if row_gap(answers[h], answers[g]) <= tol] for h in judges}
+    best = max(judges, key=lambda h: len(agree[h]))
+    return None if len(agree[best]) < 2 else [h for h in judges if h not in agree[best]]
 
 
 async def check_output(decoded: torch.Tensor, first: list[str], holders: dict[int, list[str]],
@@ -70,7 +103,8 @@ async def check_output(decoded: torch.Tensor, first: list[str], holders: dict[in
     K = len(first)
     second = [next((h for h in holders.get(b, []) if h != first[b]), first[b]) for b in range(K)]
     unchecked = [b for b in range(K) if second[b] == first[b]]
-    if not [b for b in range(K) if b not in unchecked]:
+    checked = [b for b in range(K) if b not in unchecked]
+    if not checked:
         raise VerifyError(f"cannot check the output: no block has a second live serving peer (chain {first})")
     n = 1
     ref = await rows(second)
@@ -79,33 +113,44 @@ async def check_output(decoded: torch.Tensor, first: list[str], holders: dict[in
         return Check(True, second, gap, unchecked, traversals=n)
     again = await rows(first)
     n += 1
-    if row_gap(again, ref) <= tol:  # the first chain agrees now, not while it decoded
-        return Check(False, second, gap, unchecked, [first[b] for b in range(K) if b not in unchecked], n,
-                     "the chain answered differently while decoding than when asked again")
-    named: list[str] = []
+    if row_gap(again, ref) <= tol:  # the first chain agrees now, not while it decoded: which hop, unknown
+        return Check(False, second, gap, unchecked, [], n,
+                     "the chain answered differently while decoding than when asked again",
+                     suspects=[first[b] for b in checked])
     disputed = []
-    for b in range(K):
-        if b in unchecked:
-            continue
+    for b in checked:
         swapped = await rows(first[:b] + [second[b]] + first[b + 1:])
         n += 1
         if row_gap(swapped, again) > tol:
             disputed.append(b)
-    if not disputed:
-        raise VerifyError(f"the chains {first} and {second} disagree (gap {gap:.3f}) but no one hop explains it")
+    if not disputed:  # more than one hop at once: avoid the chain's checked hops, name nobody
+        return Check(False, second, gap, unchecked, [], n, "no one hop explains the difference",
+                     suspects=[first[b] for b in checked])
+    named: list[str] = []
+    suspects: list[str] = []
     for b in disputed:
         judges = list(dict.fromkeys([first[b], second[b], *holders.get(b, [])]))[:MAX_JUDGES]
-        answers = {first[b]: again}
-        for h in judges:
-            if h not in answers:
-                answers[h] = await rows(first[:b] + [h] + first[b + 1:])
-                n += 1
-        agree = {h: [g for g in judges if row_gap(answers[h], answers[g]) <= tol] for h in judges}
-        best = max(judges, key=lambda h: len(agree[h]))
-        if len(agree[best]) < 2:
-            raise VerifyError(f"block {b}: holders {judges} disagree and no two agree: cannot tell which is wrong "
-                              f"(start a third holder, or --allow only peers you trust)", judges)
-        named += [h for h in judges if h not in agree[best]]
-    ok = not set(named) & set(first)
+        minorities = []
+        for chain, answered in ((first, again), (second, ref)):  # each judge beside either chain's other hops
+            answers = {}
+            for h in judges:
+                if h == chain[b]:
+                    answers[h] = answered
+                else:
+                    answers[h] = await rows(chain[:b] + [h] + chain[b + 1:])
+                    n += 1
+            m = _minority(answers, tol)
+            if m is None:
+                raise VerifyError(f"block {b}: holders {judges} disagree and no two agree: cannot tell which is "
+                                  f"wrong (start a third holder, or --allow only peers you trust)", judges)
+            minorities.append(m)
+        # named: wrong beside both chains, and no unchecked hop could have made it look so (a hop
+        # that sees the route may lie only beside a peer it wants avoided); else only avoided
+        both = [h for h in minorities[0] if h in minorities[1]] if not unchecked else []
+        named += both
+        suspects += [h for h in dict.fromkeys(minorities[0] + minorities[1]) if h not in both]
+    avoided = set(named) | set(suspects)
+    ok = not avoided & set(first)
     return Check(ok, second, gap, unchecked, named, n,
-                 "" if ok else "a hop of the chain gave answers the other holders of its block do not")
+                 "" if ok else "a hop of the chain gave answers the other holders of its block do not",
+                 suspects=[h for h in dict.fromkeys(suspects) if h not in named])

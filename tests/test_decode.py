@@ -389,6 +389,20 @@ def test_wide_drafts_continue_the_chain_of_the_byte_emitted():
         assert nxt["ids"][1:] == want + alt and nxt["parents"][1:] == [0, 1, 2][:len(want)] + [0, 1, 2][:len(alt)]
 
 
+def test_a_long_sampled_draft_asks_for_fewer_chains_within_the_hops_bound():
+    """The last hop drafts (verified nodes x chains x steps) at most MAX_DRAFTING steps a traversal:
+    a session whose tree is large asks for fewer chains rather than be refused."""
+    from blocktrain.blocks.decode import MAX_DRAFTING, check_spec
+    s = Session(b"ab", 100, 200, draft_len=32, drafter=True, width=4, sampling=Sampling(temperature=1.0, seed=0))
+    s.next_spec()
+    logits = torch.full((1, 256), -1e9)
+    logits[0, 1] = 0.0  # byte 1 is drawn: the first chain, 32 drafts and 32 runners-up
+    s.feed(logits, torch.tensor([[list(range(1, 1 + 4 * 65))]]))
+    spec = s.next_spec()
+    assert len(spec["logits"]) == 65 and spec["draft"] == 32 and "width" not in spec  # 65 x 1 x 32 = the bound
+    assert len(spec["logits"]) * spec["draft"] <= MAX_DRAFTING and check_spec(spec, 200)["width"] == 1
+
+
 def test_sampling_through_the_chain_is_reproducible_and_valid():
     blocks = tiny_chain(3, seed=2)
     samp = Sampling(temperature=0.8, top_k=5, seed=7)

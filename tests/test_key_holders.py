@@ -304,10 +304,11 @@ async def test_stream_requests_from_many_identities_are_bounded_in_all(tmp_path)
 
 # --- finding 8: serving floods from many identities -----------------------------------------------
 
-async def test_compute_slots_go_round_robin_by_client_and_a_flood_gives_way():
-    """Finding 8: a client with many traversals waiting delays another by one traversal, not by
-    its whole queue; past ``max_waiting`` the flooding client's newest waiter gives way, and the
-    flooder itself is refused at once."""
+async def test_compute_slots_go_fairly_by_client_and_a_flood_gives_way():
+    """Finding 8: a client with many traversals waiting does not delay another by its queue: the
+    flooder already holds the slot, so the other goes next, then the flood's; past
+    ``max_waiting`` the flooding client's newest waiter gives way, and the flooder itself is
+    refused at once."""
     from blocktrain.p2p.fair import FairSlots, Saturated
     slots, order = FairSlots(1, max_waiting=4), []
     await slots.acquire("flood")  # the one slot is busy
@@ -326,13 +327,41 @@ async def test_compute_slots_go_round_robin_by_client_and_a_flood_gives_way():
     for _ in range(4):
         slots.release()
         await asyncio.sleep(0)
-    assert order == ["f0", "me", "f1", "f2"] and mine.done()
+    assert order == ["me", "f0", "f1", "f2"] and mine.done()
     late = asyncio.ensure_future(slots.acquire("x"))
     await asyncio.sleep(0)
     late.cancel()  # a waiter cancelled leaves no trace; the slot still goes round
     slots.release()
     await asyncio.sleep(0)
     assert slots.waiting() == 0 and slots.free == 1
+
+
+async def test_compute_slots_are_fair_over_tokens_not_traversals():
+    """Finding 8, live: 8 identities kept 8 traversals of 200 tokens each in flight, and a client
+    of ~20-token traversals waited its turn behind every identity's (49x slower than alone). Fair
+    over tokens, a client that comes back after a round trip goes next; clients asking alike
+    still alternate."""
+    from blocktrain.p2p.fair import FairSlots
+    slots, order = FairSlots(1, max_waiting=64), []
+
+    async def job(who, cost):
+        await slots.acquire(who, cost)
+        order.append(who)
+    await slots.acquire("busy", 1)  # the slot is taken: everyone below waits
+    floods = [asyncio.ensure_future(job(f"flood{i}", 200)) for i in range(8) for _ in range(2)]
+    await asyncio.sleep(0)
+    for _ in range(9):  # each flooder served once: now each is 200 tokens ahead
+        slots.release()
+        await asyncio.sleep(0)
+    legit = asyncio.ensure_future(job("legit", 20))
+    await asyncio.sleep(0)
+    slots.release()
+    await asyncio.sleep(0)
+    assert order[-1] == "legit" and legit.done()  # served next, ahead of 7 waiting flood traversals
+    assert sorted(order[:8]) == [f"flood{i}" for i in range(8)]  # alike: one each before anyone's second
+    for f in floods:
+        f.cancel()
+    await asyncio.gather(*floods, return_exceptions=True)
 
 
 async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_session():

@@ -277,6 +277,8 @@ def test_the_serving_vector_holds_a_spec_that_a_hop_accepts_and_bad_ones_it_refu
     for bad in ({**spec, "start": 5}, {**spec, "keep": [1, 0]}, {**spec, "positions": [4, 5, 64]},
                 {**spec, "parents": [-1, 2, 1]}, {**spec, "ids": [104, 105, 257]}, {**spec, "draft": 33},
                 {**spec, "invariant": 1}, {**spec, "logits": []}, {**spec, "slots": [[0], [], []]},
-                {**wide, "width": 0}, {**wide, "width": 5}, {**wide, "width": True}):
+                {**wide, "width": 0}, {**wide, "width": 5}, {**wide, "width": True},
+                {**wide, "ids": [104] * 33, "positions": [4] * 33, "parents": [-1] * 33, "logits": list(range(33)),
+                 "draft": 16}):  # 33 x 4 x 16 drafting steps: past the bound of 65 x 32
         with pytest.raises(BadSpec):
             check_spec(bad, 64)

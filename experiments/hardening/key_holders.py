@@ -6,7 +6,7 @@ Every attacker here holds the swarm key, and makes a fresh identity whenever it 
 
 (1) Identity churn: against one `bt-peer start --no-train --report R --report-every 1`, N fresh
     identities (default 5,000), 8 at a time: handshake as a member, ANNOUNCE, PING, then GOODBYE
-    (every other one vanishes without it). Every 250 identities, and for 30 s after the last: the
+    (every other one vanishes without it). Every 250 identities, and for 35 s after the last: the
     wall time of a status query (an in-process `query_status`: handshake + answer), the peer's
     VmRSS and open descriptors. Target: status under 1 s throughout and after; RSS and fds within
     10% of the baseline after they leave. The report file's size is recorded as it goes.
@@ -112,7 +112,7 @@ async def churn(tmp: Path, pid: int, port: int, n: int):
                      "report_bytes": report.stat().st_size if report.exists() else None})
         print(json.dumps(rows[-1]), flush=True)
     after = []
-    for k in range(7):  # 30 s after the last one left
+    for k in range(7):  # 35 s after the last one left
         await asyncio.sleep(5)
         after.append({"after_s": 5 * (k + 1), "status_s": await status_s(port, psk, ident), **sample(pid)})
     st = await query_status("127.0.0.1", port, ident, psk, FAST)
