@@ -148,7 +148,8 @@ Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}.
     {meta['exact_greedy_bytes_per_traversal']['median']:.2f}, min {meta['exact_greedy_bytes_per_traversal']['min']:.2f});
     output identical to autoregressive decoding on {same}/20 checked;
   - sampled at temperature 0.8: {meta['exact_sampled_t0.8_bytes_per_traversal']['mean']:.2f} bytes per
-    traversal (median {meta['exact_sampled_t0.8_bytes_per_traversal']['median']:.2f});
+    traversal (median {meta['exact_sampled_t0.8_bytes_per_traversal']['median']:.2f}) with one draft chain; the client
+    drafts wide when it samples (4 chains of 8): see `results/serving/drafting.json`;
   - {repeats} of {n} greedy continuations repeat a 16-gram.
 - Context: it trained on windows of {meta['train']['seq_len']} bytes, and past them it is worse. Its
   next-byte CE in 384-byte validation windows, by position:
