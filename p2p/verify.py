@@ -149,6 +149,8 @@ async def check_output(decoded: torch.Tensor, first: list[str], holders: dict[in
         both = [h for h in minorities[0] if h in minorities[1]] if not unchecked else []
         named += both
         suspects += [h for h in dict.fromkeys(minorities[0] + minorities[1]) if h not in both]
+    if row_gap(decoded, again) > tol:  # and the first chain answered otherwise while it decoded
+        suspects += [first[b] for b in checked]
     avoided = set(named) | set(suspects)
     ok = not avoided & set(first)
     return Check(ok, second, gap, unchecked, named, n,

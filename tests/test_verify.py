@@ -75,6 +75,10 @@ async def test_a_liar_in_the_checking_chain_is_named_and_the_output_stands():
     answer, rows, _ = fake_swarm({"b1": 4.0})
     c = await check_output(answer(FIRST), FIRST, HOLDERS, rows)
     assert c.ok and c.named == ["b1"]
+    # ... unless the first chain itself answered otherwise while it decoded
+    answer, rows, _ = fake_swarm({"b1": 4.0}, flaky=frozenset({"a2"}))
+    c = await check_output(answer(FIRST, first=True), FIRST, HOLDERS, rows)
+    assert not c.ok and c.named == ["b1"] and set(c.suspects) == set(FIRST)
 
 
 async def test_a_chain_that_lied_only_while_decoding_is_avoided_whole_and_nobody_named():
