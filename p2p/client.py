@@ -8,8 +8,8 @@ Rules:
   client it has not heard for ``client_idle_s`` (300 s), and the last hop only answers (a session
   longer than that lost its answers).
 - Decoding is ``blocks/decode.Session`` (sans-IO): the client sends its specs and feeds it the
-  last hop's logits and drafts. ``exact`` (the default): the last block drafts, the next
-  traversal verifies; greedy output is the autoregressive output byte for byte, sampled output
+  last hop's logits and drafts. ``exact`` (the default): the last block drafts (and the client
+  by prompt lookup), the next traversal verifies; greedy output is the autoregressive output byte for byte, sampled output
   is distributed as autoregressive sampling. ``autoregressive`` and ``reference``: one byte per
   traversal (the BlockTrain blocks, or the end-to-end reference model). ``blocktrain``: one
   traversal for the whole output (prompt + placeholders, greedy), the paper's one-shot mode.
@@ -49,6 +49,10 @@ DRAFT_LEN = 16  # bytes drafted per traversal in exact mode, greedy
 # traversal (2.51 against 2.57, results/serving/drafting.json) for less drafting at the last hop,
 # and over 3 WAN hops gave 2.1x autoregressive against 1.8x (results/wan/wan-valid-64-t08-wide*.json).
 DRAFT_WIDTH, SAMPLED_DRAFT_LEN = 4, 8
+# Exact mode also drafts by prompt lookup: after the longest earlier match of the last LOOKUP
+# bytes, what followed it, as a second branch of the tree (a small model's output repeats itself;
+# results/wan/wan-valid-256-greedy-lookup.json, results/serving/drafting.json).
+LOOKUP = 8
 KEEPALIVE_S = 30.0  # a PING on each connection this often (hops close clients silent for 300 s)
 
 
@@ -243,7 +247,7 @@ def new_session(prompt: bytes, n: int, mode: str, sampling: Sampling = Sampling(
     exact = mode == "exact"
     return Session(prompt, n, max_seq_len or len(prompt) + n,
                    draft_len=draft_length(draft_len, sampling) if exact else 0, drafter=exact,
-                   sampling=sampling, invariant=True, width=DRAFT_WIDTH)
+                   lookup=LOOKUP if exact else 0, sampling=sampling, invariant=True, width=DRAFT_WIDTH)
 
 
 def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None, sampling: Sampling = Sampling(),

@@ -83,10 +83,10 @@ async def test_a_client_keeps_its_answers_past_the_hops_idle_limit(models, keepa
     assert answered == 8 if keepalive_s else answered < 8
 
 
-def in_process(blocks, prompt, n, draft_len=0, sampling=None, width=1):
+def in_process(blocks, prompt, n, draft_len=0, sampling=None, width=1, lookup=0):
     from blocktrain.blocks.decode import Sampling, bf16_round, generate
     out, _ = generate(blocks, prompt, n, draft_len=draft_len, drafter=draft_len > 0,
-                      sampling=sampling or Sampling(), between=bf16_round, width=width)
+                      sampling=sampling or Sampling(), between=bf16_round, width=width, lookup=lookup)
     return out
 
 
@@ -157,8 +157,9 @@ async def test_sampled_exact_output_is_reproducible_and_matches_one_process(mode
     async with served_chain(bt, e2e, timeout_s=20) as (_, _, client):
         a, _ = await client.generate(b"sample ", 20, "exact", sampling)
         b, _ = await client.generate(b"sample ", 20, "exact", sampling)
-    from blocktrain.p2p.client import DRAFT_WIDTH, SAMPLED_DRAFT_LEN  # the client's drafts when it samples
-    assert a == b == in_process(bt, b"sample ", 20, draft_len=SAMPLED_DRAFT_LEN, sampling=sampling, width=DRAFT_WIDTH)
+    from blocktrain.p2p.client import DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN  # the client's drafts when it samples
+    assert a == b == in_process(bt, b"sample ", 20, draft_len=SAMPLED_DRAFT_LEN, sampling=sampling, width=DRAFT_WIDTH,
+                                lookup=LOOKUP)
 
 
 async def test_a_hop_that_lost_the_session_gets_it_rebuilt_and_the_output_is_unchanged(models):

@@ -8,8 +8,9 @@ N (default 200) 64-byte windows of the validation split at even offsets; 64 byte
 length 16 (the client's for greedy) unless the arm says. Arms, side by side: greedy (one chain: the argmax is always emitted);
 sampled at temperature 0.8 (seed = prompt index) with width 1 (the draft model's one chain after
 each node's argmax: r6.7's client), width 4 without runners-up, width 4 (each step's runner-up
-a sibling leaf: r6.8), and the client's (DRAFT_WIDTH chains of SAMPLED_DRAFT_LEN bytes). Bytes
-per traversal depend on the drafts and the sampled bytes only, not on the machine's speed.
+a sibling leaf: r6.8), the same with chains of SAMPLED_DRAFT_LEN bytes, and the client's, greedy
+and sampled (those drafts plus prompt lookup, LOOKUP bytes). Bytes per traversal depend on the
+drafts and the sampled bytes only, not on the machine's speed.
 """
 import argparse
 import json
@@ -26,7 +27,7 @@ from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks import decode
 from blocktrain.blocks.data import read_split
 from blocktrain.blocks.evaluate import load_chain
-from blocktrain.p2p.client import DRAFT_LEN, DRAFT_WIDTH, SAMPLED_DRAFT_LEN
+from blocktrain.p2p.client import DRAFT_LEN, DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN
 
 
 def no_runners_up(session_cls):
@@ -57,7 +58,9 @@ def main():
     arms = {"greedy": (0.0, 1, True, DRAFT_LEN), "sampled_t0.8_width1": (0.8, 1, True, DRAFT_LEN),
             "sampled_t0.8_width4_no_runners_up": (0.8, 4, False, DRAFT_LEN),
             "sampled_t0.8_width4": (0.8, 4, True, DRAFT_LEN),
-            "client": (0.8, DRAFT_WIDTH, True, SAMPLED_DRAFT_LEN)}
+            "sampled_t0.8_width4_draft8": (0.8, DRAFT_WIDTH, True, SAMPLED_DRAFT_LEN),
+            "greedy_client": (0.0, 1, True, DRAFT_LEN), "client": (0.8, DRAFT_WIDTH, True, SAMPLED_DRAFT_LEN)}
+    lookups = {"greedy_client": LOOKUP, "client": LOOKUP}  # the client's arms also draft by prompt lookup
     out = {}
     plain = decode.Session._draft_tree
     for name, (temp, width, runners_up, draft_len) in arms.items():
@@ -65,9 +68,11 @@ def main():
         bpt = []
         for i, prompt in enumerate(prompts):
             _, st = decode.generate(blocks, prompt, 64, draft_len=draft_len, drafter=True, width=width,
+                                    lookup=lookups.get(name, 0),
                                     sampling=decode.Sampling(temperature=temp, seed=i))
             bpt.append(st.bytes_per_traversal(64))
         out[name] = {"temperature": temp, "width": width, "runners_up": runners_up and width > 1, "draft_len": draft_len,
+                     "lookup": lookups.get(name, 0),
                      "mean": round(sum(bpt) / n, 3), "median": round(statistics.median(bpt), 3),
                      "min": round(min(bpt), 3), "max": round(max(bpt), 3)}
         print(json.dumps({name: out[name]}), flush=True)
