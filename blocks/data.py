@@ -277,17 +277,22 @@ def resolve_data(data: str | Path | None, say=lambda line: None, cache: str | Pa
                         "--out DIR`, then pass --data DIR)")
     out = cache_root(cache) / _cache_key(src, files)
     import fcntl
-    for _ in range(3):  # `bt-data cache --clear` may remove the folder between these two lines
+    for _ in range(3):  # `bt-data cache --clear` may remove the folder meanwhile: then again
         out.mkdir(parents=True, exist_ok=True)
         try:
             lock = open(out / ".lock", "w")  # opened for writing: its mtime says when it was last used
-            break
         except FileNotFoundError:
             continue
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.fstat(lock.fileno()).st_ino == os.stat(out / ".lock").st_ino:
+                break  # the lock we hold is the folder's own
+        except FileNotFoundError:
+            pass
+        lock.close()  # removed while we waited: another lock file, or none
     else:
         raise DataError(f"{out} keeps disappearing while it is prepared (another process clearing the cache?)")
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer; the others find its manifest
+    with lock:  # held: one preparer; the others find its manifest
         try:
             m = prepared(out) if (out / MANIFEST).is_file() else None
         except DataError:  # damaged (a file removed or cut): prepared again
@@ -334,9 +339,12 @@ def cached_corpora(cache: str | Path | None = None) -> list[CachedCorpus]:
     root = cache_root(cache)
     out = []
     for d in sorted(p for p in root.iterdir() if _is_entry(p)) if root.is_dir() else []:
-        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-        lock = d / ".lock"
-        used = (lock if lock.exists() else d).stat().st_mtime
+        try:
+            size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            lock = d / ".lock"
+            used = (lock if lock.exists() else d).stat().st_mtime
+        except FileNotFoundError:  # removed while we listed it
+            continue
         try:
             m = json.loads((d / MANIFEST).read_text())
             source = str(m["source"])

@@ -307,6 +307,8 @@ class Session:
                 if src == "model":
                     model_parents.append(parent)
                 node = children.get((parent, b))
+                if node is None and len(ids) >= MAX_VERIFY - 1:  # a hop verifies at most MAX_VERIFY nodes
+                    break
                 if node is None:
                     node = len(ids)
                     children[(parent, b)] = node
@@ -315,7 +317,7 @@ class Session:
                     source.append(src)
                 parent = node
         for parent, b in zip(model_parents, self.model_alt):  # wide drafts: each step's runner-up, a leaf
-            if 0 <= b < VOCAB_SIZE and (parent, b) not in children:
+            if 0 <= b < VOCAB_SIZE and (parent, b) not in children and len(ids) < MAX_VERIFY - 1:
                 children[(parent, b)] = len(ids)
                 ids.append(b)
                 parents.append(parent)

@@ -91,10 +91,16 @@ class PipelineClient:
         self._drafter = True  # the last hop says whether its block has a draft model
 
     async def connect(self):
+        """Connect to the first and last hops; one that cannot be reached is that hop's failure
+        (``PipelineError`` naming its index, so a caller reroutes around it)."""
         for addr in dict.fromkeys([self.route[0], self.route[-1]]):
             host, _, port = addr.rpartition(":")
             conn = make_connection(Role.INITIATOR, self.identity, self.swarm_key, info=CLIENT_INFO)
-            pc = await open_connection(host, int(port), conn, self.timeouts, self.link, name=addr)
+            hop = self.route.index(addr)
+            try:
+                pc = await open_connection(host, int(port), conn, self.timeouts, self.link, name=addr)
+            except (ConnectionError, OSError) as e:
+                raise PipelineError(f"cannot reach hop {hop} ({addr}): {e}", self.blocks[hop], hop) from None
             self.conns[addr] = pc
             self._readers.append(asyncio.get_running_loop().create_task(self._read(pc, addr)))
         if self.keepalive_s:  # at least twice within the hops' idle limit (PROTOCOL.md 7.3)

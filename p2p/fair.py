@@ -46,20 +46,25 @@ class FairSlots:
         return sum(len(q) for q in self._queues.values())
 
     def _start(self, who: str, cost: float) -> None:
-        """``who`` is served a request of ``cost`` now: advance its virtual time and the hop's."""
-        begin = max(self._vtime.get(who, 0.0), self._now)
-        self._now = begin
+        """``who`` is served a request of ``cost`` now: it began at the client's start tag (set when
+        it began to wait) or, served at once, at the hop's time; the client's next starts after it."""
+        begin = max(self._vtime.get(who, 0.0), self._now) if who not in self._queues else self._vtime[who]
+        self._now = max(self._now, begin)
         self._vtime[who] = begin + cost
         if len(self._vtime) > MAX_CLIENTS:  # those at or behind the hop's time lose nothing; then the oldest
-            for c in [c for c, t in self._vtime.items() if t <= self._now and c not in self._queues]:
+            idle = [c for c in self._vtime if c not in self._queues]
+            for c in [c for c in idle if self._vtime[c] <= self._now]:
                 del self._vtime[c]
-            while len(self._vtime) > MAX_CLIENTS:
-                del self._vtime[min(self._vtime, key=self._vtime.__getitem__)]
+            idle = sorted((c for c in self._vtime if c not in self._queues), key=self._vtime.__getitem__)
+            for c in idle[:max(0, len(self._vtime) - MAX_CLIENTS)]:  # never a waiting client's
+                del self._vtime[c]
 
     def _finish(self, who: str) -> tuple[float, int]:
-        """When ``who``'s next request would finish in virtual time (then: how long it waited)."""
+        """When ``who``'s next request would finish in virtual time (then: how long it waited). Its
+        start tag was fixed when it began to wait, so waiting never makes it later: every waiter is
+        served once the others' tags pass its own."""
         seq, cost, _ = self._queues[who][0]
-        return max(self._vtime.get(who, 0.0), self._now) + cost, seq
+        return self._vtime[who] + cost, seq
 
     async def acquire(self, who: str, cost: float = 1.0) -> None:
         if self.free > 0 and not self._queues:
@@ -70,11 +75,13 @@ class FairSlots:
             self._make_room(who)
         fut = asyncio.get_running_loop().create_future()
         self._seq += 1
+        if who not in self._queues:  # its start tag: where it stopped, or the hop's time if that is later
+            self._vtime[who] = max(self._vtime.get(who, 0.0), self._now)
         self._queues.setdefault(who, collections.deque()).append((self._seq, cost, fut))
         try:
             await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # handed a slot as it was cancelled: pass it on
+            if fut.done() and not fut.cancelled() and fut.exception() is None:  # handed a slot: pass it on
                 self.release()
             else:
                 self._forget(who, fut)
@@ -84,11 +91,13 @@ class FairSlots:
         while self._queues:
             who = min(self._queues, key=self._finish)
             q = self._queues[who]
-            _, cost, fut = q.popleft()
+            _, cost, fut = q[0]
+            if not fut.done():
+                self._start(who, cost)  # while it still counts as waiting: from its start tag
+            q.popleft()
             if not q:
                 del self._queues[who]
             if not fut.done():
-                self._start(who, cost)
                 fut.set_result(None)
                 return
         self.free += 1

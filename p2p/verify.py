@@ -13,7 +13,8 @@ Rules:
   A block whose swap moves the rows past ``tol`` is in dispute; up to ``MAX_JUDGES`` holders of
   it each recompute beside the first chain's other hops, and again beside the second's. A holder
   outside the largest group that agrees (within ``tol``, at least 2 strong) beside both is
-  *named*; outside it beside one only, or when some block is unchecked, it is a *suspect*
+  *named*; outside it beside one only, or when a peer sits in both chains' other hops (a block
+  with one holder, or a peer serving several blocks), it is a *suspect*
   (avoided for the next try, not named): every hop sees the route, so a liar may lie only beside
   a peer it wants avoided, and one context cannot tell them apart. Two holders that disagree,
   with no third to judge: ``VerifyError`` naming both. At most 2 + K + 2K (MAX_JUDGES - 1)
@@ -144,9 +145,11 @@ async def check_output(decoded: torch.Tensor, first: list[str], holders: dict[in
                 raise VerifyError(f"block {b}: holders {judges} disagree and no two agree: cannot tell which is "
                                   f"wrong (start a third holder, or --allow only peers you trust)", judges)
             minorities.append(m)
-        # named: wrong beside both chains, and no unchecked hop could have made it look so (a hop
-        # that sees the route may lie only beside a peer it wants avoided); else only avoided
-        both = [h for h in minorities[0] if h in minorities[1]] if not unchecked else []
+        # named: wrong beside both chains, when no peer sits in both chains' other hops (a hop that
+        # sees the route may lie only beside a peer it wants avoided; one peer may serve several
+        # blocks, or a block may have one holder); else only avoided
+        independent = not set(first[:b] + first[b + 1:]) & set(second[:b] + second[b + 1:])
+        both = [h for h in minorities[0] if h in minorities[1]] if independent else []
         named += both
         suspects += [h for h in dict.fromkeys(minorities[0] + minorities[1]) if h not in both]
     if row_gap(decoded, again) > tol:  # and the first chain answered otherwise while it decoded

@@ -266,14 +266,20 @@ def test_positions_beyond_max_seq_len_raise():
 
 
 def test_rows_are_batch_invariant_above_min_rows():
-    """The claim MIN_ROWS rests on, on the machine the tests run on."""
-    torch.manual_seed(0)
-    w, b = torch.randn(96, 32) * 0.1, torch.randn(96) * 0.1
-    x = torch.randn(40, 32)
-    ref = F.linear(x, w, b)
-    for m in range(MIN_ROWS, 40):
-        assert torch.equal(F.linear(x[:m], w, b), ref[:m]), m
-        assert torch.equal(F.linear(x[40 - m:], w, b), ref[40 - m:]), m
+    """The claim MIN_ROWS rests on, on the machine the tests run on, at one torch thread (the
+    serving peers' default; an earlier test may have left the process at another count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        w, b = torch.randn(96, 32) * 0.1, torch.randn(96) * 0.1
+        x = torch.randn(40, 32)
+        ref = F.linear(x, w, b)
+        for m in range(MIN_ROWS, 40):
+            assert torch.equal(F.linear(x[:m], w, b), ref[:m]), m
+            assert torch.equal(F.linear(x[40 - m:], w, b), ref[40 - m:]), m
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,14 +399,18 @@ def test_a_long_sampled_draft_asks_for_fewer_chains_within_the_hops_bound():
     """The last hop drafts (verified nodes x chains x steps) at most MAX_DRAFTING steps a traversal:
     a session whose tree is large asks for fewer chains rather than be refused."""
     from blocktrain.blocks.decode import MAX_DRAFTING, check_spec
-    s = Session(b"ab", 100, 200, draft_len=32, drafter=True, width=4, sampling=Sampling(temperature=1.0, seed=0))
-    s.next_spec()
-    logits = torch.full((1, 256), -1e9)
-    logits[0, 1] = 0.0  # byte 1 is drawn: the first chain, 32 drafts and 32 runners-up
-    s.feed(logits, torch.tensor([[list(range(1, 1 + 4 * 65))]]))
-    spec = s.next_spec()
-    assert len(spec["logits"]) == 65 and spec["draft"] == 32 and "width" not in spec  # 65 x 1 x 32 = the bound
-    assert len(spec["logits"]) * spec["draft"] <= MAX_DRAFTING and check_spec(spec, 200)["width"] == 1
+    for lookup in (0, 8):  # with prompt lookup too: the tree is cut to what a hop verifies (runners-up first)
+        s = Session(b"abcdefgh" * 4, 100, 300, draft_len=32, drafter=True, width=4, lookup=lookup,
+                    sampling=Sampling(temperature=1.0, seed=0))
+        V = len(s.next_spec()["logits"])
+        logits = torch.full((V, 256), -1e9)
+        logits[:, 97] = 0.0  # "a" is drawn: its chain's 32 drafts and 32 runners-up (and a lookup draft)
+        chain = [97] + list(range(200, 232)) + list(range(150, 182))
+        s.feed(logits, torch.tensor([[chain * 4] * V]))
+        spec = s.next_spec()
+        assert spec["parents"].count(0) == (3 if lookup else 2)  # the root's children: draft, runner-up (, lookup)
+        assert len(spec["logits"]) == 65 and spec["draft"] == 32 and "width" not in spec  # 65 x 1 x 32 = the bound
+        assert len(spec["logits"]) * spec["draft"] <= MAX_DRAFTING and check_spec(spec, 300)["width"] == 1
 
 
 def test_sampling_through_the_chain_is_reproducible_and_valid():

@@ -350,7 +350,7 @@ async def test_compute_slots_are_fair_over_tokens_not_traversals():
     await slots.acquire("busy", 1)  # the slot is taken: everyone below waits
     floods = [asyncio.ensure_future(job(f"flood{i}", 200)) for i in range(8) for _ in range(2)]
     await asyncio.sleep(0)
-    for _ in range(9):  # each flooder served once: now each is 200 tokens ahead
+    for _ in range(9):  # each flooder served once (and one twice): each is 200 tokens or more ahead
         slots.release()
         await asyncio.sleep(0)
     legit = asyncio.ensure_future(job("legit", 20))
@@ -362,6 +362,47 @@ async def test_compute_slots_are_fair_over_tokens_not_traversals():
     for f in floods:
         f.cancel()
     await asyncio.gather(*floods, return_exceptions=True)
+
+
+async def test_a_large_request_behind_a_stream_of_small_ones_is_served_soon():
+    """Fair over tokens must not starve the large: a 200-token request waiting while a flooder
+    keeps 1-token requests coming is served once the flooder's tags pass its own (about 200
+    of them), not never. And a waiter told to give way (Saturated) that is cancelled at once
+    hands on no slot it never held."""
+    from blocktrain.p2p.fair import FairSlots
+    slots, served = FairSlots(1, max_waiting=64), []
+
+    async def job(who, cost):
+        await slots.acquire(who, cost)
+        served.append(who)
+    await slots.acquire("flood", 1)
+    big = asyncio.ensure_future(job("big", 200))
+    small = [asyncio.ensure_future(job("flood", 1)) for _ in range(8)]
+    await asyncio.sleep(0)
+    releases = 0
+    while not big.done() and releases < 1000:
+        slots.release()
+        releases += 1
+        await asyncio.sleep(0)
+        small = [t for t in small if not t.done()] + [asyncio.ensure_future(job("flood", 1))]
+        await asyncio.sleep(0)
+    assert big.done() and releases <= 210, releases
+    for t in small:
+        t.cancel()
+    await asyncio.gather(*small, return_exceptions=True)
+    # Saturated, then cancelled before it ran: no slot handed on
+    slots2 = FairSlots(1, max_waiting=2)
+    await slots2.acquire("a", 1)
+    w = [asyncio.ensure_future(slots2.acquire("flood", 1)) for _ in range(2)]
+    await asyncio.sleep(0)
+    other = asyncio.ensure_future(slots2.acquire("b", 1))  # makes room: flood's newest gets Saturated
+    await asyncio.sleep(0)
+    w[1].cancel()
+    await asyncio.gather(w[1], return_exceptions=True)
+    assert slots2.free == 0 and not other.done() and slots2.waiting() == 2
+    for t in (w[0], other):
+        t.cancel()
+    await asyncio.gather(w[0], other, return_exceptions=True)
 
 
 async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_session():

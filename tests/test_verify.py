@@ -107,6 +107,20 @@ async def test_a_liar_that_lies_only_beside_an_honest_peer_gets_it_avoided_never
     assert not c.ok and c.named == [] and sorted(c.suspects) == ["L", "X"]
     c = await check_output(answer(first), first, {**holders, 0: ["L"]}, rows)  # block 0 unchecked
     assert not c.ok and c.named == [] and "X" in c.suspects
+    # one peer serving two blocks sits in both chains: the liar X (blocks 1 and 2) lies whenever A
+    # is on the route; beside either chain A looks wrong, but A is not named, only avoided
+    holders = {0: ["A", "C", "D"], 1: ["X", "Q", "R"], 2: ["P", "X", "S"]}
+
+    def answer2(route):
+        out = BASE.clone()
+        if "X" in route and "A" in route:
+            out += 4 * torch.randn(BASE.shape, generator=torch.Generator().manual_seed(6))
+        return out
+
+    async def rows2(route):
+        return answer2(route)
+    c = await check_output(answer2(["A", "X", "P"]), ["A", "X", "P"], holders, rows2)
+    assert not c.ok and c.named == [] and "A" in c.suspects
 
 
 async def test_rounding_passes_and_one_holder_per_block_cannot_be_checked():
