@@ -43,8 +43,8 @@ MASK_ID = 256  # the placeholder input id; never an output
 # Matrix products with fewer rows than this run another MKL kernel whose per-row sums differ in
 # the last bits (measured on the 2-core box, torch 2.13 / MKL 2024.2: rows of F.linear and of
 # batched q@k^T, p@v are bitwise identical for every M >= 4, and differ for M = 1, 2, 3). That is
-# at one torch thread, the serving peers' default: at 2 threads rows of F.linear also differed for
-# M = 5-7 and 9-11 (12-04), so exactness across thread counts above one is not claimed.
+# at one torch thread, which `bt-peer serve` and `bt-bench wan` set: at 2 threads rows of F.linear
+# also differed for M = 5-7 and 9-11 (12-04), so exactness above one thread is not claimed.
 # Batch-invariant decoding pads a step to this many rows; tests/test_decode.py checks the claim
 # on the machine it runs on. (A batched p @ v also depends on where zero weights sit among the
 # keys, which is why exact rows sum sequentially instead.)

@@ -386,6 +386,8 @@ def serve(bootstrap, checkpoints, reference, **o):
 
     if not o["blocks"]:
         raise click.UsageError("serve needs --block K (repeatable)")
+    import torch
+    torch.set_num_threads(1)  # exact output is byte-identical to autoregressive at one thread (model.MIN_ROWS)
     try:
         served = load_served(o["blocks"], checkpoints, reference)
     except ServeError as e:
