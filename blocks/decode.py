@@ -357,9 +357,8 @@ class Session:
                 "positions": [start + d for d in depth], "parents": parents, "logits": verify,
                 "slots": slot_lists, "draft": min(self.draft_len, max(0, left - 2)) if self.drafter else 0,
                 "invariant": self.invariant}
-        width = self.width  # as many chains as keep the last hop's drafting within its bound
-        while width > 1 and len(verify) * width * spec["draft"] > MAX_DRAFTING:
-            width -= 1
+        # as many chains as keep the last hop's drafting within its bound
+        width = max(1, min(self.width, MAX_DRAFTING // (len(verify) * spec["draft"]))) if spec["draft"] else 1
         if spec["draft"] and width > 1:
             spec["width"] = width
         self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src,
@@ -416,8 +415,8 @@ class Session:
             self.model_alt = []
             if W > 1 and len(row) == W * (1 + 2 * steps):  # W chains: the one that begins with the byte emitted
                 chains = [row[j * (1 + 2 * steps):(j + 1) * (1 + 2 * steps)] for j in range(W)]
-                chain = next((c for c in chains if c[0] == emitted), [0] + [-1] * (2 * steps))
-                row, self.model_alt = chain[1:1 + steps], chain[1 + steps:]
+                chain = next((c for c in chains if c[0] == emitted), None)
+                row, self.model_alt = (chain[1:1 + steps], chain[1 + steps:]) if chain else ([], [])
             self.model_draft = [b for b in row if 0 <= b < VOCAB_SIZE]
         else:
             self.model_draft, self.model_alt = [], []
