@@ -48,6 +48,7 @@ from _live import BT_PEER, RESULTS, TINY, finish, out, provenance
 from live_targets import fds, free_port, rss_mib, start_peer, wait_listening
 
 import blocktrain.protocol.connection as wire
+from blocktrain.provenance import code_version
 from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key, peer_id
 from blocktrain.p2p.tensors import to_wire
 from blocktrain.p2p.transport import CLIENT_INFO, Timeouts, make_connection, open_connection
@@ -386,6 +387,7 @@ def main():
     t0 = time.monotonic()
     try:
         out("code", provenance())
+        RESULTS["code_version"] = code_version()
         subprocess.run([BT_PEER, "keygen", "--out", str(tmp / "swarm.key")], check=True, capture_output=True)
         if "churn" in only:
             port = free_port()
