@@ -18,9 +18,11 @@ Rules:
 - A session's caches are freed at its end, after SESSION_IDLE_S unused, or when the hop holds
   MAX_SESSIONS (the least recently used session of the client holding the most goes: identities
   are free, and a flood of sessions must not push out a client with one).
-- Traversals take COMPUTE_SLOTS compute slots, fair by client over the tokens they compute, at
-  most MAX_WAITING waiting in all (fair.py): a client that asks little is served next, ahead of
-  clients flooding with large traversals. ``end`` without a spec only frees them, hop by hop.
+- A traversal is computed in chunks of ``decode.CHUNK`` tokens (``hop_chunks``) on the hop's
+  COMPUTE_SLOTS compute slot(s), each chunk charged its tokens by fair queuing over clients,
+  at most MAX_WAITING waiting in all (fair.py): between chunks a client back from a round trip
+  takes the slot, so it waits for one chunk, not for clients flooding with long traversals.
+  ``end`` without a spec only frees the caches, hop by hop.
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
@@ -34,15 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
+import concurrent.futures
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Iterator
 
 import torch
 
-from blocktrain.blocks.decode import SessionMismatch, hop_step
+from blocktrain.blocks.decode import CHUNK, SessionMismatch, hop_chunks
 from blocktrain.blocks.model import Block, BlockCache
 from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
 
@@ -59,7 +61,12 @@ SESSION_IDLE_S = 60.0  # caches unused this long are freed
 # about 13 MiB for the d 128 model at the spec bounds, 1.5 MiB for 256 bytes of d 192.
 MAX_SESSIONS = 64
 MAX_SESSIONS_PER_CLIENT = 8
-COMPUTE_SLOTS = 2  # traversals computed at once by one hop (the rest wait their turn, fair by client: fair.py)
+# Traversals computed at once by one hop (the rest wait their turn, fair by client: fair.py). One:
+# the model code holds the interpreter lock for much of a chunk, so a second slot adds little
+# throughput and makes the client served beside it share the lock and the core (the live flood of
+# experiments/hardening/key_holders.py on the 2-core machine, medians of 5: a client 5.2-6.7x
+# slower with 2 slots, 3.0-3.7x with 1, the flood's tokens/s no higher with 2).
+COMPUTE_SLOTS = 1
 # Traversals waiting for a compute slot at one hop, in all (fair.py: past it the client with the
 # most waiting gives way). Each holds its request's input (at most a frame, usually a few KiB).
 MAX_WAITING = 32
@@ -88,6 +95,9 @@ class PipelineServer:
         self._busy: set[tuple] = set()  # sessions with a traversal running here
         self._inflight: dict[str, int] = {}  # client -> requests being computed or waiting here
         self._compute = FairSlots(COMPUTE_SLOTS, MAX_WAITING)
+        # The compute slots' own threads: a chunk runs on one of these, never on a new thread of the
+        # loop's default pool (each thread that computes keeps its own math-library buffers).
+        self._threads = concurrent.futures.ThreadPoolExecutor(COMPUTE_SLOTS, thread_name_prefix="bt-compute")
         self.served_requests = 0
         peer.on(PipelineForward, self.handle)
         peer.report_section("serving", lambda: {"requests": self.served_requests, "sessions": len(self.sessions),
@@ -191,7 +201,7 @@ class PipelineServer:
         x = _input(msg, b, spec)
         cache = self._cache(key, b, spec["start"])
         t0 = time.perf_counter()
-        out = await self._run_block(msg, plan, key, functools.partial(hop_step, b, cache, x, spec))
+        out = await self._run_block(msg, plan, key, hop_chunks(b, cache, x, spec))
         compute = meta.get("compute_s", 0.0)
         meta["compute_s"] = (float(compute) if isinstance(compute, (int, float)) else 0.0) + time.perf_counter() - t0
         self.served_requests += 1
@@ -206,17 +216,21 @@ class PipelineServer:
             return
         await self._forward(msg, meta, to_wire("x", out, meta.get("codec", DEFAULT_CODEC), "never"))
 
-    async def _run_block(self, msg: PipelineForward, plan: HopPlan, key: tuple, step: Callable[[], Any]):
-        """``step`` (the block's hop_step) off the loop in a compute slot; the session is busy meanwhile."""
+    async def _run_block(self, msg: PipelineForward, plan: HopPlan, key: tuple, chunks: Iterator):
+        """The block's ``hop_chunks`` off the loop in a compute slot, each chunk charged its tokens
+        (fair.py): between chunks a client that comes first takes the slot. The session is busy
+        meanwhile."""
         client, k = plan.client, plan.block
+        assert plan.spec is not None, "a COMPUTE plan has a spec"
         self._busy.add(key)
         self._inflight[client] = self._inflight.get(client, 0) + 1
         try:
-            await self._compute.acquire(client, len(plan.spec["ids"]) if plan.spec else 1)  # fair by tokens
-            try:
-                return await asyncio.to_thread(step)
-            finally:
-                self._compute.release()
+            left = len(plan.spec["ids"])  # fair by tokens, a chunk at a time
+            async with self._compute.hold(client, min(left, CHUNK)) as between:
+                while (out := await asyncio.get_running_loop().run_in_executor(self._threads, next, chunks)) is None:
+                    left -= CHUNK
+                    await between(min(left, CHUNK))  # a client that comes first goes now
+                return out
         except Saturated as e:
             raise PipelineError(f"block {k} at {self.peer.addr}: {e}", k, msg.hop) from None
         except SessionMismatch as e:

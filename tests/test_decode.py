@@ -125,6 +125,51 @@ def test_tree_attention_equals_separate_causal_forwards():
             assert torch.allclose(got[i], want, atol=1e-4), (invariant, i)
 
 
+def test_a_traversal_in_chunks_equals_one_step(monkeypatch):
+    """A hop computes a traversal CHUNK tokens at a time (a serving hop hands its compute slot on
+    between chunks): a chain, a tree and slot branches after a short cached prefix, in chunks of
+    12 to 25 tokens, give the rows of one step: the batch-invariant ones bitwise, the slot
+    branches' drafts alike; and the caches hold the same entries up to rounding. (Chunks are at
+    least 12 tokens: on the development machine rows of q @ k^T over 11 keys or fewer differ in
+    the last bits from rows over more, and a chunk of CHUNK never makes such a step.)"""
+    from blocktrain.blocks import decode
+    assert decode.CHUNK >= 12
+    blocks = tiny_chain(3, seed=4)
+    prefix = list(b"abc")
+    chain = list(b"chunks of one traversal, in turn")
+    ids = chain + [ord("a"), ord("b"), ord("x"), ord("y"), ord("z"), MASK_ID, MASK_ID, MASK_ID]
+    C = len(chain)
+    parents = list(range(-1, C - 1)) + [C - 1, C, C - 1, C + 2, -1, C + 1, C + 5, C + 3]
+    P, depth = len(prefix), []
+    for q in parents:
+        depth.append(0 if q < 0 else depth[q] + 1)
+    pre = {"base": 0, "keep": [], "start": 0, "ids": prefix, "positions": list(range(P)),
+           "parents": list(range(-1, P - 1)), "logits": [P - 1], "slots": [], "invariant": True}
+    verified = list(range(C + 5))
+    slots = [[] for _ in verified]
+    slots[C + 1], slots[C + 3] = [C + 5, C + 6], [C + 7]
+    spec = {"base": P, "keep": [], "start": P, "ids": ids, "positions": [P + d for d in depth], "parents": parents,
+            "logits": verified, "slots": slots, "invariant": True}
+
+    def run(chunk):
+        monkeypatch.setattr(decode, "CHUNK", chunk)
+        caches = new_caches(blocks)
+        run_chain(blocks, caches, pre)
+        out = run_chain(blocks, caches, spec)
+        return out, [c.layers[0].k[:, :, :c.length].clone() for c in caches]
+    whole, kv = run(10_000)
+    for chunk in (12, 16, 25):
+        got, kv_got = run(chunk)
+        assert torch.equal(got["logits"], whole["logits"]), chunk  # every verified row is batch-invariant
+        assert torch.equal(got["drafts"], whole["drafts"]), chunk  # the slots' argmax
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(kv_got, kv)), chunk
+    monkeypatch.setattr(decode, "CHUNK", 16)  # a chunked hop yields None between chunks, then the result
+    caches = new_caches(blocks)
+    run_chain(blocks, caches, pre)
+    steps = list(decode.hop_chunks(blocks[0], caches[0], None, spec))
+    assert len(steps) == 3 and steps[0] is None and steps[1] is None and steps[2].shape[1] == len(ids)
+
+
 def test_drafter_drafts_equal_a_reference_run():
     """The draft model's drafts from every verified node of a tree equal a from-scratch run:
     features of the node's whole prefix, entries (feature t-1, byte t), then drafting steps."""

@@ -364,42 +364,108 @@ async def test_compute_slots_are_fair_over_tokens_not_traversals():
     await asyncio.gather(*floods, return_exceptions=True)
 
 
-async def test_a_large_request_behind_a_stream_of_small_ones_is_served_soon():
-    """Fair over tokens must not starve the large: a 200-token request waiting while a flooder
-    keeps 1-token requests coming is served once the flooder's tags pass its own (about 200
-    of them), not never. And a waiter told to give way (Saturated) that is cancelled at once
-    hands on no slot it never held."""
-    from blocktrain.p2p.fair import FairSlots
-    slots, served = FairSlots(1, max_waiting=64), []
+async def _request(slots, who: str, parts: int, log: list, cost: int = 16):
+    """A request computed in ``parts`` parts of ``cost`` (a traversal in chunks); each part is
+    logged, then yields to the loop as compute off the loop would."""
+    async with slots.hold(who, cost) as between:
+        for i in range(parts):
+            log.append((who, i))
+            await asyncio.sleep(0)
+            if i + 1 < parts:
+                await between(cost)
 
-    async def job(who, cost):
-        await slots.acquire(who, cost)
-        served.append(who)
-    await slots.acquire("flood", 1)
-    big = asyncio.ensure_future(job("big", 200))
-    small = [asyncio.ensure_future(job("flood", 1)) for _ in range(8)]
+
+async def test_a_long_traversal_hands_its_slot_on_between_chunks():
+    """A 200-token traversal no longer holds its slot throughout: a client coming back takes it at
+    the next chunk boundary and finishes its short traversal; then the long one goes on, before
+    its own client's next traversal (a client's traversals finish in turn)."""
+    from blocktrain.p2p.fair import FairSlots
+    slots, log = FairSlots(1, max_waiting=64), []
+    long = asyncio.ensure_future(_request(slots, "flood", 13, log))
     await asyncio.sleep(0)
-    releases = 0
-    while not big.done() and releases < 1000:
-        slots.release()
-        releases += 1
+    nxt = asyncio.ensure_future(_request(slots, "flood", 13, log))
+    for _ in range(6):
         await asyncio.sleep(0)
-        small = [t for t in small if not t.done()] + [asyncio.ensure_future(job("flood", 1))]
+    at = len(log)  # the long one is at its part at - 1
+    legit = asyncio.ensure_future(_request(slots, "legit", 2, log))
+    await asyncio.gather(long, nxt, legit)
+    whose = [w for w, _ in log]
+    first = whose.index("legit")
+    assert 0 < at <= first <= at + 1 < 13 and whose[first:first + 2] == ["legit", "legit"], (at, whose)  # next boundary
+    assert log[:first + 2 + 13 - first] == [("flood", i) for i in range(first)] + [("legit", 0), ("legit", 1)] + \
+        [("flood", i) for i in range(first, 13)]  # then the long one, to its end
+    assert log[-13:] == [("flood", i) for i in range(13)] and slots.free == 1 and slots.waiting() == 0
+
+
+async def test_an_idle_client_banks_a_bounded_credit():
+    """A client back from idle starts IDLE_CREDIT tokens before the hop's time, no earlier: with
+    more chunks to do it goes first for IDLE_CREDIT / 16 of them, then alternates with the client
+    that kept the hop busy. Without the bound an idle client would bank its whole absence."""
+    from blocktrain.p2p.fair import IDLE_CREDIT, FairSlots
+    slots, order = FairSlots(1, max_waiting=64), []
+    await slots.acquire("busy", 16)
+    n = IDLE_CREDIT // 16 + 8
+    for _ in range(4 * n):  # the hop's time moves on while "busy" works alone
+        slots.release("busy")
+        await slots.acquire("busy", 16)
+
+    async def job(who):
+        await slots.acquire(who, 16)
+        order.append(who)
+        slots.release(who)
+    busy = [asyncio.ensure_future(job("busy")) for _ in range(n)]
+    await asyncio.sleep(0)
+    back = [asyncio.ensure_future(job("back")) for _ in range(n)]
+    await asyncio.sleep(0)
+    slots.release("busy")
+    await asyncio.gather(*busy, *back)
+    ahead = order.index("busy")
+    assert ahead == IDLE_CREDIT // 16 + 1, order  # its tags run from IDLE_CREDIT before the hop's time to that time
+    assert order[ahead:ahead + 4] in (["busy", "back"] * 2, ["back", "busy"] * 2), order  # then in turn
+
+
+async def test_fresh_identities_cannot_starve_a_waiting_client():
+    """Identities are free, and a fresh one comes back from idle with credit: a stream of them
+    would keep coming before a client whose request waits behind its own running one. A waiter
+    passed over MAX_BYPASS times goes first. And a request cancelled while it waits between
+    chunks holds no slot."""
+    from blocktrain.p2p.fair import MAX_BYPASS, FairSlots
+    slots, served = FairSlots(2, max_waiting=256), []
+    await slots.acquire("hog", 16)  # one slot: held throughout
+    await slots.acquire("big", 16)  # the other: big's first request; its next waits behind it
+    big = asyncio.ensure_future(slots.acquire("big", 16))
+    await asyncio.sleep(0)
+    holder, n = "big", 0
+    while not big.done() and n < 4 * MAX_BYPASS:
+        fresh = asyncio.ensure_future(slots.acquire(f"fresh{n}", 16))
         await asyncio.sleep(0)
-    assert big.done() and releases <= 210, releases
-    for t in small:
-        t.cancel()
-    await asyncio.gather(*small, return_exceptions=True)
+        slots.release(holder)
+        await asyncio.sleep(0)
+        holder = "big" if big.done() else f"fresh{n}"
+        assert fresh.done() or big.done()
+        served.append(holder)
+        n += 1
+    assert big.done() and MAX_BYPASS <= n <= MAX_BYPASS + 2, n  # never first on its tag, but not starved
+    log = []
+    slots2 = FairSlots(1, max_waiting=8)
+    first = asyncio.ensure_future(_request(slots2, "a", 5, log))
+    await asyncio.sleep(0)
+    other = asyncio.ensure_future(_request(slots2, "b", 1, log))  # comes first at a's next boundary
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    first.cancel()  # a, waiting between its chunks, is cancelled
+    await asyncio.gather(first, other, return_exceptions=True)
+    assert slots2.free == 1 and slots2.waiting() == 0 and log[-1] == ("b", 0)
     # Saturated, then cancelled before it ran: no slot handed on
-    slots2 = FairSlots(1, max_waiting=2)
-    await slots2.acquire("a", 1)
-    w = [asyncio.ensure_future(slots2.acquire("flood", 1)) for _ in range(2)]
+    slots3 = FairSlots(1, max_waiting=2)
+    await slots3.acquire("a", 1)
+    w = [asyncio.ensure_future(slots3.acquire("flood", 1)) for _ in range(2)]
     await asyncio.sleep(0)
-    other = asyncio.ensure_future(slots2.acquire("b", 1))  # makes room: flood's newest gets Saturated
+    other = asyncio.ensure_future(slots3.acquire("b", 1))  # makes room: flood's newest gets Saturated
     await asyncio.sleep(0)
     w[1].cancel()
     await asyncio.gather(w[1], return_exceptions=True)
-    assert slots2.free == 0 and not other.done() and slots2.waiting() == 2
+    assert slots3.free == 0 and not other.done() and slots3.waiting() == 2
     for t in (w[0], other):
         t.cancel()
     await asyncio.gather(w[0], other, return_exceptions=True)
