@@ -71,6 +71,12 @@ async def status_s(port: int, psk: bytes, ident) -> float:
     return round(time.perf_counter() - t, 3)
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def sample(pid: int) -> dict:
     return {"rss_mib": rss_mib(pid), "fds": fds(pid)}
 
@@ -336,10 +342,11 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int):
     try:
         peak = rss0
         await asyncio.sleep(5)
-        flooded = []
+        flooded, cpu0, t0 = [], [cpu_s(p.pid) for p in procs + [flooder]], time.monotonic()
         for _ in range(runs):
             flooded.append(await legit())
             peak = max(peak, rss_mib(procs[2].pid))
+        cpu = [round((cpu_s(p.pid) - c) / (time.monotonic() - t0), 2) for p, c in zip(procs + [flooder], cpu0)]
         stop.touch()
         flooder.wait(timeout=180)
     finally:
@@ -356,6 +363,9 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int):
                           "same_output": all(o == alone[0][1] for _, o in alone + flooded),
                           "flood_answered": flood.get("answered"), "flood_refused": flood.get("refused"),
                           "flood_tokens_per_s": flood.get("tokens_per_s"),
+                          "cores_busy_while_flooded": {"hops": cpu[:3], "flooding_process": cpu[3],
+                                                       "note": "CPU seconds per second, while the flooded "
+                                                               "generates ran; the machine has 2 cores"},
                           "last_hop_rss_mib": {"before": rss0, "peak": peak, "after_5s": rss_mib(procs[2].pid)},
                           "target_met": f / a <= 2,
                           "note": "3 hops, the flooding process and the client share this machine's 2 cores: "
