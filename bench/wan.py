@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from blocktrain.blocks.decode import Sampling, one_traversal_spec
+from blocktrain.blocks.decode import CHUNK, Sampling, one_traversal_spec
 from blocktrain.p2p.client import PipelineClient
 from blocktrain.p2p.link import LinkSpec
 from blocktrain.p2p.node import Peer
-from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks, load_served
+from blocktrain.p2p.pipeline import COMPUTE_SLOTS, PipelineServer, ServedBlocks, load_served
 from blocktrain.p2p.transport import Timeouts
 
 PROMPT_LEN = 64
@@ -187,8 +187,8 @@ async def _together(n: int, route: list[str], psk: bytes, tmo: Timeouts, link: L
     clients = [PipelineClient(X25519PrivateKey.generate(), psk, route, list(range(len(route))), tmo, link,
                               codec="bf16", timeout_s=600) for _ in range(n)]
     res: dict = {"clients": n, "prompts": f"client j on prompt j (0..{n - 1}), its own identity and connections",
-                 "note": "each hop computes COMPUTE_SLOTS traversals at once, round-robin by client; no batching "
-                         "across sessions"}
+                 "note": f"each hop computes {COMPUTE_SLOTS} traversal(s) at once, in chunks of {CHUNK} tokens, "
+                         "fair by client (p2p/fair.py); no batching across sessions"}
     try:
         failed = [e for e in await asyncio.gather(*(c.connect() for c in clients), return_exceptions=True)
                   if isinstance(e, BaseException)]
