@@ -86,8 +86,8 @@ def hop_chunks(block: Block, cache: BlockCache, x: torch.Tensor | None, spec: di
     (one long traversal does not hold it throughout); every caller computes the same chunks, so
     the result does not depend on who runs it. A chunk's tokens see the cache, which holds the
     chunks before it: rows are those of one step (batch-invariant rows bitwise, the others up to
-    rounding). Abandoned midway, the cache holds entries past ``start`` that the session's next
-    rollback drops."""
+    rounding). Abandoned midway, the cache holds part of the traversal: drop the session (a
+    serving hop does)."""
     base, keep = spec["base"], spec["keep"]
     if cache.length < base + (keep[-1] + 1 if keep else 0):  # it never held what the rollback keeps
         raise SessionMismatch(block.index, cache.length, spec["start"])

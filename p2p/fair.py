@@ -4,29 +4,34 @@ Rules:
 - ``hold(who, cost)`` (``async with``) takes one of ``n`` slots or waits, and gives it back at
   the end; it yields ``between(cost)``, awaited between the parts of a request computed in parts
   (serving: a traversal in chunks of ``decode.CHUNK`` tokens, each part's ``cost`` its tokens).
-- Order: start-time fair queuing (Goyal et al. 1996) over parts. Each client has a virtual
-  time, advanced by the cost of each part it is served. A client busy here (waiting or
-  computing) starts its next part at its virtual time. A client that was idle starts at its
-  virtual time or ``IDLE_CREDIT`` before the hop's time (the largest start tag served),
-  whichever is later: it banks at most that much. The next slot goes to the smallest start tag;
-  among equal tags first to a client that was idle, then to the longest waiting.
+- Order: fair queuing over parts by start tag. Each client has a virtual time, advanced by the
+  cost of each part it is served; the hop's virtual time is the largest finish tag served
+  (start + cost), so it moves on with every part served at or past it. A client busy here
+  (waiting or computing) starts its next part at its virtual time. A client this hop knows that
+  was idle starts at its virtual time or ``IDLE_CREDIT`` before the hop's, whichever is later:
+  it banks at most that much. A client the hop does not know (a fresh identity, or one whose
+  virtual time was forgotten) starts at the hop's time, with no credit. The next slot goes to
+  the smallest start tag; among equal tags first to a client that was idle, then to the longest
+  waiting (a fresh identity served at the hop's time moves that time on, so ties cannot keep a
+  waiter back).
 - So a client back from a round trip (a legitimate session: a few dozen tokens a traversal) is
   ahead of every client that kept the hop busy, for up to ``IDLE_CREDIT`` tokens, and waits for
-  one part already computing, not for whole long traversals; clients that flood share the rest
-  in turn by the compute they take.
+  the one part being computed, not for whole long traversals; clients that flood share the rest
+  in turn by the compute they take; fresh identities queue at the hop's time and move it on.
 - ``between``: when a waiter comes before the request's next part, the slot goes to it and the
   part waits at the head of its client's queue (a client's requests finish in turn instead of
   all advancing together); otherwise the request keeps the slot.
 - Nobody waits forever: a waiter passed over by ``MAX_BYPASS`` parts goes first (oldest first),
-  whatever the tags say (a stream of fresh identities, each idle, would otherwise keep coming
-  first).
-- At most ``max_waiting`` requests wait in all. Past it, the client with the most waiting loses
-  its newest waiter (``Saturated`` is raised in it) to make room for a client with fewer; a
-  client that already has the most waiting is refused at once. So a flood from many identities
-  fills the queue but never locks out a client with nothing waiting.
+  whatever the tags say.
+- At most ``max_waiting`` requests wait in all. Past it, room is made for a newcomer: the client
+  with the most waiting loses its newest waiter if it has two more than the newcomer; else the
+  waiter that would go last loses its place if the newcomer would go before it (a part already
+  started never does); else the newcomer is refused at once (``Saturated``). So a flood from one
+  identity never fills the queue against others, and a flood from many fresh identities cannot
+  keep out a client the hop knows.
 - What is kept per client is bounded: its waiters (``max_waiting`` in all), its slots held, and
-  a virtual time while it is ahead of the hop's (at most ``MAX_CLIENTS`` of them: the furthest
-  behind go first).
+  a virtual time (at most ``MAX_CLIENTS``; past it the idle clients with the least credit are
+  forgotten first).
 - A waiter cancelled after it was handed a slot hands the slot on; a request cancelled or
   refused while it waits between parts holds no slot.
 """
@@ -45,7 +50,7 @@ class Saturated(Exception):
 
 MAX_CLIENTS = 4096  # virtual times kept for clients with nothing waiting
 MAX_BYPASS = 64  # parts served past one waiter before it goes first
-IDLE_CREDIT = 256  # how far before the hop's time an idle client starts (tokens: a short traversal)
+IDLE_CREDIT = 256  # how far before the hop's time a known idle client starts (tokens: a short traversal)
 
 
 @dataclass
@@ -53,8 +58,9 @@ class _Part:
     """One waiting part of a request."""
     seq: int  # when its request came (ties go to the longest waiting)
     cost: float
-    idle: bool  # its client was idle when the request came (ties go to it)
-    tag: float  # its start tag: set when it came (idle) or when it reached its client's queue head
+    idle: bool  # its client had nothing waiting or computing here when the request came (ties go to it)
+    tag: float  # its start tag
+    started: bool = False  # a later part of a request that already had the slot
     since: int = 0  # parts served before it began to wait
     fut: asyncio.Future | None = field(default=None, repr=False)
 
@@ -66,9 +72,9 @@ class FairSlots:
         self._queues: dict[str, collections.deque[_Part]] = {}  # client -> its waiting parts
         self._vtime: dict[str, float] = {}  # client -> virtual time after its last part started
         self._held: collections.Counter[str] = collections.Counter()  # client -> slots it holds
-        self._now = 0.0  # the hop's virtual time: the largest start tag served
+        self._now = 0.0  # the hop's virtual time: the largest finish tag served
         self._seq = 0
-        self._served = 0  # parts served from the queue
+        self._served = 0  # parts served
 
     def waiting(self, who: str | None = None) -> int:
         if who is not None:
@@ -79,58 +85,70 @@ class FairSlots:
     async def hold(self, who: str, cost: float = 1.0):
         """A slot for the block (the request's first part costs ``cost``), given back at its end;
         yields ``between(cost)`` for the request's next part."""
-        await self.acquire(who, cost)
-        seq, held = self._seq, True
+        seq = await self.acquire(who, cost)
+        held = True
 
         async def between(cost: float = 1.0):
             nonlocal held
+            part = _Part(seq, cost, False, self._vtime[who], started=True)
             first = min((self._order(c) for c in self._queues if c != who), default=None)  # its own wait
-            if first is not None and first < (1, self._vtime[who], True, seq):
+            if first is not None and first < self._rank(part):
                 held = False  # while it waits it holds nothing; cancelled or refused, it never will
-                self._release(who)
-                await self._wait(who, _Part(seq, cost, False, self._vtime[who]), first=True)
+                if self._release(who):
+                    await self._wait(who, part, first=True)
+                    held = True
+                    return
+                self.free -= 1  # nobody took it (the waiter was gone): keep it
+                self._held[who] += 1
                 held = True
-            else:
-                self._served += 1
-                self._start(who, cost, self._vtime[who])
+            self._served += 1
+            self._start(who, cost, part.tag)
         try:
             yield between
         finally:
             if held:
                 self._release(who)
 
-    async def acquire(self, who: str, cost: float = 1.0) -> None:
-        """A slot for a request of ``who`` costing ``cost``; give it back with ``release(who)``."""
+    async def acquire(self, who: str, cost: float = 1.0) -> int:
+        """A slot for a request of ``who`` costing ``cost``; give it back with ``release(who)``.
+        Returns the request's place in arrival order."""
         self._seq += 1
-        q = self._queues.get(who)
-        idle = not q and not self._held[who]
-        vt = self._vtime.get(who, 0.0)
-        tag = max(vt, self._now - IDLE_CREDIT) if idle else q[-1].tag + q[-1].cost if q else vt
+        seq, q = self._seq, self._queues.get(who)
+        known, busy = who in self._vtime, bool(q) or self._held[who] > 0
+        if busy:
+            tag = q[-1].tag + q[-1].cost if q else self._vtime[who]
+        else:
+            tag = max(self._vtime[who], self._now - IDLE_CREDIT) if known else self._now
+        part = _Part(seq, cost, not busy, tag)
         if self.free > 0 and not self._queues:
             self.free -= 1
             self._held[who] += 1
+            self._served += 1
             self._start(who, cost, tag)
-            return
+            return seq
         if self.waiting() >= self.max_waiting:
-            self._make_room(who)
-        await self._wait(who, _Part(self._seq, cost, idle, tag), first=False)
+            self._make_room(who, part)
+        await self._wait(who, part, first=False)
+        return seq
 
-    def release(self, who: str | None = None) -> None:
-        """Give a slot back (``who``: the client that held it, if it came by ``acquire``)."""
+    def release(self, who: str) -> None:
+        """Give back the slot ``who`` took with ``acquire``."""
         self._release(who)
 
-    def _order(self, who: str) -> tuple:
-        """Where ``who``'s next waiting part stands: overdue first (oldest first), then the start
-        tag, then a client that was idle, then the longest waiting."""
-        p = self._queues[who][0]
-        if self._served - p.since > MAX_BYPASS:
+    def _rank(self, p: _Part) -> tuple:
+        """Where part ``p`` stands: overdue first (oldest first), then the start tag, then a client
+        that was idle, then the longest waiting."""
+        if p.fut is not None and self._served - p.since >= MAX_BYPASS:
             return 0, p.seq, False, 0
         return 1, p.tag, not p.idle, p.seq
+
+    def _order(self, who: str) -> tuple:
+        return self._rank(self._queues[who][0])
 
     def _start(self, who: str, cost: float, tag: float) -> None:
         """A part of ``who`` costing ``cost`` is served from start tag ``tag``; the client's next
         waiting part starts no earlier than this one ends."""
-        self._now = max(self._now, tag)
+        self._now = max(self._now, tag + cost)
         self._vtime[who] = tag + cost
         q = self._queues.get(who)
         if q:
@@ -139,11 +157,12 @@ class FairSlots:
             self._prune()
 
     def _prune(self) -> None:
-        idle = [c for c in self._vtime if c not in self._queues and not self._held[c]]
-        for c in [c for c in idle if self._vtime[c] <= self._now]:  # at or behind the hop's time: they lose nothing
-            del self._vtime[c]
-        idle = sorted((c for c in idle if c in self._vtime), key=self._vtime.__getitem__)
-        for c in idle[:max(0, len(self._vtime) - MAX_CLIENTS)]:  # then the furthest behind
+        """Forget idle clients' virtual times down to MAX_CLIENTS: those with the least credit
+        first (the latest virtual times), so a stream of fresh identities pushes out each other,
+        not a known client's credit."""
+        idle = sorted((c for c in self._vtime if c not in self._queues and not self._held[c]),
+                      key=self._vtime.__getitem__, reverse=True)
+        for c in idle[:max(0, len(self._vtime) - MAX_CLIENTS)]:
             del self._vtime[c]
 
     async def _wait(self, who: str, p: _Part, first: bool) -> None:
@@ -159,35 +178,44 @@ class FairSlots:
                 self._forget(who, p)
             raise
 
-    def _release(self, who: str | None) -> None:
-        if who is not None:
-            self._held[who] -= 1
-            if self._held[who] <= 0:
-                del self._held[who]
+    def _release(self, who: str) -> bool:
+        """``who`` gives its slot back; it goes to the first waiter. Whether one took it."""
+        self._held[who] -= 1
+        if self._held[who] <= 0:
+            del self._held[who]
         while self._queues:
             nxt = min(self._queues, key=self._order)
             q = self._queues[nxt]
             p = q.popleft()
-            self._served += 1
             if not q:
                 del self._queues[nxt]
             assert p.fut is not None, "a waiting part has a future"
             if not p.fut.done():  # else cancelled, or refused (Saturated) while it waited
                 self._held[nxt] += 1
+                self._served += 1
                 self._start(nxt, p.cost, p.tag)
                 p.fut.set_result(None)
-                return
+                return True
         self.free += 1
+        return False
 
-    def _make_room(self, who: str) -> None:
+    def _make_room(self, who: str, newcomer: _Part) -> None:
+        """Room for ``newcomer`` of ``who`` in a full queue (the rules above), or Saturated."""
         top = max(self._queues, key=lambda c: len(self._queues[c]))
-        if len(self._queues[top]) <= self.waiting(who) + 1:
-            raise Saturated(f"{self.waiting()} requests already wait here")
-        p = self._queues[top].pop()  # its newest
-        if not self._queues[top]:
-            del self._queues[top]
+        fresh = [p for p in self._queues[top] if not p.started]
+        victim: tuple[str, _Part] | None = None
+        if len(self._queues[top]) > self.waiting(who) + 1 and fresh:
+            victim = top, fresh[-1]  # its newest
+        else:
+            waiting = [(c, p) for c, q in self._queues.items() for p in q if not p.started]
+            victim = max(waiting, key=lambda cp: self._rank(cp[1]), default=None)
+            if victim is None or self._rank(victim[1]) < self._rank(newcomer):
+                raise Saturated(f"{self.waiting()} requests already wait here")
+        c, p = victim
+        self._forget(c, p)
         assert p.fut is not None, "a waiting part has a future"
-        p.fut.set_exception(Saturated("the hop is saturated; this client holds the most waiting requests"))
+        if not p.fut.done():
+            p.fut.set_exception(Saturated("the hop is saturated and this request would go last"))
 
     def _forget(self, who: str, p: _Part) -> None:
         q = self._queues.get(who)

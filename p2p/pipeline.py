@@ -20,8 +20,9 @@ Rules:
   are free, and a flood of sessions must not push out a client with one).
 - A traversal is computed in chunks of ``decode.CHUNK`` tokens (``hop_chunks``) on the hop's
   COMPUTE_SLOTS compute slot(s), each chunk charged its tokens by fair queuing over clients,
-  at most MAX_WAITING waiting in all (fair.py): between chunks a client back from a round trip
-  takes the slot, so it waits for one chunk, not for clients flooding with long traversals.
+  at most MAX_WAITING waiting in all (fair.py): between chunks a client the hop knows, back
+  from a round trip, takes the slot, so it waits for one chunk, not for clients flooding with
+  long traversals.
   ``end`` without a spec only frees the caches, hop by hop.
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
@@ -67,9 +68,11 @@ MAX_SESSIONS_PER_CLIENT = 8
 # experiments/hardening/key_holders.py on the 2-core machine, medians of 5: a client 5.2-6.7x
 # slower with 2 slots, 3.0-3.7x with 1, the flood's tokens/s no higher with 2).
 COMPUTE_SLOTS = 1
-# Traversals waiting for a compute slot at one hop, in all (fair.py: past it the client with the
-# most waiting gives way). Each holds its request's input (at most a frame, usually a few KiB).
-MAX_WAITING = 32
+# Traversals waiting for a compute slot at one hop, in all (fair.py: past it room is made for a
+# newcomer that would go before the last, or it is refused). 64: one session each of 64 clients at
+# once. Each holds its request's input: hidden states of at most max_seq_len + 256 positions
+# (decoded: 0.6 MiB at d 192 and a 512-byte context), usually a few KiB.
+MAX_WAITING = 64
 # Seconds the last hop waits for the client's own connection to register (it dialled us at once).
 CLIENT_WAIT_S = 5.0
 
@@ -232,6 +235,8 @@ class PipelineServer:
                     await between(min(left, CHUNK))  # a client that comes first goes now
                 return out
         except Saturated as e:
+            if left < len(plan.spec["ids"]):  # refused midway: the caches hold part of a traversal
+                self._drop(key)
             raise PipelineError(f"block {k} at {self.peer.addr}: {e}", k, msg.hop) from None
         except SessionMismatch as e:
             self._drop(key)

@@ -324,14 +324,14 @@ async def test_compute_slots_go_fairly_by_client_and_a_flood_gives_way():
     assert flood[-1].done() and isinstance(flood[-1].exception(), Saturated)  # the newest gave way
     with pytest.raises(Saturated):
         await slots.acquire("flood")  # it holds the most waiting: refused at once
-    for _ in range(4):
-        slots.release()
+    for holder in ["flood", "me", "flood", "flood"]:
+        slots.release(holder)
         await asyncio.sleep(0)
     assert order == ["me", "f0", "f1", "f2"] and mine.done()
     late = asyncio.ensure_future(slots.acquire("x"))
     await asyncio.sleep(0)
     late.cancel()  # a waiter cancelled leaves no trace; the slot still goes round
-    slots.release()
+    slots.release("flood")
     await asyncio.sleep(0)
     assert slots.waiting() == 0 and slots.free == 1
 
@@ -343,6 +343,8 @@ async def test_compute_slots_are_fair_over_tokens_not_traversals():
     still alternate."""
     from blocktrain.p2p.fair import FairSlots
     slots, order = FairSlots(1, max_waiting=64), []
+    await slots.acquire("legit", 20)  # the client's earlier traversal: the hop knows it
+    slots.release("legit")
 
     async def job(who, cost):
         await slots.acquire(who, cost)
@@ -351,11 +353,11 @@ async def test_compute_slots_are_fair_over_tokens_not_traversals():
     floods = [asyncio.ensure_future(job(f"flood{i}", 200)) for i in range(8) for _ in range(2)]
     await asyncio.sleep(0)
     for _ in range(9):  # each flooder served once (and one twice): each is 200 tokens or more ahead
-        slots.release()
+        slots.release(order[-1] if order else "busy")
         await asyncio.sleep(0)
     legit = asyncio.ensure_future(job("legit", 20))
     await asyncio.sleep(0)
-    slots.release()
+    slots.release(order[-1])
     await asyncio.sleep(0)
     assert order[-1] == "legit" and legit.done()  # served next, ahead of 7 waiting flood traversals
     assert sorted(order[:8]) == [f"flood{i}" for i in range(8)]  # alike: one each before anyone's second
@@ -381,6 +383,7 @@ async def test_a_long_traversal_hands_its_slot_on_between_chunks():
     its own client's next traversal (a client's traversals finish in turn)."""
     from blocktrain.p2p.fair import FairSlots
     slots, log = FairSlots(1, max_waiting=64), []
+    await _request(slots, "legit", 1, [])  # its earlier traversal: the hop knows it
     long = asyncio.ensure_future(_request(slots, "flood", 13, log))
     await asyncio.sleep(0)
     nxt = asyncio.ensure_future(_request(slots, "flood", 13, log))
@@ -398,13 +401,16 @@ async def test_a_long_traversal_hands_its_slot_on_between_chunks():
 
 
 async def test_an_idle_client_banks_a_bounded_credit():
-    """A client back from idle starts IDLE_CREDIT tokens before the hop's time, no earlier: with
-    more chunks to do it goes first for IDLE_CREDIT / 16 of them, then alternates with the client
-    that kept the hop busy. Without the bound an idle client would bank its whole absence."""
+    """A client the hop knows, back from idle, starts IDLE_CREDIT tokens before the hop's time, no
+    earlier: with more chunks to do it goes first for IDLE_CREDIT / 16 of them, then alternates
+    with the client that kept the hop busy. Without the bound it would bank its whole absence;
+    a client the hop does not know (identities are free) banks nothing."""
     from blocktrain.p2p.fair import IDLE_CREDIT, FairSlots
     slots, order = FairSlots(1, max_waiting=64), []
-    await slots.acquire("busy", 16)
+    await slots.acquire("back", 16)  # known: served once, long ago
+    slots.release("back")
     n = IDLE_CREDIT // 16 + 8
+    await slots.acquire("busy", 16)
     for _ in range(4 * n):  # the hop's time moves on while "busy" works alone
         slots.release("busy")
         await slots.acquire("busy", 16)
@@ -416,59 +422,149 @@ async def test_an_idle_client_banks_a_bounded_credit():
     busy = [asyncio.ensure_future(job("busy")) for _ in range(n)]
     await asyncio.sleep(0)
     back = [asyncio.ensure_future(job("back")) for _ in range(n)]
+    new = [asyncio.ensure_future(job("new")) for _ in range(2)]
     await asyncio.sleep(0)
     slots.release("busy")
-    await asyncio.gather(*busy, *back)
-    ahead = order.index("busy")
-    assert ahead == IDLE_CREDIT // 16 + 1, order  # its tags run from IDLE_CREDIT before the hop's time to that time
-    assert order[ahead:ahead + 4] in (["busy", "back"] * 2, ["back", "busy"] * 2), order  # then in turn
+    await asyncio.gather(*busy, *back, *new)
+    ahead = IDLE_CREDIT // 16
+    assert order[:ahead + 1] == ["back"] * ahead + ["new"], order  # a fresh one starts at the hop's time
+    assert order[ahead + 1:ahead + 4] == ["busy", "back", "busy"], order  # then in turn
 
 
-async def test_fresh_identities_cannot_starve_a_waiting_client():
-    """Identities are free, and a fresh one comes back from idle with credit: a stream of them
-    would keep coming before a client whose request waits behind its own running one. A waiter
-    passed over MAX_BYPASS times goes first. And a request cancelled while it waits between
-    chunks holds no slot."""
-    from blocktrain.p2p.fair import MAX_BYPASS, FairSlots
-    slots, served = FairSlots(2, max_waiting=256), []
+async def test_fresh_identities_queue_at_the_hops_time_and_cannot_starve_anyone():
+    """Identities are free. A fresh one starts at the hop's time and moves it on, so a client
+    waiting behind its own running request is served after one of them, not after a stream of
+    them (a first version gave every fresh identity the idle credit: 200 of their chunks went
+    before one of a known client's). And when tags would keep a waiter back for ever (here a
+    hundred known clients, each back with a credit made boundless), it goes first after
+    MAX_BYPASS parts."""
+    from blocktrain.p2p import fair
+    slots = fair.FairSlots(2, max_waiting=256)
     await slots.acquire("hog", 16)  # one slot: held throughout
     await slots.acquire("big", 16)  # the other: big's first request; its next waits behind it
     big = asyncio.ensure_future(slots.acquire("big", 16))
     await asyncio.sleep(0)
     holder, n = "big", 0
-    while not big.done() and n < 4 * MAX_BYPASS:
+    while not big.done() and n < 8:
         fresh = asyncio.ensure_future(slots.acquire(f"fresh{n}", 16))
         await asyncio.sleep(0)
         slots.release(holder)
         await asyncio.sleep(0)
         holder = "big" if big.done() else f"fresh{n}"
-        assert fresh.done() or big.done()
-        served.append(holder)
         n += 1
-    assert big.done() and MAX_BYPASS <= n <= MAX_BYPASS + 2, n  # never first on its tag, but not starved
+    assert big.done() and n <= 2, n
+    fresh.cancel()  # it waits behind the hog and big
+    await asyncio.gather(fresh, return_exceptions=True)
+
+    slots = fair.FairSlots(1, max_waiting=256)
+    for i in range(100):
+        await slots.acquire(f"known{i}", 16)
+        slots.release(f"known{i}")
+    await slots.acquire("busy", 16)
+    for _ in range(200):
+        slots.release("busy")
+        await slots.acquire("busy", 16)
+    fair.IDLE_CREDIT, credit = 10 ** 9, fair.IDLE_CREDIT
+    try:
+        waiter = asyncio.ensure_future(slots.acquire("waiter", 16))
+        await asyncio.sleep(0)
+        holder, passed = "busy", 0
+        while not waiter.done() and passed < 4 * fair.MAX_BYPASS:
+            back = asyncio.ensure_future(slots.acquire(f"known{passed % 100}", 16))
+            await asyncio.sleep(0)
+            slots.release(holder)
+            await asyncio.sleep(0)
+            if not waiter.done():
+                holder, passed = f"known{passed % 100}", passed + 1
+                await back
+        assert waiter.done() and passed == fair.MAX_BYPASS, passed
+    finally:
+        fair.IDLE_CREDIT = credit
+
+
+async def test_slots_survive_cancellation_and_refusal_at_every_wait():
+    """A request cancelled while it waits between chunks holds no slot; a waiter cancelled in the
+    same turn as the holder's chunk boundary does not take the slot with it (a first version
+    handed the slot to the dead waiter and the hop served nobody again); a waiter told to give
+    way (Saturated) that is cancelled at once hands on no slot it never held; and a known client
+    makes room in a queue filled by fresh identities, one waiting each, while a fresh newcomer is
+    refused."""
+    from blocktrain.p2p.fair import FairSlots, Saturated
     log = []
-    slots2 = FairSlots(1, max_waiting=8)
-    first = asyncio.ensure_future(_request(slots2, "a", 5, log))
+    slots = FairSlots(1, max_waiting=8)
+    first = asyncio.ensure_future(_request(slots, "a", 5, log))
     await asyncio.sleep(0)
-    other = asyncio.ensure_future(_request(slots2, "b", 1, log))  # comes first at a's next boundary
+    other = asyncio.ensure_future(_request(slots, "b", 1, log))  # comes first at a's next boundary
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     first.cancel()  # a, waiting between its chunks, is cancelled
     await asyncio.gather(first, other, return_exceptions=True)
-    assert slots2.free == 1 and slots2.waiting() == 0 and log[-1] == ("b", 0)
-    # Saturated, then cancelled before it ran: no slot handed on
-    slots3 = FairSlots(1, max_waiting=2)
-    await slots3.acquire("a", 1)
-    w = [asyncio.ensure_future(slots3.acquire("flood", 1)) for _ in range(2)]
+    assert slots.free == 1 and slots.waiting() == 0 and log[-1] == ("b", 0)
+
+    slots = FairSlots(1, max_waiting=8)
+    async with slots.hold("a", 16) as between:
+        dead = asyncio.ensure_future(slots.acquire("b", 16))
+        await asyncio.sleep(0)
+        dead.cancel()  # cancelled, but its task has not run yet: its waiter is still queued
+        async with asyncio.timeout(1):  # (not wait_for: a new task would run a turn later)
+            await between(16)  # in the same turn: nobody takes the slot, so a keeps it
+    await asyncio.gather(dead, return_exceptions=True)
+    assert slots.free == 1 and slots.waiting() == 0
+    await asyncio.wait_for(slots.acquire("c", 16), 1)  # the hop still serves
+    slots.release("c")
+
+    from blocktrain.p2p import fair  # a client that hands its slot on between chunks may be forgotten meanwhile
+    slots, limit, fair.MAX_CLIENTS = FairSlots(1, max_waiting=8), fair.MAX_CLIENTS, 1
+    try:
+        await _request(slots, "x", 1, [])  # x is known, then idle
+        await slots.acquire("filler", 16)
+        for _ in range(40):  # the hop's time moves on: x has its credit
+            slots.release("filler")
+            await slots.acquire("filler", 16)
+        slots.release("filler")
+        log = []
+        a = asyncio.ensure_future(_request(slots, "a", 3, log))
+        await asyncio.sleep(0)
+        await _request(slots, "x", 1, log)  # takes a's slot at a chunk boundary; a is forgotten meanwhile
+        await asyncio.wait_for(a, 1)
+        assert log[1] == ("x", 0) and log[-1] == ("a", 2) and slots.free == 1
+    finally:
+        fair.MAX_CLIENTS = limit
+
+    slots = FairSlots(1, max_waiting=2)  # Saturated, then cancelled before it ran: no slot handed on
+    await slots.acquire("a", 1)
+    w = [asyncio.ensure_future(slots.acquire("flood", 1)) for _ in range(2)]
     await asyncio.sleep(0)
-    other = asyncio.ensure_future(slots3.acquire("b", 1))  # makes room: flood's newest gets Saturated
+    late = asyncio.ensure_future(slots.acquire("b", 1))  # makes room: flood's newest gets Saturated
     await asyncio.sleep(0)
     w[1].cancel()
     await asyncio.gather(w[1], return_exceptions=True)
-    assert slots3.free == 0 and not other.done() and slots3.waiting() == 2
-    for t in (w[0], other):
+    assert slots.free == 0 and not late.done() and slots.waiting() == 2
+    for t in (w[0], late):
         t.cancel()
-    await asyncio.gather(w[0], other, return_exceptions=True)
+    await asyncio.gather(w[0], late, return_exceptions=True)
+
+    slots = FairSlots(1, max_waiting=4)
+    await slots.acquire("known", 16)
+    slots.release("known")
+    await slots.acquire("hog", 16)
+    for _ in range(40):  # the hop's time moves on
+        slots.release("hog")
+        await slots.acquire("hog", 16)
+    fresh = [asyncio.ensure_future(slots.acquire(f"fresh{i}", 16)) for i in range(4)]
+    await asyncio.sleep(0)
+    with pytest.raises(Saturated):
+        await slots.acquire("fresh4", 16)  # a fresh newcomer would go last: refused at once
+    mine = asyncio.ensure_future(slots.acquire("known", 16))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert isinstance(fresh[-1].exception(), Saturated) and not mine.done()  # the last in line gave way
+    slots.release("hog")
+    await asyncio.sleep(0)
+    assert mine.done()
+    for t in fresh[:3]:
+        t.cancel()
+    await asyncio.gather(*fresh[:3], return_exceptions=True)
 
 
 async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_session():
