@@ -25,8 +25,10 @@ Every attacker here holds the swarm key, and makes a fresh identity whenever it 
     VmRSS before, at the peak (sampled every 0.25 s) and 10 s after. Target: +64 MiB at most.
 
 (4) Serving flood: three `bt-peer serve` processes (the shipped model); a legitimate client's
-    `generate` (64 bytes, exact) alone, 3 times, then while 8 identities each keep 8 traversals
-    of a 200-byte new session in flight. Target: at most 2x slower (median); the last hop's RSS.
+    `generate` (64 bytes, exact) alone, 5 times (--flood-runs), then while 8 identities each keep
+    8 traversals of a 200-byte new session in flight, from a process of their own; then the same
+    with a new identity for every flood traversal. Target: at most 2x slower (median); the last
+    hop's RSS; the cores each process kept busy.
 
 Only processes this script starts are stopped, by pid; everything lives in a temporary directory.
 """
@@ -312,12 +314,14 @@ async def streams(tmp: Path, n_ids: int):
 
 # --- (4) serving flood -----------------------------------------------------------------------------
 
-async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int):
+async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh: bool = False):
     """Three `bt-peer serve` processes (the shipped model, blocks 0..2). A legitimate client's
     `generate` (64 bytes, exact, greedy) alone, ``runs`` times; then again while ``n_ids``
     identities each keep ``in_flight`` traversals in flight (a new session of a 200-byte prompt
-    each, ended with it; a refused one is sent again after 50 ms). The flood runs in a process of
-    its own (the attacker's machine; here it shares the cores). The last hop's RSS throughout."""
+    each, ended with it; a refused one is sent again after 50 ms). ``fresh``: instead, the
+    ``n_ids`` x ``in_flight`` flooders each use a new identity for every traversal (a new key,
+    new connections). The flood runs in a process of its own (the attacker's machine; here it
+    shares the cores). The last hop's RSS throughout."""
     from blocktrain.p2p.client import generate
     psk, ident = keys(tmp)
     ports, procs = [free_port() for _ in range(3)], []
@@ -337,7 +341,7 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int):
     rss0 = rss_mib(procs[2].pid)
     counts, stop = tmp / "flood.json", tmp / "flood.stop"
     flooder = subprocess.Popen([os.sys.executable, __file__, "--flood-worker", json.dumps(
-        {"route": route, "key": str(tmp / "swarm.key"), "ids": n_ids, "in_flight": in_flight,
+        {"route": route, "key": str(tmp / "swarm.key"), "ids": n_ids, "in_flight": in_flight, "fresh": fresh,
          "prompt": prompt.decode(), "stop": str(stop), "out": str(counts), "max_s": 300})])
     try:
         peak = rss0
@@ -356,7 +360,9 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int):
     flood = json.loads(counts.read_text()) if counts.exists() else {}
     await asyncio.sleep(5)
     a, f = statistics.median(t for t, _ in alone), statistics.median(t for t, _ in flooded)
-    out("serving_flood", {"identities": n_ids, "in_flight_each": in_flight, "legit_bytes": 64, "runs": runs,
+    out("serving_flood_fresh_identities" if fresh else "serving_flood", {
+        "identities": "a new one for every traversal" if fresh else n_ids, "in_flight_each": in_flight,
+        "flooders": n_ids * in_flight, "legit_bytes": 64, "runs": runs,
                           "legit_alone_s": [round(t, 2) for t, _ in alone],
                           "legit_flooded_s": [round(t, 2) for t, _ in flooded],
                           "slowdown_median": round(f / a, 2),
@@ -374,7 +380,8 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int):
 
 async def flood_worker(cfg: dict):
     """The attacker (run as its own process by ``serving_flood``): ``ids`` identities, each with
-    ``in_flight`` traversals of a new 200-byte session in flight, until the stop file appears."""
+    ``in_flight`` traversals of a new 200-byte session in flight, until the stop file appears;
+    ``fresh``: every traversal from a new identity."""
     import secrets
 
     from blocktrain.blocks.decode import recompute_spec
@@ -389,12 +396,19 @@ async def flood_worker(cfg: dict):
 
     async def flood(c):
         while not stop.is_set():
+            if cfg["fresh"]:
+                c = PipelineClient(X25519PrivateKey.generate(), psk, cfg["route"], [0, 1, 2], FAST, timeout_s=120)
             try:
+                if cfg["fresh"]:
+                    await c.connect()
                 await c.traverse(secrets.randbits(62), "autoregressive", spec, end=True)
                 answered[0] += 1
-            except PipelineError:
+            except (PipelineError, ConnectionError, OSError, ProtocolError):
                 refused[0] += 1
                 await asyncio.sleep(0.05)
+            finally:
+                if cfg["fresh"]:
+                    await c.close()
     for c in clients:
         await c.connect()
     t0 = time.monotonic()
@@ -452,6 +466,7 @@ def main():
             asyncio.run(streams(tmp, args.stream_identities))
         if "flood" in only:
             asyncio.run(serving_flood(tmp, 8, 8, args.flood_runs))
+            asyncio.run(serving_flood(tmp, 8, 8, args.flood_runs, fresh=True))
     finally:
         finish(t0, args.json, tmp)
 
