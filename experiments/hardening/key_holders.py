@@ -34,7 +34,9 @@ Only processes this script starts are stopped, by pid; everything lives in a tem
 """
 import argparse
 import asyncio
+import collections
 import json
+import math
 import os
 import random
 import statistics
@@ -333,9 +335,15 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh:
     prompt = b"The history of the city begins in the early years of the nineteenth century , when "
     await generate("127.0.0.1", ports[0], ident, psk, prompt, 8, "exact", 60, wait_s=60)  # the chain is up
 
+    failures: list[str] = []
+
     async def legit():
         t = time.perf_counter()
-        out, _ = await generate("127.0.0.1", ports[0], ident, psk, prompt, 64, "exact", 120)
+        try:
+            out, _ = await generate("127.0.0.1", ports[0], ident, psk, prompt, 64, "exact", 120)
+        except Exception as e:  # noqa: BLE001 - a failed generate is a result here
+            failures.append(f"{type(e).__name__}: {e}")
+            return None, None
         return time.perf_counter() - t, out
     alone = [await legit() for _ in range(runs)]
     rss0 = rss_mib(procs[2].pid)
@@ -359,21 +367,24 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh:
             flooder.wait()
     flood = json.loads(counts.read_text()) if counts.exists() else {}
     await asyncio.sleep(5)
-    a, f = statistics.median(t for t, _ in alone), statistics.median(t for t, _ in flooded)
+    done = [t for t, _ in flooded if t is not None]
+    a, f = statistics.median(t for t, _ in alone if t is not None), statistics.median(done) if done else math.inf
     out("serving_flood_fresh_identities" if fresh else "serving_flood", {
         "identities": "a new one for every traversal" if fresh else n_ids, "in_flight_each": in_flight,
         "flooders": n_ids * in_flight, "legit_bytes": 64, "runs": runs,
-                          "legit_alone_s": [round(t, 2) for t, _ in alone],
-                          "legit_flooded_s": [round(t, 2) for t, _ in flooded],
+                          "legit_alone_s": [t and round(t, 2) for t, _ in alone],
+                          "legit_flooded_s": [t and round(t, 2) for t, _ in flooded],
+                          "legit_failed": failures,
                           "slowdown_median": round(f / a, 2),
-                          "same_output": all(o == alone[0][1] for _, o in alone + flooded),
+                          "same_output": all(o == alone[0][1] for _, o in alone + flooded if o is not None),
                           "flood_answered": flood.get("answered"), "flood_refused": flood.get("refused"),
                           "flood_tokens_per_s": flood.get("tokens_per_s"),
+                          "flooders_died": flood.get("flooders_died"),
                           "cores_busy_while_flooded": {"hops": cpu[:3], "flooding_process": cpu[3],
                                                        "note": "CPU seconds per second, while the flooded "
                                                                "generates ran; the machine has 2 cores"},
                           "last_hop_rss_mib": {"before": rss0, "peak": peak, "after_5s": rss_mib(procs[2].pid)},
-                          "target_met": f / a <= 2,
+                          "target_met": f / a <= 2 and not failures,
                           "note": "3 hops, the flooding process and the client share this machine's 2 cores: "
                                   "CPU contention inflates the slowdown"})
 
@@ -416,12 +427,14 @@ async def flood_worker(cfg: dict):
     while not Path(cfg["stop"]).exists() and time.monotonic() - t0 < cfg["max_s"]:
         await asyncio.sleep(0.1)
     stop.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    ended = await asyncio.gather(*tasks, return_exceptions=True)
+    died = collections.Counter(type(e).__name__ for e in ended if isinstance(e, BaseException))
     s = time.monotonic() - t0
     for c in clients:
         await c.close()
     Path(cfg["out"]).write_text(json.dumps({"answered": answered[0], "refused": refused[0], "seconds": round(s, 1),
-                                            "tokens_per_s": round(200 * answered[0] / s, 1)}))
+                                            "tokens_per_s": round(200 * answered[0] / s, 1),
+                                            "flooders_died": dict(died)}))
 
 
 def main():
