@@ -347,7 +347,7 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh:
         return time.perf_counter() - t, out
     alone = [await legit() for _ in range(runs)]
     rss0 = rss_mib(procs[2].pid)
-    counts, stop = tmp / "flood.json", tmp / "flood.stop"
+    counts, stop = tmp / f"flood-{fresh}.json", tmp / f"flood-{fresh}.stop"  # each run its own
     flooder = subprocess.Popen([os.sys.executable, __file__, "--flood-worker", json.dumps(
         {"route": route, "key": str(tmp / "swarm.key"), "ids": n_ids, "in_flight": in_flight, "fresh": fresh,
          "prompt": prompt.decode(), "stop": str(stop), "out": str(counts), "max_s": 300})])
