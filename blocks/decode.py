@@ -506,11 +506,11 @@ def bf16_round(h: torch.Tensor) -> torch.Tensor:
 # 4. Specs from elsewhere (the network): checked before any compute
 
 # New tokens a hop computes at a time (hop_chunks): a serving hop's compute slot changes hands
-# between chunks, and chunks are cheaper than one long step (a chunk attends over the keys so far,
-# not over the whole traversal's: 200 tokens of the shipped model's block take 19-23 ms in chunks
-# of 16, 34-45 ms at once, on the development machine). At least 12: rows of q @ k^T over 11 keys
-# or fewer differ in the last bits from rows over more there, and a first chunk of 12 or more
-# never makes such a step where the whole traversal would not (tests/test_decode.py).
+# between chunks; and a chunk's batch-invariant rows attend over the keys so far, not over the
+# whole traversal's, so chunks cost no more than one long step. At least 12: rows of q @ k^T over
+# 11 keys or fewer differ in the last bits from rows over more on the development machine, and a
+# first chunk of 12 or more never makes such a step where the whole traversal would not
+# (tests/test_decode.py).
 CHUNK = 16
 MAX_TREE = 256  # new tokens of one traversal beyond max_seq_len (draft tree and slot branches)
 MAX_VERIFY = 65  # verified nodes (logits rows) per traversal: the root and two draft branches of 32

@@ -64,9 +64,9 @@ MAX_SESSIONS = 64
 MAX_SESSIONS_PER_CLIENT = 8
 # Traversals computed at once by one hop (the rest wait their turn, fair by client: fair.py). One:
 # the model code holds the interpreter lock for much of a chunk, so a second slot adds little
-# throughput and makes the client served beside it share the lock and the core (the live flood of
-# experiments/hardening/key_holders.py on the 2-core machine, medians of 5: a client 5.2-6.7x
-# slower with 2 slots, 3.0-3.7x with 1, the flood's tokens/s no higher with 2).
+# throughput and makes the client served beside it share the lock and the core (in the live flood
+# of experiments/hardening/key_holders.py, tried on uncommitted code, the client was about twice
+# as slow with 2 slots and the flood no faster; results/hardening/key_holders_flood.json is 1).
 COMPUTE_SLOTS = 1
 # Traversals waiting for a compute slot at one hop, in all (fair.py: past it room is made for a
 # newcomer that would go before the last, or it is refused). 64: one session each of 64 clients at
