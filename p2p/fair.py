@@ -12,26 +12,27 @@ Rules:
   it banks at most that much. A client the hop does not know (a fresh identity, or one whose
   virtual time was forgotten) starts at the hop's time, with no credit. The next slot goes to
   the smallest start tag; among equal tags first to a client that was idle, then to the longest
-  waiting (a fresh identity served at the hop's time moves that time on, so ties cannot keep a
-  waiter back).
+  waiting.
 - So a client back from a round trip (a legitimate session: a few dozen tokens a traversal) is
-  ahead of every client that kept the hop busy, for up to ``IDLE_CREDIT`` tokens, and waits for
-  the one part being computed, not for whole long traversals; clients that flood share the rest
-  in turn by the compute they take; fresh identities queue at the hop's time and move it on.
+  ahead of every client that kept the hop busy, while its credit lasts (``IDLE_CREDIT`` tokens),
+  and waits for the one part being computed, not for whole long traversals; clients that flood
+  share the rest in turn by the compute they take; fresh identities queue at the hop's time.
+  The share is per identity: many identities at once take as many shares.
 - ``between``: when a waiter comes before the request's next part, the slot goes to it and the
   part waits at the head of its client's queue (a client's requests finish in turn instead of
   all advancing together); otherwise the request keeps the slot.
 - Nobody waits forever: a waiter passed over by ``MAX_BYPASS`` parts goes first (oldest first),
   whatever the tags say.
-- At most ``max_waiting`` requests wait in all. Past it, room is made for a newcomer: the client
-  with the most waiting loses its newest waiter if it has two more than the newcomer; else the
-  waiter that would go last loses its place if the newcomer would go before it (a part already
-  started never does); else the newcomer is refused at once (``Saturated``). So a flood from one
-  identity never fills the queue against others, and a flood from many fresh identities cannot
-  keep out a client the hop knows.
+- At most ``max_waiting`` parts wait in all (a request between its parts counts). Past it, room
+  is made for a newcomer: the client with the most waiting loses its newest waiter if it has two
+  more than the newcomer; else the waiter that would go last loses its place if the newcomer
+  would go before it (a request refused between its parts is refused whole: serving drops its
+  session); else the newcomer is refused at once (``Saturated``). So a flood from one identity
+  never fills the queue against others, and a client back with credit takes the place of the
+  last in line.
 - What is kept per client is bounded: its waiters (``max_waiting`` in all), its slots held, and
-  a virtual time (at most ``MAX_CLIENTS``; past it the idle clients with the least credit are
-  forgotten first).
+  a virtual time with its count of parts served (at most ``MAX_CLIENTS``; past it the idle
+  clients served the fewest parts are forgotten first, the newest among equals).
 - A waiter cancelled after it was handed a slot hands the slot on; a request cancelled or
   refused while it waits between parts holds no slot.
 """
@@ -49,7 +50,9 @@ class Saturated(Exception):
 
 
 MAX_CLIENTS = 4096  # virtual times kept for clients with nothing waiting
-MAX_BYPASS = 64  # parts served past one waiter before it goes first
+# Parts served past one waiter before it goes first: well above the waiters a hop keeps, so that
+# waiters queued alike do not turn overdue one after another ahead of a client with credit.
+MAX_BYPASS = 256
 IDLE_CREDIT = 256  # how far before the hop's time a known idle client starts (tokens: a short traversal)
 
 
@@ -71,6 +74,7 @@ class FairSlots:
         self.max_waiting = max_waiting
         self._queues: dict[str, collections.deque[_Part]] = {}  # client -> its waiting parts
         self._vtime: dict[str, float] = {}  # client -> virtual time after its last part started
+        self._parts: dict[str, int] = {}  # client -> parts it was served (kept with its virtual time)
         self._held: collections.Counter[str] = collections.Counter()  # client -> slots it holds
         self._now = 0.0  # the hop's virtual time: the largest finish tag served
         self._seq = 0
@@ -91,6 +95,7 @@ class FairSlots:
         async def between(cost: float = 1.0):
             nonlocal held
             part = _Part(seq, cost, False, self._vtime[who], started=True)
+            self._purge()
             first = min((self._order(c) for c in self._queues if c != who), default=None)  # its own wait
             if first is not None and first < self._rank(part):
                 held = False  # while it waits it holds nothing; cancelled or refused, it never will
@@ -149,7 +154,8 @@ class FairSlots:
         """A part of ``who`` costing ``cost`` is served from start tag ``tag``; the client's next
         waiting part starts no earlier than this one ends."""
         self._now = max(self._now, tag + cost)
-        self._vtime[who] = tag + cost
+        self._vtime[who] = max(self._vtime.get(who, tag + cost), tag + cost)  # never back
+        self._parts[who] = self._parts.get(who, 0) + 1
         q = self._queues.get(who)
         if q:
             q[0].tag = max(q[0].tag, tag + cost)
@@ -157,13 +163,15 @@ class FairSlots:
             self._prune()
 
     def _prune(self) -> None:
-        """Forget idle clients' virtual times down to MAX_CLIENTS: those with the least credit
-        first (the latest virtual times), so a stream of fresh identities pushes out each other,
-        not a known client's credit."""
+        """Forget idle clients down to 7/8 of MAX_CLIENTS (a sort per many new identities, not per
+        part): those served the fewest parts first, the newest first among equals, so a stream of
+        fresh identities pushes out each other, not a client the hop has served for long."""
+        order = {c: i for i, c in enumerate(self._vtime)}  # first seen
         idle = sorted((c for c in self._vtime if c not in self._queues and not self._held[c]),
-                      key=self._vtime.__getitem__, reverse=True)
-        for c in idle[:max(0, len(self._vtime) - MAX_CLIENTS)]:
+                      key=lambda c: (self._parts.get(c, 0), -order[c]))
+        for c in idle[:max(0, len(self._vtime) - MAX_CLIENTS * 7 // 8)]:
             del self._vtime[c]
+            self._parts.pop(c, None)
 
     async def _wait(self, who: str, p: _Part, first: bool) -> None:
         p.fut, p.since = asyncio.get_running_loop().create_future(), self._served
@@ -180,6 +188,7 @@ class FairSlots:
 
     def _release(self, who: str) -> bool:
         """``who`` gives its slot back; it goes to the first waiter. Whether one took it."""
+        assert self._held[who] > 0, f"{who} holds no slot"
         self._held[who] -= 1
         if self._held[who] <= 0:
             del self._held[who]
@@ -201,21 +210,28 @@ class FairSlots:
 
     def _make_room(self, who: str, newcomer: _Part) -> None:
         """Room for ``newcomer`` of ``who`` in a full queue (the rules above), or Saturated."""
+        self._purge()
+        if self.waiting() < self.max_waiting:
+            return
         top = max(self._queues, key=lambda c: len(self._queues[c]))
-        fresh = [p for p in self._queues[top] if not p.started]
         victim: tuple[str, _Part] | None = None
-        if len(self._queues[top]) > self.waiting(who) + 1 and fresh:
-            victim = top, fresh[-1]  # its newest
+        if len(self._queues[top]) > self.waiting(who) + 1:
+            victim = top, self._queues[top][-1]  # its newest (a part already started is at the head)
         else:
-            waiting = [(c, p) for c, q in self._queues.items() for p in q if not p.started]
-            victim = max(waiting, key=lambda cp: self._rank(cp[1]), default=None)
-            if victim is None or self._rank(victim[1]) < self._rank(newcomer):
+            victim = max(((c, p) for c, q in self._queues.items() for p in q), key=lambda cp: self._rank(cp[1]))
+            if self._rank(victim[1]) < self._rank(newcomer):
                 raise Saturated(f"{self.waiting()} requests already wait here")
         c, p = victim
         self._forget(c, p)
         assert p.fut is not None, "a waiting part has a future"
         if not p.fut.done():
             p.fut.set_exception(Saturated("the hop is saturated and this request would go last"))
+
+    def _purge(self) -> None:
+        """Drop waiting parts already cancelled or refused (their tasks have not run yet)."""
+        for c in [c for c, q in self._queues.items() if any(p.fut is not None and p.fut.done() for p in q)]:
+            for p in [p for p in self._queues[c] if p.fut is not None and p.fut.done()]:
+                self._forget(c, p)
 
     def _forget(self, who: str, p: _Part) -> None:
         q = self._queues.get(who)

@@ -68,9 +68,9 @@ MAX_SESSIONS_PER_CLIENT = 8
 # of experiments/hardening/key_holders.py, tried on uncommitted code, the client was about twice
 # as slow with 2 slots and the flood no faster; results/hardening/key_holders_flood.json is 1).
 COMPUTE_SLOTS = 1
-# Traversals waiting for a compute slot at one hop, in all (fair.py: past it room is made for a
-# newcomer that would go before the last, or it is refused). 64: one session each of 64 clients at
-# once. Each holds its request's input: hidden states of at most max_seq_len + 256 positions
+# Traversals waiting for a compute slot at one hop, in all, those between chunks included (fair.py:
+# past it room is made for a newcomer that would go before the last, or it is refused). 64: the
+# sessions a hop holds (MAX_SESSIONS), one traversal at a time each. Each holds its request's input: hidden states of at most max_seq_len + 256 positions
 # (decoded: 0.6 MiB at d 192 and a 512-byte context), usually a few KiB.
 MAX_WAITING = 64
 # Seconds the last hop waits for the client's own connection to register (it dialled us at once).

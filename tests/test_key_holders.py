@@ -567,6 +567,43 @@ async def test_slots_survive_cancellation_and_refusal_at_every_wait():
     await asyncio.gather(*fresh[:3], return_exceptions=True)
 
 
+async def test_a_queue_full_of_traversals_between_chunks_still_takes_a_client_back_with_credit():
+    """Traversals handed over between chunks wait too, and count against max_waiting: a queue full
+    of them refused everyone (a second review found it at 65 traversals in progress). A client
+    back with credit now takes the place of the one that would go last, which is refused whole
+    and holds no slot. And what the hop forgets first, past MAX_CLIENTS, is the identities served
+    the fewest parts, not the client it has served for long (it forgot the latest virtual time:
+    a client that had just finished a long traversal)."""
+    from blocktrain.p2p import fair
+    slots, log = fair.FairSlots(1, max_waiting=2), []
+    await _request(slots, "known", 1, [])
+    await slots.acquire("hog", 16)
+    for _ in range(40):  # the hop's time moves on: "known" has its credit
+        slots.release("hog")
+        await slots.acquire("hog", 16)
+    slots.release("hog")
+    floods = [asyncio.ensure_future(_request(slots, f"f{i}", 5, log)) for i in range(3)]
+    for _ in range(4):
+        await asyncio.sleep(0)
+    assert slots.waiting() == 2  # two traversals wait between their chunks, one computes
+    mine = asyncio.ensure_future(_request(slots, "known", 1, log))
+    ended = await asyncio.gather(mine, *floods, return_exceptions=True)
+    assert ended[0] is None and ("known", 0) in log, ended  # taken in, not refused
+    assert sum(isinstance(e, fair.Saturated) for e in ended[1:]) == 1  # the last in line, refused whole
+    assert slots.free == 1 and slots.waiting() == 0
+
+    slots, limit, fair.MAX_CLIENTS = fair.FairSlots(1, max_waiting=8), fair.MAX_CLIENTS, 16
+    try:
+        for i in range(15):
+            await _request(slots, f"early{i}", 1, [])
+        await _request(slots, "long", 40, [])  # served for long, and last: the latest virtual time
+        for i in range(40):  # fresh identities, one part each: the table overflows
+            await _request(slots, f"fresh{i}", 1, [])
+        assert "long" in slots._vtime and len(slots._vtime) <= 16
+    finally:
+        fair.MAX_CLIENTS = limit
+
+
 async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_session():
     """Finding 8: when the hop holds MAX_SESSIONS, the session that goes is the least recently
     used of the client holding the most, never the one session of a quiet client."""
