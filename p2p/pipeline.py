@@ -21,9 +21,9 @@ Rules:
 - A traversal is computed in chunks of ``decode.CHUNK`` tokens (``hop_chunks``) on the hop's
   COMPUTE_SLOTS compute slot(s), each chunk charged its tokens by fair queuing over clients,
   at most MAX_WAITING waiting in all (fair.py): between chunks a client the hop knows, back
-  from a round trip, takes the slot, so it waits for one chunk, not for clients flooding with
-  long traversals.
-  ``end`` without a spec only frees the caches, hop by hop.
+  from a round trip, takes the slot, so while its credit lasts it waits for one chunk, not for
+  clients flooding with long traversals. ``end`` without a spec only frees the caches, hop by
+  hop.
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
@@ -70,8 +70,9 @@ MAX_SESSIONS_PER_CLIENT = 8
 COMPUTE_SLOTS = 1
 # Traversals waiting for a compute slot at one hop, in all, those between chunks included (fair.py:
 # past it room is made for a newcomer that would go before the last, or it is refused). 64: the
-# sessions a hop holds (MAX_SESSIONS), one traversal at a time each. Each holds its request's input: hidden states of at most max_seq_len + 256 positions
-# (decoded: 0.6 MiB at d 192 and a 512-byte context), usually a few KiB.
+# sessions a hop holds (MAX_SESSIONS), one traversal at a time each. Each holds its request's
+# input: hidden states of at most max_seq_len + 256 positions (decoded: 0.6 MiB at d 192 and a
+# 512-byte context), usually a few KiB.
 MAX_WAITING = 64
 # Seconds the last hop waits for the client's own connection to register (it dialled us at once).
 CLIENT_WAIT_S = 5.0
