@@ -73,10 +73,8 @@ def hop_step(block: Block, cache: BlockCache, x: torch.Tensor | None, spec: dict
     """Block ``block``'s share of one traversal; returns hidden states (B, T, C), or for the last
     block of the chain ``{"logits", "drafts"}``. ``x``: hidden states from the hop below; for
     block 0, None (ids from ``spec``) or an id tensor (B, T) for a batch of equal sessions."""
-    for out in hop_chunks(block, cache, x, spec):
-        if out is not None:
-            return out
-    raise AssertionError("hop_chunks ends with the result")
+    *_, out = hop_chunks(block, cache, x, spec)  # its last item is the result
+    return out
 
 
 @torch.no_grad()  # each resumption, on whatever thread runs it

@@ -101,15 +101,12 @@ class FairSlots:
             part = _Part(seq, cost, False, self._vtime[who], started=True)
             self._purge()
             first = min((self._order(c) for c in self._queues if c != who), default=None)  # its own wait
-            if first is not None and first < self._rank(part):
+            if first is not None and first < self._rank(part):  # a live waiter (purged above) takes it
                 held = False  # while it waits it holds nothing; cancelled or refused, it never will
-                if self._release(who):
-                    await self._wait(who, part, first=True)
-                    held = True
-                    return
-                self.free -= 1  # nobody took it (the waiter was gone): keep it
-                self._held[who] += 1
+                self._release(who)
+                await self._wait(who, part, first=True)
                 held = True
+                return
             self._served += 1
             self._start(who, cost, part.tag)
         try:
@@ -190,8 +187,8 @@ class FairSlots:
                 self._forget(who, p)
             raise
 
-    def _release(self, who: str) -> bool:
-        """``who`` gives its slot back; it goes to the first waiter. Whether one took it."""
+    def _release(self, who: str) -> None:
+        """``who`` gives its slot back; it goes to the first waiter still waiting."""
         assert self._held[who] > 0, f"{who} holds no slot"
         self._held[who] -= 1
         if self._held[who] <= 0:
@@ -208,9 +205,8 @@ class FairSlots:
                 self._served += 1
                 self._start(nxt, p.cost, p.tag)
                 p.fut.set_result(None)
-                return True
+                return
         self.free += 1
-        return False
 
     def _make_room(self, who: str, newcomer: _Part) -> None:
         """Room for ``newcomer`` of ``who`` in a full queue (the rules above), or Saturated."""
@@ -233,7 +229,7 @@ class FairSlots:
 
     def _purge(self) -> None:
         """Drop waiting parts already cancelled or refused (their tasks have not run yet)."""
-        for c in [c for c, q in self._queues.items() if any(p.fut is not None and p.fut.done() for p in q)]:
+        for c in list(self._queues):
             for p in [p for p in self._queues[c] if p.fut is not None and p.fut.done()]:
                 self._forget(c, p)
 
