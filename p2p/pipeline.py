@@ -16,8 +16,11 @@ Rules:
   does not fit this hop's cache (``SessionMismatch``: a new hop, an expired or evicted session)
   is answered with fault "session": the client rebuilds the caches from its committed bytes.
 - A session's caches are freed at its end, after SESSION_IDLE_S unused, or when the hop holds
-  MAX_SESSIONS (the least recently used session of the client holding the most goes: identities
-  are free, and a flood of sessions must not push out a client with one).
+  MAX_SESSIONS: the least recently used idle session of the client holding the most goes (its
+  running traversals count); among equals, of the client the hop has served the fewest parts
+  (fair.py), and if that is the newcomer, its new session is refused (fault "hop"). Identities
+  are free: a flood of sessions, from a few identities or a fresh one per session, must not push
+  out a client with one.
 - A traversal is computed in chunks of ``decode.CHUNK`` tokens (``hop_chunks``) on the hop's
   COMPUTE_SLOTS compute slot(s), each chunk charged its tokens by fair queuing over clients,
   at most MAX_WAITING waiting in all (fair.py): between chunks a client the hop knows, back
@@ -151,12 +154,20 @@ class PipelineServer:
             cache = BlockCache(b)
         self.sessions[key] = cache  # most recently used last
         self._used[key] = time.monotonic()
-        while len(self.sessions) > MAX_SESSIONS:  # the least recently used of the client holding the most
-            held = collections.Counter(k[0] for k in self.sessions if k not in self._busy)
-            if not held:
+        while len(self.sessions) > MAX_SESSIONS:
+            # The least recently used idle session of the client holding the most (its traversals
+            # running here included); among equals, of the client served the fewest parts here (a
+            # fresh identity: none), the newcomer last.
+            held = collections.Counter(k[0] for k in self.sessions)
+            idle = list(dict.fromkeys(k[0] for k in self.sessions if k not in self._busy))  # LRU first
+            if not idle:
                 break
-            top = max(held, key=lambda c: (held[c], c != key[0]))
-            self._drop(next(k for k in self.sessions if k[0] == top and k not in self._busy))
+            top = max(idle, key=lambda c: (held[c], -self._compute.parts_served(c), c != key[0]))
+            drop = next(k for k in self.sessions if k[0] == top and k not in self._busy)
+            self._drop(drop)
+            if drop == key:  # the newcomer goes: every session it would push out is a better-known client's
+                raise PipelineError(f"block {b.index}: this hop holds {MAX_SESSIONS} sessions, of clients it has "
+                                    f"served more", b.index)
         return cache
 
     def _drop(self, key: tuple):

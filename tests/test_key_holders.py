@@ -621,6 +621,38 @@ async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_sess
         await peer.stop()
 
 
+async def test_a_flood_of_fresh_identities_with_traversals_running_keeps_a_known_clients_session():
+    """Finding 8, a fresh identity per session: with every other session busy, a newcomer the hop
+    has never served is refused rather than push out the one idle session of a client it has
+    served; a newcomer the hop has served more than that client is not."""
+    from blocktrain.blocks.model import Block, ModelConfig
+    from blocktrain.p2p.pipeline import MAX_SESSIONS, PipelineError, PipelineServer, ServedBlocks
+    peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
+    b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
+    server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
+
+    async def serve(who: str, parts: int):
+        for _ in range(parts):
+            async with server._compute.hold(who, 16):
+                pass
+    try:
+        await serve("me", 3)
+        mine = ("me", 1, False, 0)
+        server._cache(mine, b, 0)  # idle between its traversals
+        for i in range(MAX_SESSIONS - 1):  # fresh identities, each with its traversal running here
+            server._cache((f"fresh{i}", i, False, 0), b, 0)
+            server._busy.add((f"fresh{i}", i, False, 0))
+        with pytest.raises(PipelineError, match="sessions") as refused:
+            server._cache(("fresh-new", 0, False, 0), b, 0)
+        assert refused.value.fault == "hop" and mine in server.sessions
+        assert ("fresh-new", 0, False, 0) not in server.sessions and len(server.sessions) == MAX_SESSIONS
+        await serve("veteran", 4)  # served more than "me": its new session takes the idle one's place
+        server._cache(("veteran", 0, False, 0), b, 0)
+        assert mine not in server.sessions and ("veteran", 0, False, 0) in server.sessions
+    finally:
+        await peer.stop()
+
+
 async def test_a_bad_hidden_state_codec_is_the_requests_fault_before_any_compute():
     """Finding 12: an unknown ``codec`` is refused before compute, as the request's fault (it
     blamed the hop after computing)."""
