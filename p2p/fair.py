@@ -141,10 +141,6 @@ class FairSlots:
         """Give back the slot ``who`` took with ``acquire``."""
         self._release(who)
 
-    def parts_served(self, who: str) -> int:
-        """Parts served to ``who`` while the hop remembers it (0 for a client it does not know)."""
-        return self._parts.get(who, 0)
-
     def _rank(self, p: _Part) -> tuple:
         """Where part ``p`` stands: overdue first (oldest first), then the start tag, then a client
         that was idle, then the longest waiting."""

@@ -16,11 +16,10 @@ Rules:
   does not fit this hop's cache (``SessionMismatch``: a new hop, an expired or evicted session)
   is answered with fault "session": the client rebuilds the caches from its committed bytes.
 - A session's caches are freed at its end, after SESSION_IDLE_S unused, or when the hop holds
-  MAX_SESSIONS: the least recently used idle session of the client holding the most goes (its
-  running traversals count); among equals, of the client the hop has served the fewest parts
-  (fair.py), and if that is the newcomer, its new session is refused (fault "hop"). Identities
-  are free: a flood of sessions, from a few identities or a fresh one per session, must not push
-  out a client with one.
+  more than MAX_SESSIONS: an idle session goes, the least recently used of the client holding
+  the most, of those unused for RECENT_S; a recent one only past twice MAX_SESSIONS. Identities
+  are free: a flood of sessions, from a few identities or a fresh one per traversal, must not
+  push out a client with one between its traversals.
 - A traversal is computed in chunks of ``decode.CHUNK`` tokens (``hop_chunks``) on the hop's
   COMPUTE_SLOTS compute slot(s), each chunk charged its tokens by fair queuing over clients,
   at most MAX_WAITING waiting in all (fair.py): between chunks a client the hop knows, back
@@ -65,6 +64,12 @@ SESSION_IDLE_S = 60.0  # caches unused this long are freed
 # about 13 MiB for the d 128 model at the spec bounds, 1.5 MiB for 256 bytes of d 192.
 MAX_SESSIONS = 64
 MAX_SESSIONS_PER_CLIENT = 8
+# A session used this recently is not pushed out by a new one while the hop holds fewer than twice
+# MAX_SESSIONS: a client between two traversals (its round trip) keeps its caches however many new
+# sessions come (identities are free: a flood of a fresh identity per traversal, with every other
+# session's traversal running here, pushed out the client's one idle session). Sessions past
+# MAX_SESSIONS are then ones in use or used within RECENT_S.
+RECENT_S = 5.0
 # Traversals computed at once by one hop (the rest wait their turn, fair by client: fair.py). One:
 # the model code holds the interpreter lock for much of a chunk, so a second slot adds little
 # throughput and makes the client served beside it share the lock and the core (in the live flood
@@ -155,19 +160,17 @@ class PipelineServer:
         self.sessions[key] = cache  # most recently used last
         self._used[key] = time.monotonic()
         while len(self.sessions) > MAX_SESSIONS:
-            # The least recently used idle session of the client holding the most (its traversals
-            # running here included); among equals, of the client served the fewest parts here (a
-            # fresh identity: none), the newcomer last.
-            held = collections.Counter(k[0] for k in self.sessions)
-            idle = list(dict.fromkeys(k[0] for k in self.sessions if k not in self._busy))  # LRU first
+            # An idle session goes (not this one, nor one with a traversal here): the least recently
+            # used of the client holding the most, of those idle for RECENT_S; below twice
+            # MAX_SESSIONS a recent one stays (the table passes MAX_SESSIONS meanwhile).
+            idle = [k for k in self.sessions if k != key and k not in self._busy]
+            if len(self.sessions) <= 2 * MAX_SESSIONS:
+                now = time.monotonic()
+                idle = [k for k in idle if now - self._used[k] > RECENT_S]
             if not idle:
                 break
-            top = max(idle, key=lambda c: (held[c], -self._compute.parts_served(c), c != key[0]))
-            drop = next(k for k in self.sessions if k[0] == top and k not in self._busy)
-            self._drop(drop)
-            if drop == key:  # the newcomer goes: every session it would push out is a better-known client's
-                raise PipelineError(f"block {b.index}: this hop holds {MAX_SESSIONS} sessions, of clients it has "
-                                    f"served more", b.index)
+            held = collections.Counter(k[0] for k in self.sessions)
+            self._drop(max(idle, key=lambda k: held[k[0]]))  # the first of the most: least recently used
         return cache
 
     def _drop(self, key: tuple):
