@@ -336,13 +336,19 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh:
     await generate("127.0.0.1", ports[0], ident, psk, prompt, 8, "exact", 60, wait_s=60)  # the chain is up
 
     failures: list[str] = []
+    rebuilds: list[int] = []  # per generate: caches a hop lost mid-session (fault "session"), rebuilt
+    attempts: list[int] = []  # per generate: chains tried
 
     async def legit():
         t = time.perf_counter()
         try:
-            out, _ = await generate("127.0.0.1", ports[0], ident, psk, prompt, 64, "exact", 120)
+            out, stats = await generate("127.0.0.1", ports[0], ident, psk, prompt, 64, "exact", 120)
+            rebuilds.append(stats.get("rebuilds", 0))
+            attempts.append(stats["attempts"])
         except Exception as e:  # noqa: BLE001 - a failed generate is a result here
             failures.append(f"{type(e).__name__}: {e}")
+            rebuilds.append(None)
+            attempts.append(None)
             return None, None
         return time.perf_counter() - t, out
     alone = [await legit() for _ in range(runs)]
@@ -375,6 +381,7 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh:
                           "legit_alone_s": [t and round(t, 2) for t, _ in alone],
                           "legit_flooded_s": [t and round(t, 2) for t, _ in flooded],
                           "legit_failed": failures,
+                          "legit_rebuilds": rebuilds[runs:], "legit_attempts": attempts[runs:],
                           "slowdown_median": round(f / a, 2),
                           "same_output": all(o == alone[0][1] for _, o in alone + flooded if o is not None),
                           "flood_answered": flood.get("answered"), "flood_refused": flood.get("refused"),
@@ -443,7 +450,8 @@ def main():
     ap.add_argument("--identities", type=int, default=5000)
     ap.add_argument("--frames", type=int, default=100000)
     ap.add_argument("--stream-identities", type=int, default=96)
-    ap.add_argument("--only", default="churn,fuzz,streams,flood")
+    ap.add_argument("--only", default="churn,fuzz,streams,flood",
+                    help="comma list of churn, fuzz, streams, flood (both floods), flood-fresh (that one only)")
     ap.add_argument("--flood-runs", type=int, default=5, help="generate runs alone and flooded (medians)")
     ap.add_argument("--flood-worker", help=argparse.SUPPRESS)  # serving_flood's attacker process
     args = ap.parse_args()
@@ -479,6 +487,7 @@ def main():
             asyncio.run(streams(tmp, args.stream_identities))
         if "flood" in only:
             asyncio.run(serving_flood(tmp, 8, 8, args.flood_runs))
+        if "flood" in only or "flood-fresh" in only:
             asyncio.run(serving_flood(tmp, 8, 8, args.flood_runs, fresh=True))
     finally:
         finish(t0, args.json, tmp)
