@@ -401,6 +401,12 @@ def _ints(text: str, name: str) -> list[int]:
               help="Fraction of the members that leave per minute of virtual time (as many join).")
 @click.option("--timeout-s", default=5.0, show_default=True, type=click.FloatRange(0.01, 600),
               help="A silent partner is departed this long after a member began its round.")
+@click.option("--views", type=click.Choice(["own", "shared"]), default="own", show_default=True,
+              help="own: each member learns of a join or departure at its own moment, as real peers do; "
+                   "shared: all at once (the optimistic bound).")
+@click.option("--heartbeat-s", default=1.0, show_default=True, type=click.FloatRange(0, 60),
+              help="With --views own: members learn of a departure --timeout-s after it plus up to this, "
+                   "of a join up to twice this after it.")
 @click.option("--step-ms", default=200.0, show_default=True, type=click.FloatRange(0.1, 1e6),
               help="Virtual compute per local step (median; each member's speed varies).")
 @click.option("--rtt-ms", default="10,200", show_default=True, metavar="LO,HI",
@@ -418,8 +424,8 @@ def _ints(text: str, name: str) -> list[int]:
 @click.option("--png", "png_path", type=click.Path(dir_okay=False),
               help="Plot consensus distance and loss against rounds here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
-def gossip(members, all_sizes, size, rounds, local_steps, lr, codec, aggregate, churn, timeout_s, step_ms, rtt_ms,
-           rate_mbit, attackers, attack, target_loss, eval_every, seed, png_path, json_path):
+def gossip(members, all_sizes, size, rounds, local_steps, lr, codec, aggregate, churn, timeout_s, views, heartbeat_s,
+           step_ms, rtt_ms, rate_mbit, attackers, attack, target_loss, eval_every, seed, png_path, json_path):
     """Simulate one block's group of hundreds of members, gossip against all-to-all.
 
     One process, virtual time: each member's round is the real sans-IO AveragingRound, its small
@@ -445,7 +451,7 @@ def gossip(members, all_sizes, size, rounds, local_steps, lr, codec, aggregate, 
     if attackers and attackers >= min(sizes):
         raise click.BadParameter(f"{attackers} attackers need more members than that", param_hint="--attackers")
     base = sim.SimConfig(size=size, rounds=rounds, local_steps=local_steps, lr=lr, codec=codec, aggregate=aggregate,
-                         churn=churn, timeout_s=timeout_s, step_ms=step_ms, rtt_ms=ranges["--rtt-ms"],
+                         churn=churn, timeout_s=timeout_s, views=views, heartbeat_s=heartbeat_s, step_ms=step_ms, rtt_ms=ranges["--rtt-ms"],
                          rate_mbit=ranges["--rate-mbit"], attackers=attackers, attack=attack, eval_every=eval_every,
                          seed=seed)
 

@@ -21,11 +21,17 @@ return, in the order a virtual network delivers them; small groups come from ``g
   it (round.py rule 4) one ``--timeout-s`` after they began: the heartbeat timeout of the
   membership layer. A joiner takes a random member's parameters (their bytes over its rate) and
   is in the first partition after that.
-- Membership: every member holds the same view of who is in (departures known at once, joins
-  after their state transfer). Real peers learn of a change at different moments, and under
-  gossip a view that differs by one member puts most members in other small groups than the
-  others compute: rule 9 (driver.py) fails such rounds, up to 2 per change, across the group.
-  None of that is simulated: the churn figures are an upper bound on what real peers reach.
+- Membership (``--views own``, the default): each member learns of a change at its own moment,
+  as real peers do: of a departure when its heartbeat timeout fires, ``--timeout-s`` after the
+  crash plus up to ``--heartbeat-s`` (members last heard the leaver up to one heartbeat apart);
+  of a join up to two heartbeats after the joiner took its state (the membership gossip). Each
+  member partitions its own view: under gossip a view one member apart puts most members in
+  other small groups than the others compute, so their parts carry another ``group`` digest;
+  the receiver departs the sender and tells it ``absent`` (driver.py's rule 9, both ways), and
+  each fails such rounds, up to ``MISMATCH_ROUNDS`` since its view of the group last changed,
+  after which the mismatched member only departs its round. A crashed member still in a view is
+  a silent partner there. ``--views shared``: every member holds one view, departures known at
+  once and joins after their state transfer (the optimistic bound, and the model before views).
 - Attackers average honestly themselves (they take their round's result) and send their own
   update reversed (``flip``) or 8 times as large (``x8``) to their partners.
 
@@ -51,13 +57,15 @@ import torch.nn.functional as F
 
 from blocktrain.blocks.data import load_split
 from blocktrain.p2p.averaging import AveragingRound, RoundFailed
-from blocktrain.p2p.averaging.driver import outliers_in_a_row
+from blocktrain.p2p.averaging.round import GroupMismatch
+from blocktrain.p2p.averaging.driver import MISMATCH_ROUNDS, MISMATCHED, outliers_in_a_row
 from blocktrain.p2p.averaging.gossip import check_gossip_codec, gossip_groups, gossip_start
 
 CONTEXT = 4  # previous bytes the model sees
 EMBED = 16
 HIDDEN = 128
 ATTACKS = ("flip", "x8")
+VIEWS = ("own", "shared")
 
 
 @dataclass
@@ -73,6 +81,8 @@ class SimConfig:
     aggregate: str = "robust"
     churn: float = 0.0  # fraction of members leaving (and as many joining) per minute of virtual time
     timeout_s: float = 5.0  # a silent partner is departed this long after a member began its round
+    views: str = "own"  # "own": each member learns of a join or departure at its own moment; "shared": at once
+    heartbeat_s: float = 1.0  # spread of the moments members learn of a change (views "own")
     round_timeout_s: float = 120.0  # a round not done by then ends with what came (swarm.round_timeout_s)
     step_ms: float = 200.0  # virtual compute per local step (median)
     rtt_ms: tuple = (10.0, 200.0)  # log-uniform range of a member's round trip
@@ -90,6 +100,8 @@ class SimConfig:
             check_gossip_codec(self.codec)
         if self.attack not in ATTACKS:
             raise ValueError(f"attack {self.attack!r}: expected one of {ATTACKS}")
+        if self.views not in VIEWS:
+            raise ValueError(f"views {self.views!r}: expected one of {VIEWS}")
         if not 0 <= self.attackers < self.members:
             raise ValueError(f"{self.attackers} attackers among {self.members} members")
         if self.members < 2:
@@ -183,6 +195,7 @@ class RoundStats:
     wait_s: float  # median over members of (round end - round begin): the exchange and the waiting
     time_s: float  # median member's round end (virtual)
     silent: int = 0
+    mismatched: int = 0  # honest members whose round saw a partner with another view of the group
     blocked_s: float = 0.0  # the longest an honest member waited past its live partners' readiness (silent partner)
     failed: int = 0  # honest members whose round failed (nothing applied)
     loss: float | None = None
@@ -217,6 +230,7 @@ class Simulation:
         self.eval_y = valid[pos].long()
         self.model = BatchedMLP(cfg.members, self.gen)
         self.members: dict[str, Member] = {}
+        self.roster: dict[str, list] = {}  # views "own": every id ever in -> [joined (None: from the start), crashed]
         self.next_id = 0
         for i in range(cfg.members):
             self._new_member(i, 0.0, attacker=i < cfg.attackers)
@@ -226,6 +240,11 @@ class Simulation:
         self.named: set[str] = set()  # honest members that rejected an attacker
         self.banned: dict[str, set[str]] = {}  # member -> ids it rejected (excluded from its rounds)
         self.streak: dict[str, dict[str, int]] = {}  # member -> other -> suspect rounds in a row
+        # Views "own": the moments each member learns of a change (drawn on first use, from a generator
+        # of their own so that the rest of the run draws as with one view); rule 9's counts per member.
+        self._lag_rng = random.Random(cfg.seed + 7919)
+        self._lags: dict[tuple, float] = {}
+        self._mismatches: dict[str, tuple[tuple, dict]] = {}  # member -> (its view, member -> rounds)
 
     def _new_member(self, row: int, t: float, attacker: bool = False) -> Member:
         pid = f"{self.next_id:04d}" + f"{self.rng.getrandbits(48):012x}"
@@ -237,6 +256,7 @@ class Simulation:
         if c.churn > 0:
             m.leaves = t + self.rng.expovariate(c.churn / 60)  # each member leaves at rate churn per minute
         self.members[pid] = m
+        self.roster[pid] = [None, math.inf]
         return m
 
     # --- local steps ------------------------------------------------------------------------
@@ -267,22 +287,28 @@ class Simulation:
         for m in live:
             m.ready = self._ready_at(m)
         starts = self._local_steps(rnd)
-        ids = [m.pid for m in live]
-        groups = gossip_groups(ids, rnd, c.size, salt="sim") if c.mode == "gossip" else [ids]
         silent = {m.pid for m in live if m.leaves < m.ready}  # crashes before sending this round's parts
+        views = self._views(live, silent)
+        memo: dict[tuple, list] = {}
+        groups_of: dict[str, list[str]] = {}  # each member's own small group, from its own view
+        for pid, view in views.items():
+            if view not in memo:
+                memo[view] = gossip_groups(view, rnd, c.size, salt="sim") if c.mode == "gossip" else [list(view)]
+            groups_of[pid] = next(g for g in memo[view] if pid in g)
         sent_bytes: dict[str, int] = {}
-        stats = RoundStats(rnd, len(live), len(groups), 0.0, 0.0, 0.0, silent=len(silent))
+        stats = RoundStats(rnd, len(live), len({tuple(g) for g in groups_of.values()}), 0.0, 0.0, 0.0,
+                           silent=len(silent))
         waits, ends = [], []
-        for g in groups:
-            for pid, (end, nbytes, blocked, failed) in self._exchange(g, rnd, silent, starts).items():
-                m = self.members[pid]
-                waits.append(end - m.ready)
-                ends.append(end)
-                m.done = end
-                sent_bytes[pid] = nbytes
-                if not m.attacker:  # what the honest members suffered
-                    stats.blocked_s = max(stats.blocked_s, blocked)
-                    stats.failed += failed
+        for pid, (end, nbytes, blocked, failed, mismatched) in self._exchange(groups_of, rnd, views, starts).items():
+            m = self.members[pid]
+            waits.append(end - m.ready)
+            ends.append(end)
+            m.done = end
+            sent_bytes[pid] = nbytes
+            if not m.attacker:  # what the honest members suffered
+                stats.blocked_s = max(stats.blocked_s, blocked)
+                stats.failed += failed
+                stats.mismatched += mismatched
         for pid in silent:
             self._leave(self.members[pid])
         stats.bytes_per_member = statistics.fmean(sent_bytes.values()) if sent_bytes else 0.0
@@ -297,7 +323,37 @@ class Simulation:
 
     def _leave(self, m: Member) -> None:
         del self.members[m.pid]
+        self.roster[m.pid][1] = m.leaves
         self.result.left += 1
+
+    def _views(self, live: list[Member], silent: set) -> dict[str, tuple]:
+        """The group as each member that runs this round sees it as the round begins (sorted ids):
+        with views "shared", the live members; with "own", those it has learned of (rules above)."""
+        c = self.cfg
+        if c.views == "shared":
+            ids = tuple(m.pid for m in live)
+            return {m.pid: ids for m in live if m.pid not in silent}
+        t0 = min(m.ready for m in live)
+        for pid, (_, left) in list(self.roster.items()):  # every member learned of it: forgotten
+            if left + c.timeout_s + c.heartbeat_s < t0:
+                del self.roster[pid]
+        return {m.pid: tuple(p for p in sorted(self.roster) if p == m.pid or self._knows(m.pid, p, m.ready))
+                for m in live if m.pid not in silent}
+
+    def _knows(self, who: str, pid: str, t: float) -> bool:
+        """Whether ``who`` counts ``pid`` in the group at ``t``: it learned of its join (up to two
+        heartbeats after it) and not yet of its crash (the heartbeat timeout, up to one heartbeat
+        more)."""
+        joined, left = self.roster[pid]
+        if joined is not None and t < joined + self._lag(who, pid, "join", 2 * self.cfg.heartbeat_s):
+            return False
+        return t < left + self.cfg.timeout_s + self._lag(who, pid, "left", self.cfg.heartbeat_s)
+
+    def _lag(self, who: str, pid: str, kind: str, most: float) -> float:
+        key = (who, pid, kind)
+        if key not in self._lags:
+            self._lags[key] = self._lag_rng.uniform(0, most)
+        return self._lags[key]
 
     def _joins(self, t: float, live: list[Member]) -> None:
         """Joiners up to ``t`` (as many as leave, on average): each takes a random live member's
@@ -311,6 +367,7 @@ class Simulation:
             m = self._new_member(row, self._next_join)
             m.done = self._next_join + self.model.n * 4 / min(m.rate_bps, sponsor.rate_bps) + m.latency_s + sponsor.latency_s
             m.done = max(m.done, t)
+            self.roster[m.pid][0] = m.done  # the others learn of it from then on
             self.result.joined += 1
             self._next_join += self.rng.expovariate(c.churn * c.members / 60)
 
@@ -321,56 +378,68 @@ class Simulation:
         s = starts[m.pid]  # its round's start: the update it took is s - x
         return s + (x - s) * (-1.0 if self.cfg.attack == "flip" else 8.0)
 
-    def _exchange(self, group: list[str], rnd: int, silent: set, starts: dict) -> dict:
-        """The small group's round, message by message in virtual time. Returns, per member that
-        is not silent: (its round's end, bytes it sent, how long a silent partner held it past its
-        live partners' readiness, 1 if its round failed)."""
+    def _exchange(self, groups_of: dict, rnd: int, views: dict, starts: dict) -> dict:
+        """Every member's round (``groups_of``: the small group it computed), message by message in
+        virtual time. A member of a small group that does not run this round (crashed, or crashes
+        before sending) is a silent partner; a part whose ``group`` digest is not the receiver's is
+        answered ``absent`` (rule 9). Returns, per member: (its round's end, bytes it sent, how long
+        a silent partner held it past its live partners' readiness, 1 if its round failed, 1 if it
+        saw another view of the group)."""
         c = self.cfg
         rounds: dict[str, AveragingRound] = {}
-        for pid in group:
-            if pid in silent:
-                continue
+        for pid, group in groups_of.items():
             m = self.members[pid]
             rounds[pid] = AveragingRound(pid, 0, rnd, group, self._vector(m, starts), codec=c.codec,
                                          start=gossip_start("sim") if c.mode == "gossip" else "all",
                                          aggregate=c.aggregate, residual=m.residual, min_coverage=1.0)
+        gone = set().union(*groups_of.values()) - set(rounds)  # in a small group, not running this round
         first: dict[str, list] = {pid: [] for pid in rounds}  # what each sends as its round begins
         for pid, r in rounds.items():  # a member we excluded departs our round at once; it hears that
-            for other in self.banned.get(pid, set()) & set(rounds):  # it is excluded and stops waiting for us
-                first[pid] += r.depart(other, "excluded", relay=False)  # (as the driver's _feed: the parts
-                first[other] += rounds[other].depart(pid, "excluded us", relay=False)  # it returns are sent)
+            for other in self.banned.get(pid, set()) & set(rounds) & set(r.ids):  # it is excluded and stops
+                first[pid] += r.depart(other, "excluded", relay=False)  # waiting for us (as the driver's
+                if pid in rounds[other].ids:  # _feed: the parts it returns are sent)
+                    first[other] += rounds[other].depart(pid, "excluded us", relay=False)
         uplink = {pid: self.members[pid].ready for pid in rounds}
         nbytes = dict.fromkeys(rounds, 0)
         end = {pid: math.inf for pid in rounds}
+        told: set[tuple[str, str]] = set()  # (receiver, sender): told absent once a round
         heap: list = []
         seq = 0
 
-        def send(src: str, parts, now: float):
+        def push(at: float, dst: str, src: str, msg):
             nonlocal seq
+            heapq.heappush(heap, (at, seq, dst, src, msg))
+            seq += 1
+
+        def send(src: str, parts, now: float):
             for p in parts:
-                if p.peer not in rounds and p.peer not in silent:
+                if p.peer not in rounds and p.peer not in gone:
                     continue
                 start = max(now, uplink[src])
                 uplink[src] = start + p.stored_bytes / self.members[src].rate_bps
                 nbytes[src] += p.stored_bytes
-                if p.peer in rounds:  # a silent member is gone: what is sent to it goes nowhere
-                    at = uplink[src] + self.members[src].latency_s + self.members[p.peer].latency_s
-                    heapq.heappush(heap, (at, seq, p.peer, src, p.msg))
-                    seq += 1
+                if p.peer in rounds:  # a member that is gone: what is sent to it goes nowhere
+                    push(uplink[src] + self.members[src].latency_s + self.members[p.peer].latency_s, p.peer, src,
+                         p.msg)
 
         for pid, r in rounds.items():
             send(pid, first[pid] + r.start(), self.members[pid].ready)
-            for s in silent & set(r.ids):  # the heartbeat timeout departs it
-                heapq.heappush(heap, (self.members[pid].ready + c.timeout_s, seq, pid, s, None))
-                seq += 1
-            heapq.heappush(heap, (self.members[pid].ready + c.round_timeout_s, seq, pid, "", None))  # its deadline
-            seq += 1
+            for s in gone & set(r.ids):  # the heartbeat timeout departs it
+                push(self.members[pid].ready + c.timeout_s, pid, s, None)
+            push(self.members[pid].ready + c.round_timeout_s, pid, "", None)  # its deadline
             if r.done:
                 end[pid] = self.members[pid].ready
+        def tell_absent(dst: str, src: str, now: float):
+            if (dst, src) not in told:
+                told.add((dst, src))
+                push(now + self.members[dst].latency_s + self.members[src].latency_s, src, dst, "absent")
+
         while heap:
             now, _, dst, src, msg = heapq.heappop(heap)
             r = rounds[dst]
-            if r.done:
+            if r.done:  # a part of another view after our round ended: we are not in its round (driver.py)
+                if msg is not None and not isinstance(msg, str) and msg.meta.get("group") != r.group:
+                    tell_absent(dst, src, now)
                 continue
             if msg is None and not src:  # the round's deadline (the driver's round_timeout_s): what came
                 send(dst, r.expire(), now)  # is averaged, the coverage says what is missing
@@ -378,20 +447,23 @@ class Simulation:
                 continue
             if msg is None:
                 out = r.depart(src, "silent past the timeout")
-            elif msg.meta.get("group") != r.group:  # the driver's check (rule 9): never here, one view
-                out = r.mismatch(src, "sees another group")
+            elif isinstance(msg, str):  # the sender's absent: we are not in its round's group
+                out = r.mismatch(src, MISMATCHED[1])
+            elif msg.meta.get("group") != r.group:  # the driver's check (rule 9): another view of the group
+                out = r.mismatch(src, MISMATCHED[0])
+                tell_absent(dst, src, now)
             else:
                 out = r.receive(src, msg)
             send(dst, out, now)
             if r.done:
                 end[dst] = now
         out = {}
-        live_ready = max(self.members[p].ready for p in rounds) if rounds else 0.0
         for pid, r in rounds.items():
             m = self.members[pid]
             assert r.done, "every round is done by its deadline"
             failed = 0
             try:
+                self._rule9(pid, views[pid], r)
                 vec, rep = r.result()
                 for rej in rep.rejected:
                     self._reject(pid, rej["peer"])
@@ -401,9 +473,22 @@ class Simulation:
                 r.undo_feedback()
                 failed = 1
             m.residual = r.residual
-            blocked = end[pid] - live_ready if silent & set(r.ids) else 0.0
-            out[pid] = (end[pid], nbytes[pid], blocked, failed)
+            live = [self.members[p].ready for p in r.ids if p in rounds]
+            blocked = end[pid] - max(live) if gone & set(r.ids) else 0.0
+            out[pid] = (end[pid], nbytes[pid], blocked, failed, int(bool(r.mismatched)))
         return out
+
+    def _rule9(self, pid: str, view: tuple, r: AveragingRound) -> None:
+        """The driver's rule 9: the round fails (GroupMismatch) when a member saw another group in it
+        and, since ``pid``'s view of the whole group last changed, in at most MISMATCH_ROUNDS rounds."""
+        seen, counts = self._mismatches.get(pid, ((), {}))
+        if seen != view:
+            counts = {}
+        for p in r.mismatched:
+            counts[p] = counts.get(p, 0) + 1
+        self._mismatches[pid] = (view, counts)
+        if any(counts[p] <= MISMATCH_ROUNDS for p in r.mismatched):
+            raise GroupMismatch(0, r.round, sorted(r.mismatched), frozenset(r.silent()))
 
     def _reject(self, pid: str, other: str) -> None:
         self.banned.setdefault(pid, set()).add(other)
@@ -478,6 +563,8 @@ def _summary(res: SimResult, target: float | None) -> dict:
         "round_wait_s": statistics.median(r.wait_s for r in rows),
         "max_blocked_s": max(r.blocked_s for r in rows),
         "silent": sum(r.silent for r in rows), "failed_rounds": sum(r.failed for r in rows),
+        "mismatched_rounds": sum(r.mismatched for r in rows),
+        "member_rounds": sum(r.members - r.silent for r in rows),
         "joined": res.joined, "left": res.left, "named_by": rows[-1].named,
         "target_loss": target, "rounds_to_target": reach.round if reach else None,
         "time_to_target_s": reach.time_s if reach else None,

@@ -123,6 +123,24 @@ async def test_members_with_different_views_fail_two_rounds_then_finish_apart_an
             await p.stop()
 
 
+async def test_a_member_of_another_view_hears_absent_after_the_others_ended_that_round():
+    """Peers 1 and 2 end round 1 between themselves; peer 0, which still counts all three, begins it
+    afterwards. Their round is over, and peer 0 is not in it: they answer its parts ``absent``, so it
+    does not wait for them until its deadline (the parts were dropped: it waited the whole
+    ``timeout_s``)."""
+    peers, avgs, members = await group(3, timeout_s=30)
+    try:
+        xs = [torch.randn(3001) for _ in peers]
+        two = {pid: a for pid, a in members.items() if pid != peers[0].id}
+        await asyncio.wait_for(asyncio.gather(avgs[1].average(1, xs[1], two), avgs[2].average(1, xs[2], two)), 10)
+        with pytest.raises(GroupMismatch) as e:
+            await asyncio.wait_for(avgs[0].average(1, xs[0], members), 10)
+        assert set(e.value.mismatched) == {peers[1].id, peers[2].id}
+    finally:
+        for p in peers:
+            await p.stop()
+
+
 async def test_a_departure_seen_a_round_apart_fails_that_round_and_the_group_stays_whole():
     """Peer 2 is gone; peer 0 begins round 1 still counting it, peer 1 without it. Departing each
     other there would split the group (rule 9): round 1 fails for both, nothing applied, and round 2,

@@ -122,6 +122,7 @@ class Averager(EarlyParts):
         self._wake: asyncio.Event | None = None  # set when the outbox has parts or the round is done
         self._failure: BaseException | None = None  # a bug met while feeding the round (raised by average)
         self._absent_told: set = set()
+        self._last_group: str | None = None  # the ``group`` digest of the round we ran last
         self._gossip_group: list | None = None  # the whole group of the gossip round in progress (rule 10)
         peer.on(BlockUpdate, self._route, inline=True)
         peer.on_membership(self._membership)
@@ -148,8 +149,11 @@ class Averager(EarlyParts):
             if self.peer.member(pid) is None:
                 return
             self._hold(rnd, pid, msg)
-        elif msg.tensors and msg.meta.get("group") and rnd != self.current:
-            self._tell_absent(pid, rnd)  # a round we are not in at all
+        elif msg.tensors and msg.meta.get("group") and (rnd != self.current or
+                                                        msg.meta["group"] != self._last_group):
+            # A round we are not in at all; or the round we ended last, seen by a member of another
+            # view (it would wait for us until its deadline).
+            self._tell_absent(pid, rnd)
 
     def _membership(self, ev):
         if ev.departed and self._round is not None:
@@ -182,6 +186,7 @@ class Averager(EarlyParts):
         t0 = time.perf_counter()
         self._gossip_group = None if group is None else sorted(group)
         r = self._begin(rnd, vector, members, start, out)
+        self._last_group = r.group
         early = self._begin_early(rnd, r.ids, vector.numel())
         conns: dict[str, PeerConnection] = {}
         sent: list[BlockUpdate] = []
