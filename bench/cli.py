@@ -388,7 +388,7 @@ def _ints(text: str, name: str) -> list[int]:
               help="Sizes at which the all-to-all round runs beside gossip ('' for none); robust up to "
                    "16 members, the plain mean above (a robust round of W members costs W^2 parts here).")
 @click.option("--size", default=4, show_default=True, type=click.IntRange(3, 16),
-              help="Gossip size k: small groups of k to 2k-1 members, a new partition every round.")
+              help="Gossip size k: small groups of about k+1 (3 to 2k+1) members, a new partition every round.")
 @click.option("--rounds", default=40, show_default=True, type=click.IntRange(1, 10_000))
 @click.option("--local-steps", default=8, show_default=True, type=click.IntRange(1, 1000),
               help="Local steps between rounds (H).")

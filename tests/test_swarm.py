@@ -720,8 +720,9 @@ async def _gossip_swarm(n: int, steps: int, min_group: int | None = None):
 
 @pytest.mark.parametrize("exclusion", [False, True])
 async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_path, exclusion):
-    """swarm.gossip 3 with 6 members: two small groups of 3 a round (rule 10's partition, the same
-    on every member), and the block's last round one group of all 6, which ends it on one point.
+    """swarm.gossip 3 with 6 members: the small groups of rule 10's partition a round (two of 3, or
+    one of 6 where a bucket held fewer than 3; the same on every member), and the block's last
+    round one group of all 6, which ends it on one point.
     With an exclusion (member 0 excludes member 5): the two depart each other from the rounds
     they share and nobody else does; every member keeps all 6 in its view of the group (every
     round's small group is still the partition of the 6) and no round fails."""
@@ -744,7 +745,7 @@ async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_pa
             assert r["state"] == "done" and not r["failed_rounds"] and len(r["rounds"]) == 4
             for x in r["rounds"][:-1]:
                 assert sorted(x["members"]) in gossip_groups(ids, x["round"], 3, f"block{x['block']}")
-                assert len(x["members"]) == 3 and not x["candidates_outside"] and x["bytes_sent"] > 0
+                assert len(x["members"]) >= 3 and not x["candidates_outside"] and x["bytes_sent"] > 0
             assert sorted(r["rounds"][-1]["members"]) == ids
             for x in r["rounds"]:
                 shared = exclusion and x["round"] >= 2 and p.id in pair and pair <= set(x["members"])

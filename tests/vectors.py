@@ -45,7 +45,7 @@ VALID = {
         meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"}),
     "block_update_gossip": BlockUpdate(block=0, round=1, codec="raw", tensors=(  # the first "Gossip partition" row's
         pack_tensor("part", "float32", (1,), struct.pack("<f", 0.5)),),               # small group 0
-        meta={"phase": "reduce", "part": 0, "group": "15534547e9a74438"}),
+        meta={"phase": "reduce", "part": 0, "group": "6d327a344ff882c5"}),
     "block_update_topk": BlockUpdate(block=1, round=3, codec="topk", tensors=(
         pack_tensor("idx", "int16", (1, 2), struct.pack("<2h", 1, 4)),
         pack_tensor("val", "int8", (1, 2), struct.pack("<2b", 127, -64)),
