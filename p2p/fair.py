@@ -4,35 +4,43 @@ Rules:
 - ``hold(who, cost)`` (``async with``) takes one of ``n`` slots or waits, and gives it back at
   the end; it yields ``between(cost)``, awaited between the parts of a request computed in parts
   (serving: a traversal in chunks of ``decode.CHUNK`` tokens, each part's ``cost`` its tokens).
-- Order: fair queuing over parts by start tag. Each client has a virtual time, advanced by the
+- Flows: what is shared fairly is a flow. A client the hop knows is a flow of its own; every
+  client it does not know yet shares one flow, the newcomers' (``NEWCOMERS``), until it was
+  served ``newcomer_tokens`` (``NEWCOMER_TOKENS``, 256: a short traversal) there; from its next
+  request on it is a flow of its own, starting at the hop's time. Identities are free: a flood
+  of fresh identities takes one share, not one per identity. An identity made known costs the
+  flood its tokens, served at the newcomers' one share.
+- Order: fair queuing over parts by start tag. Each flow has a virtual time, advanced by the
   cost of each part it is served; the hop's virtual time is the largest finish tag served
   (start + cost), so it moves on with every part served at or past it. A client busy here
   (waiting or computing) starts its next part at its virtual time. A client this hop knows that
   was idle starts at its virtual time or ``IDLE_CREDIT`` before the hop's, whichever is later:
-  it banks at most that much. A client the hop does not know (a fresh identity, or one whose
-  virtual time was forgotten) starts at the hop's time, with no credit. The next slot goes to
+  it banks at most that much. A flow without a virtual time (the newcomers' first, a client just
+  made known) starts at the hop's time, with no credit. The next slot goes to
   the smallest start tag; among equal tags first to a client that was idle, then to the longest
   waiting.
 - So a client back from a round trip (a legitimate session: a few dozen tokens a traversal) is
   ahead of every client that kept the hop busy, while its credit lasts (``IDLE_CREDIT`` tokens),
   and waits for the one part being computed, not for whole long traversals; clients that flood
-  share the rest in turn by the compute they take; fresh identities queue at the hop's time.
-  The share is per identity: many identities at once take as many shares.
+  share the rest in turn by the compute they take; fresh identities queue in the newcomers' flow.
+  The share is per flow: many known identities at once take as many shares.
 - ``between``: when a waiter comes before the request's next part, the slot goes to it and the
   part waits at the head of its client's queue (a client's requests finish in turn instead of
   all advancing together); otherwise the request keeps the slot.
 - Nobody waits forever: a waiter passed over by ``MAX_BYPASS`` parts goes first (oldest first),
   whatever the tags say.
 - At most ``max_waiting`` parts wait in all (a request between its parts counts). Past it, room
-  is made for a newcomer: the client with the most waiting loses its newest waiter if it has two
-  more than the newcomer; else the waiter that would go last loses its place if the newcomer
-  would go before it (a request refused between its parts is refused whole: serving drops its
-  session); else the newcomer is refused at once (``Saturated``). So a flood from one identity
+  is made for an arriving part: the flow with the most waiting loses its newest waiter if it has
+  two more than the arriving part's flow; else the waiter that would go last loses its place if
+  the arriving part would go before it (a request refused between its parts is refused whole: serving drops its
+  session); else the arriving part is refused at once (``Saturated``). So a flood from one identity
   never fills the queue against others, and a client back with credit takes the place of the
   last in line.
 - What is kept per client is bounded: its waiters (``max_waiting`` in all), its slots held, and
   a virtual time with its count of parts served (at most ``MAX_CLIENTS``; past it the idle
-  clients served the fewest parts are forgotten first, the newest among equals).
+  clients served the fewest parts are forgotten first, the newest among equals, and a client
+  forgotten is a newcomer again); a newcomer's tokens served (at most ``MAX_CLIENTS``, the
+  oldest forgotten first).
 - A waiter cancelled after it was handed a slot hands the slot on; a request cancelled or
   refused while it waits between parts holds no slot.
 """
@@ -58,12 +66,17 @@ MAX_CLIENTS = 4096  # virtual times kept for clients with nothing waiting
 # waited up to 23 chunks); the live runs favour 64.
 MAX_BYPASS = 64
 IDLE_CREDIT = 256  # how far before the hop's time a known idle client starts (tokens: a short traversal)
+# Tokens a client is served as a newcomer, sharing one flow with every other newcomer, before it
+# is a flow of its own: a flood of fresh identities takes one share, not one per identity.
+NEWCOMER_TOKENS = 256
+NEWCOMERS = "\x00newcomers"  # the newcomers' flow (no peer id: ids are hex)
 
 
 @dataclass
 class _Part:
     """One waiting part of a request."""
     seq: int  # when its request came (ties go to the longest waiting)
+    who: str  # the client (its flow is its own, or NEWCOMERS)
     cost: float
     idle: bool  # its client had nothing waiting or computing here when the request came (ties go to it)
     tag: float  # its start tag
@@ -73,51 +86,67 @@ class _Part:
 
 
 class FairSlots:
-    def __init__(self, n: int, max_waiting: int):
+    def __init__(self, n: int, max_waiting: int, newcomer_tokens: float = NEWCOMER_TOKENS):
+        """``n`` slots, at most ``max_waiting`` parts waiting; a client is a newcomer until it was
+        served ``newcomer_tokens`` (0: every client is a flow of its own at once)."""
         self.free = n
         self.max_waiting = max_waiting
-        self._queues: dict[str, collections.deque[_Part]] = {}  # client -> its waiting parts
-        self._vtime: dict[str, float] = {}  # client -> virtual time after its last part started
-        self._parts: dict[str, int] = {}  # client -> parts it was served (kept with its virtual time)
-        self._held: collections.Counter[str] = collections.Counter()  # client -> slots it holds
+        self.newcomer_tokens = newcomer_tokens
+        # Keyed by flow: a client's own id once the hop knows it, else NEWCOMERS.
+        self._queues: dict[str, collections.deque[_Part]] = {}  # flow -> its waiting parts
+        self._vtime: dict[str, float] = {}  # flow -> virtual time after its last part started
+        self._parts: dict[str, int] = {}  # flow -> parts it was served (kept with its virtual time)
+        self._held: collections.Counter[str] = collections.Counter()  # flow -> slots it holds
+        self._trial: dict[str, float] = {}  # newcomer -> tokens it was served (at most MAX_CLIENTS)
         self._now = 0.0  # the hop's virtual time: the largest finish tag served
         self._seq = 0
         self._served = 0  # parts served
 
     def waiting(self, who: str | None = None) -> int:
+        """Parts waiting: of ``who``'s flow (its own, or every newcomer's), or in all."""
         if who is not None:
-            return len(self._queues.get(who, ()))
+            return len(self._queues.get(self.flow(who), ()))
         return sum(len(q) for q in self._queues.values())
+
+    def flow(self, who: str) -> str:
+        """Whose turns ``who``'s parts take: its own once the hop knows it, else the newcomers'."""
+        return who if who in self._vtime or self.newcomer_tokens <= 0 else NEWCOMERS
 
     @contextlib.asynccontextmanager
     async def hold(self, who: str, cost: float = 1.0):
         """A slot for the block (the request's first part costs ``cost``), given back at its end;
         yields ``between(cost)`` for the request's next part."""
-        seq = await self.acquire(who, cost)
+        flow = self.flow(who)  # for the whole request, even if the hop comes to know ``who`` meanwhile
+        seq = await self._acquire(flow, who, cost)
         held = True
 
         async def between(cost: float = 1.0):
             nonlocal held
-            part = _Part(seq, cost, False, self._vtime[who], started=True)
+            part = _Part(seq, who, cost, False, self._vtime[flow], started=True)
             self._purge()
-            first = min((self._order(c) for c in self._queues if c != who), default=None)  # its own wait
+            first = min((self._order(c) for c in self._queues if c != flow), default=None)  # its own wait
             if first is not None and first < self._rank(part):  # a live waiter (purged above) takes it
                 held = False  # while it waits it holds nothing; cancelled or refused, it never will
-                self._release(who)
-                await self._wait(who, part, first=True)
+                self._release(flow)
+                await self._wait(flow, part, first=True)
                 held = True
                 return
             self._served += 1
-            self._start(who, cost, part.tag)
+            self._start(flow, part)
         try:
             yield between
         finally:
             if held:
-                self._release(who)
+                self._release(flow)
+            self._graduate(who)
 
     async def acquire(self, who: str, cost: float = 1.0) -> int:
         """A slot for a request of ``who`` costing ``cost``; give it back with ``release(who)``.
         Returns the request's place in arrival order."""
+        return await self._acquire(self.flow(who), who, cost)
+
+    async def _acquire(self, who: str, client: str, cost: float) -> int:
+        """``acquire`` for flow ``who`` (``client``'s)."""
         self._seq += 1
         seq, q = self._seq, self._queues.get(who)
         known, busy = who in self._vtime, bool(q) or self._held[who] > 0
@@ -125,12 +154,12 @@ class FairSlots:
             tag = q[-1].tag + q[-1].cost if q else self._vtime[who]
         else:
             tag = max(self._vtime[who], self._now - IDLE_CREDIT) if known else self._now
-        part = _Part(seq, cost, not busy, tag)
+        part = _Part(seq, client, cost, not busy, tag)
         if self.free > 0 and not self._queues:
             self.free -= 1
             self._held[who] += 1
             self._served += 1
-            self._start(who, cost, tag)
+            self._start(who, part)
             return seq
         if self.waiting() >= self.max_waiting:
             self._make_room(who, part)
@@ -139,7 +168,8 @@ class FairSlots:
 
     def release(self, who: str) -> None:
         """Give back the slot ``who`` took with ``acquire``."""
-        self._release(who)
+        self._release(self.flow(who))
+        self._graduate(who)
 
     def _rank(self, p: _Part) -> tuple:
         """Where part ``p`` stands: overdue first (oldest first), then the start tag, then a client
@@ -151,9 +181,14 @@ class FairSlots:
     def _order(self, who: str) -> tuple:
         return self._rank(self._queues[who][0])
 
-    def _start(self, who: str, cost: float, tag: float) -> None:
-        """A part of ``who`` costing ``cost`` is served from start tag ``tag``; the client's next
-        waiting part starts no earlier than this one ends."""
+    def _start(self, who: str, p: _Part) -> None:
+        """Part ``p`` of flow ``who`` is served from its start tag; the flow's next waiting part
+        starts no earlier than this one ends. A newcomer's tokens count toward its own flow."""
+        cost, tag = p.cost, p.tag
+        if who == NEWCOMERS:
+            self._trial[p.who] = self._trial.pop(p.who, 0.0) + cost  # the most recent last
+            if len(self._trial) > MAX_CLIENTS:
+                del self._trial[next(iter(self._trial))]
         self._now = max(self._now, tag + cost)
         self._vtime[who] = max(self._vtime.get(who, tag + cost), tag + cost)  # never back
         self._parts[who] = self._parts.get(who, 0) + 1
@@ -162,6 +197,16 @@ class FairSlots:
             q[0].tag = max(q[0].tag, tag + cost)
         if len(self._vtime) > MAX_CLIENTS:
             self._prune()
+
+    def _graduate(self, who: str) -> None:
+        """A newcomer served ``newcomer_tokens`` becomes a flow of its own (for its next request),
+        starting at the hop's time."""
+        if self._trial.get(who, -1.0) >= self.newcomer_tokens and who not in self._vtime:
+            del self._trial[who]
+            self._vtime[who] = self._now
+            self._parts[who] = 0
+            if len(self._vtime) > MAX_CLIENTS:
+                self._prune()
 
     def _prune(self) -> None:
         """Forget idle clients down to 7/8 of MAX_CLIENTS (a sort per many new identities, not per
@@ -203,7 +248,7 @@ class FairSlots:
             if not p.fut.done():  # else cancelled, or refused (Saturated) while it waited
                 self._held[nxt] += 1
                 self._served += 1
-                self._start(nxt, p.cost, p.tag)
+                self._start(nxt, p)
                 p.fut.set_result(None)
                 return
         self.free += 1

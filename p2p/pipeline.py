@@ -21,7 +21,8 @@ Rules:
   are free: a flood of sessions, from a few identities or a fresh one per traversal, must not
   push out a client with one between its traversals.
 - A traversal is computed in chunks of ``decode.CHUNK`` tokens (``hop_chunks``) on the hop's
-  COMPUTE_SLOTS compute slot(s), each chunk charged its tokens by fair queuing over clients,
+  COMPUTE_SLOTS compute slot(s), each chunk charged its tokens by fair queuing over clients
+  (every client the hop does not know yet in one flow, the newcomers'),
   at most MAX_WAITING waiting in all (fair.py): between chunks a client the hop knows, back
   from a round trip, takes the slot, so while its credit lasts it waits for one chunk, not for
   clients flooding with long traversals. ``end`` without a spec only frees the caches, hop by

@@ -2,6 +2,7 @@
 finding fixed: what a key holder could do, and what the peer does now."""
 
 import asyncio
+import itertools
 import os
 
 import pytest
@@ -310,7 +311,7 @@ async def test_compute_slots_go_fairly_by_client_and_a_flood_gives_way():
     ``max_waiting`` the flooding client's newest waiter gives way, and the flooder itself is
     refused at once."""
     from blocktrain.p2p.fair import FairSlots, Saturated
-    slots, order = FairSlots(1, max_waiting=4), []
+    slots, order = FairSlots(1, max_waiting=4, newcomer_tokens=0), []
     await slots.acquire("flood")  # the one slot is busy
 
     async def job(who, tag):
@@ -342,7 +343,7 @@ async def test_compute_slots_are_fair_over_tokens_not_traversals():
     over tokens, a client that comes back after a round trip goes next; clients asking alike
     still alternate."""
     from blocktrain.p2p.fair import FairSlots
-    slots, order = FairSlots(1, max_waiting=64), []
+    slots, order = FairSlots(1, max_waiting=64, newcomer_tokens=0), []
     await slots.acquire("legit", 20)  # the client's earlier traversal: the hop knows it
     slots.release("legit")
 
@@ -377,12 +378,47 @@ async def _request(slots, who: str, parts: int, log: list, cost: int = 16):
                 await between(cost)
 
 
+async def test_fresh_identities_share_one_flow_until_each_was_served_its_newcomer_tokens():
+    """Identities are free: a hop shares its compute per flow, and every client it does not know
+    yet is one flow, the newcomers'. 24 fresh identities each with a 4-chunk request take turns
+    with one known client's 24 one-chunk requests as one flow: the client waits for at most one
+    of their chunks at a time (with a flow per identity it waited for up to 24). A newcomer becomes a
+    flow of its own once served NEWCOMER_TOKENS, for its next request, not in the middle of one;
+    what is kept of newcomers is bounded."""
+    from blocktrain.p2p import fair
+    slots, log = fair.FairSlots(1, max_waiting=64), []
+    await _request(slots, "legit", fair.NEWCOMER_TOKENS // 16, [])  # served enough: a flow of its own
+    assert slots.flow("legit") == "legit" and slots.flow("fresh0") == fair.NEWCOMERS
+    await slots.acquire("hog", 16)  # the slot is taken: everyone below waits
+    fresh = [asyncio.ensure_future(_request(slots, f"fresh{i}", 4, log)) for i in range(24)]
+    await asyncio.sleep(0)
+    mine = [asyncio.ensure_future(_request(slots, "legit", 1, log)) for _ in range(24)]
+    await asyncio.sleep(0)
+    slots.release("hog")
+    await asyncio.gather(*fresh, *mine)
+    served = [who for who, _ in log]
+    gaps = [len(list(run)) for k, run in itertools.groupby(served, key=lambda w: w == "legit") if not k]
+    assert served.count("legit") == 24 and max(gaps[:-1] or [0]) <= 2, served  # one flow against one
+
+    slots, limit, fair.MAX_CLIENTS = fair.FairSlots(1, max_waiting=64), fair.MAX_CLIENTS, 8
+    try:
+        async with slots.hold("new", fair.NEWCOMER_TOKENS) as between:
+            await between(16)  # served its newcomer tokens meanwhile: still a newcomer in this request
+            assert slots.flow("new") == fair.NEWCOMERS
+        assert slots.flow("new") == "new"  # its next request is its own flow
+        for i in range(20):  # newcomers served a little each: what is kept of them is bounded
+            await _request(slots, f"brief{i}", 1, [])
+        assert len(slots._trial) <= 8 and slots.flow("brief19") == fair.NEWCOMERS
+    finally:
+        fair.MAX_CLIENTS = limit
+
+
 async def test_a_long_traversal_hands_its_slot_on_between_chunks():
     """A 200-token traversal no longer holds its slot throughout: a client coming back takes it at
     the next chunk boundary and finishes its short traversal; then the long one goes on, before
     its own client's next traversal (a client's traversals finish in turn)."""
     from blocktrain.p2p.fair import FairSlots
-    slots, log = FairSlots(1, max_waiting=64), []
+    slots, log = FairSlots(1, max_waiting=64, newcomer_tokens=0), []
     await _request(slots, "legit", 1, [])  # its earlier traversal: the hop knows it
     long = asyncio.ensure_future(_request(slots, "flood", 13, log))
     await asyncio.sleep(0)
@@ -406,7 +442,7 @@ async def test_an_idle_client_banks_a_bounded_credit():
     with the client that kept the hop busy. Without the bound it would bank its whole absence;
     a client the hop does not know (identities are free) banks nothing."""
     from blocktrain.p2p.fair import IDLE_CREDIT, FairSlots
-    slots, order = FairSlots(1, max_waiting=64), []
+    slots, order = FairSlots(1, max_waiting=64, newcomer_tokens=0), []
     await slots.acquire("back", 16)  # known: served once, long ago
     slots.release("back")
     n = IDLE_CREDIT // 16 + 8
@@ -439,7 +475,7 @@ async def test_fresh_identities_queue_at_the_hops_time_and_cannot_starve_anyone(
     hundred known clients, each back with a credit made boundless), it goes first after
     MAX_BYPASS parts."""
     from blocktrain.p2p import fair
-    slots = fair.FairSlots(2, max_waiting=256)
+    slots = fair.FairSlots(2, max_waiting=256, newcomer_tokens=0)
     await slots.acquire("hog", 16)  # one slot: held throughout
     await slots.acquire("big", 16)  # the other: big's first request; its next waits behind it
     big = asyncio.ensure_future(slots.acquire("big", 16))
@@ -456,7 +492,7 @@ async def test_fresh_identities_queue_at_the_hops_time_and_cannot_starve_anyone(
     fresh.cancel()  # it waits behind the hog and big
     await asyncio.gather(fresh, return_exceptions=True)
 
-    slots = fair.FairSlots(1, max_waiting=256)
+    slots = fair.FairSlots(1, max_waiting=256, newcomer_tokens=0)
     for i in range(100):
         await slots.acquire(f"known{i}", 16)
         slots.release(f"known{i}")
@@ -491,7 +527,7 @@ async def test_slots_survive_cancellation_and_refusal_at_every_wait():
     refused."""
     from blocktrain.p2p.fair import FairSlots, Saturated
     log = []
-    slots = FairSlots(1, max_waiting=8)
+    slots = FairSlots(1, max_waiting=8, newcomer_tokens=0)
     first = asyncio.ensure_future(_request(slots, "a", 5, log))
     await asyncio.sleep(0)
     other = asyncio.ensure_future(_request(slots, "b", 1, log))  # comes first at a's next boundary
@@ -501,7 +537,7 @@ async def test_slots_survive_cancellation_and_refusal_at_every_wait():
     await asyncio.gather(first, other, return_exceptions=True)
     assert slots.free == 1 and slots.waiting() == 0 and log[-1] == ("b", 0)
 
-    slots = FairSlots(1, max_waiting=8)
+    slots = FairSlots(1, max_waiting=8, newcomer_tokens=0)
     async with slots.hold("a", 16) as between:
         dead = asyncio.ensure_future(slots.acquire("b", 16))
         await asyncio.sleep(0)
@@ -514,7 +550,7 @@ async def test_slots_survive_cancellation_and_refusal_at_every_wait():
     slots.release("c")
 
     from blocktrain.p2p import fair  # a client that hands its slot on between chunks may be forgotten meanwhile
-    slots, limit, fair.MAX_CLIENTS = FairSlots(1, max_waiting=8), fair.MAX_CLIENTS, 1
+    slots, limit, fair.MAX_CLIENTS = FairSlots(1, max_waiting=8, newcomer_tokens=0), fair.MAX_CLIENTS, 1
     try:
         await _request(slots, "x", 1, [])  # x is known, then idle
         await slots.acquire("filler", 16)
@@ -531,7 +567,7 @@ async def test_slots_survive_cancellation_and_refusal_at_every_wait():
     finally:
         fair.MAX_CLIENTS = limit
 
-    slots = FairSlots(1, max_waiting=2)  # Saturated, then cancelled before it ran: no slot handed on
+    slots = FairSlots(1, max_waiting=2, newcomer_tokens=0)  # Saturated, then cancelled before it ran: no slot handed on
     await slots.acquire("a", 1)
     w = [asyncio.ensure_future(slots.acquire("flood", 1)) for _ in range(2)]
     await asyncio.sleep(0)
@@ -544,7 +580,7 @@ async def test_slots_survive_cancellation_and_refusal_at_every_wait():
         t.cancel()
     await asyncio.gather(w[0], late, return_exceptions=True)
 
-    slots = FairSlots(1, max_waiting=4)
+    slots = FairSlots(1, max_waiting=4, newcomer_tokens=0)
     await slots.acquire("known", 16)
     slots.release("known")
     await slots.acquire("hog", 16)
@@ -575,7 +611,7 @@ async def test_a_queue_full_of_traversals_between_chunks_still_takes_a_client_ba
     the fewest parts, not the client it has served for long (it forgot the latest virtual time:
     a client that had just finished a long traversal)."""
     from blocktrain.p2p import fair
-    slots, log = fair.FairSlots(1, max_waiting=2), []
+    slots, log = fair.FairSlots(1, max_waiting=2, newcomer_tokens=0), []
     await _request(slots, "known", 1, [])
     await slots.acquire("hog", 16)
     for _ in range(40):  # the hop's time moves on: "known" has its credit
@@ -592,7 +628,7 @@ async def test_a_queue_full_of_traversals_between_chunks_still_takes_a_client_ba
     assert sum(isinstance(e, fair.Saturated) for e in ended[1:]) == 1  # the last in line, refused whole
     assert slots.free == 1 and slots.waiting() == 0
 
-    slots, limit, fair.MAX_CLIENTS = fair.FairSlots(1, max_waiting=8), fair.MAX_CLIENTS, 16
+    slots, limit, fair.MAX_CLIENTS = fair.FairSlots(1, max_waiting=8, newcomer_tokens=0), fair.MAX_CLIENTS, 16
     try:
         for i in range(15):
             await _request(slots, f"early{i}", 1, [])
