@@ -27,9 +27,9 @@ return, in the order a virtual network delivers them; small groups come from ``g
   of a join up to two heartbeats after the joiner took its state (the membership gossip). Each
   member partitions its own view: under gossip a view one member apart puts most members in
   other small groups than the others compute, so their parts carry another ``group`` digest;
-  the receiver departs the sender and tells it ``absent`` (driver.py's rule 9, both ways), and
-  each fails such rounds, up to ``MISMATCH_ROUNDS`` since its view of the group last changed,
-  after which the mismatched member only departs its round. A crashed member still in a view is
+  the receiver departs the sender and tells it ``absent`` (both ways), and the round goes on
+  without it (a gossip round, PROTOCOL r6.14; an all-to-all round fails by driver.py's rule 9,
+  up to ``MISMATCH_ROUNDS`` since the member's view of the group last changed). A crashed member still in a view is
   a silent partner there. ``--views shared``: every member holds one view, departures known at
   once and joins after their state transfer (the optimistic bound, and the model before views).
 - Attackers average honestly themselves (they take their round's result) and send their own
@@ -479,8 +479,11 @@ class Simulation:
         return out
 
     def _rule9(self, pid: str, view: tuple, r: AveragingRound) -> None:
-        """The driver's rule 9: the round fails (GroupMismatch) when a member saw another group in it
-        and, since ``pid``'s view of the whole group last changed, in at most MISMATCH_ROUNDS rounds."""
+        """The driver's rule 9, in all-to-all rounds: the round fails (GroupMismatch) when a member
+        saw another group in it and, since ``pid``'s view of the whole group last changed, in at
+        most MISMATCH_ROUNDS rounds. A gossip round goes on without it (rule 10, r6.14)."""
+        if self.cfg.mode == "gossip":
+            return
         seen, counts = self._mismatches.get(pid, ((), {}))
         if seen != view:
             counts = {}

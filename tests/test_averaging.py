@@ -141,6 +141,30 @@ async def test_a_member_of_another_view_hears_absent_after_the_others_ended_that
             await p.stop()
 
 
+async def test_a_gossip_round_goes_on_without_a_member_of_another_view():
+    """A gossip round (rule 10): peer 0 still counts peer 3, which peers 1 and 2 dropped, so its
+    small group (all four) is not theirs (1, 2). They depart each other from the round and it goes
+    on: 1 and 2 average, 0 keeps its own vector; nothing fails (r6.14: rule 9 failed all three,
+    though a member departed from a small group's round stays in the group)."""
+    from blocktrain.p2p.averaging.gossip import gossip_start
+    peers, avgs, members = await group(3, timeout_s=20, aggregate="robust")
+    try:
+        xs = [torch.randn(3001) for _ in peers]
+        ghost = "ab" * 32
+        mine = [*members, ghost]
+        theirs = [peers[1].id, peers[2].id]
+        (o0, r0), (o1, r1), (o2, r2) = await asyncio.wait_for(asyncio.gather(
+            avgs[0].average(1, xs[0], mine, start=gossip_start("t"), group=mine),
+            avgs[1].average(1, xs[1], theirs, start=gossip_start("t"), group=[*members]),
+            avgs[2].average(1, xs[2], theirs, start=gossip_start("t"), group=[*members])), 10)
+        assert torch.equal(o1, o2) and torch.allclose(o1, (xs[1] + xs[2]) / 2, atol=1e-6)
+        assert torch.equal(o0, xs[0]) and set(r0.departed) >= set(theirs)
+        assert not any(a.banned for a in avgs)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
 async def test_a_departure_seen_a_round_apart_fails_that_round_and_the_group_stays_whole():
     """Peer 2 is gone; peer 0 begins round 1 still counting it, peer 1 without it. Departing each
     other there would split the group (rule 9): round 1 fails for both, nothing applied, and round 2,

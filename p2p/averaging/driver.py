@@ -23,7 +23,8 @@ Rules (numbered as in the package's index, ``__init__.py``):
   mismatches fail up to ``MISMATCH_ROUNDS`` rounds since the members of our rounds last changed;
   after that the member departs the round as any departed member (the round goes on without it,
   and it leaves the group). A key holder that forges digests so costs its group at most that many
-  rounds per change of members.
+  rounds per change of members. Not in a gossip round (rule 10): a member departed from a small
+  group's round leaves that round only, so a mismatched member departs it and the round goes on.
 """
 
 from __future__ import annotations
@@ -181,8 +182,8 @@ class Averager(EarlyParts):
         into ``out`` when given (a caller that reuses one buffer round after round makes the round
         touch no fresh memory), else into a new tensor. ``group``: a gossip round's whole group
         (``members`` is its small group, rule 10): members we excluded stay in the round's
-        ``group`` digest, which every partner computes alike, and depart it at once; rule 9
-        counts mismatches since the whole group last changed."""
+        ``group`` digest, which every partner computes alike, and depart it at once; a member of
+        another view departs the round without failing it (rule 9 is not applied)."""
         t0 = time.perf_counter()
         self._gossip_group = None if group is None else sorted(group)
         r = self._begin(rnd, vector, members, start, out)
@@ -316,8 +317,12 @@ class Averager(EarlyParts):
 
     def _mismatches(self, r: AveragingRound) -> None:
         """Rule 9: GroupMismatch when a member saw another group in this round and, since our
-        rounds' members last changed, in at most MISMATCH_ROUNDS rounds."""
-        ids = self._gossip_group if self._gossip_group is not None else r.ids
+        rounds' members last changed, in at most MISMATCH_ROUNDS rounds. Not in a gossip round
+        (rule 10): a member departed from a small group's round leaves that round only, so the
+        round goes on without it and the group does not split."""
+        if self._gossip_group is not None:
+            return
+        ids = r.ids
         if ids != self._mismatch_ids:
             self._mismatch_count, self._mismatch_ids = {}, list(ids)
         for p in r.mismatched:
