@@ -25,13 +25,17 @@ return, in the order a virtual network delivers them; small groups come from ``g
   as real peers do: of a departure when its heartbeat timeout fires, ``--timeout-s`` after the
   crash plus up to ``--heartbeat-s`` (members last heard the leaver up to one heartbeat apart);
   of a join up to two heartbeats after the joiner took its state (the membership gossip). Each
-  member partitions its own view: under gossip a view one member apart puts most members in
-  other small groups than the others compute, so their parts carry another ``group`` digest;
-  the receiver departs the sender and tells it ``absent`` (both ways), and the round goes on
-  without it (a gossip round, PROTOCOL r6.14; an all-to-all round fails by driver.py's rule 9,
-  up to ``MISMATCH_ROUNDS`` since the member's view of the group last changed). A crashed member still in a view is
-  a silent partner there. ``--views shared``: every member holds one view, departures known at
-  once and joins after their state transfer (the optimistic bound, and the model before views).
+  member partitions its own view: a view one member apart puts some members (one or two small
+  groups; about half where the count of small groups changes) in other small groups than the
+  others compute, so their parts carry another ``group`` digest; the receiver departs the sender
+  and tells it ``absent`` (both ways), and the round goes on without it (a gossip round,
+  PROTOCOL r6.14; an all-to-all round fails by driver.py's rule 9, up to ``MISMATCH_ROUNDS``
+  since the member's view of the group last changed). A crashed member still in a view is a
+  silent partner there. A part that comes after the receiver's round ended is answered
+  ``absent`` only if it carries another digest; the driver also answers one of the same view
+  once the receiver has begun its next round (not simulated: slightly optimistic).
+  ``--views shared``: every member holds one view, departures known at once and joins after
+  their state transfer (the optimistic bound, and the model before views).
 - Attackers average honestly themselves (they take their round's result) and send their own
   update reversed (``flip``) or 8 times as large (``x8``) to their partners.
 
@@ -72,7 +76,7 @@ VIEWS = ("own", "shared")
 class SimConfig:
     members: int = 16
     mode: str = "gossip"  # or "all": one round of every member
-    size: int = 4  # gossip: small groups of size to 2 x size - 1
+    size: int = 4  # gossip: small groups of about size + 1 (3 to 2 x size + 1)
     rounds: int = 40
     local_steps: int = 8  # H: local steps between rounds
     batch: int = 32
@@ -243,7 +247,7 @@ class Simulation:
         # Views "own": the moments each member learns of a change (drawn on first use, from a generator
         # of their own so that the rest of the run draws as with one view); rule 9's counts per member.
         self._lag_rng = random.Random(cfg.seed + 7919)
-        self._lags: dict[tuple, float] = {}
+        self._lags: dict[str, dict[tuple, float]] = {}  # member -> (who, kind) -> lag
         self._mismatches: dict[str, tuple[tuple, dict]] = {}  # member -> (its view, member -> rounds)
 
     def _new_member(self, row: int, t: float, attacker: bool = False) -> Member:
@@ -337,6 +341,7 @@ class Simulation:
         for pid, (_, left) in list(self.roster.items()):  # every member learned of it: forgotten
             if left + c.timeout_s + c.heartbeat_s < t0:
                 del self.roster[pid]
+                self._lags.pop(pid, None)
         return {m.pid: tuple(p for p in sorted(self.roster) if p == m.pid or self._knows(m.pid, p, m.ready))
                 for m in live if m.pid not in silent}
 
@@ -347,13 +352,15 @@ class Simulation:
         joined, left = self.roster[pid]
         if joined is not None and t < joined + self._lag(who, pid, "join", 2 * self.cfg.heartbeat_s):
             return False
-        return t < left + self.cfg.timeout_s + self._lag(who, pid, "left", self.cfg.heartbeat_s)
+        return left == math.inf or t < left + self.cfg.timeout_s + self._lag(who, pid, "left", self.cfg.heartbeat_s)
 
     def _lag(self, who: str, pid: str, kind: str, most: float) -> float:
-        key = (who, pid, kind)
-        if key not in self._lags:
-            self._lags[key] = self._lag_rng.uniform(0, most)
-        return self._lags[key]
+        """When ``who`` learns of ``pid``'s ``kind`` of change, after it (drawn once; kept while
+        ``pid`` is in the roster)."""
+        lags = self._lags.setdefault(pid, {})
+        if (who, kind) not in lags:
+            lags[who, kind] = self._lag_rng.uniform(0, most)
+        return lags[who, kind]
 
     def _joins(self, t: float, live: list[Member]) -> None:
         """Joiners up to ``t`` (as many as leave, on average): each takes a random live member's
@@ -462,19 +469,19 @@ class Simulation:
             m = self.members[pid]
             assert r.done, "every round is done by its deadline"
             failed = 0
+            for rej in r.rejected:  # as the driver: rejections as they come, suspicions, then rule 9
+                self._reject(pid, rej["peer"])
+            self._suspicions(pid, r)
             try:
                 self._rule9(pid, views[pid], r)
-                vec, rep = r.result()
-                for rej in rep.rejected:
-                    self._reject(pid, rej["peer"])
-                self._suspicions(pid, r)
+                vec, _ = r.result()
                 self.model.params[m.row] = vec  # an attacker too: it averages honestly itself
             except RoundFailed:
                 r.undo_feedback()
                 failed = 1
             m.residual = r.residual
             live = [self.members[p].ready for p in r.ids if p in rounds]
-            blocked = end[pid] - max(live) if gone & set(r.ids) else 0.0
+            blocked = end[pid] - max(live) if r.departed else 0.0  # a partner silent, of another view, excluded
             out[pid] = (end[pid], nbytes[pid], blocked, failed, int(bool(r.mismatched)))
         return out
 

@@ -233,6 +233,7 @@ class SessionStats:
     accepted_by_source: dict = field(default_factory=dict)  # "model" / "lookup" -> accepted bytes
     drafted_by_source: dict = field(default_factory=dict)
     accept_hist: dict = field(default_factory=dict)  # draft bytes accepted in a traversal -> traversals
+    rebuilds: int = 0  # caches a hop lost mid-session (fault "session"), rebuilt from the committed bytes
 
     def bytes_per_traversal(self, n: int) -> float:
         return n / max(1, self.traversals)

@@ -190,7 +190,7 @@ class PipelineClient:
         """Drive ``s`` to its end through this chain; a hop that lost the caches ("session" fault)
         gets them rebuilt from the committed bytes, at most ``rebuilds`` times."""
         session = secrets.randbits(62) if session is None else session  # unguessable, new per run
-        compute, ended, rebuilt = 0.0, False, 0
+        compute, ended = 0.0, False
         t0 = time.perf_counter()
         try:
             while s.state != "done":
@@ -201,7 +201,8 @@ class PipelineClient:
                 except PipelineError as e:
                     if e.fault != "session" or rebuilds <= 0:
                         raise
-                    rebuilds, rebuilt = rebuilds - 1, rebuilt + 1
+                    rebuilds -= 1
+                    s.stats.rebuilds += 1  # over every chain this session tried
                     s.reset_caches()
                     continue
                 compute += c
@@ -214,7 +215,7 @@ class PipelineClient:
                 self._end(session, mode)
         return {"seconds": time.perf_counter() - t0, "traversals": s.stats.traversals, "compute_s": compute,
                 "bytes_per_traversal": s.stats.bytes_per_traversal(len(s.output)),
-                "drafted": s.stats.drafted, "accepted": s.stats.accepted, "rebuilds": rebuilt}
+                "drafted": s.stats.drafted, "accepted": s.stats.accepted, "rebuilds": s.stats.rebuilds}
 
     async def generate_blocktrain(self, prompt: bytes, n: int, sampling: Sampling = Sampling()) -> tuple[bytes, dict]:
         """N bytes from one traversal of the chain (prompt + N-1 placeholders)."""

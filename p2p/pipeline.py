@@ -17,7 +17,9 @@ Rules:
   is answered with fault "session": the client rebuilds the caches from its committed bytes.
 - A session's caches are freed at its end, after SESSION_IDLE_S unused, or when the hop holds
   more than MAX_SESSIONS: an idle session goes, the least recently used of the client holding
-  the most, of those unused for RECENT_S; a recent one only past twice MAX_SESSIONS. Identities
+  the most, of those unused for RECENT_S since their last traversal here; past twice
+  MAX_SESSIONS, with none such, a new session is refused (fault "hop"). A new session whose first
+  traversal is refused before any compute is not kept. Identities
   are free: a flood of sessions, from a few identities or a fresh one per traversal, must not
   push out a client with one between its traversals.
 - A traversal is computed in chunks of ``decode.CHUNK`` tokens (``hop_chunks``) on the hop's
@@ -60,13 +62,14 @@ from .services import PeerServices, PeerUnreachable
 from .tensors import from_wire, to_wire
 
 SESSION_IDLE_S = 60.0  # caches unused this long are freed
-# Sessions one hop holds at once (the least recently used goes), and per client. A session's
+# Sessions one hop holds at once (an idle one goes; up to twice as many while they are in use or
+# recent: RECENT_S), and per client. A session's
 # caches are at most (max_seq_len + 256) tokens per layer plus the draft model's drafting steps:
 # about 13 MiB for the d 128 model at the spec bounds, 1.5 MiB for 256 bytes of d 192.
 MAX_SESSIONS = 64
 MAX_SESSIONS_PER_CLIENT = 8
-# A session used this recently is not pushed out by a new one while the hop holds fewer than twice
-# MAX_SESSIONS: a client between two traversals (its round trip) keeps its caches however many new
+# A session used this recently is not pushed out by a new one while the hop holds at most twice
+# MAX_SESSIONS (past it, the new session is refused): a client between two traversals (its round trip) keeps its caches however many new
 # sessions come (identities are free: a flood of a fresh identity per traversal, with every other
 # session's traversal running here, pushed out the client's one idle session). Sessions past
 # MAX_SESSIONS are then ones in use or used within RECENT_S.
@@ -161,14 +164,17 @@ class PipelineServer:
         self.sessions[key] = cache  # most recently used last
         self._used[key] = time.monotonic()
         while len(self.sessions) > MAX_SESSIONS:
-            # An idle session goes (not this one, nor one with a traversal here): the least recently
-            # used of the client holding the most, of those idle for RECENT_S; below twice
-            # MAX_SESSIONS a recent one stays (the table passes MAX_SESSIONS meanwhile).
-            idle = [k for k in self.sessions if k != key and k not in self._busy]
-            if len(self.sessions) <= 2 * MAX_SESSIONS:
-                now = time.monotonic()
-                idle = [k for k in idle if now - self._used[k] > RECENT_S]
+            # An idle session goes (not this one, nor one with a traversal here), of those unused for
+            # RECENT_S: the least recently used of the client holding the most. While the hop holds
+            # at most twice MAX_SESSIONS, a recent one stays; past it, a new session is refused rather
+            # than push one out (the table passes 2 x MAX_SESSIONS only by sessions in use).
+            now = time.monotonic()
+            idle = [k for k in self.sessions if k != key and k not in self._busy and now - self._used[k] > RECENT_S]
             if not idle:
+                if len(self.sessions) > 2 * MAX_SESSIONS and start == 0:
+                    self._drop(key)
+                    raise PipelineError(f"block {b.index}: this hop holds {len(self.sessions)} sessions, all in "
+                                        f"use or used in the last {RECENT_S:.0f} s", b.index)
                 break
             held = collections.Counter(k[0] for k in self.sessions)
             self._drop(max(idle, key=lambda k: held[k[0]]))  # the first of the most: least recently used
@@ -251,7 +257,9 @@ class PipelineServer:
                     await between(min(left, CHUNK))  # a client that comes first goes now
                 return out
         except Saturated as e:
-            if left < len(plan.spec["ids"]):  # refused midway: the caches hold part of a traversal
+            # Refused midway (the caches hold part of a traversal), or before a new session's first
+            # chunk (an empty session would take a place in the table at no compute).
+            if left < len(plan.spec["ids"]) or plan.spec["start"] == 0:
                 self._drop(key)
             raise PipelineError(f"block {k} at {self.peer.addr}: {e}", k, msg.hop) from None
         except SessionMismatch as e:
@@ -259,6 +267,8 @@ class PipelineServer:
             raise PipelineError(str(e), k, msg.hop, fault="session") from None
         finally:
             self._busy.discard(key)
+            if key in self._used:
+                self._used[key] = time.monotonic()  # its idle time (RECENT_S) starts when the traversal ends here
             self._inflight[client] -= 1
             if not self._inflight[client]:
                 del self._inflight[client]

@@ -643,18 +643,26 @@ async def test_a_queue_full_of_traversals_between_chunks_still_takes_a_client_ba
 async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_session():
     """Finding 8: when the hop holds more than MAX_SESSIONS, the session that goes is the least
     recently used of the client holding the most, never the one session of a quiet client; a
-    session used within RECENT_S stays until the hop holds twice MAX_SESSIONS."""
+    session used within RECENT_S stays, and past twice MAX_SESSIONS a new session is refused
+    instead of pushing one out."""
     from blocktrain.blocks.model import Block, ModelConfig
     from blocktrain.p2p import pipeline
-    from blocktrain.p2p.pipeline import MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, PipelineServer, ServedBlocks
+    from blocktrain.p2p.pipeline import (MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, PipelineError, PipelineServer,
+                                         ServedBlocks)
     peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
     b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
     server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
     try:
         server._cache(("me", 1, False, 0), b, 0)
+        refused = 0
         for i in range(4 * MAX_SESSIONS):  # identities are free: 8 sessions each, round after round
-            server._cache((f"flood{i // MAX_SESSIONS_PER_CLIENT}", i, False, 0), b, 0)
+            try:
+                server._cache((f"flood{i // MAX_SESSIONS_PER_CLIENT}", i, False, 0), b, 0)
+            except PipelineError as e:
+                assert e.fault == "hop" and "in use or used in the last" in str(e)
+                refused += 1
         assert ("me", 1, False, 0) in server.sessions and len(server.sessions) == 2 * MAX_SESSIONS  # all recent
+        assert refused == 2 * MAX_SESSIONS + 1
         for k in server._used:
             server._used[k] -= pipeline.RECENT_S + 1
         server._cache(("late", 0, False, 0), b, 0)
@@ -683,6 +691,44 @@ async def test_a_flood_of_fresh_identities_with_traversals_running_keeps_a_clien
         server._used[mine] -= pipeline.RECENT_S + 1  # the client went quiet: its session may go now
         server._cache(("fresh-new", 0, False, 0), b, 0)
         assert mine not in server.sessions
+    finally:
+        await peer.stop()
+
+
+async def test_a_sessions_recent_time_starts_when_its_traversal_ends_and_a_refused_first_one_keeps_nothing():
+    """A review: a session's RECENT_S counted from when its traversal came, so one that waited long
+    in the queue was pushed out as soon as it ended; and a new session whose first traversal the
+    queue refused stayed in the table, empty (a flood of refused requests filled it at no compute)."""
+    import contextlib
+    import time
+    from types import SimpleNamespace
+
+    from blocktrain.blocks.model import Block, ModelConfig
+    from blocktrain.p2p import fair
+    from blocktrain.p2p.pipeline import PipelineError, PipelineServer, ServedBlocks
+    peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
+    b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
+    server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
+    msg = SimpleNamespace(hop=0)
+    try:
+        key = ("me", 1, False, 0)
+        server._cache(key, b, 0)
+        server._used[key] -= 100  # its traversal came long ago, and waited
+        plan = SimpleNamespace(client="me", block=0, spec={"ids": "ab", "start": 0}, meta={})
+        assert await server._run_block(msg, plan, key, iter(["out"])) == "out"
+        assert time.monotonic() - server._used[key] < 5  # idle from when it ended
+
+        @contextlib.asynccontextmanager
+        async def saturated(who, cost):
+            raise fair.Saturated("64 requests already wait here")
+            yield
+        server._compute.hold = saturated
+        new = ("fresh", 2, False, 0)
+        server._cache(new, b, 0)
+        with pytest.raises(PipelineError):
+            await server._run_block(msg, SimpleNamespace(client="fresh", block=0, spec={"ids": "ab", "start": 0},
+                                                          meta={}), new, iter(["out"]))
+        assert new not in server.sessions and key in server.sessions
     finally:
         await peer.stop()
 
