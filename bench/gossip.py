@@ -218,6 +218,26 @@ class SimResult:
     left: int = 0
 
 
+def _components(groups_of: dict) -> list[dict]:
+    """``groups_of`` (member -> the small group it computed) cut where no member's small group
+    reaches another's: parts never cross between them, so each is one exchange (one small group
+    each where the members' views agree)."""
+    root = {p: p for g in groups_of.values() for p in g}
+
+    def find(p: str) -> str:
+        while root[p] != p:
+            root[p] = root[root[p]]
+            p = root[p]
+        return p
+    for g in groups_of.values():
+        for p in g[1:]:
+            root[find(p)] = find(g[0])
+    parts: dict[str, dict] = {}
+    for pid, g in groups_of.items():
+        parts.setdefault(find(pid), {})[pid] = g
+    return list(parts.values())
+
+
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
     return math.exp(rng.uniform(math.log(lo), math.log(hi)))
 
@@ -302,8 +322,10 @@ class Simulation:
         sent_bytes: dict[str, int] = {}
         stats = RoundStats(rnd, len(live), len({tuple(g) for g in groups_of.values()}), 0.0, 0.0, 0.0,
                            silent=len(silent))
-        waits, ends = [], []
-        for pid, (end, nbytes, blocked, failed, mismatched) in self._exchange(groups_of, rnd, views, starts).items():
+        waits, ends, done = [], [], {}
+        for part in _components(groups_of):  # members whose small groups overlap, one exchange each
+            done.update(self._exchange(part, rnd, views, starts))  # (memory: a lossy round's at a time)
+        for pid, (end, nbytes, blocked, failed, mismatched) in done.items():
             m = self.members[pid]
             waits.append(end - m.ready)
             ends.append(end)
