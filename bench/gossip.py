@@ -364,6 +364,9 @@ class Simulation:
             if left + c.timeout_s + c.heartbeat_s < t0:
                 del self.roster[pid]
                 self._lags.pop(pid, None)
+                for lags in self._lags.values():  # it observes nothing more either
+                    lags.pop((pid, "join"), None)
+                    lags.pop((pid, "left"), None)
         return {m.pid: tuple(p for p in sorted(self.roster) if p == m.pid or self._knows(m.pid, p, m.ready))
                 for m in live if m.pid not in silent}
 

@@ -6,17 +6,21 @@ Rules:
   (serving: a traversal in chunks of ``decode.CHUNK`` tokens, each part's ``cost`` its tokens).
 - Flows: what is shared fairly is a flow. A client the hop knows is a flow of its own; every
   client it does not know yet shares one flow, the newcomers' (``NEWCOMERS``), until it was
-  served ``newcomer_tokens`` (``NEWCOMER_TOKENS``, 256: a short traversal) there; from its next
-  request on it is a flow of its own, starting at the hop's time. Identities are free: a flood
-  of fresh identities takes one share, not one per identity. An identity made known costs the
-  flood its tokens, served at the newcomers' one share.
+  served ``newcomer_tokens`` (``NEWCOMER_TOKENS``, 256: a short traversal) there, counted for
+  parts computed (a part cut short counts nothing); from its next request on it is a flow of
+  its own, starting at the hop's time. Inside the newcomers' flow clients take turns part by
+  part (a request between its parts goes behind another newcomer waiting). Identities are free:
+  a flood of fresh identities takes one share, not one per identity. An identity made known
+  costs its tokens, computed at the newcomers' one share; an attacker can so stock up known
+  identities while the hop is idle, and flood with them later, one share each.
 - Order: fair queuing over parts by start tag. Each flow has a virtual time, advanced by the
   cost of each part it is served; the hop's virtual time is the largest finish tag served
   (start + cost), so it moves on with every part served at or past it. A client busy here
   (waiting or computing) starts its next part at its virtual time. A client this hop knows that
   was idle starts at its virtual time or ``IDLE_CREDIT`` before the hop's, whichever is later:
-  it banks at most that much. A flow without a virtual time (the newcomers' first, a client just
-  made known) starts at the hop's time, with no credit. The next slot goes to
+  it banks at most that much. A flow without a virtual time yet (the newcomers' the first time,
+  a client just made known) starts at the hop's time; back from idle later, any flow (the
+  newcomers' too) starts with the credit above. The next slot goes to
   the smallest start tag; among equal tags first to a client that was idle, then to the longest
   waiting.
 - So a client back from a round trip (a legitimate session: a few dozen tokens a traversal) is
@@ -97,7 +101,8 @@ class FairSlots:
         self._vtime: dict[str, float] = {}  # flow -> virtual time after its last part started
         self._parts: dict[str, int] = {}  # flow -> parts it was served (kept with its virtual time)
         self._held: collections.Counter[str] = collections.Counter()  # flow -> slots it holds
-        self._trial: dict[str, float] = {}  # newcomer -> tokens it was served (at most MAX_CLIENTS)
+        self._trial: dict[str, tuple[float, int]] = {}  # newcomer -> tokens, parts computed (<= MAX_CLIENTS)
+        self._lent: dict[str, collections.deque] = {}  # who -> (flow, cost) of each slot ``acquire`` lent
         self._now = 0.0  # the hop's virtual time: the largest finish tag served
         self._seq = 0
         self._served = 0  # parts served
@@ -118,32 +123,43 @@ class FairSlots:
         yields ``between(cost)`` for the request's next part."""
         flow = self.flow(who)  # for the whole request, even if the hop comes to know ``who`` meanwhile
         seq = await self._acquire(flow, who, cost)
-        held = True
+        held, running = True, cost
 
         async def between(cost: float = 1.0):
-            nonlocal held
+            nonlocal held, running
+            self._credit(who, flow, running)  # the part before was computed
+            running = cost
             part = _Part(seq, who, cost, False, self._vtime[flow], started=True)
             self._purge()
+            q = self._queues.get(flow)
+            rival = bool(q) and q[0].who != who  # another newcomer waits in the flow: they take turns
             first = min((self._order(c) for c in self._queues if c != flow), default=None)  # its own wait
-            if first is not None and first < self._rank(part):  # a live waiter (purged above) takes it
+            if rival or (first is not None and first < self._rank(part)):  # a live waiter (purged above)
+                if rival:  # behind the newcomers waiting
+                    assert q is not None
+                    part.tag = q[-1].tag + q[-1].cost
                 held = False  # while it waits it holds nothing; cancelled or refused, it never will
                 self._release(flow)
-                await self._wait(flow, part, first=True)
+                await self._wait(flow, part, first=not rival)
                 held = True
                 return
             self._served += 1
             self._start(flow, part)
         try:
             yield between
+            self._credit(who, flow, running)  # the last part was computed
         finally:
             if held:
                 self._release(flow)
             self._graduate(who)
 
     async def acquire(self, who: str, cost: float = 1.0) -> int:
-        """A slot for a request of ``who`` costing ``cost``; give it back with ``release(who)``.
-        Returns the request's place in arrival order."""
-        return await self._acquire(self.flow(who), who, cost)
+        """A slot for a request of ``who`` costing ``cost``; give it back with ``release(who)``
+        (the request computed). Returns the request's place in arrival order."""
+        flow = self.flow(who)
+        seq = await self._acquire(flow, who, cost)
+        self._lent.setdefault(who, collections.deque()).append((flow, cost))
+        return seq
 
     async def _acquire(self, who: str, client: str, cost: float) -> int:
         """``acquire`` for flow ``who`` (``client``'s)."""
@@ -167,8 +183,14 @@ class FairSlots:
         return seq
 
     def release(self, who: str) -> None:
-        """Give back the slot ``who`` took with ``acquire``."""
-        self._release(self.flow(who))
+        """Give back the slot ``who`` took with ``acquire`` (the oldest, in the flow it took it in)."""
+        lent = self._lent.get(who)
+        assert lent, f"{who} holds no slot"
+        flow, cost = lent.popleft()
+        if not lent:
+            del self._lent[who]
+        self._release(flow)
+        self._credit(who, flow, cost)
         self._graduate(who)
 
     def _rank(self, p: _Part) -> tuple:
@@ -185,10 +207,6 @@ class FairSlots:
         """Part ``p`` of flow ``who`` is served from its start tag; the flow's next waiting part
         starts no earlier than this one ends. A newcomer's tokens count toward its own flow."""
         cost, tag = p.cost, p.tag
-        if who == NEWCOMERS:
-            self._trial[p.who] = self._trial.pop(p.who, 0.0) + cost  # the most recent last
-            if len(self._trial) > MAX_CLIENTS:
-                del self._trial[next(iter(self._trial))]
         self._now = max(self._now, tag + cost)
         self._vtime[who] = max(self._vtime.get(who, tag + cost), tag + cost)  # never back
         self._parts[who] = self._parts.get(who, 0) + 1
@@ -198,13 +216,24 @@ class FairSlots:
         if len(self._vtime) > MAX_CLIENTS:
             self._prune()
 
+    def _credit(self, who: str, flow: str, tokens: float) -> None:
+        """A part of ``who`` in ``flow`` was computed: a newcomer's counts toward its own flow."""
+        if flow != NEWCOMERS or who in self._vtime:
+            return
+        done, parts = self._trial.pop(who, (0.0, 0))
+        self._trial[who] = (done + tokens, parts + 1)  # the most recent last
+        if len(self._trial) > MAX_CLIENTS:
+            del self._trial[next(iter(self._trial))]
+
     def _graduate(self, who: str) -> None:
-        """A newcomer served ``newcomer_tokens`` becomes a flow of its own (for its next request),
-        starting at the hop's time."""
-        if self._trial.get(who, -1.0) >= self.newcomer_tokens and who not in self._vtime:
+        """A newcomer whose parts computed came to ``newcomer_tokens`` becomes a flow of its own
+        (for its next request), from the hop's time, with the parts it was served (so the hop
+        forgets it no sooner than a client served as much)."""
+        done, parts = self._trial.get(who, (-1.0, 0))
+        if done >= self.newcomer_tokens and who not in self._vtime:
             del self._trial[who]
             self._vtime[who] = self._now
-            self._parts[who] = 0
+            self._parts[who] = parts
             if len(self._vtime) > MAX_CLIENTS:
                 self._prune()
 
