@@ -194,8 +194,8 @@ def _round_options(f):
                      help="Start only once this many peers (this one included) start together, or join a group."),
         click.option("--gossip", type=click.IntRange(0, 16), default=None, metavar="K",
                      help="Many peers on one block: from 2K members on, each round averages the parameters in "
-                          "small groups of about K+1 (3..2K+1) that change every round (no barrier across the group; K 3..16, "
-                          "0: all-to-all, the default). Needs parameter rounds (--sync params) without overlap, "
+                          "small groups of about K+1 (3..2K+1) that change every round (no barrier across the "
+                          "group; K 3..16, 0: all-to-all, the default). Needs parameter rounds (--sync params) without overlap, "
                           "a dense codec and the plain average (outer sgd, rate 1)."),
     ])
 

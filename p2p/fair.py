@@ -36,10 +36,10 @@ Rules:
 - At most ``max_waiting`` parts wait in all (a request between its parts counts). Past it, room
   is made for an arriving part: the flow with the most waiting loses its newest waiter if it has
   two more than the arriving part's flow; else the waiter that would go last loses its place if
-  the arriving part would go before it (a request refused between its parts is refused whole: serving drops its
-  session); else the arriving part is refused at once (``Saturated``). So a flood from one identity
-  never fills the queue against others, and a client back with credit takes the place of the
-  last in line.
+  the arriving part would go before it (a request refused between its parts is refused whole:
+  serving drops its session); else the arriving part is refused at once (``Saturated``). So a
+  flood from one identity never fills the queue against others, and a client back with credit
+  takes the place of the last in line.
 - What is kept per client is bounded: its waiters (``max_waiting`` in all), its slots held, and
   a virtual time with its count of parts served (at most ``MAX_CLIENTS``; past it the idle
   clients served the fewest parts are forgotten first, the newest among equals, and a client
@@ -205,7 +205,7 @@ class FairSlots:
 
     def _start(self, who: str, p: _Part) -> None:
         """Part ``p`` of flow ``who`` is served from its start tag; the flow's next waiting part
-        starts no earlier than this one ends. A newcomer's tokens count toward its own flow."""
+        starts no earlier than this one ends."""
         cost, tag = p.cost, p.tag
         self._now = max(self._now, tag + cost)
         self._vtime[who] = max(self._vtime.get(who, tag + cost), tag + cost)  # never back

@@ -19,10 +19,10 @@ Rules:
   more than MAX_SESSIONS: an idle session goes, the least recently used of the client holding
   the most, of those unused for RECENT_S since their last traversal here; past twice
   MAX_SESSIONS, with none such, a recent one of a client holding several, and with none such
-  either a new session is refused (fault "hop"). A new session whose first
-  traversal is refused before any compute is not kept. Identities
-  are free: a flood of sessions, from a few identities or a fresh one per traversal, must not
-  push out a client with one between its traversals.
+  either a new session is refused (fault "hop"). A new session whose first traversal is refused
+  before any compute is not kept. Identities are free: a flood of sessions, from a few
+  identities or a fresh one per traversal, must not push out a client with one between its
+  traversals.
 - A traversal is computed in chunks of ``decode.CHUNK`` tokens (``hop_chunks``) on the hop's
   COMPUTE_SLOTS compute slot(s), each chunk charged its tokens by fair queuing over clients
   (every client the hop does not know yet in one flow, the newcomers'),
@@ -69,11 +69,11 @@ SESSION_IDLE_S = 60.0  # caches unused this long are freed
 # about 13 MiB for the d 128 model at the spec bounds, 1.5 MiB for 256 bytes of d 192.
 MAX_SESSIONS = 64
 MAX_SESSIONS_PER_CLIENT = 8
-# A session used this recently is not pushed out by a new one while the hop holds at most twice
-# MAX_SESSIONS (past it, the new session is refused): a client between two traversals (its round trip) keeps its caches however many new
-# sessions come (identities are free: a flood of a fresh identity per traversal, with every other
-# session's traversal running here, pushed out the client's one idle session). Sessions past
-# MAX_SESSIONS are then ones in use or used within RECENT_S.
+# A session used this recently (since its last traversal here ended) is not pushed out by a new one
+# while the hop holds at most twice MAX_SESSIONS; past it, only a client's that holds several, else
+# the new session is refused. A client between two traversals (its round trip) so keeps its caches
+# however many new sessions come (identities are free: a flood of a fresh identity per traversal,
+# with every other session's traversal running here, pushed out the client's one idle session).
 RECENT_S = 5.0
 # Traversals computed at once by one hop (the rest wait their turn, fair by client: fair.py). One:
 # the model code holds the interpreter lock for much of a chunk, so a second slot adds little
