@@ -132,7 +132,7 @@ class FairSlots:
             part = _Part(seq, who, cost, False, self._vtime[flow], started=True)
             self._purge()
             q = self._queues.get(flow)
-            rival = bool(q) and q[0].who != who  # another newcomer waits in the flow: they take turns
+            rival = q is not None and len(q) > 0 and q[0].who != who  # another newcomer waits in the flow: turns
             first = min((self._order(c) for c in self._queues if c != flow), default=None)  # its own wait
             if rival or (first is not None and first < self._rank(part)):  # a live waiter (purged above)
                 if rival:  # behind the newcomers waiting
