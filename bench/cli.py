@@ -451,9 +451,9 @@ def gossip(members, all_sizes, size, rounds, local_steps, lr, codec, aggregate, 
     if attackers and attackers >= min(sizes):
         raise click.BadParameter(f"{attackers} attackers need more members than that", param_hint="--attackers")
     base = sim.SimConfig(size=size, rounds=rounds, local_steps=local_steps, lr=lr, codec=codec, aggregate=aggregate,
-                         churn=churn, timeout_s=timeout_s, views=views, heartbeat_s=heartbeat_s, step_ms=step_ms, rtt_ms=ranges["--rtt-ms"],
-                         rate_mbit=ranges["--rate-mbit"], attackers=attackers, attack=attack, eval_every=eval_every,
-                         seed=seed)
+                         churn=churn, timeout_s=timeout_s, views=views, heartbeat_s=heartbeat_s, step_ms=step_ms,
+                         rtt_ms=ranges["--rtt-ms"], rate_mbit=ranges["--rate-mbit"], attackers=attackers,
+                         attack=attack, eval_every=eval_every, seed=seed)
 
     def progress(w, name, st):
         if st.loss is not None:
