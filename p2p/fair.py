@@ -29,8 +29,9 @@ Rules:
   share the rest in turn by the compute they take; fresh identities queue in the newcomers' flow.
   The share is per flow: many known identities at once take as many shares.
 - ``between``: when a waiter comes before the request's next part, the slot goes to it and the
-  part waits at the head of its client's queue (a client's requests finish in turn instead of
-  all advancing together); otherwise the request keeps the slot.
+  part waits at the head of its flow's queue (a client's requests finish in turn instead of
+  all advancing together); in the newcomers' flow, with another newcomer waiting, it goes
+  behind the newcomers waiting instead; otherwise the request keeps the slot.
 - Nobody waits forever: a waiter passed over by ``MAX_BYPASS`` parts goes first (oldest first),
   whatever the tags say.
 - At most ``max_waiting`` parts wait in all (a request between its parts counts). Past it, room
@@ -132,7 +133,7 @@ class FairSlots:
             part = _Part(seq, who, cost, False, self._vtime[flow], started=True)
             self._purge()
             q = self._queues.get(flow)
-            rival = q is not None and len(q) > 0 and q[0].who != who  # another newcomer waits in the flow: turns
+            rival = q is not None and any(p.who != who for p in q)  # another newcomer waits in the flow: turns
             first = min((self._order(c) for c in self._queues if c != flow), default=None)  # its own wait
             if rival or (first is not None and first < self._rank(part)):  # a live waiter (purged above)
                 if rival:  # behind the newcomers waiting
@@ -290,7 +291,7 @@ class FairSlots:
         top = max(self._queues, key=lambda c: len(self._queues[c]))
         victim: tuple[str, _Part] | None = None
         if len(self._queues[top]) > self.waiting(who) + 1:
-            victim = top, self._queues[top][-1]  # its newest (a part already started is at the head)
+            victim = top, max(self._queues[top], key=lambda p: p.seq)  # its newest request (not one started)
         else:
             victim = max(((c, p) for c, q in self._queues.items() for p in q), key=lambda cp: self._rank(cp[1]))
             if self._rank(victim[1]) < self._rank(newcomer):

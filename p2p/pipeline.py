@@ -18,7 +18,7 @@ Rules:
 - A session's caches are freed at its end, after SESSION_IDLE_S unused, or when the hop holds
   more than MAX_SESSIONS: an idle session goes, the least recently used of the client holding
   the most, of those unused for RECENT_S since their last traversal here; past twice
-  MAX_SESSIONS, with none such, a recent one of a client holding several, and with none such
+  MAX_SESSIONS, with none such, a recent one of a client with several idle, and with none such
   either a new session is refused (fault "hop"). A new session whose first traversal is refused
   before any compute is not kept. Identities are free: a flood of sessions, from a few
   identities or a fresh one per traversal, must not push out a client with one between its
@@ -167,13 +167,14 @@ class PipelineServer:
         while len(self.sessions) > MAX_SESSIONS:
             # An idle session goes (not this one, nor one with a traversal here), of those unused for
             # RECENT_S: the least recently used of the client holding the most. While the hop holds
-            # at most twice MAX_SESSIONS, a recent one stays; past it, a recent one of a client holding
-            # several, and with none such a new session is refused rather than push out a client's one
+            # at most twice MAX_SESSIONS, a recent one stays; past it, a recent one of a client with
+            # several idle, and with none such a new session is refused rather than push out a client's one
             # (the table passes 2 x MAX_SESSIONS only by sessions in use).
             now = time.monotonic()
             held = collections.Counter(k[0] for k in self.sessions)
             idle = [k for k in self.sessions if k != key and k not in self._busy and now - self._used[k] > RECENT_S]
-            if not idle and len(self.sessions) > 2 * MAX_SESSIONS:  # a recent one, of a client holding several
+            if not idle and len(self.sessions) > 2 * MAX_SESSIONS:  # a recent one, of a client with several idle
+                held = collections.Counter(k[0] for k in self.sessions if k != key and k not in self._busy)
                 idle = [k for k in self.sessions if k != key and k not in self._busy and held[k[0]] > 1]
                 if not idle and start == 0:
                     self._drop(key)

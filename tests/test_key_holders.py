@@ -459,6 +459,41 @@ async def test_newcomers_take_turns_and_are_made_known_by_what_was_computed():
         fair.MAX_CLIENTS = limit
 
 
+async def test_a_newcomer_between_parts_keeps_its_place_and_turns_reach_every_newcomer():
+    """A third review: a newcomer's request waiting between its parts behind other newcomers was
+    taken for the newest waiter and refused when a known client needed room (its computed chunks
+    lost); and a newcomer with two requests in flight kept the slot for the whole first one while
+    another newcomer waited behind its second (151 parts)."""
+    from blocktrain.p2p import fair
+    slots = fair.FairSlots(1, max_waiting=3)
+    await _request(slots, "K", fair.NEWCOMER_TOKENS // 16, [])  # known
+    async with slots.hold("A", 16) as between:
+        b, c, d = (asyncio.ensure_future(slots.acquire(w, 16)) for w in "BCD")
+        await asyncio.sleep(0)
+        a_next = asyncio.ensure_future(between(16))  # A's next part goes behind B, C and D; B computes
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert b.done() and slots.waiting() == 3  # C, D, A (started): full
+        k = asyncio.ensure_future(slots.acquire("K", 16))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert isinstance(d.exception(), fair.Saturated) and not a_next.done()  # the newest request gave way
+        for t in (c, k, a_next):
+            t.cancel()
+        await asyncio.gather(c, k, a_next, return_exceptions=True)
+        slots.release("B")
+    assert slots.free == 1
+
+    slots, log = fair.FairSlots(1, max_waiting=64), []
+    r1 = asyncio.ensure_future(_request(slots, "X", 20, log))
+    await asyncio.sleep(0)
+    r2 = asyncio.ensure_future(_request(slots, "X", 20, log))
+    await asyncio.sleep(0)
+    c = asyncio.ensure_future(_request(slots, "C", 1, log))
+    await asyncio.gather(r1, r2, c)
+    assert [w for w, _ in log].index("C") <= 4, log  # within a part or two of coming
+
+
 async def test_a_long_traversal_hands_its_slot_on_between_chunks():
     """A 200-token traversal no longer holds its slot throughout: a client coming back takes it at
     the next chunk boundary and finishes its short traversal; then the long one goes on, before
@@ -712,12 +747,15 @@ async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_sess
         server.sessions.clear()
         server._used.clear()
         server._cache(("me", 1, False, 0), b, 0)
-        for i in range(2 * MAX_SESSIONS - 1):  # a fresh identity per session, all recent
+        server._cache(("two", 1, False, 0), b, 0)  # between traversals, while its other one runs here
+        server._cache(("two", 2, False, 0), b, 0)
+        server._busy.add(("two", 2, False, 0))
+        for i in range(2 * MAX_SESSIONS - 3):  # a fresh identity per session, all recent
             server._cache((f"one{i}", i, False, 0), b, 0)
         with pytest.raises(PipelineError, match="each a client's one") as refused:
             server._cache(("one-more", 0, False, 0), b, 0)
         assert refused.value.fault == "hop" and ("me", 1, False, 0) in server.sessions
-        assert len(server.sessions) == 2 * MAX_SESSIONS
+        assert ("two", 1, False, 0) in server.sessions and len(server.sessions) == 2 * MAX_SESSIONS
     finally:
         await peer.stop()
 
