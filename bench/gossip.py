@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from blocktrain.blocks.data import load_split
 from blocktrain.p2p.averaging import AveragingRound, RoundFailed
 from blocktrain.p2p.averaging.round import GroupMismatch
-from blocktrain.p2p.averaging.driver import MISMATCH_ROUNDS, MISMATCHED, outliers_in_a_row
+from blocktrain.p2p.averaging.driver import MISMATCHED, mismatches_within_allowance, outliers_in_a_row
 from blocktrain.p2p.averaging.gossip import check_gossip_codec, gossip_groups, gossip_start
 
 CONTEXT = 4  # previous bytes the model sees
@@ -268,7 +268,7 @@ class Simulation:
         # of their own so that the rest of the run draws as with one view); rule 9's counts per member.
         self._lag_rng = random.Random(cfg.seed + 7919)
         self._lags: dict[str, dict[tuple, float]] = {}  # member -> (who, kind) -> lag
-        self._mismatches: dict[str, tuple[tuple, dict]] = {}  # member -> (its view, member -> rounds)
+        self._mismatches: dict[str, dict] = {}  # member -> its rule-9 count (mismatches_within_allowance)
 
     def _new_member(self, row: int, t: float, attacker: bool = False) -> Member:
         pid = f"{self.next_id:04d}" + f"{self.rng.getrandbits(48):012x}"
@@ -516,14 +516,9 @@ class Simulation:
         most MISMATCH_ROUNDS rounds. A gossip round goes on without it (rule 10, r6.14)."""
         if self.cfg.mode == "gossip":
             return
-        seen, counts = self._mismatches.get(pid, ((), {}))
-        if seen != view:
-            counts = {}
-        for p in r.mismatched:
-            counts[p] = counts.get(p, 0) + 1
-        self._mismatches[pid] = (view, counts)
-        if any(counts[p] <= MISMATCH_ROUNDS for p in r.mismatched):
-            raise GroupMismatch(0, r.round, sorted(r.mismatched), frozenset(r.silent()))
+        tolerated = mismatches_within_allowance(r, view, self._mismatches.setdefault(pid, {}))
+        if tolerated:
+            raise GroupMismatch(0, r.round, tolerated, frozenset(r.silent()))
 
     def _reject(self, pid: str, other: str) -> None:
         self.banned.setdefault(pid, set()).add(other)

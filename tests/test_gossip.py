@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from blocktrain.p2p.averaging.gossip import (MAX_GOSSIP_SIZE, check_gossip_codec, gossip_group, gossip_groups,
                                              uses_gossip)
@@ -155,12 +157,17 @@ def test_an_attacker_is_clipped_then_excluded_and_no_honest_round_fails(attack):
     assert sum(st.failed for st in res.rounds) == 0 and res.rounds[-1].named == 7  # every honest member
 
 
+def _bt_bench(*args, cwd=None):
+    """The installed ``bt-bench``, as a user runs it."""
+    return subprocess.run([str(Path(sys.executable).parent / "bt-bench"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
 def test_bench_gossip_writes_each_size_and_refuses_bad_sizes(tmp_path):
-    from blocktrain.bench.cli import main
-    r = CliRunner().invoke(main, ["gossip", "--members", "8,3"])
-    assert r.exit_code == 2 and "sizes of 4..1024" in r.output
-    r = CliRunner().invoke(main, ["gossip", "--members", "8", "--rtt-ms", "5"])
-    assert r.exit_code == 2 and "LO,HI" in r.output
+    r = _bt_bench("gossip", "--members", "8,3")
+    assert r.returncode == 2 and "sizes of 4..1024" in r.stderr
+    r = _bt_bench("gossip", "--members", "8", "--rtt-ms", "5")
+    assert r.returncode == 2 and "LO,HI" in r.stderr
 
 
 def _partition_rows():
@@ -194,11 +201,10 @@ def test_the_partition_vectors_of_protocol_md_both_ways():
 def test_bench_gossip_writes_the_figures_the_issue_names(tmp_path):
     import json
 
-    from blocktrain.bench.cli import main
     out, png = tmp_path / "g.json", tmp_path / "g.png"
-    r = CliRunner().invoke(main, ["gossip", "--members", "8,12", "--all-to-all", "8", "--rounds", "2",
-                                  "--local-steps", "1", "--eval-every", "1", "--json", str(out), "--png", str(png)])
-    assert r.exit_code == 0, r.output
+    r = _bt_bench("gossip", "--members", "8,12", "--all-to-all", "8", "--rounds", "2", "--local-steps", "1",
+                  "--eval-every", "1", "--json", str(out), "--png", str(png))
+    assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(out.read_text())
     assert [s["members"] for s in d["sizes"]] == [8, 12] and png.stat().st_size > 0
     for s in d["sizes"]:
@@ -208,4 +214,4 @@ def test_bench_gossip_writes_the_figures_the_issue_names(tmp_path):
     assert a["bytes_per_member_per_round"] == 7 * 45_440 * 4 and a["consensus_distance"] < 1e-6
     b = [s["bytes_per_member_per_round"] for s in d["sizes"]]
     assert "all_to_all" not in d["sizes"][1] and d["bytes_spread"] == max(b) / min(b)
-    assert d["code_version"]["code_hash"] and d["command"].startswith("bt-bench")  # (argv: pytest's, under CliRunner)
+    assert d["code_version"]["code_hash"] and d["command"].startswith("bt-bench")

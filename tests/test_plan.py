@@ -1,8 +1,9 @@
 """Named sizes and `bt-train --dry-run` (issue 32): what a job costs, before it runs."""
 
-from click.testing import CliRunner
+import subprocess
+import sys
+from pathlib import Path
 
-from blocktrain.blocks.cli import main as bt_train
 from blocktrain.blocks.config import JobConfig, load
 from blocktrain.blocks.model import Block
 from blocktrain.blocks.plan import dry_run
@@ -24,11 +25,13 @@ def test_a_size_is_a_preset_that_set_overrides():
     assert load(JobConfig(), size="tiny").model == JobConfig().model  # tiny is the default model
 
 
-def test_bt_train_dry_run_prints_the_plan_and_trains_nothing(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(bt_train, ["--size", "base", "--dry-run"])
-    assert r.exit_code == 0, r.output
-    assert "344,057,856 parameters" in r.output and r.output.count("TFLOP a step") == 4
+def test_bt_train_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
+    def bt_train(*args):  # the installed command, as a user runs it
+        return subprocess.run([str(Path(sys.executable).parent / "bt-train"), *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+    r = bt_train("--size", "base", "--dry-run")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "344,057,856 parameters" in r.stdout and r.stdout.count("TFLOP a step") == 4
     assert list(tmp_path.iterdir()) == []  # no run directory, no checkpoint
-    r = CliRunner().invoke(bt_train, ["--size", "huge", "--dry-run"])
-    assert r.exit_code == 2 and "huge" in r.output
+    r = bt_train("--size", "huge", "--dry-run")
+    assert r.returncode == 2 and "huge" in r.stderr

@@ -64,6 +64,18 @@ MISMATCH_ROUNDS = 2
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
 
 
+def mismatches_within_allowance(r: AveragingRound, ids, state: dict) -> list[str]:
+    """Rule 9, for a member whose rounds' members are ``ids``: the members that saw another group
+    in round ``r`` and, since ``ids`` last changed, in at most MISMATCH_ROUNDS rounds (the round
+    fails over them). ``state`` is the member's count, kept from round to round."""
+    if state.get("ids") != list(ids):
+        state["ids"], state["counts"] = list(ids), {}
+    counts = state["counts"]
+    for p in r.mismatched:
+        counts[p] = counts.get(p, 0) + 1
+    return sorted(p for p in r.mismatched if counts[p] <= MISMATCH_ROUNDS)
+
+
 def outliers_in_a_row(r: AveragingRound, me: str, streak: dict) -> list[tuple[str, str]]:
     """Rule 6, for ``me`` after robust round ``r``: its suspects (and members opposed to the median)
     counted in ``streak`` (member -> rounds in a row as a suspect, rounds with it); those that
@@ -105,8 +117,7 @@ class Averager(EarlyParts):
         super().__init__(block, floats)
         self.peer, self.aggregate = peer, aggregate
         self._suspect_streak: dict[str, int] = {}
-        self._mismatch_count: dict[str, int] = {}  # rule 9: rounds a member saw another group, since...
-        self._mismatch_ids: list[str] = []  # ... the members of our rounds were these
+        self._mismatch_state: dict = {}  # rule 9: mismatched rounds per member (mismatches_within_allowance)
         if codec not in UPDATE_CODECS:
             raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")
         self.codec, self.density = codec, density
@@ -322,12 +333,7 @@ class Averager(EarlyParts):
         round goes on without it and the group does not split."""
         if self._gossip_group is not None:
             return
-        ids = r.ids
-        if ids != self._mismatch_ids:
-            self._mismatch_count, self._mismatch_ids = {}, list(ids)
-        for p in r.mismatched:
-            self._mismatch_count[p] = self._mismatch_count.get(p, 0) + 1
-        tolerated = sorted(p for p in r.mismatched if self._mismatch_count[p] <= MISMATCH_ROUNDS)
+        tolerated = mismatches_within_allowance(r, r.ids, self._mismatch_state)
         if tolerated:
             raise GroupMismatch(self.block, r.round, tolerated, frozenset(r.silent()))
 
