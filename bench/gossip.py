@@ -286,12 +286,14 @@ class Simulation:
     # --- local steps ------------------------------------------------------------------------
     def _local_steps(self, rnd: int) -> dict:
         """H local steps of every member (rows of the batched model), each on its own windows.
-        Returns the attackers' start points (what their attack moves from)."""
+        Returns every member's start point: what an attacker's attack moves from, and what a
+        member's robust round measures its partners' updates from (``origin``, as the driver's)."""
         live = sorted(self.members.values(), key=lambda m: m.row)
         self.model.keep([m.row for m in live])  # the rows of members that left go
         for i, m in enumerate(live):
             m.row = i
-        starts = {m.pid: self.model.params[m.row].clone() for m in live if m.attacker}
+        before = self.model.params.clone()
+        starts = {m.pid: before[m.row] for m in live}
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + rnd)
         for _ in range(self.cfg.local_steps):
             pos = torch.randint(CONTEXT, self.train.numel(), (len(live), self.cfg.batch), generator=g)
@@ -423,7 +425,8 @@ class Simulation:
             m = self.members[pid]
             rounds[pid] = AveragingRound(pid, 0, rnd, group, self._vector(m, starts), codec=c.codec,
                                          start=gossip_start("sim") if c.mode == "gossip" else "all",
-                                         aggregate=c.aggregate, residual=m.residual, min_coverage=1.0)
+                                         aggregate=c.aggregate, residual=m.residual, min_coverage=1.0,
+                                         origin=starts[pid])
         gone = set().union(*groups_of.values()) - set(rounds)  # in a small group, not running this round
         first: dict[str, list] = {pid: [] for pid in rounds}  # what each sends as its round begins
         for pid, r in rounds.items():  # a member we excluded departs our round at once; it hears that

@@ -157,6 +157,22 @@ def test_an_attacker_is_clipped_then_excluded_and_no_honest_round_fails(attack):
     assert sum(st.failed for st in res.rounds) == 0 and res.rounds[-1].named == 7  # every honest member
 
 
+def test_a_reversed_update_is_named_in_a_group_of_16_and_no_honest_member_is():
+    """Issue 33's attack target (one of 16, named): the attacker sends its start point minus its
+    update. With 16 members its partners change every round, their start points differ, and the
+    opposed test saw parameter vectors (cosines of about 1): none of the 15 honest members named
+    it. Measured from each member's own start point (``origin``), 14 of 15 do in 32 rounds (the
+    15th met it in fewer than 5 rounds), and no honest member is named by another."""
+    from blocktrain.blocks.data import load_split
+    train, valid = load_split("train")[:500_000], load_split("valid")[:50_000]
+    sim = Simulation(SimConfig(members=16, rounds=32, local_steps=2, attackers=1, attack="flip", eval_every=32,
+                               eval_windows=512), train, valid)
+    res = sim.run()
+    assert res.rounds[-1].named >= 12 and sum(st.failed for st in res.rounds) == 0
+    attacker = next(m.pid for m in sim.members.values() if m.attacker)
+    assert all(excluded <= {attacker} for excluded in sim.banned.values())
+
+
 def _bt_bench(*args, cwd=None):
     """The installed ``bt-bench``, as a user runs it."""
     return subprocess.run([str(Path(sys.executable).parent / "bt-bench"), *args], cwd=cwd, capture_output=True,

@@ -317,6 +317,37 @@ def test_a_sign_flipped_on_the_wire_is_named_though_its_distance_is_an_honest_on
     assert all(not r.result()[1].opposed for r in noise.values())
 
 
+def test_a_gossip_partner_that_reverses_its_update_is_opposed_measured_from_our_start():
+    """Issue 33 (one malicious member of 16, named): in a gossip round the parts are parameters and
+    the partners' start points differ (by the consensus distance: 0.6 of an update's norm at the
+    median in the simulator), so every part's cosine with the median is about 1 and a reversed
+    update (start - update) was never opposed. Measured from our own start point (``origin``),
+    the reversed update points against the median's and honest ones agree with it. The limit:
+    with start points an update's norm apart, the offsets to the group's centre that every
+    partner shares hide the reversal. The aggregate's bytes do not depend on ``origin``."""
+    torch.manual_seed(5)
+    n = 20_000
+    base, g = 3 * torch.randn(n), torch.randn(n)  # a common point; the members' common direction
+    moved = {p: g + torch.randn(n) for p in IDS4}  # each member's update: the direction and unit noise
+    offsets = {p: torch.randn(n) for p in IDS4}
+
+    def gossip_round(apart: float, origin: bool):
+        starts = {p: base + apart * offsets[p] for p in IDS4}  # each member's own start point
+        xs = {p: starts[p] + moved[p] for p in IDS4[:3]} | {"d": starts["d"] - moved["d"]}
+        return run({p: AveragingRound(p, 0, 1, IDS4, xs[p], aggregate="robust",
+                                      origin=starts[p] if origin else None) for p in IDS4})
+    measured, plain = gossip_round(0.5, True), gossip_round(0.5, False)  # start points 0.5 updates apart
+    for p in IDS4[:3]:
+        out, rep = measured[p].result()
+        assert set(rep.opposed) == {"d"} and rep.opposed["d"] < -av.OPPOSED_COS
+        assert not plain[p].result()[1].opposed  # points: all alike to the cosine
+        assert torch.equal(out, plain[p].result()[0])
+    far = gossip_round(1.0, True)  # the stated limit
+    assert not any(far[p].result()[1].opposed for p in IDS4[:3])
+    with pytest.raises(ValueError, match="origin"):
+        AveragingRound("a", 0, 1, IDS4, base, aggregate="robust", origin=torch.zeros(n - 1))
+
+
 @pytest.mark.parametrize("departed_first", [False, True])
 def test_a_mismatch_is_relayed_so_a_member_that_never_heard_from_the_mismatched_one_knows_it(departed_first):
     """Rule 4 / driver rule 9: b sees that c began the round with another view of the group; a hears

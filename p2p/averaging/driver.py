@@ -187,17 +187,20 @@ class Averager(EarlyParts):
 
     # --- rounds --------------------------------------------------------------------------------
     async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "",
-                      out: torch.Tensor | None = None, group=None) -> tuple[torch.Tensor, RoundReport]:
+                      out: torch.Tensor | None = None, group=None,
+                      origin: torch.Tensor | None = None) -> tuple[torch.Tensor, RoundReport]:
         """Average ``vector`` (1-D float32) with ``members`` (peer ids, or id -> address; ours
         included) in round ``rnd`` whose start point has digest ``start``. The result is written
         into ``out`` when given (a caller that reuses one buffer round after round makes the round
         touch no fresh memory), else into a new tensor. ``group``: a gossip round's whole group
         (``members`` is its small group, rule 10): members we excluded stay in the round's
         ``group`` digest, which every partner computes alike, and depart it at once; a member of
-        another view departs the round without failing it (rule 9 is not applied)."""
+        another view departs the round without failing it (rule 9 is not applied). ``origin``:
+        where ``vector`` is a point (a gossip round's parameters), our start point of the steps it
+        took, which a robust round measures the members' updates from (``AveragingRound``)."""
         t0 = time.perf_counter()
         self._gossip_group = None if group is None else sorted(group)
-        r = self._begin(rnd, vector, members, start, out)
+        r = self._begin(rnd, vector, members, start, out, origin)
         self._last_group = r.group
         early = self._begin_early(rnd, r.ids, vector.numel())
         conns: dict[str, PeerConnection] = {}
@@ -221,7 +224,7 @@ class Averager(EarlyParts):
         return out, rep
 
     def _begin(self, rnd: int, vector: torch.Tensor, members, start: str,
-               out: torch.Tensor | None) -> AveragingRound:
+               out: torch.Tensor | None, origin: torch.Tensor | None = None) -> AveragingRound:
         """Round ``rnd`` with the members we have not excluded (nor that exclude us), this driver's
         buffers lent to it; it becomes the round in progress."""
         ids = list(members) if self._gossip_group is not None else \
@@ -232,7 +235,7 @@ class Averager(EarlyParts):
         r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, codec=self.codec, start=start,
                            bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual,
                            aggregate=self.aggregate, out=out, arena=self._lend_arena, scratch=self._scratch,
-                           density=self.density)
+                           density=self.density, origin=origin)
         self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
         return r
 

@@ -144,14 +144,17 @@ class AveragingRound:
                  min_coverage: float = 1.0, residual: torch.Tensor | None = None, aggregate: str = "mean",
                  out: torch.Tensor | None = None,
                  arena: torch.Tensor | Callable[[int], torch.Tensor] | None = None, scratch: dict | None = None,
-                 density: float = 0.01):
+                 density: float = 0.01, origin: torch.Tensor | None = None):
         """``out``: where the result goes (n float32; a fresh tensor if None). ``arena``: where the
         other members' parts are decoded (float32: R - 1 slots of the pieces we compute, i.e. every
         piece in a robust or sign round, those we own in a mean round; or a function that returns
         one of the size it is asked), reused across rounds by the driver so that a round touches no
         fresh memory; fresh tensors if None (and for pieces that move to us mid-round).
         ``scratch``: a lossy codec's buffers (``lossy_scratch``), lent the same way; ``residual``
-        may be its "residual". ``density``: the fraction of each chunk a topk round sends."""
+        may be its "residual". ``density``: the fraction of each chunk a topk round sends.
+        ``origin``: where the vector is a point (a gossip round's parameters), our own start point
+        of the steps it took; a robust round measures the members' updates from it to find one
+        opposed to the median's (rule 6, ``opposed_members``). None: the vector is an update itself."""
         if codec not in COMPACT:
             codec = Codec(codec)
         if aggregate not in AGGREGATES:
@@ -167,12 +170,15 @@ class AveragingRound:
         self.robust = aggregate == "robust" and len(self.ids) >= 3
         self.everyone = self.robust or codec == SIGN  # every member computes every piece (rule 6)
         self.suspects: dict[str, float] = {}  # robust: member -> its largest distance, in median distances
-        self._agree: dict = {}  # robust: member -> [x . median, |x|^2] over the pieces; None -> |median|^2
+        self._agree: dict = {}  # robust: member -> [u . m, |u|^2] over the pieces (updates: robust.py); None -> |m|^2
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
         self.n = n = vector.numel()
         self.P = max(len(self.ids), -(-n // PIECE_FLOATS))
         self.bounds_ = [(n * i) // self.P for i in range(self.P + 1)]
         self.vector = vector.detach().float().reshape(-1)  # read only: our own piece is a view of it
+        self.origin = None if origin is None else origin.detach().float().reshape(-1)  # read only
+        if self.origin is not None and self.origin.numel() != n:
+            raise ValueError(f"origin of {self.origin.numel()} floats for a vector of {n}")
         # error feedback (rule 7), in the driver's buffers when it lends them
         enc = encode_vector(self.vector, self.spans(), self.update_codec, self.k, residual, scratch)
         self.x, self.wires, self.residual, self.sent = enc.x, enc.wires, enc.residual, enc.sent
@@ -426,7 +432,8 @@ class AveragingRound:
             ids = [p for p in ids if p not in bad]
         avg = self.out[a:b]
         if self.robust and len(ids) >= 3:
-            avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree))
+            avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree,
+                                   None if self.origin is None else self.origin[a:b]))
         else:
             _mean_into(avg, [got[p] for p in ids])
         self.gathered[j] = ids

@@ -153,7 +153,7 @@ class Rounds:
         rnd, members = self._begin(start)
         t0 = time.perf_counter()
         if self.scfg.gossip and len(members) > 1:  # below 2 x gossip members, one small group of all
-            return await self._gossip(rnd, members, t0)
+            return await self._gossip(rnd, members, t0, start)
         if self.scfg.sync == "grads":
             loss = self.last_loss = await self._timed(self.tr.compute_grads)
             vec = self.tr.grads()
@@ -180,7 +180,7 @@ class Rounds:
         self._stepped(loss, members)
         await self._after(rnd, rep, loss, members, time.perf_counter() - t0)
 
-    async def _gossip(self, rnd: int, members: list, t0: float) -> None:
+    async def _gossip(self, rnd: int, members: list, t0: float, start: torch.Tensor) -> None:
         """Rule 10 (averaging/gossip.py): H local steps, then the parameters averaged with this
         round's small group only (the same partition on every member); a failed round keeps our
         own parameters and steps (no member waits for an agreed point). A block's last round is
@@ -188,7 +188,8 @@ class Rounds:
         block trains on it; it is the checkpoint served). Who departed a small group's round
         leaves that round only: the rest of the group never heard of it, and the partition of
         every later round needs the same members on every member (the group's own signals, a
-        LEAVE or the swarm's dead peer, remove a member from the group)."""
+        LEAVE or the swarm's dead peer, remove a member from the group). ``start``: our parameters
+        before the local steps, which the robust round measures the partners' updates from."""
         salt = f"block{self.pos.block}"
         small = sorted(members) if self.schedule.last_round(self.pos.gstep) else \
             gossip_group(members, self.peer.id, rnd, self.scfg.gossip, salt)
@@ -196,7 +197,7 @@ class Rounds:
         vec = flatten(self.params())
         try:
             avg, rep = await self.averager.average(rnd, vec, small, start=gossip_start(salt), group=members,
-                                                   out=self._result_buffer(vec.numel()))
+                                                   out=self._result_buffer(vec.numel()), origin=start)
         except RoundFailed as e:
             self._failed(rnd, self.pos.gstep + self.schedule.H, e, "keeping our own parameters (gossip)", depart=False)
             self._stepped(loss, members)
