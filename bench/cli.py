@@ -258,6 +258,56 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
         click.echo(f"wrote {json_path}")
 
 
+@main.command()
+@click.option("--measured", "measured_path", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="A `bt-bench wan --json` result: each mode's traversals, positions and bytes per output.")
+@click.option("--params", default=75.80e9, show_default=True, type=click.FloatRange(min=1, min_open=False),
+              help="The logical model's parameters (the paper's abstract: 75.80B), split evenly over the hops.")
+@click.option("--hidden", default=8192, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Its hidden width: the values per position sent between hops (not in the paper's abstract: "
+                   "assumed).")
+@click.option("--hops", default=3, show_default=True, type=click.IntRange(1, 64))
+@click.option("--rtt-ms", type=click.FloatRange(0), default=None,
+              help="Round trip of every link (default: the measured run's).")
+@click.option("--rate-mbit", type=click.FloatRange(0), default=None,
+              help="Link rate, 0 = unlimited (default: the measured run's).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the projection as JSON here.")
+def shape(measured_path, params, hidden, hops, rtt_ms, rate_mbit, json_path):
+    """A projection, not a run: the serving modes of a measured `bt-bench wan` run at a logical
+    model shape (by default the paper's 75.80B parameters in fp16 over 3 hops, on H200s).
+
+    Traversals, positions and bytes per output come from the measured run (exact mode's
+    traversals are what drafts earned on the project's model); the hidden states between hops
+    grow to --hidden values a position; link time is one-way delays plus serialization at the
+    rate; compute is each hop's pass at the H200's spec-sheet peak (weights read from memory, or
+    FLOPs, whichever is longer: a lower bound). bench/shape.py says what is not counted.
+    """
+    from .shape import Device, Shape, load_measured, project
+
+    try:
+        result = project(load_measured(measured_path), Shape(params=params, hidden=hidden, hops=hops), Device(),
+                         rtt_ms, rate_mbit, source=str(measured_path))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    sh, ln = result["shape"], result["links"]
+    click.echo(f"PROJECTION (no model of this shape was run): {sh['params'] / 1e9:.2f}B parameters, hidden "
+               f"{sh['hidden']} (assumed), {sh['hops']} hops of {sh['hop_params'] / 1e9:.2f}B on "
+               f"{result['device']['name']} peak rates; links {ln['rtt_ms']:g} ms RTT, {ln['rate_mbit']:g} Mbit/s; "
+               f"from {measured_path} (d {result['measured']['d_model']}, T {result['measured']['temperature']})")
+    for m in (m for m in ("exact", "autoregressive", "blocktrain") if m in result):
+        r = result[m]
+        click.echo(f"{m + ':':<16}{r['seconds']:8.2f} s = links {r['latency_s']:.2f} s + serialization "
+                   f"{r['serialization_s']:.2f} s + compute {r['compute_s']:.2f} s ({r['hop_pass_bound_by']}-bound); "
+                   f"{r['traversals']:.1f} traversals, {r['bytes_moved'] / 1e6:.1f} MB")
+    for k, what in (("speedup_exact_vs_autoregressive", "exact vs autoregressive"),
+                    ("speedup_blocktrain_vs_autoregressive", "blocktrain vs autoregressive (not the same output)")):
+        if k in result:
+            click.echo(f"{what}: {result[k]:.1f}x")
+    if json_path:
+        write_result(json_path, result)
+        click.echo(f"wrote {json_path}")
+
+
 def _plot_sweep(rows, path):
     import matplotlib
 

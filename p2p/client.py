@@ -215,7 +215,8 @@ class PipelineClient:
                 self._end(session, mode)
         return {"seconds": time.perf_counter() - t0, "traversals": s.stats.traversals, "compute_s": compute,
                 "bytes_per_traversal": s.stats.bytes_per_traversal(len(s.output)),
-                "drafted": s.stats.drafted, "accepted": s.stats.accepted, "rebuilds": s.stats.rebuilds}
+                "drafted": s.stats.drafted, "accepted": s.stats.accepted, "rebuilds": s.stats.rebuilds,
+                "positions": s.stats.new_tokens}
 
     async def generate_blocktrain(self, prompt: bytes, n: int, sampling: Sampling = Sampling()) -> tuple[bytes, dict]:
         """N bytes from one traversal of the chain (prompt + N-1 placeholders)."""
@@ -230,7 +231,7 @@ class PipelineClient:
             rng = np.random.default_rng(sampling.seed)
             out = [int(rng.choice(256, p=sampling.probs(row))) for row in logits]
         return bytes(out), {"seconds": time.perf_counter() - t0, "traversals": 1, "compute_s": compute,
-                            "bytes_per_traversal": float(n)}
+                            "bytes_per_traversal": float(n), "positions": len(prompt) + n - 1}
 
     async def recompute(self, tokens: bytes, n_prompt: int, mode: str) -> torch.Tensor:
         """The rows a finished output was decoded from, recomputed by this chain in one traversal
