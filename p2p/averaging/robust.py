@@ -107,17 +107,17 @@ def centred_clip(x: torch.Tensor, suspects: dict, ids: list, agree: dict | None 
     7.1, op for op (members must end with the same bytes), in one scratch matrix instead of fresh
     ones; ``agree`` and ``origin`` do not touch it."""
     v = coordinate_median(x)
-    measured = agree is not None and origin is not None
-    d = torch.sub(x, origin.to(x.dtype)) if measured else torch.sub(x, v)
+    o = origin.to(x.dtype) if agree is not None and origin is not None else None  # only the opposed test reads it
+    d = torch.sub(x, v) if o is None else torch.sub(x, o)
     if agree is not None:
-        u, m = (d, v - origin.to(x.dtype)) if measured else (x, v)
+        u, m = (x, v) if o is None else (d, v - o)
         dots, sq = (u @ m).tolist(), (u * u).sum(1).tolist()
         for i, p in enumerate(ids):
             acc = agree.setdefault(p, [0.0, 0.0])
             acc[0] += dots[i]
             acc[1] += sq[i]
         agree[None] = agree.get(None, 0.0) + float(m @ m)
-    if measured:
+    if o is not None:
         torch.sub(x, v, out=d)
     dist = torch.linalg.vector_norm(d, dim=1)
     scale = float(dist.median())
