@@ -164,9 +164,9 @@ def opposed_members(agree: dict, me: str, live) -> dict[str, float]:
     differ from ours by the consensus distance, and every partner's offset shares the part from
     our start point to the group's centre, which the median's has too: a reversed update still
     points against the median's while the consensus distance is under about 0.7 of an update's
-    norm (tests/test_rounds.py: opposed at 0.5, not at 1.0; at 0.7, 7 of 9 synthetic rounds in
-    experiments/gossip/flip_naming.py; in the simulator, bench/gossip.py, it is 0.6 at the
-    median, up to 1.6). Compared with our own update instead, a reversal shows at any consensus distance, but
+    norm (tests/test_rounds.py: opposed at 0.5, not at 1.0; at 0.7 for 5 of 9 receivers in
+    experiments/gossip/flip_naming.py; in the simulator, bench/gossip.py, it is 0.5 at the
+    median, up to 1.3). Compared with our own update instead, a reversal shows at any consensus distance, but
     a partner that averaged with the attacker before has its start point pulled back along the
     common direction, and honest partners were named (11 exclusions among 15 honest members in
     the simulator's 16-member run)."""
