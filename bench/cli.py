@@ -266,7 +266,8 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
 @click.option("--hidden", default=8192, show_default=True, type=click.IntRange(1, 1 << 20),
               help="Its hidden width: the values per position sent between hops (not in the paper's abstract: "
                    "assumed).")
-@click.option("--hops", default=3, show_default=True, type=click.IntRange(1, 64))
+@click.option("--hops", default=3, show_default=True, type=click.IntRange(1, 64),
+              help="Hops of the chain: the measured run's (its links between hops are what is widened).")
 @click.option("--rtt-ms", type=click.FloatRange(0), default=None,
               help="Round trip of every link (default: the measured run's).")
 @click.option("--rate-mbit", type=click.FloatRange(0), default=None,

@@ -206,6 +206,7 @@ class RoundStats:
     consensus: float | None = None
     consensus_rel: float | None = None
     named: int = 0  # honest members that rejected an attacker (so far)
+    honest_excluded: int = 0  # exclusions of an honest member by an honest member (so far): wrongly named
 
 
 @dataclass
@@ -262,6 +263,7 @@ class Simulation:
         self._next_join = self.rng.expovariate(cfg.churn * cfg.members / 60) if cfg.churn > 0 else math.inf
         self.result = SimResult(cfg)
         self.named: set[str] = set()  # honest members that rejected an attacker
+        self.honest_excluded = 0  # exclusions of an honest member by an honest one
         self.banned: dict[str, set[str]] = {}  # member -> ids it rejected (excluded from its rounds)
         self.streak: dict[str, dict[str, int]] = {}  # member -> other -> suspect rounds in a row
         # Views "own": the moments each member learns of a change (drawn on first use, from a generator
@@ -342,7 +344,7 @@ class Simulation:
         stats.bytes_per_member = statistics.fmean(sent_bytes.values()) if sent_bytes else 0.0
         stats.wait_s = statistics.median(waits) if waits else 0.0
         stats.time_s = statistics.median(ends) if ends else 0.0
-        stats.named = len(self.named)
+        stats.named, stats.honest_excluded = len(self.named), self.honest_excluded
         return stats
 
     def _ready_at(self, m: Member) -> float:
@@ -525,8 +527,11 @@ class Simulation:
 
     def _reject(self, pid: str, other: str) -> None:
         self.banned.setdefault(pid, set()).add(other)
-        if other in self.members and self.members[other].attacker and not self.members[pid].attacker:
-            self.named.add(pid)
+        if other in self.members and not self.members[pid].attacker:
+            if self.members[other].attacker:
+                self.named.add(pid)
+            else:
+                self.honest_excluded += 1
 
     def _suspicions(self, pid: str, r: AveragingRound) -> None:
         """The driver's rule 6: a partner that was a suspect in SUSPECT_ROUNDS rounds in a row that
@@ -599,6 +604,7 @@ def _summary(res: SimResult, target: float | None) -> dict:
         "mismatched_rounds": sum(r.mismatched for r in rows),
         "member_rounds": sum(r.members - r.silent for r in rows),
         "joined": res.joined, "left": res.left, "named_by": rows[-1].named,
+        "honest_excluded_by_honest": rows[-1].honest_excluded,
         "target_loss": target, "rounds_to_target": reach.round if reach else None,
         "time_to_target_s": reach.time_s if reach else None,
         "curve": [{"round": r.round, "loss": r.loss, "consensus_distance": r.consensus_rel, "time_s": r.time_s}

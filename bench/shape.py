@@ -64,7 +64,7 @@ class Device:
 def project_mode(m: dict, d_model: int, shape: Shape, device: Device, rtt_ms: float, rate_mbit: float) -> dict:
     """One mode's output at ``shape`` from its measured figures ``m`` (a ``bt-bench wan`` mode)."""
     trav, pos = float(m["traversals"]), float(m["positions"])
-    hidden_growth = pos * (shape.hops - 1) * shape.value_bytes * (shape.hidden - d_model)
+    hidden_growth = pos * (shape.hops - 1) * shape.value_bytes * (shape.hidden - d_model)  # the same links, wider
     moved = float(m["bytes_moved"]) + hidden_growth
     latency = trav * (shape.hops + 1) * rtt_ms / 2 / 1e3
     serialization = moved * 8 / (rate_mbit * 1e6) if rate_mbit else 0.0
@@ -91,7 +91,11 @@ def project(measured: dict, shape: Shape = Shape(), device: Device = Device(), r
                          "it predates them; run `bt-bench wan --json F` again")
     if shape.hop_params * shape.value_bytes > device.memory_bytes:
         raise ValueError(f"a hop's {shape.hop_params / 1e9:.1f}B parameters do not fit the {device.name}'s "
-                         f"{device.memory_bytes / 1e9:.0f} GB: use more --hops")
+                         f"{device.memory_bytes / 1e9:.0f} GB: measure and project a chain of more hops")
+    if measured.get("hops") != shape.hops:
+        raise ValueError(f"{source or 'the measured run'} ran over {measured.get('hops')} hops, not {shape.hops}: "
+                         "its traversals' hidden-state links are what the projection widens; measure a chain of "
+                         f"{shape.hops} (a model of {shape.hops} blocks)")
     d = int(measured["model"]["d_model"])
     rtt = measured["rtt_ms"] if rtt_ms is None else rtt_ms
     rate = measured["rate_mbit"] if rate_mbit is None else rate_mbit
@@ -111,9 +115,6 @@ def project(measured: dict, shape: Shape = Shape(), device: Device = Device(), r
                      "vs_bound": {m: measured[m].get("vs_bound") for m in modes}},
         "not_counted": "KV cache reads, the draft model's compute, queueing between hops",
     }
-    if measured.get("hops") not in (None, shape.hops):
-        out["measured"]["note"] = (f"measured over {measured['hops']} hops, projected over {shape.hops}: "
-                                   "traversals, positions and bytes are per output, as measured")
     for m in modes:
         out[m] = project_mode(measured[m], d, shape, device, rtt, rate)
     if "exact" in out and "autoregressive" in out:

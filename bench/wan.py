@@ -139,7 +139,8 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
                          "vs_bound": secs / bound if bound else None, "bytes_moved": moved * scale,
                          "compute_s": compute * scale, "bytes_per_traversal": n_run / trav,
                          "measured_bytes": n_run, "extrapolated": scale != 1.0,
-                         "positions": med("positions") * scale,  # computed by every hop, all traversals
+                         # computed by every hop, all traversals (the prompt once, the output scaled)
+                         "positions": PROMPT_LEN + (med("positions") - PROMPT_LEN) * scale,
                          "seconds_per_prompt": [r["seconds"] for r in runs],
                          "continuations_repeating_a_16gram": f"{sum(map(repeats_16gram, texts))}/{len(texts)}"}
         if "exact" in outputs and "autoregressive" in outputs and temperature > 0:

@@ -221,8 +221,8 @@ class PipelineClient:
     async def generate_blocktrain(self, prompt: bytes, n: int, sampling: Sampling = Sampling()) -> tuple[bytes, dict]:
         """N bytes from one traversal of the chain (prompt + N-1 placeholders)."""
         t0 = time.perf_counter()
-        logits, _, compute = await self.traverse(secrets.randbits(62), "blocktrain", one_traversal_spec(prompt, n),
-                                                 end=True)
+        spec = one_traversal_spec(prompt, n)
+        logits, _, compute = await self.traverse(secrets.randbits(62), "blocktrain", spec, end=True)
         self.last_rows = logits  # what the output was decoded from (checked by --verify)
         if sampling.temperature == 0:
             out = logits.argmax(-1).tolist()
@@ -231,7 +231,7 @@ class PipelineClient:
             rng = np.random.default_rng(sampling.seed)
             out = [int(rng.choice(256, p=sampling.probs(row))) for row in logits]
         return bytes(out), {"seconds": time.perf_counter() - t0, "traversals": 1, "compute_s": compute,
-                            "bytes_per_traversal": float(n), "positions": len(prompt) + n - 1}
+                            "bytes_per_traversal": float(n), "positions": len(spec["ids"])}
 
     async def recompute(self, tokens: bytes, n_prompt: int, mode: str) -> torch.Tensor:
         """The rows a finished output was decoded from, recomputed by this chain in one traversal

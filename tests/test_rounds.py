@@ -319,7 +319,7 @@ def test_a_sign_flipped_on_the_wire_is_named_though_its_distance_is_an_honest_on
 
 def test_a_gossip_partner_that_reverses_its_update_is_opposed_measured_from_our_start():
     """Issue 33 (one malicious member of 16, named): in a gossip round the parts are parameters and
-    the partners' start points differ (by the consensus distance: 0.6 of an update's norm at the
+    the partners' start points differ (by the consensus distance: 0.5 of an update's norm at the
     median in the simulator), so every part's cosine with the median is about 1 and a reversed
     update (start - update) was never opposed. Measured from our own start point (``origin``),
     the reversed update points against the median's and honest ones agree with it. The limit:

@@ -1,7 +1,8 @@
 """``bt-bench shape`` (issue 31, the paper's 75.8B logical shape): a projection from a measured
 ``bt-bench wan`` run. At the measured width it gives back the measured bytes and ``bt-bench wan``'s
 link bound; wider hidden states add exactly their bytes between hops; compute is the roofline of
-stated rates; a result without positions, or a shape that does not fit a hop, is refused."""
+stated rates; a result without positions, of another chain length, or a shape that does not fit
+a hop, is refused."""
 
 import json
 import subprocess
@@ -68,8 +69,10 @@ def test_a_result_without_positions_or_a_shape_that_does_not_fit_is_refused(tmp_
     old["exact"] = {k: v for k, v in m["exact"].items() if k != "positions"}
     with pytest.raises(ValueError, match="predates"):
         project(old)
+    with pytest.raises(ValueError, match="ran over 3 hops, not 4"):
+        project(m, Shape(hops=4))  # its links between hops are what is widened: 2 measured, not 3
     with pytest.raises(ValueError, match="do not fit"):
-        project(m, Shape(hops=1))  # 151.6 GB of fp16 on one 141 GB device
+        project({**m, "hops": 1}, Shape(hops=1))  # 151.6 GB of fp16 on one 141 GB device
     with pytest.raises(ValueError, match="'wan'"):
         project({"benchmark": "gossip"})
     bad = tmp_path / "old.json"
