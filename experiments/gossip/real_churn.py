@@ -1,0 +1,223 @@
+"""Gossip among real `bt-peer` processes with churn (issue 33): 12 peers on loopback, the tiny model
+and settings of results/gossip/r6.12/real12-gossip.json (relay: every peer trains block 0, then 1,
+then 2, and ends holding block i mod 3; params every 5 steps, gossip 4), 100 steps per block; in the churn run two peers are
+killed (SIGKILL) mid-run and two new ones join later. Measured from the peers' own logs and
+reports:
+
+- when each surviving peer dropped a killed one (its heartbeat timeout: ``--dead-after`` 6 s), and
+  when each learnt of a joiner, from the kill and from the joiner's start: the view lags that the
+  simulator (bench/gossip.py) draws instead (a crash known 5 s + U(0, 1 s) after it, a join up to
+  2 s after it);
+- every round's duration, the rounds with a departure, failed rounds, exclusions;
+- the top head's test CE of the model assembled from the swarm at the end, against the same run
+  without churn.
+
+    python experiments/gossip/real_churn.py --json results/gossip/r6.15/real-churn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from blocktrain.bench.average import free_ports
+from blocktrain.bench.provenance import code_version
+from blocktrain.bench.swarm import worker_identity
+
+SETS = {"swarm.sync": "params", "swarm.every": 5, "model.d_model": 32, "model.n_head": 2, "train.batch_size": 4,
+        "train.seq_len": 32, "train.draft_frac": 0, "swarm.gossip": 4}
+DEAD_AFTER = 6.0
+LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (.*)$")
+
+
+def _stamp(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _events(log: Path) -> list[tuple[float, str]]:
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = LINE.match(line)
+        if m:
+            out.append((_stamp(m.group(1)), m.group(2)))
+    return out
+
+
+def run(out: Path, workers: int, steps: int, churn: bool, kill_at: float, join_at: float, kill: int,
+        timeout_s: float, log=print) -> dict:
+    from blocktrain.blocks.evaluate import evaluate
+    from blocktrain.p2p.assemble import assemble_from_swarm
+    from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key, new_swarm_key, write_identity
+
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    key = out / "swarm.key"
+    new_swarm_key(key)
+    total = workers + (kill if churn else 0)
+    for i in range(total):
+        write_identity(out / f"id{i}", worker_identity(0, i))
+    ports = free_ports(total)
+    sets = {**SETS, "train.steps": steps, "train.seed": 0}
+    set_args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+
+    def cmd(i: int) -> list[str]:
+        c = [sys.executable, "-m", "blocktrain.p2p.cli", "join" if i else "start"]
+        if i:
+            c.append(f"127.0.0.1:{ports[0]}")
+        return c + ["--block", str(i % 3), "--listen", f"127.0.0.1:{ports[i]}", "--swarm-key", str(key),
+                    "--identity", str(out / f"id{i}"), "--report", str(out / f"report{i}.json"), "--report-every", "2",
+                    "--work-dir", str(out / f"work{i}"), "--threads", "1", "--quiet", "-v", "--heartbeat", "1",
+                    "--dead-after", str(DEAD_AFTER), "--min-group", str(workers), "--set", "swarm.round_timeout_s=600",
+                    "--set", "swarm.join_timeout_s=30", *set_args]
+
+    procs: dict[int, subprocess.Popen] = {}
+    files = []
+    started: dict[int, float] = {}
+    killed: dict[int, float] = {}
+
+    def launch(i: int):
+        f = open(out / f"peer{i}.log", "w")
+        files.append(f)
+        started[i] = time.time()
+        procs[i] = subprocess.Popen(cmd(i), stdout=f, stderr=subprocess.STDOUT)
+
+    def report(i: int) -> dict:
+        try:
+            return json.loads((out / f"report{i}.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    t0 = time.time()
+    try:
+        for i in range(workers):
+            launch(i)
+        training_began = None
+        while True:
+            now = time.time()
+            live = [i for i in procs if i not in killed]
+            reps = {i: report(i) for i in live}
+            steps_now = {i: r.get("training", {}).get("step", 0) for i, r in reps.items()}
+            if training_began is None and any(steps_now.values()):
+                training_began = now
+                log(f"training began {now - t0:.1f} s after launch")
+            if churn and training_began is not None:
+                if not killed and now - training_began >= kill_at:
+                    for i in range(workers - kill, workers):  # never the bootstrap peer
+                        procs[i].send_signal(signal.SIGKILL)
+                        killed[i] = time.time()
+                    log(f"killed {sorted(killed)} at {now - training_began:.1f} s (steps {steps_now})")
+                if killed and len(procs) == workers and now - training_began >= join_at:
+                    for i in range(workers, workers + kill):
+                        launch(i)
+                    log(f"started joiners {list(range(workers, workers + kill))} at {now - training_began:.1f} s")
+            if (not churn or len(procs) == total) and all(
+                    report(i).get("training", {}).get("state") == "done" for i in procs if i not in killed):
+                break
+            dead = [i for i, p in procs.items() if i not in killed and p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"peer(s) {dead} exited (code {procs[dead[0]].returncode}); see {out}/peer{dead[0]}.log")
+            if now - t0 > timeout_s:
+                raise TimeoutError(f"not done after {timeout_s:.0f} s; see {out}/peer*.log")
+            time.sleep(0.5)
+        train_s = time.time() - (training_began or t0)
+        log(f"done in {train_s:.1f} s of training; assembling")
+        res = asyncio.run(assemble_from_swarm("127.0.0.1", ports[0], load_or_create_identity(out / "id-assembler"),
+                                              load_swarm_key(str(key)), out / "assembled"))
+    finally:
+        for i, p in procs.items():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+    ev = evaluate(out / "assembled", None, 300)
+
+    ids = {}
+    events = {}
+    for i in procs:
+        events[i] = _events(out / f"peer{i}.log")
+        for _, msg in events[i]:
+            m = re.match(r"peer (\w{12}) listening", msg)
+            if m:
+                ids[i] = m.group(1)
+    survivors = [i for i in procs if i not in killed]
+    lags: dict = {"crash": [], "join": []}
+    for i in survivors:
+        for k, at in killed.items():
+            seen = [t for t, msg in events[i] if msg.startswith(f"peer {ids.get(k)} dead")]
+            lags["crash"].append(round(seen[0] - at, 3) if seen else None)
+        for j in (j for j in survivors if j >= workers and j != i):
+            listening = next(t for t, msg in events[j] if msg.startswith(f"peer {ids[j]} listening"))
+            seen = [t for t, msg in events[i] if msg.startswith(f"peer {ids[j]} joined")]
+            lags["join"].append(round(seen[0] - listening, 3) if seen else None)
+    rounds, departures, failed, excluded = [], [], 0, 0
+    for i in survivors:
+        tr = report(i).get("training", {})
+        for r in tr.get("rounds", []):
+            rounds.append(r["seconds"])
+            if r.get("departed"):
+                departures.append({"peer": i, "round": r["round"], "block": r["block"], "seconds": r["seconds"],
+                                   "why": sorted(set(r.get("why", {}).values()))})
+        failed += len(tr.get("failed_rounds", []))
+        excluded += len(tr.get("excluded_peers", {}))
+
+    def spread(v):
+        v = [x for x in v if x is not None]
+        return {"n": len(v), "min": min(v), "median": statistics.median(v), "max": max(v)} if v else {"n": 0}
+    return {"churn": churn, "workers": workers, "steps_per_block": steps, "killed": sorted(killed),
+            "joiners": list(range(workers, total)) if churn else [], "kill_at_s": kill_at, "join_at_s": join_at,
+            "dead_after_s": DEAD_AFTER, "train_seconds": train_s,
+            "crash_known_after_s": spread(lags["crash"]), "crash_never_known": lags["crash"].count(None),
+            "join_known_after_s": spread(lags["join"]), "join_never_known": lags["join"].count(None),
+            "round_seconds": spread(rounds), "rounds_with_a_departure": departures,
+            "longest_round_with_a_departure_s": max((d["seconds"] for d in departures), default=None),
+            "failed_rounds": failed, "exclusions": excluded,
+            "head_test_ce": ev["head_ce"], "final_test_ce": ev["test_ce"],
+            "assembled_from": {str(k): v for k, v in res["blocks"].items()}, "out": str(out)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--kill", type=int, default=2)
+    ap.add_argument("--kill-at", type=float, default=15.0, help="seconds after training began")
+    ap.add_argument("--join-at", type=float, default=25.0, help="seconds after training began")
+    ap.add_argument("--out", default="runs/real-churn")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    runs = {}
+    for churn in (False, True):
+        runs["churn" if churn else "none"] = run(Path(args.out) / ("churn" if churn else "none"), args.workers,
+                                                 args.steps, churn, args.kill_at, args.join_at, args.kill,
+                                                 args.timeout)
+        print(json.dumps({k: v for k, v in runs["churn" if churn else "none"].items()
+                          if k != "rounds_with_a_departure"}, indent=1), flush=True)
+    result = {"benchmark": "gossip-real-churn", "runs": runs,
+              "ce_gap": runs["churn"]["final_test_ce"] - runs["none"]["final_test_ce"]}
+    if args.json:
+        command = " ".join(["python", "experiments/gossip/real_churn.py", *(sys.argv[1:] if argv is None else argv)])
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({**result, "code_version": code_version(), "command": command}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
