@@ -1,6 +1,6 @@
 """Gossip among real `bt-peer` processes with churn (issue 33): 12 peers on loopback, the tiny model
 and settings of results/gossip/r6.12/real12-gossip.json (relay: every peer trains block 0, then 1,
-then 2, and ends holding block i mod 3; params every 5 steps, gossip 4), 100 steps per block; in the churn run two peers are
+then 2, and ends holding block i mod 3; params every 5 steps, gossip 4), 300 steps per block; in the churn run two peers are
 killed (SIGKILL) mid-run and two new ones join later. Measured from the peers' own logs and
 reports:
 
@@ -195,10 +195,10 @@ def run(out: Path, workers: int, steps: int, churn: bool, kill_at: float, join_a
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--kill", type=int, default=2)
-    ap.add_argument("--kill-at", type=float, default=15.0, help="seconds after training began")
-    ap.add_argument("--join-at", type=float, default=25.0, help="seconds after training began")
+    ap.add_argument("--kill-at", type=float, default=10.0, help="seconds after training began")
+    ap.add_argument("--join-at", type=float, default=20.0, help="seconds after training began")
     ap.add_argument("--out", default="runs/real-churn")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json")
