@@ -4,10 +4,11 @@ then 2, and ends holding block i mod 3; params every 5 steps, gossip 4), 300 ste
 killed (SIGKILL) mid-run and two new ones join later. Measured from the peers' own logs and
 reports:
 
-- when each surviving peer dropped a killed one (its heartbeat timeout: ``--dead-after`` 6 s), and
-  when each learnt of a joiner, from the kill and from the joiner's start: the view lags that the
-  simulator (bench/gossip.py) draws instead (a crash known 5 s + U(0, 1 s) after it, a join up to
-  2 s after it);
+- when each surviving peer took a killed one out of its block's group (its connection closed:
+  "left the group") and when it dropped it from the swarm (its heartbeat timeout: ``--dead-after``
+  6 s), from the kill, and when each learnt of a joiner, from the joiner's start: the view lags
+  that the simulator (bench/gossip.py) draws instead (a crash known 5 s + U(0, 1 s) after it, a
+  join up to 2 s after it);
 - every round's duration, the rounds with a departure, failed rounds, exclusions;
 - the top head's test CE of the model assembled from the swarm at the end, against the same run
   without churn.
@@ -157,11 +158,13 @@ def run(out: Path, workers: int, steps: int, churn: bool, kill_at: float, join_a
             if m:
                 ids[i] = m.group(1)
     survivors = [i for i in procs if i not in killed]
-    lags: dict = {"crash": [], "join": []}
-    for i in survivors:
+    lags: dict = {"crash": [], "group": [], "join": []}
+    for i in (i for i in survivors if i < workers):  # the joiners never knew the killed peers
         for k, at in killed.items():
             seen = [t for t, msg in events[i] if msg.startswith(f"peer {ids.get(k)} dead")]
             lags["crash"].append(round(seen[0] - at, 3) if seen else None)
+            seen = [t for t, msg in events[i] if msg.startswith(f"{ids.get(k)} left the group")]
+            lags["group"].append(round(seen[0] - at, 3) if seen else None)
         for j in (j for j in survivors if j >= workers and j != i):
             listening = next(t for t, msg in events[j] if msg.startswith(f"peer {ids[j]} listening"))
             seen = [t for t, msg in events[i] if msg.startswith(f"peer {ids[j]} joined")]
@@ -184,6 +187,7 @@ def run(out: Path, workers: int, steps: int, churn: bool, kill_at: float, join_a
             "joiners": list(range(workers, total)) if churn else [], "kill_at_s": kill_at, "join_at_s": join_at,
             "dead_after_s": DEAD_AFTER, "train_seconds": train_s,
             "crash_known_after_s": spread(lags["crash"]), "crash_never_known": lags["crash"].count(None),
+            "left_the_group_after_s": spread(lags["group"]), "never_left_the_group": lags["group"].count(None),
             "join_known_after_s": spread(lags["join"]), "join_never_known": lags["join"].count(None),
             "round_seconds": spread(rounds), "rounds_with_a_departure": departures,
             "longest_round_with_a_departure_s": max((d["seconds"] for d in departures), default=None),
