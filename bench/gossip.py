@@ -206,7 +206,7 @@ class RoundStats:
     consensus: float | None = None
     consensus_rel: float | None = None
     named: int = 0  # honest members that rejected an attacker (so far)
-    honest_excluded: int = 0  # exclusions of an honest member by an honest member (so far): wrongly named
+    honest_excluded: int = 0  # exclusions (events) of an honest member by an honest one, so far: wrongly named
 
 
 @dataclass

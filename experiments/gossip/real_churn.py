@@ -1,14 +1,17 @@
 """Gossip among real `bt-peer` processes with churn (issue 33): 12 peers on loopback, the tiny model
 and settings of results/gossip/r6.12/real12-gossip.json (relay: every peer trains block 0, then 1,
 then 2, and ends holding block i mod 3; params every 5 steps, gossip 4), 300 steps per block; in the churn run two peers are
-killed (SIGKILL) mid-run and two new ones join later. Measured from the peers' own logs and
+killed (SIGKILL) once every peer reported step 150 (of 900: block 0) and two new ones start once
+every live peer reported step 400 (block 1). Measured from the peers' own logs and
 reports:
 
 - when each surviving peer took a killed one out of its block's group (its connection closed:
   "left the group") and when it dropped it from the swarm (its heartbeat timeout: ``--dead-after``
-  6 s), from the kill, and when each learnt of a joiner, from the joiner's start: the view lags
-  that the simulator (bench/gossip.py) draws instead (a crash known 5 s + U(0, 1 s) after it, a
-  join up to 2 s after it);
+  6 s), from the kill; the rounds from which the survivors' groups departed it and admitted a
+  joiner (one round for all: views that agree), when the swarm's members learnt of a joiner
+  (from its listening), and how long a joiner took to start: what the simulator
+  (bench/gossip.py) draws instead (a crash known 5 s + U(0, 1 s) after it, a join counted up to
+  2 s after the joiner took its state, each member at its own moment);
 - every round's duration, the rounds with a departure, failed rounds, exclusions;
 - the top head's test CE of the model assembled from the swarm at the end, against the same run
   without churn.
@@ -54,7 +57,7 @@ def _events(log: Path) -> list[tuple[float, str]]:
     return out
 
 
-def run(out: Path, workers: int, steps: int, churn: bool, kill_at: float, join_at: float, kill: int,
+def run(out: Path, workers: int, steps: int, churn: bool, kill_at: int, join_at: int, kill: int,
         timeout_s: float, log=print) -> dict:
     from blocktrain.blocks.evaluate import evaluate
     from blocktrain.p2p.assemble import assemble_from_swarm
@@ -100,6 +103,8 @@ def run(out: Path, workers: int, steps: int, churn: bool, kill_at: float, join_a
             return {}
 
     t0 = time.time()
+    at_kill: dict = {}
+    at_join: dict = {}
     try:
         for i in range(workers):
             launch(i)
@@ -112,15 +117,17 @@ def run(out: Path, workers: int, steps: int, churn: bool, kill_at: float, join_a
             if training_began is None and any(steps_now.values()):
                 training_began = now
                 log(f"training began {now - t0:.1f} s after launch")
-            if churn and training_began is not None:
-                if not killed and now - training_began >= kill_at:
+            if churn and training_began is not None:  # by the steps the reports show (every 2 s)
+                if not killed and min(steps_now.values()) >= kill_at:
                     for i in range(workers - kill, workers):  # never the bootstrap peer
                         procs[i].send_signal(signal.SIGKILL)
                         killed[i] = time.time()
+                    at_kill = dict(steps_now)
                     log(f"killed {sorted(killed)} at {now - training_began:.1f} s (steps {steps_now})")
-                if killed and len(procs) == workers and now - training_began >= join_at:
+                if killed and len(procs) == workers and min(steps_now.values()) >= join_at:
                     for i in range(workers, workers + kill):
                         launch(i)
+                    at_join = dict(steps_now)
                     log(f"started joiners {list(range(workers, workers + kill))} at {now - training_began:.1f} s")
             if (not churn or len(procs) == total) and all(
                     report(i).get("training", {}).get("state") == "done" for i in procs if i not in killed):
@@ -159,16 +166,27 @@ def run(out: Path, workers: int, steps: int, churn: bool, kill_at: float, join_a
                 ids[i] = m.group(1)
     survivors = [i for i in procs if i not in killed]
     lags: dict = {"crash": [], "group": [], "join": []}
+    departed_round: dict = {}  # killed peer -> the rounds the survivors' groups departed it from
+    admitted_round: dict = {}  # joiner -> the rounds the members' groups admitted it from
     for i in (i for i in survivors if i < workers):  # the joiners never knew the killed peers
         for k, at in killed.items():
-            seen = [t for t, msg in events[i] if msg.startswith(f"peer {ids.get(k)} dead")]
+            seen = [t for t, msg in events[i] if t >= at and msg.startswith(f"peer {ids.get(k)} dead")]
             lags["crash"].append(round(seen[0] - at, 3) if seen else None)
-            seen = [t for t, msg in events[i] if msg.startswith(f"{ids.get(k)} left the group")]
+            seen = [t for t, msg in events[i] if t >= at and msg.startswith(f"{ids.get(k)} left the group")]
             lags["group"].append(round(seen[0] - at, 3) if seen else None)
-        for j in (j for j in survivors if j >= workers and j != i):
-            listening = next(t for t, msg in events[j] if msg.startswith(f"peer {ids[j]} listening"))
-            seen = [t for t, msg in events[i] if msg.startswith(f"peer {ids[j]} joined")]
-            lags["join"].append(round(seen[0] - listening, 3) if seen else None)
+        for j in (j for j in survivors if j >= workers):
+            listening = [t for t, msg in events[j] if msg.startswith(f"peer {ids.get(j)} listening")]
+            seen = [t for t, msg in events[i] if msg.startswith(f"peer {ids.get(j)} joined")]
+            lags["join"].append(round(seen[0] - listening[0], 3) if seen and listening else None)
+    for i in survivors:
+        for e in report(i).get("training", {}).get("group_events", []):
+            who = next((k for k in procs if ids.get(k) and e.get("peer", "").startswith(ids[k])), None)
+            if e.get("event") == "departed" and who in killed:
+                departed_round.setdefault(who, set()).add(e["round"])
+            if e.get("event") == "admitted" and who is not None and who >= workers:
+                admitted_round.setdefault(who, set()).add(e["from_round"])
+    startup = {j: round(next((t for t, msg in events[j] if msg.startswith(f"peer {ids.get(j)} listening")),
+                             float("nan")) - started[j], 3) for j in survivors if j >= workers}
     rounds, departures, failed, excluded = [], [], 0, 0
     for i in survivors:
         tr = report(i).get("training", {})
@@ -184,11 +202,15 @@ def run(out: Path, workers: int, steps: int, churn: bool, kill_at: float, join_a
         v = [x for x in v if x is not None]
         return {"n": len(v), "min": min(v), "median": statistics.median(v), "max": max(v)} if v else {"n": 0}
     return {"churn": churn, "workers": workers, "steps_per_block": steps, "killed": sorted(killed),
-            "joiners": list(range(workers, total)) if churn else [], "kill_at_s": kill_at, "join_at_s": join_at,
+            "joiners": list(range(workers, total)) if churn else [], "kill_at_step": kill_at, "join_at_step": join_at,
+            "steps_at_kill": at_kill, "steps_at_join": at_join,
             "dead_after_s": DEAD_AFTER, "train_seconds": train_s,
             "crash_known_after_s": spread(lags["crash"]), "crash_never_known": lags["crash"].count(None),
             "left_the_group_after_s": spread(lags["group"]), "never_left_the_group": lags["group"].count(None),
-            "join_known_after_s": spread(lags["join"]), "join_never_known": lags["join"].count(None),
+            "departed_from_rounds": {str(k): sorted(v) for k, v in departed_round.items()},
+            "join_known_to_the_swarm_after_s": spread(lags["join"]), "join_never_known": lags["join"].count(None),
+            "admitted_from_rounds": {str(k): sorted(v) for k, v in admitted_round.items()},
+            "joiner_startup_s": startup,
             "round_seconds": spread(rounds), "rounds_with_a_departure": departures,
             "longest_round_with_a_departure_s": max((d["seconds"] for d in departures), default=None),
             "failed_rounds": failed, "exclusions": excluded,
@@ -201,8 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--kill", type=int, default=2)
-    ap.add_argument("--kill-at", type=float, default=10.0, help="seconds after training began")
-    ap.add_argument("--join-at", type=float, default=20.0, help="seconds after training began")
+    ap.add_argument("--kill-at", type=int, default=150, help="kill once every peer reported this step (of 3 x steps)")
+    ap.add_argument("--join-at", type=int, default=400, help="start the joiners once every live peer reported this step")
     ap.add_argument("--out", default="runs/real-churn")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json")
