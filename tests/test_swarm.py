@@ -514,7 +514,14 @@ def test_a_stopped_peer_rejoins_its_group_and_ends_in_step(tmp_path, procs):
         assert p.wait(max(1, deadline - time.monotonic())) == 0, _tail(p)
     reps = [_training(tmp_path, i) for i in range(3)]
     assert all(r["state"] == "done" and r["step"] == 3 * steps for r in reps)
-    assert any(j["how"] == "fetched the group's state" for j in reps[2]["joins"])  # it came back through a join
+    ids = sorted(_report(tmp_path, i)["peer_id"] for i in range(3))
+    # It came back through a join: the three end in one group whose state a member fetched. Usually
+    # the stopped peer fetches it; where the other two split as well (one of them learnt of its
+    # departure more than MISMATCH_ROUNDS rounds after the other, rule 9: seen on a loaded CI
+    # machine), the groups merge (the larger wins, then the smaller sponsor id: group.py rule 6),
+    # and when the stopped peer's wins, the others fetch its state.
+    fetched = [j for r in reps for j in r["joins"] if j["how"] == "fetched the group's state"]
+    assert any(sorted(j["members"]) == ids for j in fetched), [r["joins"] for r in reps]
     stopped = _report(tmp_path, 2)["peer_id"]
     for r in reps[:2]:  # while it was stopped, rounds went on without it and said so
         assert any(stopped in x.get("departed", []) for x in r["rounds"])
