@@ -65,6 +65,27 @@ async def test_a_swarm_trains_and_takes_a_joiner_on_the_interface_alone(tmp_path
             await p.stop()
 
 
+async def test_a_joiner_that_takes_the_state_at_a_blocks_end_makes_it_final_and_trains_the_next(tmp_path):
+    """A joiner admitted at block 0's last round takes the group's state after it (block 0 at its
+    final step); the members made block 0 final after that round, the joiner never ran it, and its
+    next round built block 1 on a final block 0 it did not have (KeyError: 0; seen once in
+    test_a_swarm_trains_and_takes_a_joiner_on_the_interface_alone on a clean CI run). It makes the
+    block final itself, with the group's parameters, and builds block 1 on them."""
+    net = FakeNet()
+    donor = SwarmTrainer(net.peer(1, blocks=(0,)), 0, MC, TC, SwarmConfig(), tmp_path / "donor", DATA, DATA)
+    donor.prepare()
+    donor.pos.gstep = donor.schedule.S  # the group's state after block 0's last round
+    state = donor._checkpoint(False)
+    sp = SwarmTrainer(net.peer(2, blocks=(1,)), 1, MC, TC, SwarmConfig(), tmp_path / "joiner", DATA, DATA)
+    sp.prepare()
+    sp._take_group_state(state, {}, "the group")
+    assert sp.gstep == sp.schedule.S and sp.block == 0 and 0 not in sp.finals
+    await sp._enter_block(1)
+    assert sp.block == 1 and torch.equal(flatten(list(sp.tr.lower[0].parameters())), flatten(donor.params()))
+    theirs = donor.tr.block.state_dict()
+    assert sorted(sp.finals[0]) == sorted(theirs) and all(torch.equal(sp.finals[0][n], theirs[n]) for n in theirs)
+
+
 async def test_the_curve_evaluation_draws_no_random_number(tmp_path):
     """eval_heads runs in a worker thread. Where it built fresh lower blocks it drew from torch's
     global generator while another peer of the process had seeded it to build its next block:

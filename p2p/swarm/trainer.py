@@ -306,13 +306,22 @@ class SwarmTrainer:
     async def _train_round(self) -> None:
         b = self.schedule.block_at(self.gstep)
         if b != self.block:  # relay: the next block, on the final ones below
-            self._new_trainer(b)
-            self.stats.phases.append({"block": b, "start_step": self.gstep, "started": time.time()})
-            self._say(f"block {b - 1} is final; training block {b} (holding block {self.k})")
+            await self._enter_block(b)
         if self.feed is not None and self.schedule.refresh_due(self.gstep):
             await self.feed.refresh(self.tr, wait=False)
         await self.rounds.step()
         await self._curve_point()
+
+    async def _enter_block(self, b: int) -> None:
+        """Relay: train block ``b`` on the final blocks below it. The block in work is final already
+        (``_finish_block`` after the round that ended it), except where we took the group's state
+        after that round (a joiner admitted at a block's last round): then it is made final here,
+        as the members did, before the next block needs it."""
+        if self.block not in self.finals and self.schedule.ends_block(self.gstep, self.block):
+            await self._finish_block()
+        self._new_trainer(b)
+        self.stats.phases.append({"block": b, "start_step": self.gstep, "started": time.time()})
+        self._say(f"block {b - 1} is final; training block {b} (holding block {self.k})")
 
     async def _curve_point(self) -> None:
         mark = self.schedule.eval_mark(self.gstep)
@@ -327,8 +336,9 @@ class SwarmTrainer:
         """Relay: the block in work is final; keep its parameters, drop its optimizer."""
         self.finals[self.block] = host_state(self.tr.block)
         await asyncio.to_thread(self._save, True)
-        self.stats.phases[-1]["end_step"] = self.gstep
-        self.stats.phases[-1]["ended"] = time.time()
+        if self.stats.phases:
+            self.stats.phases[-1]["end_step"] = self.gstep
+            self.stats.phases[-1]["ended"] = time.time()
 
     async def _start_ce(self) -> None:
         """The CE we start from, on a few windows (so the group's next round waits on us a moment at most)."""
