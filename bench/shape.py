@@ -56,9 +56,14 @@ class Device:
     flops: float = 989e12  # dense fp16/bf16 tensor-core peak, spec sheet
     memory_bytes: float = 141e9
 
+    def pass_terms(self, params: float, positions: float, value_bytes: int) -> tuple[float, float]:
+        """One pass of ``positions`` positions through ``params`` parameters: (reading the weights,
+        the FLOPs), each at peak; the pass takes at least the longer."""
+        return params * value_bytes / self.memory_bytes_per_s, positions * 2 * params / self.flops
+
     def pass_s(self, params: float, positions: float, value_bytes: int) -> float:
         """The least time one pass of ``positions`` positions through ``params`` parameters can take."""
-        return max(params * value_bytes / self.memory_bytes_per_s, positions * 2 * params / self.flops)
+        return max(self.pass_terms(params, positions, value_bytes))
 
 
 def project_mode(m: dict, d_model: int, shape: Shape, device: Device, rtt_ms: float, rate_mbit: float) -> dict:
@@ -68,13 +73,12 @@ def project_mode(m: dict, d_model: int, shape: Shape, device: Device, rtt_ms: fl
     moved = float(m["bytes_moved"]) + hidden_growth
     latency = trav * (shape.hops + 1) * rtt_ms / 2 / 1e3
     serialization = moved * 8 / (rate_mbit * 1e6) if rate_mbit else 0.0
-    per_pass = device.pass_s(shape.hop_params, pos / trav, shape.value_bytes)
+    memory, flops = device.pass_terms(shape.hop_params, pos / trav, shape.value_bytes)
+    per_pass = max(memory, flops)
     compute = trav * shape.hops * per_pass
     return {"traversals": trav, "positions": pos, "positions_per_traversal": pos / trav,
             "bytes_moved": moved, "latency_s": latency, "serialization_s": serialization,
-            "compute_s": compute, "hop_pass_s": per_pass,
-            "hop_pass_bound_by": "memory" if shape.hop_params * shape.value_bytes / device.memory_bytes_per_s
-            >= pos / trav * 2 * shape.hop_params / device.flops else "compute",
+            "compute_s": compute, "hop_pass_s": per_pass, "hop_pass_bound_by": "memory" if memory >= flops else "compute",
             "seconds": latency + serialization + compute}
 
 

@@ -141,17 +141,7 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
         res = asyncio.run(assemble_from_swarm("127.0.0.1", ports[0], load_or_create_identity(out / "id-assembler"),
                                               load_swarm_key(str(key)), out / "assembled"))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop_peers(procs, logs)
     ev = evaluate(out / "assembled", None, test_windows)
     test = as_tensor(read_split("test"))
     init = _initial_ce(job.model.to_dict(), seed, job.train.seq_len, test_windows, test)
@@ -185,6 +175,21 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
         "curves": [t["curve"] for t in trs],
         "assembled_from": {str(k): v for k, v in res["blocks"].items()}, "out": str(out),
     }
+
+
+def stop_peers(procs, logs=()) -> None:
+    """SIGTERM to every peer process still running, 30 s each to exit (then SIGKILL); logs closed."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for f in logs:
+        f.close()
 
 
 def worker_identity(seed: int, i: int) -> bytes:

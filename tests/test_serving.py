@@ -1,6 +1,11 @@
 """The serving API (p2p/serving.py) shared by the client and the hops: a refusal a hop writes reads
 back as the same typed failure; a peer's word is bounded and checked."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 from blocktrain.p2p.serving import MAX_ERROR_CHARS, PipelineError, block_at, refusal, refusal_meta
 
 
@@ -23,48 +28,47 @@ def test_block_at_reads_only_an_int_at_a_hop_in_range():
         assert block_at(meta, hop) is None
 
 
+def _bt_bench(*args: str) -> subprocess.CompletedProcess:
+    """The installed ``bt-bench``, as a user runs it."""
+    return subprocess.run([str(Path(sys.executable).parent / "bt-bench"), *args], capture_output=True, text=True,
+                          timeout=600)
+
+
 def _wan(*args: str, json_path=None):
     """``bt-bench wan ARGS`` on unshaped links (``--rtt-ms 0 --rate-mbit 0``), validation prompts;
-    (the result, the JSON it wrote or None)."""
-    import json
-
-    from click.testing import CliRunner
-
-    from blocktrain.bench.cli import main
+    (its stdout, the JSON it wrote or None)."""
     extra = ["--rtt-ms", "0", "--rate-mbit", "0", "--split", "valid"] + (["--json", str(json_path)] if json_path else [])
-    r = CliRunner().invoke(main, ["wan", *args, *extra])
-    assert r.exit_code == 0, r.output
-    return r, json.loads(json_path.read_text()) if json_path else None
+    r = _bt_bench("wan", *args, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout, json.loads(json_path.read_text()) if json_path else None
+
+
+def _refused(*args: str) -> str:
+    """``bt-bench ARGS`` refused as a usage error (exit code 2); what it said."""
+    r = _bt_bench(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    return r.stderr
 
 
 def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path):
     """The design card's `bt-bench wan --mode blocktrain|autoregressive` (issue 31): only the modes
     named run; the exact-mode targets (speedup, identity) are not judged without exact."""
-    from click.testing import CliRunner
-
-    from blocktrain.bench.cli import main
     _, d = _wan("--mode", "autoregressive,blocktrain", "--mode", "blocktrain", "--bytes", "4", "--prompts", "1",
                 json_path=tmp_path / "wan.json")
     assert d["modes"] == ["blocktrain", "autoregressive"] and "exact" not in d and d["split"] == "valid"
     assert d["autoregressive"]["traversals"] == 4 and d["blocktrain"]["traversals"] == 1
     assert set(d["targets"]) == {"every mode within 1.25x of its bound"} and "speedup_blocktrain_vs_autoregressive" in d
     for every in ([], ["--mode", "exact", "--mode", "blocktrain", "--mode", "autoregressive"]):
-        r = CliRunner().invoke(main, ["wan", "--mode", "exact", "--kernel", *every])
-        assert r.exit_code == 2 and "--mode" in r.output  # --kernel runs its own two modes
-    r = CliRunner().invoke(main, ["wan", "--mode", "exact,fast"])
-    assert r.exit_code == 2 and "fast: expected" in r.output
-    r = CliRunner().invoke(main, ["wan", "--mode", ","])
-    assert r.exit_code == 2 and "at least one mode" in r.output
+        assert "--mode" in _refused("wan", "--mode", "exact", "--kernel", *every)  # --kernel runs its own two modes
+    assert "fast: expected" in _refused("wan", "--mode", "exact,fast")
+    assert "at least one mode" in _refused("wan", "--mode", ",")
 
 
 def test_bench_wan_clients_at_once_each_write_what_they_wrote_alone(tmp_path):
     """`--clients N` (issue 31): N clients, each its own identity, run exact and autoregressive at
     once after the modes ran alone; each client's output is the one it wrote alone, and its time
     and the aggregate rate stand beside its time alone."""
-    from click.testing import CliRunner
-
-    from blocktrain.bench.cli import main
-    r, d = _wan("--mode", "exact,autoregressive", "--clients", "3", "--bytes", "6", "--prompts", "3",
+    out, d = _wan("--mode", "exact,autoregressive", "--clients", "3", "--bytes", "6", "--prompts", "3",
                 json_path=tmp_path / "wan.json")
     for mode in ("exact", "autoregressive"):
         c = d["clients"][mode]
@@ -73,21 +77,16 @@ def test_bench_wan_clients_at_once_each_write_what_they_wrote_alone(tmp_path):
         assert c["aggregate_bytes_per_s"] == 3 * 6 / c["wall_s"] and c["slowdown"]["median"] <= c["slowdown"]["max"]
     assert {"3 clients (exact): aggregate bytes/s >= 4x one client's",
             "3 clients (exact): each client's median time <= 2x alone"} <= set(d["targets"])
-    assert d["process_peak_rss_mib"] > 0 and "3 clients at once, exact" in r.output
-    r = CliRunner().invoke(main, ["wan", "--clients", "4", "--prompts", "3"])
-    assert r.exit_code == 2 and "--prompts 4" in r.output
-    r = CliRunner().invoke(main, ["wan", "--sweep", "--clients", "2"])
-    assert r.exit_code == 2 and "--clients" in r.output
-    r = CliRunner().invoke(main, ["wan", "--clients", "2", "--prompts", "2", "--mode", "blocktrain"])
-    assert r.exit_code == 2 and "--clients runs exact and autoregressive" in r.output
+    assert d["process_peak_rss_mib"] > 0 and "3 clients at once, exact" in out
+    assert "--prompts 4" in _refused("wan", "--clients", "4", "--prompts", "3")
+    assert "--clients" in _refused("wan", "--sweep", "--clients", "2")
+    assert "--clients runs exact and autoregressive" in _refused("wan", "--clients", "2", "--prompts", "2", "--mode",
+                                                                  "blocktrain")
 
 
 def test_bench_wan_samples_at_a_temperature_and_judges_the_sampled_target(tmp_path):
     """`--temperature`: exact and autoregressive sample; no identity check (the bytes differ by
     design), the sampled target judged, the per-prompt spread and the repetition reported."""
-    from click.testing import CliRunner
-
-    from blocktrain.bench.cli import main
     _, d = _wan("--mode", "exact,autoregressive", "--bytes", "6", "--prompts", "2", "--temperature", "0.8",
                 json_path=tmp_path / "wan.json")
     assert d["temperature"] == 0.8 and "identical_prompts" not in d["exact"] and "sampled" in d["exact"]["output"]
@@ -95,5 +94,4 @@ def test_bench_wan_samples_at_a_temperature_and_judges_the_sampled_target(tmp_pa
     per = d["speedup_per_prompt"]
     assert per["min"] <= per["median"] <= per["max"] and d["autoregressive"]["traversals"] == 6
     assert d["exact"]["continuations_repeating_a_16gram"] == "0/2"  # 6 bytes hold no 16-gram
-    r = CliRunner().invoke(main, ["wan", "--sweep", "--temperature", "0.8"])
-    assert r.exit_code == 2 and "--temperature" in r.output
+    assert "--temperature" in _refused("wan", "--sweep", "--temperature", "0.8")

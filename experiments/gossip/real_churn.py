@@ -36,7 +36,7 @@ from pathlib import Path
 
 from blocktrain.bench.average import free_ports
 from blocktrain.bench.provenance import code_version
-from blocktrain.bench.swarm import worker_identity
+from blocktrain.bench.swarm import stop_peers, worker_identity
 
 SETS = {"swarm.sync": "params", "swarm.every": 5, "model.d_model": 32, "model.n_head": 2, "train.batch_size": 4,
         "train.seq_len": 32, "train.draft_frac": 0, "swarm.gossip": 4}
@@ -143,17 +143,7 @@ def run(out: Path, workers: int, steps: int, churn: bool, kill_at: int, join_at:
         res = asyncio.run(assemble_from_swarm("127.0.0.1", ports[0], load_or_create_identity(out / "id-assembler"),
                                               load_swarm_key(str(key)), out / "assembled"))
     finally:
-        for i, p in procs.items():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in files:
-            f.close()
+        stop_peers(list(procs.values()), files)
     ev = evaluate(out / "assembled", None, 300)
 
     ids = {}
