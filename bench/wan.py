@@ -189,8 +189,9 @@ async def _together(n: int, route: list[str], psk: bytes, tmo: Timeouts, link: L
     clients = [PipelineClient(X25519PrivateKey.generate(), psk, route, list(range(len(route))), tmo, link,
                               codec="bf16", timeout_s=600) for _ in range(n)]
     res: dict = {"clients": n, "prompts": f"client j on prompt j (0..{n - 1}), its own identity and connections",
-                 "note": f"each hop computes {COMPUTE_SLOTS} traversal(s) at once, in chunks of {CHUNK} tokens, "
-                         "fair by client (p2p/fair.py); no batching across sessions"}
+                 "note": f"each hop computes the chunks ({CHUNK} tokens) of up to {COMPUTE_SLOTS} traversals "
+                         "together, one forward over their rows (p2p/batching.py), the slots fair by client "
+                         "(p2p/fair.py)"}
     try:
         failed = [e for e in await asyncio.gather(*(c.connect() for c in clients), return_exceptions=True)
                   if isinstance(e, BaseException)]

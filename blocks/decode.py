@@ -80,40 +80,95 @@ def hop_step(block: Block, cache: BlockCache, x: torch.Tensor | None, spec: dict
 @torch.no_grad()  # each resumption, on whatever thread runs it
 def hop_chunks(block: Block, cache: BlockCache, x: torch.Tensor | None, spec: dict) -> Iterator:
     """``hop_step`` a chunk of at most ``CHUNK`` new tokens at a time: yields None after each
-    chunk but the last, then the result. A serving hop gives its compute slot up between chunks
-    (one long traversal does not hold it throughout); every caller computes the same chunks, so
-    the result does not depend on who runs it. A chunk's tokens see the cache, which holds the
-    chunks before it: rows are those of one step (batch-invariant rows bitwise, the others up to
-    rounding). Abandoned midway, the cache holds part of the traversal: drop the session (a
-    serving hop does)."""
-    base, keep = spec["base"], spec["keep"]
-    if cache.length < base + (keep[-1] + 1 if keep else 0):  # it never held what the rollback keeps
-        raise SessionMismatch(block.index, cache.length, spec["start"])
-    cache.rollback(base, keep)
-    if cache.length != spec["start"]:
-        raise SessionMismatch(block.index, cache.length, spec["start"])
-    ids = spec["ids"]
-    if block.is_first and x is None:
-        x = torch.tensor([ids], dtype=torch.long)
-    T = len(ids)
-    assert x.shape[1] == T, f"block {block.index}: input of {x.shape[1]} positions for {T} tokens"
-    past = cache.length
-    mask = tree_mask(spec["parents"], past)
-    exact = 0
-    if spec.get("invariant"):  # every token but the slot branches, which the session lays out last
-        exact = T - sum(len(s) for s in spec.get("slots") or [])
-        assert all(i >= exact for s in spec.get("slots") or [] for i in s), "slot tokens must come last"
-    offsets = tree_offsets(ids, spec["parents"]) if block.is_first else None
-    hs = []
-    for i in range(0, T, CHUNK):  # a token's ancestors precede it: a chunk sees [cache + chunks so far]
-        j = min(T, i + CHUNK)
-        hs.append(block.extend(x[:, i:j], cache, spec["positions"][i:j], mask[i:j, :past + j],
-                               exact_rows=max(0, min(j, exact) - i),
-                               offsets=None if offsets is None else offsets[i:j]))
-        if j < T:
-            yield None
-    h = hs[0] if len(hs) == 1 else torch.cat(hs, dim=1)
-    yield h if block.index < block.cfg.n_blocks - 1 else readout(block, cache, h, spec)
+    chunk but the last, then the result (a ``Traversal`` stepped alone)."""
+    t = Traversal(block, cache, x, spec)
+    while (out := t.step_alone()) is None:
+        yield None
+    yield out
+
+
+class Traversal:
+    """One block's share of one traversal, computed a chunk of at most ``CHUNK`` new tokens at a
+    time: alone (``hop_chunks``), or together with other sessions' traversals at a serving hop
+    (``step_together``: one forward over the rows of all). A serving hop gives its compute slot
+    up between chunks (one long traversal does not hold it throughout); every caller computes
+    the same chunks, so the result depends neither on who runs it nor on what shares its steps.
+    A chunk's tokens see the cache, which holds the chunks before it: rows are those of one step
+    (batch-invariant rows bitwise, the others up to rounding). The rollback runs with the first
+    chunk (``SessionMismatch`` then). Abandoned midway, the cache holds part of the traversal:
+    drop the session (a serving hop does)."""
+
+    def __init__(self, block: Block, cache: BlockCache, x: torch.Tensor | None, spec: dict):
+        self.block, self.cache, self.x, self.spec = block, cache, x, spec
+        self.i = -1  # new tokens computed; -1: the rollback has not run
+        self.hs: list[torch.Tensor] = []
+
+    def _begin(self):
+        block, cache, spec = self.block, self.cache, self.spec
+        base, keep = spec["base"], spec["keep"]
+        if cache.length < base + (keep[-1] + 1 if keep else 0):  # it never held what the rollback keeps
+            raise SessionMismatch(block.index, cache.length, spec["start"])
+        cache.rollback(base, keep)
+        if cache.length != spec["start"]:
+            raise SessionMismatch(block.index, cache.length, spec["start"])
+        ids = spec["ids"]
+        if block.is_first and self.x is None:
+            self.x = torch.tensor([ids], dtype=torch.long)
+        self.T = T = len(ids)
+        assert self.x is not None and self.x.shape[1] == T, f"block {block.index}: input of {self.x.shape[1]} positions for {T} tokens"
+        self.past = cache.length
+        self.mask = tree_mask(spec["parents"], self.past)
+        self.exact = 0
+        if spec.get("invariant"):  # every token but the slot branches, which the session lays out last
+            self.exact = T - sum(len(s) for s in spec.get("slots") or [])
+            assert all(i >= self.exact for s in spec.get("slots") or [] for i in s), "slot tokens must come last"
+        self.offsets = tree_offsets(ids, spec["parents"]) if block.is_first else None
+        self.i = 0
+
+    def chunk(self) -> tuple:
+        """The next chunk, as ``Block.extend_many`` takes a step (the rollback before the first)."""
+        if self.i < 0:
+            self._begin()
+        i, j = self.i, min(self.T, self.i + CHUNK)  # a token's ancestors precede it: [cache + chunks so far]
+        assert self.x is not None and i < j, "a traversal past its last chunk"
+        return (self.x[:, i:j], self.cache, self.spec["positions"][i:j], self.mask[i:j, :self.past + j],
+                max(0, min(j, self.exact) - i), None if self.offsets is None else self.offsets[i:j])
+
+    def took(self, h: torch.Tensor):
+        """The chunk's output: returns None while chunks are left, then the traversal's result
+        (hidden states, or the last block's ``readout``)."""
+        self.hs.append(h)
+        self.i = min(self.T, self.i + CHUNK)
+        if self.i < self.T:
+            return None
+        h = self.hs[0] if len(self.hs) == 1 else torch.cat(self.hs, dim=1)
+        block = self.block
+        return h if block.index < block.cfg.n_blocks - 1 else readout(block, self.cache, h, self.spec)
+
+    def step_alone(self):
+        return self.took(self.block.extend(*self.chunk()))
+
+
+@torch.no_grad()
+def step_together(traversals: list[Traversal]) -> list:
+    """The next chunk of each traversal, those of one block in one forward (``Block.extend_many``);
+    per traversal what ``Traversal.took`` returns, or the exception its rollback or readout
+    raised (the others go on)."""
+    outs: list = [None] * len(traversals)
+    groups: dict[int, list[tuple[int, tuple]]] = {}
+    for n, t in enumerate(traversals):
+        try:
+            groups.setdefault(id(t.block), []).append((n, t.chunk()))
+        except (SessionMismatch, ValueError) as e:  # its own rollback: this traversal only
+            outs[n] = e
+    for group in groups.values():
+        block = traversals[group[0][0]].block
+        for (n, _), h in zip(group, block.extend_many([step for _, step in group])):
+            try:
+                outs[n] = traversals[n].took(h)
+            except Exception as e:  # noqa: BLE001 - its readout: this traversal only
+                outs[n] = e
+    return outs
 
 
 def readout(block: Block, cache: BlockCache, h: torch.Tensor, spec: dict) -> dict:

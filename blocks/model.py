@@ -206,34 +206,48 @@ class Attention(nn.Module):
         without a cache, (T, past + T) over [cache + new] with one. A ``dict`` cache (older
         callers) holds a ``KVCache`` under "kv". The first ``exact_rows`` queries are computed
         batch-invariantly (``_attend_sequential``; the caller gives T >= MIN_ROWS)."""
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         if isinstance(cache, dict):
             cache = cache.setdefault("kv", KVCache(self.max_seq_len))
-        if cache is None:
-            if mask is None:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if cache is not None:
+            return self.forward_ragged(x, [x.shape[1]], [cache], [mask], [exact_rows])
+        B, T, C = x.shape
+        q, k, v = self._heads(self.qkv(x))
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def forward_ragged(self, x, sizes: list[int], caches: list[KVCache], masks: list, exact_rows: list[int]):
+        """Decoding steps of several sessions at once: ``x`` (B, sum(sizes), C) holds each one's
+        new tokens in turn; the projections run over all rows together, attention over each
+        session's own cache (``forward``'s arguments, one per session). Rows of the projections
+        are bitwise those of each session alone (MIN_ROWS), so exact rows stay exact."""
+        B, _, C = x.shape
+        ys = []
+        for qkv, cache, mask, n in zip(self.qkv(x).split(sizes, dim=1), caches, masks, exact_rows):
+            T = qkv.shape[1]
+            q, k, v = self._heads(qkv)
             past = cache.length
             cache.write(k, v)
             if mask is None:  # new tokens see every cached key and the new keys up to themselves
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
             assert mask.shape[-2:] == (T, past + T), f"mask {tuple(mask.shape)} for {T} new tokens after {past}"
             keys, values = cache.k[:, :, :past + T], cache.v[:, :, :past + T]
-            n = exact_rows
             if n:
                 assert T >= MIN_ROWS, f"exact rows need a step of >= {MIN_ROWS} rows, got {T}"
                 y_exact = _attend_sequential(q, keys, values, mask, n)
             if n < T:
                 y_rest = F.scaled_dot_product_attention(q[:, :, n:], keys, values, attn_mask=mask[n:])
             y = y_exact if n == T else y_rest if n == 0 else torch.cat([y_exact, y_rest], dim=2)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.proj(y)
+            ys.append(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.proj(ys[0] if len(ys) == 1 else torch.cat(ys, dim=1))
+
+    def _heads(self, qkv):
+        """(B, T, 3C) -> q, k, v, each (B, nh, T, hs)."""
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        return (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in qkv.split(C, dim=2))
 
 
 def _attend_sequential(q, keys, values, mask, n: int, chunk: int = 16):
@@ -267,6 +281,11 @@ class Layer(nn.Module):
     def forward(self, x, cache: KVCache | dict | None = None, mask: torch.Tensor | None = None,
                 exact_rows: int = 0):
         x = x + self.attn(self.ln1(x), cache, mask, exact_rows)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def forward_ragged(self, x, sizes: list[int], caches: list[KVCache], masks: list, exact_rows: list[int]):
+        """Several sessions' decoding steps at once (``Attention.forward_ragged``)."""
+        x = x + self.attn.forward_ragged(self.ln1(x), sizes, caches, masks, exact_rows)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
     def zero_output(self):
@@ -385,26 +404,45 @@ class Block(nn.Module):
         through this block's layers, attending over [cache + new] under ``mask`` (T, past + T);
         their keys and values are appended to ``cache``. The first ``exact_rows`` tokens are
         computed batch-invariantly (the step is padded to ``MIN_ROWS`` rows for them)."""
-        T = x.shape[1]
-        assert 0 <= exact_rows <= T, f"exact_rows {exact_rows} of {T} tokens"
-        pad = max(0, MIN_ROWS - T) if exact_rows else 0
-        if pad:  # dummy rows that see only themselves; their cache entries are dropped below
-            positions = torch.as_tensor(positions, dtype=torch.long)
-            positions = torch.cat([positions, positions[-1:].expand(pad)])
-            if offsets is not None:
-                offsets = torch.cat([torch.as_tensor(offsets, dtype=torch.long), torch.zeros(pad, dtype=torch.long)])
-            filler = torch.zeros(x.shape[0], pad, *x.shape[2:], dtype=x.dtype, device=x.device)
-            x = torch.cat([x, filler], dim=1)
-            past = mask.shape[1] - T
-            m = torch.zeros(T + pad, past + T + pad, dtype=torch.bool, device=mask.device)
-            m[:T, :past + T] = mask
-            m[T:, past + T:] = torch.eye(pad, dtype=torch.bool)
-            mask = m
-        h = self.trunk(x, cache.layers, positions, mask, exact_rows, offsets)
-        if pad:
-            for c in cache.layers:
-                c.length -= pad
-        return h[:, :T]
+        return self.extend_many([(x, cache, positions, mask, exact_rows, offsets)])[0]
+
+    def extend_many(self, steps: list[tuple]) -> list[torch.Tensor]:
+        """``extend`` for several sessions at once, each step ``(x, cache, positions, mask,
+        exact_rows, offsets)`` with its own cache (the same batch size B for all): one forward
+        over the rows of all (``Layer.forward_ragged``); returns each step's output. Exact rows
+        are bitwise what ``extend`` gives the step alone."""
+        xs, sizes, masks, exact, pads = [], [], [], [], []
+        for x, cache, positions, mask, exact_rows, offsets in steps:
+            T = x.shape[1]
+            assert 0 <= exact_rows <= T, f"exact_rows {exact_rows} of {T} tokens"
+            pad = max(0, MIN_ROWS - T) if exact_rows else 0
+            if pad:  # dummy rows that see only themselves; their cache entries are dropped below
+                positions = torch.as_tensor(positions, dtype=torch.long)
+                positions = torch.cat([positions, positions[-1:].expand(pad)])
+                if offsets is not None:
+                    offsets = torch.cat([torch.as_tensor(offsets, dtype=torch.long), torch.zeros(pad, dtype=torch.long)])
+                filler = torch.zeros(x.shape[0], pad, *x.shape[2:], dtype=x.dtype, device=x.device)
+                x = torch.cat([x, filler], dim=1)
+                past = mask.shape[1] - T
+                m = torch.zeros(T + pad, past + T + pad, dtype=torch.bool, device=mask.device)
+                m[:T, :past + T] = mask
+                m[T:, past + T:] = torch.eye(pad, dtype=torch.bool)
+                mask = m
+            xs.append(self.embed(x, positions, offsets) if self.is_first else x)
+            sizes.append(T + pad)
+            masks.append(mask)
+            exact.append(exact_rows)
+            pads.append(pad)
+        h = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_ragged(h, sizes, [s[1].layers[i] for s in steps], masks, exact)
+        outs = []
+        for (x, cache, *_), part, pad in zip(steps, h.split(sizes, dim=1), pads):
+            if pad:
+                for c in cache.layers:
+                    c.length -= pad
+            outs.append(part[:, :part.shape[1] - pad])
+        return outs
 
     def forward(self, x, targets=None, layout: dict | None = None, weights=None):
         """``(hidden, loss)``: loss is the local objective when targets are given: CE of the

@@ -23,12 +23,14 @@ Rules:
   before any compute is not kept. Identities are free: a flood of sessions, from a few
   identities or a fresh one per traversal, must not push out a client with one between its
   traversals.
-- A traversal is computed in chunks of ``decode.CHUNK`` tokens (``hop_chunks``) on the hop's
-  COMPUTE_SLOTS compute slot(s), each chunk charged its tokens by fair queuing over clients
+- A traversal is computed in chunks of ``decode.CHUNK`` tokens (``decode.Traversal``) on the
+  hop's COMPUTE_SLOTS compute slots, each chunk charged its tokens by fair queuing over clients
   (every client the hop does not know yet in one flow, the newcomers'),
   at most MAX_WAITING waiting in all (fair.py): between chunks a client the hop knows, back
-  from a round trip, takes the slot, so while its credit lasts it waits for one chunk, not for
-  clients flooding with long traversals. ``end`` without a spec only frees the caches, hop by
+  from a round trip, takes the slot, so while its credit lasts it waits for one batch, not for
+  clients flooding with long traversals. The chunks of the traversals holding a slot are
+  computed together, one forward over the rows of all (continuous batching, batching.py); each
+  session's output is what it gets alone. ``end`` without a spec only frees the caches, hop by
   hop.
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
@@ -41,20 +43,19 @@ Rules:
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from blocktrain.blocks.decode import CHUNK, SessionMismatch, hop_chunks
+from blocktrain.blocks.decode import CHUNK, SessionMismatch, Traversal
 from blocktrain.blocks.model import Block, BlockCache
 from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
 
+from .batching import Batcher
 from .fair import FairSlots, Saturated
 from .hop import HopPlan, Step, plan_hop
 # PipelineError lives in serving.py; cli.py and tests/test_hardening.py still import it from here.
@@ -75,12 +76,13 @@ MAX_SESSIONS_PER_CLIENT = 8
 # however many new sessions come (identities are free: a flood of a fresh identity per traversal,
 # with every other session's traversal running here, pushed out the client's one idle session).
 RECENT_S = 5.0
-# Traversals computed at once by one hop (the rest wait their turn, fair by client: fair.py). One:
-# the model code holds the interpreter lock for much of a chunk, so a second slot adds little
-# throughput and makes the client served beside it share the lock and the core (in the live flood
-# of experiments/hardening/key_holders.py, tried on uncommitted code, the client was about twice
-# as slow with 2 slots and the flood no faster; results/hardening/key_holders_flood.json is 1).
-COMPUTE_SLOTS = 1
+# Chunks one hop computes together, one batch (the rest wait their turn, fair by client: fair.py),
+# on one compute thread: the model code holds the interpreter lock for much of a chunk, so a
+# second thread adds little throughput and makes the client served beside it share the lock and
+# the core (in the live flood of experiments/hardening/key_holders.py, on uncommitted code, the
+# client was about twice as slow with 2 threads and the flood no faster). A batch of 8 chunks is
+# 128 rows: the sessions of 8 clients whose traversals wait here at once.
+COMPUTE_SLOTS = 8
 # Traversals waiting for a compute slot at one hop, in all, those between chunks included (fair.py:
 # past it room is made for a newcomer that would go before the last, or it is refused). 64: the
 # sessions a hop holds (MAX_SESSIONS), one traversal at a time each. Each holds its request's
@@ -112,16 +114,17 @@ class PipelineServer:
         self._busy: set[tuple] = set()  # sessions with a traversal running here
         self._inflight: dict[str, int] = {}  # client -> requests being computed or waiting here
         self._compute = FairSlots(COMPUTE_SLOTS, MAX_WAITING)
-        # The compute slots' own threads: a chunk runs on one of these, never on a new thread of the
-        # loop's default pool (each thread that computes keeps its own math-library buffers).
-        self._threads = concurrent.futures.ThreadPoolExecutor(COMPUTE_SLOTS, thread_name_prefix="bt-compute")
+        # The hop's own compute thread: a batch runs on it, never on a new thread of the loop's
+        # default pool (each thread that computes keeps its own math-library buffers).
+        self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bt-compute")
+        self._batcher = Batcher(self._threads)
         self.served_requests = 0
         peer.on(PipelineForward, self.handle)
         peer.report_section("serving", lambda: {"requests": self.served_requests, "sessions": len(self.sessions),
                                                 "blocks": sorted(self.served.blocktrain),
                                                 "reference_blocks": sorted(self.served.reference),
                                                 "max_seq_len": self._cfg("max_seq_len"),
-                                                "n_blocks": self._cfg("n_blocks")})
+                                                "n_blocks": self._cfg("n_blocks"), **self._batcher.report()})
 
     # The plan's view of this hop (hop.HopState).
     @property
@@ -231,7 +234,7 @@ class PipelineServer:
         x = _input(msg, b, spec)
         cache = self._cache(key, b, spec["start"])
         t0 = time.perf_counter()
-        out = await self._run_block(msg, plan, key, hop_chunks(b, cache, x, spec))
+        out = await self._run_block(msg, plan, key, Traversal(b, cache, x, spec))
         compute = meta.get("compute_s", 0.0)
         meta["compute_s"] = (float(compute) if isinstance(compute, (int, float)) else 0.0) + time.perf_counter() - t0
         self.served_requests += 1
@@ -246,10 +249,10 @@ class PipelineServer:
             return
         await self._forward(msg, meta, to_wire("x", out, meta.get("codec", DEFAULT_CODEC), "never"))
 
-    async def _run_block(self, msg: PipelineForward, plan: HopPlan, key: tuple, chunks: Iterator):
-        """The block's ``hop_chunks`` off the loop in a compute slot, each chunk charged its tokens
-        (fair.py): between chunks a client that comes first takes the slot. The session is busy
-        meanwhile."""
+    async def _run_block(self, msg: PipelineForward, plan: HopPlan, key: tuple, traversal: Traversal):
+        """The traversal in a compute slot, a chunk at a time in the hop's batches (batching.py),
+        each chunk charged its tokens (fair.py): between chunks a client that comes first takes
+        the slot. The session is busy meanwhile."""
         client, k = plan.client, plan.block
         assert plan.spec is not None, "a COMPUTE plan has a spec"
         self._busy.add(key)
@@ -257,7 +260,7 @@ class PipelineServer:
         try:
             left = len(plan.spec["ids"])  # fair by tokens, a chunk at a time
             async with self._compute.hold(client, min(left, CHUNK)) as between:
-                while (out := await asyncio.get_running_loop().run_in_executor(self._threads, next, chunks)) is None:
+                while (out := await self._batcher.step(traversal)) is None:
                     left -= CHUNK
                     await between(min(left, CHUNK))  # a client that comes first goes now
                 return out

@@ -209,6 +209,48 @@ def test_drafter_drafts_equal_a_reference_run():
         assert out["drafts"][0, v].tolist() == want, v
 
 
+def test_traversals_stepped_together_give_each_session_what_it_gets_alone():
+    """Continuous batching's numerics (issue 31): sessions of several kinds (autoregressive, greedy
+    exact with the draft model, sampled with wide drafts, prompt lookup and slots), prompts of
+    different lengths, their chunks computed together (``step_together``, one forward per block over
+    the rows of all) at one torch thread as a serving hop runs: each output is byte for byte what the
+    session writes alone, and at least one step held several sessions' chunks."""
+    from blocktrain.blocks.decode import Traversal, step_together
+    from blocktrain.p2p.pipeline import load_served
+    served = load_served([0, 1, 2])
+    blocks = [served.blocktrain[k] for k in range(3)]
+    kinds = [{}, {"draft_len": 16, "drafter": True}, {"draft_len": 8, "drafter": True, "width": 3,
+                                                        "sampling": Sampling(temperature=0.8, seed=5)},
+             {"draft_len": 4, "slots": 4, "lookup": 2}, {"draft_len": 16, "drafter": True, "lookup": 4}]
+    texts = [b" The game was released in Japan in 2011 , and the ", b"He", b" = = History = = \n In 1923 the city ",
+             b"abcab" * 9, b" the the the "]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = [generate(blocks, t, 40, between=bf16_round, **kw)[0] for t, kw in zip(texts, kinds)]
+        sessions = [Session(t, 40, blocks[0].cfg.max_seq_len, **kw) for t, kw in zip(texts, kinds)]
+        caches = [new_caches(blocks) for _ in sessions]
+        widest = 0
+        while live := [n for n, s in enumerate(sessions) if s.state != "done"]:
+            specs = {n: sessions[n].next_spec() for n in live}
+            x: dict = {n: None for n in live}
+            for k, b in enumerate(blocks):
+                trav = {n: Traversal(b, caches[n][k], x[n], specs[n]) for n in live}
+                out: dict = {}
+                while left := [n for n in live if n not in out]:
+                    widest = max(widest, len(left))
+                    for n, o in zip(left, step_together([trav[n] for n in left])):
+                        assert not isinstance(o, BaseException), o
+                        if o is not None:
+                            out[n] = o
+                x = {n: out[n] if k == len(blocks) - 1 else bf16_round(out[n]) for n in live}
+            for n in live:
+                sessions[n].feed(x[n]["logits"], x[n]["drafts"])
+    finally:
+        torch.set_num_threads(before)
+    assert [s.output for s in sessions] == alone and widest >= 3
+
+
 def test_tree_mask_shape_and_errors():
     m = tree_mask([-1, 0, 0, 2], past=2)
     assert m.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 1]]

@@ -792,6 +792,7 @@ async def test_a_sessions_recent_time_starts_when_its_traversal_ends_and_a_refus
     import time
     from types import SimpleNamespace
 
+    from blocktrain.blocks.decode import Traversal
     from blocktrain.blocks.model import Block, ModelConfig
     from blocktrain.p2p import fair
     from blocktrain.p2p.pipeline import PipelineError, PipelineServer, ServedBlocks
@@ -803,8 +804,11 @@ async def test_a_sessions_recent_time_starts_when_its_traversal_ends_and_a_refus
         key = ("me", 1, False, 0)
         server._cache(key, b, 0)
         server._used[key] -= 100  # its traversal came long ago, and waited
-        plan = SimpleNamespace(client="me", block=0, spec={"ids": "ab", "start": 0}, meta={})
-        assert await server._run_block(msg, plan, key, iter(["out"])) == "out"
+        spec = {"base": 0, "keep": [], "start": 0, "ids": [97, 98], "positions": [0, 1], "parents": [-1, 0],
+                "logits": [1], "slots": [[]], "invariant": True}
+        plan = SimpleNamespace(client="me", block=0, spec=spec, meta={})
+        out = await server._run_block(msg, plan, key, Traversal(b, server.sessions[key], None, spec))
+        assert out.shape == (1, 2, 16)
         assert time.monotonic() - server._used[key] < 5  # idle from when it ended
 
         @contextlib.asynccontextmanager
@@ -816,7 +820,7 @@ async def test_a_sessions_recent_time_starts_when_its_traversal_ends_and_a_refus
         server._cache(new, b, 0)
         with pytest.raises(PipelineError):
             await server._run_block(msg, SimpleNamespace(client="fresh", block=0, spec={"ids": "ab", "start": 0},
-                                                          meta={}), new, iter(["out"]))
+                                                          meta={}), new, Traversal(b, server.sessions[new], None, spec))
         assert new not in server.sessions and key in server.sessions
     finally:
         await peer.stop()

@@ -107,6 +107,34 @@ async def test_exact_output_is_the_autoregressive_output_byte_for_byte(models, p
         assert not any(srv.sessions for srv in servers)
 
 
+async def test_sessions_of_clients_at_once_are_batched_and_each_writes_what_it_writes_alone(models):
+    """Continuous batching (issue 31): clients at once, greedy exact, autoregressive and sampled,
+    their chunks computed together at each hop (one forward over the rows of all); each output is
+    the one its session writes alone in one process, and the hops did batch."""
+    from blocktrain.blocks.decode import Sampling
+    from blocktrain.p2p.client import DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN
+    bt, e2e = models
+    sampled = Sampling(temperature=1.0, top_k=0, seed=3)
+    jobs = [(b"The history of ", "exact", Sampling()), (b"a", "exact", Sampling()),
+            (bytes(range(65, 105)), "autoregressive", Sampling()), (b"sample ", "exact", sampled)]
+    async with served_chain(bt, e2e, timeout_s=30) as (peers, servers, first):
+        others = [PipelineClient(X25519PrivateKey.generate(), first.swarm_key, first.route, [0, 1, 2], FAST,
+                                 timeout_s=30) for _ in jobs[1:]]
+        try:
+            await asyncio.gather(*(c.connect() for c in others))
+            got = await asyncio.gather(*(c.generate(prompt, 20, mode, sampling)
+                                         for c, (prompt, mode, sampling) in zip([first] + others, jobs)))
+        finally:
+            await asyncio.gather(*(c.close() for c in others))
+        reports = [srv._batcher.report() for srv in servers]
+    want = [in_process(bt, b"The history of ", 20), in_process(bt, b"a", 20), in_process(bt, bytes(range(65, 105)), 20),
+            in_process(bt, b"sample ", 20, draft_len=SAMPLED_DRAFT_LEN, sampling=sampled, width=DRAFT_WIDTH,
+                       lookup=LOOKUP)]
+    assert [out for out, _ in got] == want
+    assert max(r["largest_batch"] for r in reports) >= 2, reports
+    assert all(r["chunks"] > r["batches"] for r in reports), reports  # more chunks than forwards at every hop
+
+
 async def test_a_two_block_chain_decodes_exactly_too():
     cfg = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64, head_layers=0)
     torch.manual_seed(1)

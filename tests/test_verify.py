@@ -154,12 +154,12 @@ def _lying(block, how: str):
     permuted (a middle hop), ``force`` answers logits that always pick byte 0 (the last hop),
     ``shape`` hands on one position too few."""
     liar = copy.deepcopy(block)
-    extend, logits = liar.extend, liar.logits
+    extend_many, logits = liar.extend_many, liar.logits  # what a serving hop computes with
     perm = torch.randperm(block.cfg.d_model, generator=torch.Generator().manual_seed(1))
     if how == "permute":
-        liar.extend = lambda *a, **k: extend(*a, **k)[..., perm]
+        liar.extend_many = lambda steps: [h[..., perm] for h in extend_many(steps)]
     elif how == "shape":
-        liar.extend = lambda *a, **k: extend(*a, **k)[:, 1:]
+        liar.extend_many = lambda steps: [h[:, 1:] for h in extend_many(steps)]
     else:
         def forced(h):
             out = logits(h)
