@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from blocktrain.p2p.serving import COMPUTE_SLOTS
+
 from .provenance import write_result
 
 
@@ -127,6 +129,10 @@ def transport(json_path, mib, repeats, pings):
               help="After the modes ran one prompt at a time, this many clients at once (client j on prompt j, "
                    "each its own identity), exact and autoregressive: each client's time against its time alone, "
                    "the aggregate bytes per second against one client's. Needs --prompts >= --clients.")
+@click.option("--batch", "batches", default=str(COMPUTE_SLOTS), show_default=True, metavar="N[,N]",
+              help="With --clients: the hops' bt-peer serve --batch (traversals whose chunks a hop computes "
+                   "together); a comma list runs the clients once per size, side by side in one run (the first "
+                   "size's run is the one the targets judge).")
 @click.option("--sweep", is_flag=True, help="N in 16..256 x RTT in 0..200 ms (autoregressive timed on 32 bytes and "
                                             "scaled, labelled); writes a table and a PNG.")
 @click.option("--kernel", is_flag=True,
@@ -134,8 +140,8 @@ def transport(json_path, mib, repeats, pings):
                    "kernel lacks it, a userspace relay (needs root; blocktrain and autoregressive modes).")
 @click.option("--out", default="runs/bench-wan", show_default=True, type=click.Path(file_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
-def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split, temperature, clients, sweep, kernel,
-        out, json_path):
+def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split, temperature, clients, batches, sweep,
+        kernel, out, json_path):
     """One output sequence across a chain of serving peers on WAN-like links, three modes side by side
     (or those --mode names).
 
@@ -175,6 +181,14 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
     if clients > prompts:
         raise click.BadParameter(f"{clients} clients need --prompts {clients} or more: each client's time alone is "
                                  "measured on its own prompt first", param_hint="--clients")
+    try:
+        sizes = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{batches!r}: expected sizes such as 8 or 8,1", param_hint="--batch") from None
+    if not all(1 <= b <= 64 for b in sizes) or len(set(sizes)) != len(sizes):
+        raise click.BadParameter(f"{batches!r}: distinct sizes in 1..64", param_hint="--batch")
+    if batches != str(COMPUTE_SLOTS) and clients < 2:
+        raise click.UsageError("--batch applies to --clients (one client's traversals are a batch of one)")
     if kernel:
         from .netns import available
         from .wan_kernel import run_kernel
@@ -202,7 +216,7 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
     else:
         from blocktrain.blocks.progress import bar as progress_bar
 
-        together = len([m for m in modes if m != "blocktrain"]) * repeats if clients > 1 else 0
+        together = len([m for m in modes if m != "blocktrain"]) * repeats * len(sizes) if clients > 1 else 0
         with progress_bar("bt-bench wan", len(modes) * prompts * repeats + together, unit="request",
                           threads=0) as pbar:  # it mostly waits on the emulated links
             def progress(what):
@@ -211,7 +225,7 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
 
             result = {"benchmark": "wan", **compare(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats,
                                                     log=log, progress=progress, modes=modes, split=split,
-                                                    temperature=temperature, clients=clients)}
+                                                    temperature=temperature, clients=clients, batches=sizes)}
         for m in (m for m in ("exact", "autoregressive", "blocktrain") if m in modes):
             r = result[m]
             extra = ""
@@ -241,17 +255,18 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
         if "speedup_blocktrain_vs_autoregressive" in result:
             click.echo(f"blocktrain vs autoregressive (not the same output): "
                        f"{result['speedup_blocktrain_vs_autoregressive']:.1f}x")
-        clients_run = result.get("clients", {})
-        if "error" in clients_run:
-            click.echo(f"{clients} clients at once: {clients_run['error']}")
-        for m, c in ((m, c) for m, c in clients_run.items() if isinstance(c, dict)):
-            if "error" in c:
-                click.echo(f"{clients} clients at once, {m}: {c['error']}")
-                continue
-            click.echo(f"{clients} clients at once, {m}: {c['aggregate_bytes_per_s']:.1f} B/s in all, "
-                       f"{c['aggregate_vs_one_client']:.1f}x one client's; each client's time "
-                       f"{c['slowdown']['median']:.2f}x its time alone (median), {c['slowdown']['max']:.2f}x (worst); "
-                       f"output as alone: {c['outputs_identical_to_alone']}")
+        for clients_run in result.get("clients_by_batch", {"": result.get("clients", {})}).values():
+            at = f", batch {clients_run['batch']}" if "clients_by_batch" in result else ""
+            if "error" in clients_run:
+                click.echo(f"{clients} clients at once{at}: {clients_run['error']}")
+            for m, c in ((m, c) for m, c in clients_run.items() if isinstance(c, dict)):
+                if "error" in c:
+                    click.echo(f"{clients} clients at once{at}, {m}: {c['error']}")
+                    continue
+                click.echo(f"{clients} clients at once{at}, {m}: {c['aggregate_bytes_per_s']:.1f} B/s in all, "
+                           f"{c['aggregate_vs_one_client']:.1f}x one client's; each client's time "
+                           f"{c['slowdown']['median']:.2f}x its time alone (median), {c['slowdown']['max']:.2f}x "
+                           f"(worst); output as alone: {c['outputs_identical_to_alone']}")
         click.echo(f"links: {result['links']}")
     if json_path:
         write_result(json_path, result)

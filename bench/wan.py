@@ -37,7 +37,8 @@ from blocktrain.blocks.decode import CHUNK, Sampling, one_traversal_spec
 from blocktrain.p2p.client import PipelineClient
 from blocktrain.p2p.link import LinkSpec
 from blocktrain.p2p.node import Peer
-from blocktrain.p2p.pipeline import COMPUTE_SLOTS, PipelineServer, ServedBlocks, load_served
+from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks, load_served
+from blocktrain.p2p.serving import COMPUTE_SLOTS
 from blocktrain.p2p.transport import Timeouts
 
 PROMPT_LEN = 64
@@ -65,9 +66,12 @@ def _bound(traversals: float, hops: int, link: LinkSpec, moved: float, compute: 
 
 async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts: int = 3,
               repeats: int = 1, modes=MODES, threads: int = 1, log=lambda s: None, ar_bytes: int | None = None,
-              progress=lambda s: None, split: str = "test", temperature: float = 0.0, clients: int = 1) -> dict:
+              progress=lambda s: None, split: str = "test", temperature: float = 0.0, clients: int = 1,
+              batches: tuple[int, ...] = (COMPUTE_SLOTS,)) -> dict:
     """Every mode on the same chain, prompts and links; medians over prompts x repeats; then, with
-    ``clients`` > 1, that many clients at once (``_together``).
+    ``clients`` > 1, that many clients at once (``_together``), once per batch size of
+    ``batches`` (the hops' ``--batch``, the first one's run is ``clients``, every one's in
+    ``clients_by_batch``).
 
     ``temperature`` > 0: exact and autoregressive sample (prompt i with seed i), each output
     distributed as autoregressive sampling but not the same bytes (no identity check: the
@@ -88,13 +92,13 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
     link = LinkSpec(delay_ms=rtt_ms / 2, rate_mbit=rate_mbit)
     psk = os.urandom(32)
     tmo = Timeouts(connect_s=30, handshake_s=30, heartbeat_s=5, dead_after_s=600)
-    peers = []
+    peers, servers = [], []
     for k in range(hops):
         p = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, blocks=(k,), role="serve", timeouts=tmo,
                        links={"default": link, "links": {}}).start()
         if peers:
             await p.join("127.0.0.1", peers[0].port)
-        PipelineServer(p, ServedBlocks({k: served.blocktrain[k]}))
+        servers.append(PipelineServer(p, ServedBlocks({k: served.blocktrain[k]}, batch=batches[0])))
         peers.append(p)
     client = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], list(range(hops)), tmo, link,
                             codec="bf16", timeout_s=600)
@@ -167,9 +171,16 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
                 out["speedup_blocktrain_vs_autoregressive"] = (out["autoregressive"]["seconds"]
                                                                / out["blocktrain"]["seconds"])
         if clients > 1:
-            out["clients"] = await _together(clients, [p.addr for p in peers], psk, tmo, link, pairs, n_bytes,
-                                             cfg.max_seq_len, [m for m in modes if m != "blocktrain"], repeats,
-                                             temperature, alone, outputs, progress)
+            by_batch = {}
+            for b in batches:
+                for srv in servers:
+                    srv.set_batch(b)
+                by_batch[str(b)] = await _together(clients, [p.addr for p in peers], psk, tmo, link, pairs, n_bytes,
+                                                   cfg.max_seq_len, [m for m in modes if m != "blocktrain"], repeats,
+                                                   temperature, alone, outputs, progress, b)
+            out["clients"] = by_batch[str(batches[0])]
+            if len(batches) > 1:
+                out["clients_by_batch"] = by_batch
         out["process_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out["process_note"] = "the peers and the clients run in this one process: its peak RSS is all of theirs"
         out["sample"] = {m: outputs[m][0].decode("utf-8", "replace") for m in outputs}
@@ -182,14 +193,15 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
 
 async def _together(n: int, route: list[str], psk: bytes, tmo: Timeouts, link: LinkSpec, pairs, n_bytes: int,
                     max_seq_len: int, modes: list[str], repeats: int, temperature: float, alone: dict, outputs: dict,
-                    progress) -> dict:
+                    progress, batch: int) -> dict:
     """``n`` clients at once, client j on prompt j, ``repeats`` times per mode: each client's median
     time against its time alone, the aggregate output bytes per second against one client's, and
     each output against the one written alone (the same seed when sampled)."""
     clients = [PipelineClient(X25519PrivateKey.generate(), psk, route, list(range(len(route))), tmo, link,
                               codec="bf16", timeout_s=600) for _ in range(n)]
     res: dict = {"clients": n, "prompts": f"client j on prompt j (0..{n - 1}), its own identity and connections",
-                 "note": f"each hop computes the chunks ({CHUNK} tokens) of up to {COMPUTE_SLOTS} traversals "
+                 "batch": batch,
+                 "note": f"each hop computes the chunks ({CHUNK} tokens) of up to {batch} traversals "
                          "together, one forward over their rows (p2p/batching.py), the slots fair by client "
                          "(p2p/fair.py)"}
     try:
@@ -217,7 +229,7 @@ async def _together(n: int, route: list[str], psk: bytes, tmo: Timeouts, link: L
                 for j, (text, st) in enumerate(got):
                     times[j].append(st["seconds"])
                     same += r == 0 and text == outputs[mode][j]
-                progress(f"{mode}, {n} clients at once: {walls[-1]:.2f} s")
+                progress(f"{mode}, {n} clients at once, batch {batch}: {walls[-1]:.2f} s")
             if "error" in res.get(mode, {}):
                 continue
             together = [statistics.median(t) for t in times]
@@ -257,14 +269,16 @@ async def _one_traversal_quality(client: PipelineClient, pairs, n_bytes: int) ->
 
 def compare(checkpoints, n_bytes: int, rtt_ms: float, rate_mbit: float, prompts: int = 3, repeats: int = 1,
             log=lambda s: None, ar_bytes: int | None = None, progress=lambda s: None, modes=MODES,
-            split: str = "test", temperature: float = 0.0, clients: int = 1) -> dict:
+            split: str = "test", temperature: float = 0.0, clients: int = 1,
+            batches: tuple[int, ...] = (COMPUTE_SLOTS,)) -> dict:
     """``progress(what)`` after each request (modes x prompts x repeats of them) and each round of
     clients at once. Targets are judged where the modes run allow it (the speedup and the identity
     need exact and autoregressive; the clients' targets, exact)."""
     import uvloop
 
     r = uvloop.run(run(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats, modes=modes, log=log,
-                       ar_bytes=ar_bytes, progress=progress, split=split, temperature=temperature, clients=clients))
+                       ar_bytes=ar_bytes, progress=progress, split=split, temperature=temperature, clients=clients,
+                       batches=batches))
     r["modes"] = list(modes)
     r["within_bound"] = {m: r[m]["vs_bound"] <= 1.25 for m in MODES if m in r}
     r["targets"] = {"every mode within 1.25x of its bound": all(r["within_bound"].values())}

@@ -20,7 +20,7 @@ from blocktrain.blocks.config import SIZES
 
 from .identity import KeyError_, load_or_create_identity, load_swarm_key, new_swarm_key, peer_id
 from .link import LinkSpec, load_topology
-from .serving import VERIFY_TOL
+from .serving import COMPUTE_SLOTS, VERIFY_TOL
 from .transport import Timeouts, install_uvloop
 
 DEFAULT_IDENTITY = Path.home() / ".blocktrain" / "identity"
@@ -380,7 +380,13 @@ def join(bootstrap, **o):
                    "the package ships (without --reference).")
 @click.option("--reference", type=click.Path(file_okay=False, exists=True), default=None,
               help="Directory of the end-to-end model's blocks (bt-train's OUT/reference): the reference mode.")
-def serve(bootstrap, checkpoints, reference, **o):
+@click.option("--batch", type=click.IntRange(1, 64), default=COMPUTE_SLOTS, show_default=True,
+              help="Traversals whose chunks (16 tokens) this hop computes together, one forward over their rows "
+                   "(continuous batching; the places go to clients by fair queuing). Each session's output is what "
+                   "it gets alone. 1: one chunk at a time. On CPU a batch costs about what its chunks cost one by one "
+                   "(the exact attention is per session), so a larger batch mostly lengthens every client's wait; "
+                   "on a GPU it is where throughput comes from.")
+def serve(bootstrap, checkpoints, reference, batch, **o):
     """Serve --block K of a trained model: start a swarm, or join one through BOOTSTRAP."""
     from .pipeline import ServeError, load_served
 
@@ -392,6 +398,7 @@ def serve(bootstrap, checkpoints, reference, **o):
         served = load_served(o["blocks"], checkpoints, reference)
     except ServeError as e:
         raise click.ClickException(str(e))
+    served.batch = batch
     _run(o, bootstrap, "serve", served=served)
 
 

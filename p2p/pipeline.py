@@ -59,7 +59,7 @@ from .batching import Batcher
 from .fair import FairSlots, Saturated
 from .hop import HopPlan, Step, plan_hop
 # PipelineError lives in serving.py; cli.py and tests/test_hardening.py still import it from here.
-from .serving import DEFAULT_CODEC, PipelineError, bad_request, block_at, refusal, refusal_meta
+from .serving import COMPUTE_SLOTS, DEFAULT_CODEC, PipelineError, bad_request, block_at, refusal, refusal_meta
 from .services import PeerServices, PeerUnreachable
 from .tensors import from_wire, to_wire
 
@@ -76,13 +76,6 @@ MAX_SESSIONS_PER_CLIENT = 8
 # however many new sessions come (identities are free: a flood of a fresh identity per traversal,
 # with every other session's traversal running here, pushed out the client's one idle session).
 RECENT_S = 5.0
-# Chunks one hop computes together, one batch (the rest wait their turn, fair by client: fair.py),
-# on one compute thread: the model code holds the interpreter lock for much of a chunk, so a
-# second thread adds little throughput and makes the client served beside it share the lock and
-# the core (in the live flood of experiments/hardening/key_holders.py, on uncommitted code, the
-# client was about twice as slow with 2 threads and the flood no faster). A batch of 8 chunks is
-# 128 rows: the sessions of 8 clients whose traversals wait here at once.
-COMPUTE_SLOTS = 8
 # Traversals waiting for a compute slot at one hop, in all, those between chunks included (fair.py:
 # past it room is made for a newcomer that would go before the last, or it is refused). 64: the
 # sessions a hop holds (MAX_SESSIONS), one traversal at a time each. Each holds its request's
@@ -99,6 +92,7 @@ class ServedBlocks:
     end-to-end reference."""
     blocktrain: dict = field(default_factory=dict)  # block index -> Block
     reference: dict = field(default_factory=dict)  # block index -> Block of the end-to-end model
+    batch: int = COMPUTE_SLOTS  # traversals whose chunks the hop computes together (bt-peer serve --batch)
 
     def held(self, mode: str) -> dict:
         return self.reference if mode == "reference" else self.blocktrain
@@ -113,7 +107,7 @@ class PipelineServer:
         self._used: dict[tuple, float] = {}
         self._busy: set[tuple] = set()  # sessions with a traversal running here
         self._inflight: dict[str, int] = {}  # client -> requests being computed or waiting here
-        self._compute = FairSlots(COMPUTE_SLOTS, MAX_WAITING)
+        self._compute = FairSlots(served.batch, MAX_WAITING)
         # The hop's own compute thread: a batch runs on it, never on a new thread of the loop's
         # default pool (each thread that computes keeps its own math-library buffers).
         self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bt-compute")
@@ -125,6 +119,14 @@ class PipelineServer:
                                                 "reference_blocks": sorted(self.served.reference),
                                                 "max_seq_len": self._cfg("max_seq_len"),
                                                 "n_blocks": self._cfg("n_blocks"), **self._batcher.report()})
+
+    def set_batch(self, n: int):
+        """Compute the chunks of up to ``n`` traversals together from now on (a benchmark comparing
+        batch sizes on the same hops); only while no traversal is here."""
+        if self._inflight:
+            raise RuntimeError(f"the batch size changes only while no traversal is here ({len(self._inflight)} clients' are)")
+        self.served.batch = n
+        self._compute = FairSlots(n, MAX_WAITING)
 
     # The plan's view of this hop (hop.HopState).
     @property

@@ -29,6 +29,13 @@ MAX_ERROR_CHARS = 1000
 # --verify (verify.py): two answers whose next-byte distributions are at most this far apart
 # (total variation) agree: far above rounding (1e-8 here), far below a lie.
 VERIFY_TOL = 0.02
+# Chunks one hop computes together, one batch (the rest wait their turn, fair by client: fair.py),
+# on one compute thread: the model code holds the interpreter lock for much of a chunk, so a
+# second thread adds little throughput and makes the client served beside it share the lock and
+# the core (in the live flood of experiments/hardening/key_holders.py, on uncommitted code, the
+# client was about twice as slow with 2 threads and the flood no faster). A batch of 8 chunks is
+# 128 rows: the sessions of 8 clients whose traversals wait here at once.
+COMPUTE_SLOTS = 8  # the default of bt-peer serve --batch
 
 
 class PipelineError(Exception):

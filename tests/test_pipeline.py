@@ -124,13 +124,19 @@ async def test_sessions_of_clients_at_once_are_batched_and_each_writes_what_it_w
             await asyncio.gather(*(c.connect() for c in others))
             got = await asyncio.gather(*(c.generate(prompt, 20, mode, sampling)
                                          for c, (prompt, mode, sampling) in zip([first] + others, jobs)))
+            reports = [srv._batcher.report() for srv in servers]
+            for srv in servers:  # bt-peer serve --batch 1: one chunk at a time, the same outputs
+                srv.set_batch(1)
+            again = await asyncio.gather(*(c.generate(prompt, 20, mode, sampling)
+                                           for c, (prompt, mode, sampling) in zip([first] + others, jobs)))
+            ones = [srv._batcher.report() for srv in servers]
         finally:
             await asyncio.gather(*(c.close() for c in others))
-        reports = [srv._batcher.report() for srv in servers]
     want = [in_process(bt, b"The history of ", 20), in_process(bt, b"a", 20), in_process(bt, bytes(range(65, 105)), 20),
             in_process(bt, b"sample ", 20, draft_len=SAMPLED_DRAFT_LEN, sampling=sampled, width=DRAFT_WIDTH,
                        lookup=LOOKUP)]
-    assert [out for out, _ in got] == want
+    assert [out for out, _ in got] == [out for out, _ in again] == want
+    assert all(o["chunks"] - r["chunks"] == o["batches"] - r["batches"] > 0 for o, r in zip(ones, reports))
     assert max(r["largest_batch"] for r in reports) >= 2, reports
     assert all(r["chunks"] > r["batches"] for r in reports), reports  # more chunks than forwards at every hop
 

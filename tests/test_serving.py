@@ -68,18 +68,22 @@ def test_bench_wan_clients_at_once_each_write_what_they_wrote_alone(tmp_path):
     """`--clients N` (issue 31): N clients, each its own identity, run exact and autoregressive at
     once after the modes ran alone; each client's output is the one it wrote alone, and its time
     and the aggregate rate stand beside its time alone."""
-    out, d = _wan("--mode", "exact,autoregressive", "--clients", "3", "--bytes", "6", "--prompts", "3",
+    out, d = _wan("--mode", "exact,autoregressive", "--clients", "3", "--bytes", "6", "--prompts", "3", "--batch", "3,1",
                 json_path=tmp_path / "wan.json")
+    assert d["clients"]["batch"] == 3 and set(d["clients_by_batch"]) == {"3", "1"}  # the first size is judged
     for mode in ("exact", "autoregressive"):
+        assert d["clients_by_batch"]["1"][mode]["outputs_identical_to_alone"] == "3/3"
         c = d["clients"][mode]
         assert c["outputs_identical_to_alone"] == "3/3" and len(c["seconds_per_client"]) == 3
         assert c["seconds_alone"] == d[mode]["seconds_per_prompt"][:3]
         assert c["aggregate_bytes_per_s"] == 3 * 6 / c["wall_s"] and c["slowdown"]["median"] <= c["slowdown"]["max"]
     assert {"3 clients (exact): aggregate bytes/s >= 4x one client's",
             "3 clients (exact): each client's median time <= 2x alone"} <= set(d["targets"])
-    assert d["process_peak_rss_mib"] > 0 and "3 clients at once, exact" in out
+    assert d["process_peak_rss_mib"] > 0 and "3 clients at once, batch 1, exact" in out
     assert "--prompts 4" in _refused("wan", "--clients", "4", "--prompts", "3")
     assert "--clients" in _refused("wan", "--sweep", "--clients", "2")
+    assert "--batch applies to --clients" in _refused("wan", "--batch", "2")
+    assert "distinct sizes in 1..64" in _refused("wan", "--clients", "2", "--prompts", "2", "--batch", "8,0")
     assert "--clients runs exact and autoregressive" in _refused("wan", "--clients", "2", "--prompts", "2", "--mode",
                                                                   "blocktrain")
 
