@@ -5,7 +5,8 @@ In process (no network), one torch thread, the client's exact-mode settings (p2p
 new_session), prompts from the validation split (bench/wan.py test_prompts): bytes per traversal,
 greedy and sampled, and the fraction of continuations repeating a 16-gram, with the window and
 without. The window is applied by masking keys older than W positions in each hop's mask (a
-monkeypatch of decode.Traversal, this script only).
+monkeypatch of decode.Traversal and decode.drafter_step, this script only; ``--trunk-only``: the
+blocks only, not the draft model).
 
     python experiments/serving/window.py --bytes 256 --prompts 20 --json results/serving/window.json
 """
@@ -41,6 +42,29 @@ def _windowed_begin(self):
 
 
 decode.Traversal._begin = _windowed_begin
+_drafter_step, _tree_mask = decode.drafter_step, decode.tree_mask
+DRAFTER = [True]  # the draft model's attention windowed too (it was trained on the same windows)
+
+
+def _windowed_drafter_step(block, cache, f, spec, logits, steps, width=1):
+    w = WINDOW[0]
+    if w is None or not DRAFTER[0]:
+        return _drafter_step(block, cache, f, spec, logits, steps, width)
+    n = f.shape[1]
+
+    def windowed(parents, start):
+        m = _tree_mask(parents, start)
+        pos = torch.tensor(spec["positions"][:n])
+        keys = torch.cat([torch.arange(start), pos])
+        return m & ((pos[:, None] - keys[None, :]) < w)
+    decode.tree_mask = windowed
+    try:
+        return _drafter_step(block, cache, f, spec, logits, steps, width)
+    finally:
+        decode.tree_mask = _tree_mask
+
+
+decode.drafter_step = _windowed_drafter_step
 
 
 def one(blocks, prompt: bytes, n: int, temperature: float, seed: int, mode: str = "exact"):
@@ -56,8 +80,10 @@ def main():
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--windows", default="none,128")
     ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--trunk-only", action="store_true", help="window the blocks' attention, not the draft model's")
     ap.add_argument("--json")
     a = ap.parse_args()
+    DRAFTER[0] = not a.trunk_only
     torch.set_num_threads(1)
     served = load_served([0, 1, 2])
     blocks = [served.blocktrain[k] for k in range(3)]
