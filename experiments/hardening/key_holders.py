@@ -316,20 +316,22 @@ async def streams(tmp: Path, n_ids: int):
 
 # --- (4) serving flood -----------------------------------------------------------------------------
 
-async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh: bool = False):
+async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh: bool = False, batch: int | None = None):
     """Three `bt-peer serve` processes (the shipped model, blocks 0..2). A legitimate client's
     `generate` (64 bytes, exact, greedy) alone, ``runs`` times; then again while ``n_ids``
     identities each keep ``in_flight`` traversals in flight (a new session of a 200-byte prompt
     each, ended with it; a refused one is sent again after 50 ms). ``fresh``: instead, the
     ``n_ids`` x ``in_flight`` flooders each use a new identity for every traversal (a new key,
     new connections). The flood runs in a process of its own (the attacker's machine; here it
-    shares the cores). The last hop's RSS throughout."""
+    shares the cores). The last hop's RSS throughout. ``batch``: the hops' `bt-peer serve --batch`
+    (None: its default)."""
     from blocktrain.p2p.client import generate
     psk, ident = keys(tmp)
     ports, procs = [free_port() for _ in range(3)], []
     for k, port in enumerate(ports):
         boot = [] if k == 0 else [f"127.0.0.1:{ports[0]}"]
-        procs.append(start_peer(tmp, f"serve{k}", ["serve", *boot, "--block", str(k)], port))
+        procs.append(start_peer(tmp, f"serve{k}", ["serve", *boot, "--block", str(k),
+                                                   *([] if batch is None else ["--batch", str(batch)])], port))
         wait_listening(procs[-1], port, tmp, f"serve{k}")
     route = [f"127.0.0.1:{p}" for p in ports]
     prompt = b"The history of the city begins in the early years of the nineteenth century , when "
@@ -377,7 +379,7 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh:
     a, f = statistics.median(t for t, _ in alone if t is not None), statistics.median(done) if done else math.inf
     out("serving_flood_fresh_identities" if fresh else "serving_flood", {
         "identities": "a new one for every traversal" if fresh else n_ids, "in_flight_each": in_flight,
-        "flooders": n_ids * in_flight, "legit_bytes": 64, "runs": runs,
+        "flooders": n_ids * in_flight, "legit_bytes": 64, "runs": runs, "serve_batch": batch,
                           "legit_alone_s": [t and round(t, 2) for t, _ in alone],
                           "legit_flooded_s": [t and round(t, 2) for t, _ in flooded],
                           "legit_failed": failures,
@@ -453,6 +455,7 @@ def main():
     ap.add_argument("--only", default="churn,fuzz,streams,flood",
                     help="comma list of churn, fuzz, streams, flood (both floods), flood-fresh (that one only)")
     ap.add_argument("--flood-runs", type=int, default=5, help="generate runs alone and flooded (medians)")
+    ap.add_argument("--serve-batch", type=int, help="the hops' bt-peer serve --batch (default: its default)")
     ap.add_argument("--flood-worker", help=argparse.SUPPRESS)  # serving_flood's attacker process
     args = ap.parse_args()
     if args.flood_worker:
@@ -486,9 +489,9 @@ def main():
         if "streams" in only:
             asyncio.run(streams(tmp, args.stream_identities))
         if "flood" in only:
-            asyncio.run(serving_flood(tmp, 8, 8, args.flood_runs))
+            asyncio.run(serving_flood(tmp, 8, 8, args.flood_runs, batch=args.serve_batch))
         if "flood" in only or "flood-fresh" in only:
-            asyncio.run(serving_flood(tmp, 8, 8, args.flood_runs, fresh=True))
+            asyncio.run(serving_flood(tmp, 8, 8, args.flood_runs, fresh=True, batch=args.serve_batch))
     finally:
         finish(t0, args.json, tmp)
 
