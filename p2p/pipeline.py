@@ -24,13 +24,13 @@ Rules:
   identities or a fresh one per traversal, must not push out a client with one between its
   traversals.
 - A traversal is computed in chunks of ``decode.CHUNK`` tokens (``decode.Traversal``) on the
-  hop's COMPUTE_SLOTS compute slots, each chunk charged its tokens by fair queuing over clients
-  (every client the hop does not know yet in one flow, the newcomers'),
-  at most MAX_WAITING waiting in all (fair.py): between chunks a client the hop knows, back
-  from a round trip, takes the slot, so while its credit lasts it waits for one batch, not for
-  clients flooding with long traversals. The chunks of the traversals holding a slot are
-  computed together, one forward over the rows of all (continuous batching, batching.py); each
-  session's output is what it gets alone. ``end`` without a spec only frees the caches, hop by
+  hop's ``batch`` compute slots (bt-peer serve --batch, serving.COMPUTE_SLOTS: 1 on CPU), each
+  chunk charged its tokens by fair queuing over clients (every client the hop does not know yet
+  in one flow, the newcomers'), at most MAX_WAITING waiting in all (fair.py): between chunks a
+  client the hop knows, back from a round trip, takes a slot, so while its credit lasts it waits
+  for one batch, not for clients flooding with long traversals. The chunks of the traversals
+  holding a slot are computed together, one forward over the rows of all (continuous batching,
+  batching.py); each session's output is what it gets alone. ``end`` without a spec only frees the caches, hop by
   hop.
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``

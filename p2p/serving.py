@@ -29,13 +29,17 @@ MAX_ERROR_CHARS = 1000
 # --verify (verify.py): two answers whose next-byte distributions are at most this far apart
 # (total variation) agree: far above rounding (1e-8 here), far below a lie.
 VERIFY_TOL = 0.02
-# Chunks one hop computes together, one batch (the rest wait their turn, fair by client: fair.py),
-# on one compute thread: the model code holds the interpreter lock for much of a chunk, so a
-# second thread adds little throughput and makes the client served beside it share the lock and
-# the core (in the live flood of experiments/hardening/key_holders.py, on uncommitted code, the
-# client was about twice as slow with 2 threads and the flood no faster). A batch of 8 chunks is
-# 128 rows: the sessions of 8 clients whose traversals wait here at once.
-COMPUTE_SLOTS = 8  # the default of bt-peer serve --batch
+# Traversals whose chunks one hop computes together, one batch (the rest wait their turn, fair by
+# client: fair.py), on one compute thread (the model code holds the interpreter lock for much of a
+# chunk: a second thread made the client served beside it about twice as slow, the flood no
+# faster). The default of bt-peer serve --batch. One on CPU, where a batch costs what its chunks
+# cost one by one (the exact attention, most of a chunk's time, is per session): 8 clients at once
+# got 4.6x one client's output rate at batch 8, 4.9x at 1, 5.3x at 4 (the same hops, one run:
+# results/wan/wan-valid-64-clients8-batch.json), and a client flooded by 8 known identities was
+# 7.28x slower than alone at batch 8 against 2.82x at 1 (it waits for a whole batch and computes in
+# one: results/hardening/key_holders_flood_batch{8,1}.json). Batches pay where rows are cheap in
+# bulk (a GPU); each session's output is the same at any size.
+COMPUTE_SLOTS = 1
 
 
 class PipelineError(Exception):

@@ -108,9 +108,9 @@ async def test_exact_output_is_the_autoregressive_output_byte_for_byte(models, p
 
 
 async def test_sessions_of_clients_at_once_are_batched_and_each_writes_what_it_writes_alone(models):
-    """Continuous batching (issue 31): clients at once, greedy exact, autoregressive and sampled,
-    their chunks computed together at each hop (one forward over the rows of all); each output is
-    the one its session writes alone in one process, and the hops did batch."""
+    """Continuous batching (issue 31): clients at once, greedy exact, autoregressive and sampled; at
+    --batch 8 their chunks are computed together at each hop (one forward over the rows of all);
+    each output is the one its session writes alone in one process, and the hops did batch."""
     from blocktrain.blocks.decode import Sampling
     from blocktrain.p2p.client import DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN
     bt, e2e = models
@@ -118,6 +118,8 @@ async def test_sessions_of_clients_at_once_are_batched_and_each_writes_what_it_w
     jobs = [(b"The history of ", "exact", Sampling()), (b"a", "exact", Sampling()),
             (bytes(range(65, 105)), "autoregressive", Sampling()), (b"sample ", "exact", sampled)]
     async with served_chain(bt, e2e, timeout_s=30) as (peers, servers, first):
+        for srv in servers:  # bt-peer serve --batch 8
+            srv.set_batch(8)
         others = [PipelineClient(X25519PrivateKey.generate(), first.swarm_key, first.route, [0, 1, 2], FAST,
                                  timeout_s=30) for _ in jobs[1:]]
         try:
