@@ -30,8 +30,16 @@ def main():
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--segment", type=int, default=64)
+    ap.add_argument("--window", type=int, help="a serving-time attention window (experiments/serving/window.py)")
+    ap.add_argument("--sink", type=int, default=0, help="with --window: the first N positions stay visible")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.window:
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).parent))
+        import window  # its monkeypatch of decode
+        window.WINDOW[0], window.SINK[0] = a.window, a.sink
     torch.set_num_threads(1)
     served = load_served([0, 1, 2])
     blocks = [served.blocktrain[k] for k in range(3)]

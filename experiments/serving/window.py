@@ -28,6 +28,7 @@ from blocktrain.p2p.pipeline import load_served
 from blocktrain.provenance import code_version
 
 WINDOW: list[int | None] = [None]
+SINK = [0]  # the first SINK positions stay visible to every token (attention sinks, StreamingLLM)
 _begin = decode.Traversal._begin
 
 
@@ -38,7 +39,7 @@ def _windowed_begin(self):
         return
     pos = torch.tensor(self.spec["positions"])  # the new tokens'; cached entry j sits at position j
     keys = torch.cat([torch.arange(self.past), pos])
-    self.mask = self.mask & ((pos[:, None] - keys[None, :]) < w)
+    self.mask = self.mask & (((pos[:, None] - keys[None, :]) < w) | (keys[None, :] < SINK[0]))
 
 
 decode.Traversal._begin = _windowed_begin
@@ -56,7 +57,7 @@ def _windowed_drafter_step(block, cache, f, spec, logits, steps, width=1):
         m = _tree_mask(parents, start)
         pos = torch.tensor(spec["positions"][:n])
         keys = torch.cat([torch.arange(start), pos])
-        return m & ((pos[:, None] - keys[None, :]) < w)
+        return m & (((pos[:, None] - keys[None, :]) < w) | (keys[None, :] < SINK[0]))
     decode.tree_mask = windowed
     try:
         return _drafter_step(block, cache, f, spec, logits, steps, width)
@@ -80,10 +81,12 @@ def main():
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--windows", default="none,128")
     ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--sink", type=int, default=0, help="the first N positions stay visible (attention sinks)")
     ap.add_argument("--trunk-only", action="store_true", help="window the blocks' attention, not the draft model's")
     ap.add_argument("--json")
     a = ap.parse_args()
     DRAFTER[0] = not a.trunk_only
+    SINK[0] = a.sink
     torch.set_num_threads(1)
     served = load_served([0, 1, 2])
     blocks = [served.blocktrain[k] for k in range(3)]
