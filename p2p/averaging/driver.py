@@ -20,10 +20,11 @@ Rules (numbered as in the package's index, ``__init__.py``):
   different members; departing each other there split the group in two (merged again only by
   STATUS, rule 6 of group.py, after a state fetch). The next round is begun once the change reached
   both (two under overlap, where a round begins before the one on the wire ends): a member's
-  mismatches fail up to ``MISMATCH_ROUNDS`` rounds since the members of our rounds last changed;
-  after that the member departs the round as any departed member (the round goes on without it,
-  and it leaves the group). A key holder that forges digests so costs its group at most that many
-  rounds per change of members. Not in a gossip round (rule 10): a member departed from a small
+  mismatches fail up to ``MISMATCH_ROUNDS`` rounds, or ``MISMATCH_HEARTBEATS`` heartbeat
+  intervals, whichever ends later, since the members of our rounds last changed; after that the
+  member departs the round as any departed member (the round goes on without it, and it leaves the
+  group). A key holder that forges digests so costs its group at most that many rounds or seconds
+  per change of members. Not in a gossip round (rule 10): a member departed from a small
   group's round leaves that round only, so a mismatched member departs it and the round goes on.
 """
 
@@ -59,21 +60,30 @@ SUSPECT_ROUNDS = 5
 MAX_NAMED = 1024
 # Rounds a member that sees another group fails for us, since our rounds' members last changed,
 # before it departs (rule 9): a change of members reaches a round's members before its next round
-# begins, or, under overlap, the one after.
+# begins, or, under overlap, the one after. And heartbeats: members learn of a crash that closes no
+# connection each at its own heartbeat, up to one interval apart, and of a join up to two after the
+# joiner took the state; with rounds faster than that, 2 rounds split the group (a clean .ci/run's
+# test_a_stopped_peer_rejoins...: peers learnt of a stopped peer more than 2 one-step rounds apart,
+# split, and merged again about 13 rounds later). So the allowance is also MISMATCH_HEARTBEATS
+# heartbeat intervals since the members changed, whichever ends later.
 MISMATCH_ROUNDS = 2
+MISMATCH_HEARTBEATS = 2
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
 
 
-def mismatches_within_allowance(r: AveragingRound, ids, state: dict) -> list[str]:
+def mismatches_within_allowance(r: AveragingRound, ids, state: dict, now: float = 0.0,
+                                allowance_s: float = 0.0) -> list[str]:
     """Rule 9, for a member whose rounds' members are ``ids``: the members that saw another group
-    in round ``r`` and, since ``ids`` last changed, in at most MISMATCH_ROUNDS rounds (the round
-    fails over them). ``state`` is the member's count, kept from round to round."""
+    in round ``r`` and, since ``ids`` last changed (at ``now``, monotonic seconds), in at most
+    MISMATCH_ROUNDS rounds, or for at most ``allowance_s`` seconds (the round fails over them).
+    ``state`` is the member's count, kept from round to round."""
     if state.get("ids") != list(ids):
-        state["ids"], state["counts"] = list(ids), {}
+        state["ids"], state["counts"], state["since"] = list(ids), {}, now
     counts = state["counts"]
     for p in r.mismatched:
         counts[p] = counts.get(p, 0) + 1
-    return sorted(p for p in r.mismatched if counts[p] <= MISMATCH_ROUNDS)
+    young = now - state["since"] <= allowance_s
+    return sorted(p for p in r.mismatched if counts[p] <= MISMATCH_ROUNDS or young)
 
 
 def outliers_in_a_row(r: AveragingRound, me: str, streak: dict) -> list[tuple[str, str]]:
@@ -331,12 +341,14 @@ class Averager(EarlyParts):
 
     def _mismatches(self, r: AveragingRound) -> None:
         """Rule 9: GroupMismatch when a member saw another group in this round and, since our
-        rounds' members last changed, in at most MISMATCH_ROUNDS rounds. Not in a gossip round
+        rounds' members last changed, in at most MISMATCH_ROUNDS rounds or MISMATCH_HEARTBEATS
+        heartbeat intervals. Not in a gossip round
         (rule 10): a member departed from a small group's round leaves that round only, so the
         round goes on without it and the group does not split."""
         if self._gossip_group is not None:
             return
-        tolerated = mismatches_within_allowance(r, r.ids, self._mismatch_state)
+        tolerated = mismatches_within_allowance(r, r.ids, self._mismatch_state, time.monotonic(),
+                                                MISMATCH_HEARTBEATS * self.peer.timeouts.heartbeat_s)
         if tolerated:
             raise GroupMismatch(self.block, r.round, tolerated, frozenset(r.silent()))
 
