@@ -173,8 +173,12 @@ async def run(checkpoints: str | Path | None, n_bytes: int, rtt_ms: float, rate_
         if clients > 1:
             by_batch = {}
             for b in batches:
-                for srv in servers:
-                    srv.set_batch(b)
+                try:
+                    for srv in servers:  # fresh fair queues: each size starts with no client known
+                        srv.set_batch(b)
+                except RuntimeError as e:  # a traversal of the size before still in flight
+                    by_batch[str(b)] = {"clients": clients, "batch": b, "error": str(e)}
+                    continue
                 by_batch[str(b)] = await _together(clients, [p.addr for p in peers], psk, tmo, link, pairs, n_bytes,
                                                    cfg.max_seq_len, [m for m in modes if m != "blocktrain"], repeats,
                                                    temperature, alone, outputs, progress, b)

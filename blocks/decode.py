@@ -152,21 +152,34 @@ class Traversal:
 @torch.no_grad()
 def step_together(traversals: list[Traversal]) -> list:
     """The next chunk of each traversal, those of one block in one forward (``Block.extend_many``);
-    per traversal what ``Traversal.took`` returns, or the exception its rollback or readout
-    raised (the others go on)."""
+    per traversal what ``Traversal.took`` returns, or the exception it raised. A forward that
+    fails over a group is undone (each cache back to its length before) and its steps run one by
+    one, so a failure lands on the traversal that caused it and the others go on."""
     outs: list = [None] * len(traversals)
     groups: dict[int, list[tuple[int, tuple]]] = {}
     for n, t in enumerate(traversals):
         try:
             groups.setdefault(id(t.block), []).append((n, t.chunk()))
-        except (SessionMismatch, ValueError) as e:  # its own rollback: this traversal only
+        except Exception as e:  # noqa: BLE001 - its own rollback or spec: this traversal only
             outs[n] = e
     for group in groups.values():
         block = traversals[group[0][0]].block
-        for (n, _), h in zip(group, block.extend_many([step for _, step in group])):
+        lengths = [[c.length for c in step[1].layers] for _, step in group]
+        try:
+            hs = block.extend_many([step for _, step in group])
+        except Exception as e:  # noqa: BLE001 - whose step it was is found one by one
+            if len(group) == 1:
+                outs[group[0][0]] = e
+                continue
+            for (_, step), before in zip(group, lengths):
+                for c, length in zip(step[1].layers, before):
+                    c.length = length
+            hs = None
+        for i, (n, step) in enumerate(group):
             try:
+                h = hs[i] if hs is not None else block.extend(*step)
                 outs[n] = traversals[n].took(h)
-            except Exception as e:  # noqa: BLE001 - its readout: this traversal only
+            except Exception as e:  # noqa: BLE001 - its forward or readout: this traversal only
                 outs[n] = e
     return outs
 

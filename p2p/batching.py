@@ -14,7 +14,10 @@ Rules:
   one batch share nothing but the weights and the projections' rows, which are bitwise those of
   each alone (``Block.extend_many``).
 - A traversal whose holder was cancelled while its chunk was queued is skipped; one cancelled
-  while its chunk computes finishes that chunk (the caller drops the session, as before).
+  while its chunk computes finishes that chunk (the hop only cancels at its stop).
+- A failure stays with the traversal that raised it (``decode.step_together``); should the
+  batching itself fail or be cancelled, every chunk queued or computing is failed with it, so
+  no traversal waits for an answer that will not come.
 - What it counts (``batches``, ``chunks``, ``largest``) goes in the hop's report.
 """
 
@@ -45,27 +48,33 @@ class Batcher:
 
     async def _run(self):
         loop = asyncio.get_running_loop()
-        while self._queued:
-            for _ in range(GATHER):
-                await asyncio.sleep(0)
-            batch = [(t, f) for t, f in self._queued if not f.done()]  # done: cancelled meanwhile
-            self._queued = []
-            if not batch:
-                continue
-            try:
-                outs = await loop.run_in_executor(self._threads, step_together, [t for t, _ in batch])
-            except Exception as e:  # noqa: BLE001 - a batch that failed as a whole fails each of its traversals
-                outs = [e] * len(batch)
-            self.batches += 1
-            self.chunks += len(batch)
-            self.largest = max(self.largest, len(batch))
-            for (_, fut), out in zip(batch, outs):
-                if fut.done():
+        batch: list[tuple[Traversal, asyncio.Future]] = []
+        try:
+            while self._queued:
+                for _ in range(GATHER):
+                    await asyncio.sleep(0)
+                batch = [(t, f) for t, f in self._queued if not f.done()]  # done: cancelled meanwhile
+                self._queued = []
+                if not batch:
                     continue
-                if isinstance(out, BaseException):
-                    fut.set_exception(out)
-                else:
-                    fut.set_result(out)
+                outs = await loop.run_in_executor(self._threads, step_together, [t for t, _ in batch])
+                self.batches += 1
+                self.chunks += len(batch)
+                self.largest = max(self.largest, len(batch))
+                for (_, fut), out in zip(batch, outs):
+                    if fut.done():
+                        continue
+                    if isinstance(out, BaseException):
+                        fut.set_exception(out)
+                    else:
+                        fut.set_result(out)
+                batch = []
+        except BaseException as e:  # noqa: BLE001 - nobody is left waiting (the rules)
+            for _, fut in batch + self._queued:
+                if not fut.done():
+                    fut.set_exception(e if isinstance(e, Exception) else RuntimeError("the hop's batching stopped"))
+            self._queued = []
+            raise
 
     def report(self) -> dict:
         return {"batches": self.batches, "chunks": self.chunks, "largest_batch": self.largest}

@@ -382,10 +382,11 @@ def join(bootstrap, **o):
               help="Directory of the end-to-end model's blocks (bt-train's OUT/reference): the reference mode.")
 @click.option("--batch", type=click.IntRange(1, 64), default=COMPUTE_SLOTS, show_default=True,
               help="Traversals whose chunks (16 tokens) this hop computes together, one forward over their rows "
-                   "(continuous batching; the places go to clients by fair queuing). Each session's output is what "
-                   "it gets alone. 1: one chunk at a time. On CPU a batch costs about what its chunks cost one by one "
-                   "(the exact attention is per session): 8 gave no more throughput and made a flooded client's "
-                   "wait a whole batch (7.3x slower than alone, against 2.8x at 1).")
+                   "(continuous batching; the places go to clients by fair queuing). Exact and autoregressive "
+                   "outputs are what they are alone (their rows are batch-invariant); blocktrain mode's only up to "
+                   "rounding. 1: one chunk at a time. On CPU a batch costs about what its chunks cost one by one "
+                   "(the exact attention is per session): 8 clients got about the same throughput at 8, and a "
+                   "flooded client waited for whole batches (7.3x slower than alone, against 2.8x at 1).")
 def serve(bootstrap, checkpoints, reference, batch, **o):
     """Serve --block K of a trained model: start a swarm, or join one through BOOTSTRAP."""
     from .pipeline import ServeError, load_served

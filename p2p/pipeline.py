@@ -122,7 +122,8 @@ class PipelineServer:
 
     def set_batch(self, n: int):
         """Compute the chunks of up to ``n`` traversals together from now on (a benchmark comparing
-        batch sizes on the same hops); only while no traversal is here."""
+        batch sizes on the same hops); only while no traversal is here. The fair queue is new:
+        no client is known to it (virtual times and newcomers' tokens start again)."""
         if self._inflight:
             raise RuntimeError(f"the batch size changes only while no traversal is here ({len(self._inflight)} clients' are)")
         self.served.batch = n

@@ -32,13 +32,15 @@ VERIFY_TOL = 0.02
 # Traversals whose chunks one hop computes together, one batch (the rest wait their turn, fair by
 # client: fair.py), on one compute thread (the model code holds the interpreter lock for much of a
 # chunk: a second thread made the client served beside it about twice as slow, the flood no
-# faster). The default of bt-peer serve --batch. One on CPU, where a batch costs what its chunks
-# cost one by one (the exact attention, most of a chunk's time, is per session): 8 clients at once
-# got 4.6x one client's output rate at batch 8, 4.9x at 1, 5.3x at 4 (the same hops, one run:
-# results/wan/wan-valid-64-clients8-batch.json), and a client flooded by 8 known identities was
-# 7.28x slower than alone at batch 8 against 2.82x at 1 (it waits for a whole batch and computes in
-# one: results/hardening/key_holders_flood_batch{8,1}.json). Batches pay where rows are cheap in
-# bulk (a GPU); each session's output is the same at any size.
+# faster). The default of bt-peer serve --batch. One on CPU, where a batch costs about what its
+# chunks cost one by one (most of a chunk's time is the exact attention over each session's own
+# cache, which does not batch: results/serving/batch_cost.json). 8 clients at once got 4.6x one
+# client's output rate at batch 8, 4.9x at 1, 5.3x at 4 (one run each, in that order, on the same
+# hops: results/wan/wan-valid-64-clients8-batch.json; within this machine's noise), and a client
+# flooded by 8 known identities was 7.28x slower than alone at batch 8 against 2.82x at 1 (it waits
+# for a whole batch and computes in one), while the flood got 15% more through
+# (results/hardening/key_holders_flood_batch{8,1}.json). Exact rows are bitwise the same at any
+# size (model.MIN_ROWS, tested up to 64 x 16 rows at one thread on CPU); serving runs on CPU only.
 COMPUTE_SLOTS = 1
 
 
