@@ -30,8 +30,8 @@ Rules:
   client the hop knows, back from a round trip, takes a slot, so while its credit lasts it waits
   for one batch, not for clients flooding with long traversals. The chunks of the traversals
   holding a slot are computed together, one forward over the rows of all (continuous batching,
-  batching.py); each session's output is what it gets alone. ``end`` without a spec only frees the caches, hop by
-  hop.
+  batching.py); exact and autoregressive output is what each session gets alone, bitwise.
+  ``end`` without a spec only frees the caches, hop by hop.
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
