@@ -71,10 +71,13 @@ class Batcher:
                 batch = []
         except BaseException as e:  # noqa: BLE001 - nobody is left waiting (the rules)
             for _, fut in batch + self._queued:
-                if not fut.done():
-                    fut.set_exception(e if isinstance(e, Exception) else RuntimeError("the hop's batching stopped"))
+                if not fut.done():  # each its own exception (one object raised in many tasks grows its traceback)
+                    err = RuntimeError(f"the hop's batching stopped: {e!r}")
+                    err.__cause__ = e
+                    fut.set_exception(err)
             self._queued = []
-            raise
+            if isinstance(e, asyncio.CancelledError):
+                raise
 
     def report(self) -> dict:
         return {"batches": self.batches, "chunks": self.chunks, "largest_batch": self.largest}

@@ -55,7 +55,8 @@ PROMPTS = [list(b"the first session"), list(b"a second, much longer one: three c
 
 async def test_a_session_whose_rollback_fails_fails_alone_and_the_others_finish_as_alone():
     """One traversal of a batch names a start its cache does not hold (SessionMismatch): it alone
-    fails; the others' outputs are bitwise what they get alone."""
+    fails; the others' outputs are bitwise what they get alone (a regression test: so it was
+    before the review's fixes too)."""
     b = _block(0)
     want = _alone(b, PROMPTS)
     batcher = Batcher(concurrent.futures.ThreadPoolExecutor(1))
@@ -83,6 +84,21 @@ async def test_a_traversal_cancelled_while_queued_is_skipped():
     assert gone.cache.length == 0 and kept.cache.length == CHUNK
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_when_the_batching_itself_fails_every_waiting_chunk_fails_and_nobody_hangs():
+    """The compute thread gone (the hop stopping): the chunks queued fail at once, each with its
+    own error, and a later chunk is not left waiting either."""
+    b = _block(0)
+    threads = concurrent.futures.ThreadPoolExecutor(1)
+    threads.shutdown()
+    batcher = Batcher(threads)
+    travs = [Traversal(b, BlockCache(b), None, _spec(ids)) for ids in PROMPTS]
+    got = await asyncio.wait_for(asyncio.gather(*(batcher.step(t) for t in travs), return_exceptions=True), 5)
+    assert all(isinstance(g, RuntimeError) and "batching stopped" in str(g) for g in got)
+    assert len({id(g) for g in got}) == len(got)
+    with pytest.raises(RuntimeError, match="batching stopped"):
+        await asyncio.wait_for(batcher.step(travs[0]), 5)
 
 
 def test_a_step_that_fails_in_a_batch_is_retried_alone_and_fails_alone(monkeypatch):

@@ -71,12 +71,12 @@ MISMATCH_HEARTBEATS = 2
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
 
 
-def mismatches_within_allowance(r: AveragingRound, ids, state: dict, now: float = 0.0,
-                                allowance_s: float = 0.0) -> list[str]:
+def mismatches_within_allowance(r: AveragingRound, ids, state: dict, now: float, allowance_s: float) -> list[str]:
     """Rule 9, for a member whose rounds' members are ``ids``: the members that saw another group
-    in round ``r`` and, since ``ids`` last changed (at ``now``, monotonic seconds), in at most
-    MISMATCH_ROUNDS rounds, or for at most ``allowance_s`` seconds (the round fails over them).
-    ``state`` is the member's count, kept from round to round."""
+    in round ``r`` and, since ``ids`` last changed, in at most MISMATCH_ROUNDS rounds, or within
+    ``allowance_s`` seconds (the round fails over them). ``now``: when round ``r`` began
+    (monotonic seconds); the first round with new members starts the clock. ``state`` is the
+    member's count, kept from round to round."""
     if state.get("ids") != list(ids):
         state["ids"], state["counts"], state["since"] = list(ids), {}, now
     counts = state["counts"]
@@ -208,7 +208,7 @@ class Averager(EarlyParts):
         another view departs the round without failing it (rule 9 is not applied). ``origin``:
         where ``vector`` is a point (a gossip round's parameters), our start point of the steps it
         took, which a robust round measures the members' updates from (``AveragingRound``)."""
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.monotonic()
         self._gossip_group = None if group is None else sorted(group)
         r = self._begin(rnd, vector, members, start, out, origin)
         self._last_group = r.group
@@ -225,7 +225,7 @@ class Averager(EarlyParts):
         self._residual = r.residual
         self._suspicions(r, rnd)
         try:
-            self._mismatches(r)
+            self._mismatches(r, began)
             out, rep = r.result()
         except RoundFailed:
             r.undo_feedback()
@@ -339,7 +339,7 @@ class Averager(EarlyParts):
         for pid, why in outliers_in_a_row(r, self.peer.id, self._suspect_streak):
             self._reject(pid, why, rnd)
 
-    def _mismatches(self, r: AveragingRound) -> None:
+    def _mismatches(self, r: AveragingRound, began: float) -> None:
         """Rule 9: GroupMismatch when a member saw another group in this round and, since our
         rounds' members last changed, in at most MISMATCH_ROUNDS rounds or MISMATCH_HEARTBEATS
         heartbeat intervals. Not in a gossip round
@@ -347,7 +347,7 @@ class Averager(EarlyParts):
         round goes on without it and the group does not split."""
         if self._gossip_group is not None:
             return
-        tolerated = mismatches_within_allowance(r, r.ids, self._mismatch_state, time.monotonic(),
+        tolerated = mismatches_within_allowance(r, r.ids, self._mismatch_state, began,
                                                 MISMATCH_HEARTBEATS * self.peer.timeouts.heartbeat_s)
         if tolerated:
             raise GroupMismatch(self.block, r.round, tolerated, frozenset(r.silent()))
