@@ -6,7 +6,7 @@ sockets. Every variant starts from the same weights and sees the same batches.
 
 usage: python experiments/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
            [--codec raw|topk|sign] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
-           [--attack none|flip|scale8]
+           [--attack none|flip|scale8] [--exclude]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
@@ -15,7 +15,9 @@ the next phase starting from the last averaged point minus the worker's own phas
 time on the wire hides behind the next phase's compute), alone (one worker, no rounds).
 --attack: the last worker is malicious: every round it sends its vector negated or x8 (its own
 parameters follow the group); the JSON's ``named_rounds`` counts the rounds whose report (seen by
-the first worker) named each member: rejected, a suspect, or opposed to the median.
+the first worker) named each member: rejected, a suspect, or opposed to the median. --exclude:
+as the driver does (its rule 6, ``outliers_in_a_row``), a member the first worker names is left
+out of every later round; ``excluded`` says when and why.
 Prints one JSON line: the settings, test and valid CE of block 0's head (the whole validation
 split in 128-byte windows, 2,000 test windows), bytes each worker sent in parts, seconds.
 """
@@ -31,12 +33,14 @@ from blocktrain.blocks.data import as_tensor, read_split
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain
 from blocktrain.p2p.averaging import AveragingRound, OuterOptimizer, flatten
+from blocktrain.p2p.averaging.driver import outliers_in_a_row
 
 
-def average(ids, vectors, rnd, codec, density, residuals, named=None):
+def average(ids, vectors, rnd, codec, density, residuals, named=None, judge=None):
     """One robust round among the members; their results, residuals, and the bytes each sent.
     ``named`` (member -> rounds): counts the rounds in which the first member's report named each
-    other member (rejected, a suspect, or opposed to the median)."""
+    other member (rejected, a suspect, or opposed to the median). ``judge(round)``: the first
+    member's round, after it ended (the driver's rule 6)."""
     rounds = [AveragingRound(me, 0, rnd, ids, v, codec=codec, residual=res, aggregate="robust", density=density)
               for me, v, res in zip(ids, vectors, residuals)]
     by_id = dict(zip(ids, rounds))
@@ -52,6 +56,8 @@ def average(ids, vectors, rnd, codec, density, residuals, named=None):
         rep = results[0][1]
         for p in {r["peer"] for r in rep.rejected} | set(rep.suspects) | set(rep.opposed):
             named[p] = named.get(p, 0) + 1
+    if judge is not None:
+        judge(rounds[0])
     assert all(torch.equal(outs[0], o) for o in outs), "the members ended the round with different bytes"
     return outs[0], [None if r.residual is None else r.residual.clone() for r in rounds], sent
 
@@ -78,37 +84,55 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attack", choices=["none", "flip", "scale8"], default="none",
                     help="the last worker sends its vector negated (flip) or x8 (scale8) every round")
+    ap.add_argument("--exclude", action="store_true",
+                    help="as the driver does (rule 6): a member the first member names is left out of later rounds "
+                         "(every member computes every sign piece from the same parts, so all name it alike)")
     a = ap.parse_args()
+    if a.exclude and a.overlap:
+        ap.error("--exclude is for rounds without --overlap")
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     data, valid, test = (as_tensor(read_split(s)) for s in ("train", "valid", "test"))
     mc = ModelConfig(d_model=128)
     tc = TrainConfig(steps=a.steps, seed=a.seed)
     W = 1 if a.mode == "alone" else a.workers
-    trs = [BlockTrainer(mc, tc, 0, data, shard=i, num_shards=W) for i in range(W)]
-    for t in trs[1:]:
-        t.block.load_state_dict(trs[0].block.state_dict())
-    ids = [chr(ord("a") + i) * 64 for i in range(W)]
-    residuals = [None] * W
+    all_trs = [BlockTrainer(mc, tc, 0, data, shard=i, num_shards=W) for i in range(W)]
+    for t in all_trs[1:]:
+        t.block.load_state_dict(all_trs[0].block.state_dict())
+    trs = all_trs
+    all_ids = [chr(ord("a") + i) * 64 for i in range(W)]
+    all_residuals: list = [None] * W
     named: dict = {}
+    excluded: dict = {}  # member -> (round, why), with --exclude
+    streak: dict = {}
+    recent: dict = {}
+
+    def judge(r):
+        for pid, why in outliers_in_a_row(r, all_ids[0], streak, recent):
+            if a.exclude and pid not in excluded:
+                excluded[pid] = (r.round, why)
 
     def attacked(vs):
-        if a.attack == "none":
+        if a.attack == "none" or all_ids[-1] not in ids:
             return vs
         return vs[:-1] + [vs[-1] * (-1.0 if a.attack == "flip" else 8.0)]
     outer = OuterOptimizer(a.outer_lr, a.outer_momentum, a.outer_momentum > 0)
-    sent = dict.fromkeys(ids, 0)
+    sent = dict.fromkeys(all_ids, 0)
     t0 = time.perf_counter()
     rnd = 0
     start = flatten(list(trs[0].block.parameters())).clone()
     phase_start, pending = [start] * W, None  # --overlap: each worker's phase start; the round in flight
     for s in range(a.steps):
+        active = [i for i in range(W) if all_ids[i] not in excluded]
+        ids = [all_ids[i] for i in active]
+        residuals = [all_residuals[i] for i in active]
+        trs = [all_trs[i] for i in active]
         if a.mode == "grads":
             for t in trs:
                 t.compute_grads()
             rnd += 1
             avg, residuals, got = average(ids, attacked([t.grads() for t in trs]), rnd, a.codec, a.density, residuals,
-                                         named)
+                                         named, judge)
             for t in trs:
                 t.apply_grads(avg)
         else:
@@ -122,7 +146,8 @@ def main():
                 deltas = [ps - flatten(list(t.block.parameters())) for ps, t in zip(phase_start, trs)]
                 if pending is not None:
                     start = outer.step(start, pending)
-                pending, residuals, got = average(ids, attacked(deltas), rnd, a.codec, a.density, residuals, named)
+                pending, residuals, got = average(ids, attacked(deltas), rnd, a.codec, a.density, residuals, named,
+                                                  judge)
                 if s + 1 == a.steps or rnd == 1:  # the swarm waits for a group's first round and its last
                     start, pending = outer.step(start, pending), None
                     phase_start = [start] * W
@@ -133,12 +158,15 @@ def main():
             elif a.mode == "params" and ((s + 1) % a.every == 0 or s + 1 == a.steps):
                 rnd += 1
                 deltas = [start - flatten(list(t.block.parameters())) for t in trs]
-                avg, residuals, got = average(ids, attacked(deltas), rnd, a.codec, a.density, residuals, named)
+                avg, residuals, got = average(ids, attacked(deltas), rnd, a.codec, a.density, residuals, named,
+                                              judge)
                 start = outer.step(start, avg)
                 for t in trs:
                     set_params(t.block, start)
             else:
                 got = {}
+        for i, res in zip(active, residuals):
+            all_residuals[i] = res
         for k, v in got.items():
             sent[k] += v
         if (s + 1) % 100 == 0:
@@ -150,6 +178,7 @@ def main():
                       "test_ce": eval_chain([block], test, 128, 2000)[-1],
                       "bytes_sent_per_worker": sum(sent.values()) / W, "rounds": rnd,
                       "named_rounds": {p[:1]: k for p, k in sorted(named.items())},
+                      "excluded": {p[:1]: {"round": r, "why": w} for p, (r, w) in sorted(excluded.items())},
                       "seconds": round(time.perf_counter() - t0, 1)}))
 
 
