@@ -6,7 +6,7 @@ sockets. Every variant starts from the same weights and sees the same batches.
 
 usage: python experiments/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
            [--codec raw|topk|sign] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
-           [--attack none|flip|scale8] [--exclude]
+           [--attack none|flip|scale8] [--exclude [--streak-only]]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
@@ -87,6 +87,8 @@ def main():
     ap.add_argument("--exclude", action="store_true",
                     help="as the driver does (rule 6): a member the first member names is left out of later rounds "
                          "(every member computes every sign piece from the same parts, so all name it alike)")
+    ap.add_argument("--streak-only", action="store_true",
+                    help="rule 6 before r6.18: only SUSPECT_ROUNDS rounds in a row name a member")
     a = ap.parse_args()
     if a.exclude and a.overlap:
         ap.error("--exclude is for rounds without --overlap")
@@ -108,7 +110,7 @@ def main():
     recent: dict = {}
 
     def judge(r):
-        for pid, why in outliers_in_a_row(r, all_ids[0], streak, recent):
+        for pid, why in outliers_in_a_row(r, all_ids[0], streak, None if a.streak_only else recent):
             if a.exclude and pid not in excluded:
                 excluded[pid] = (r.round, why)
 
