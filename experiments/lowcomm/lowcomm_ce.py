@@ -6,7 +6,7 @@ sockets. Every variant starts from the same weights and sees the same batches.
 
 usage: python experiments/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
            [--codec raw|topk|sign] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
-           [--attack none|flip|scale8] [--exclude [--streak-only]]
+           [--attack none|flip|scale8 [--attack-from R]] [--exclude [--streak-only]]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
@@ -87,6 +87,9 @@ def main():
     ap.add_argument("--exclude", action="store_true",
                     help="as the driver does (rule 6): a member the first member names is left out of later rounds "
                          "(every member computes every sign piece from the same parts, so all name it alike)")
+    ap.add_argument("--attack-from", type=int, default=0,
+                    help="the attacker sends honest vectors before this round (an attacker that waits until the "
+                         "members' updates are noisy)")
     ap.add_argument("--streak-only", action="store_true",
                     help="rule 6 before r6.18: only SUSPECT_ROUNDS rounds in a row name a member")
     a = ap.parse_args()
@@ -115,7 +118,7 @@ def main():
                 excluded[pid] = (r.round, why)
 
     def attacked(vs):
-        if a.attack == "none" or all_ids[-1] not in ids:
+        if a.attack == "none" or all_ids[-1] not in ids or rnd < a.attack_from:
             return vs
         return vs[:-1] + [vs[-1] * (-1.0 if a.attack == "flip" else 8.0)]
     outer = OuterOptimizer(a.outer_lr, a.outer_momentum, a.outer_momentum > 0)
