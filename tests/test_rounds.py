@@ -386,33 +386,6 @@ def test_a_mismatch_fails_rounds_for_two_rounds_or_two_heartbeats_whichever_ends
     assert failed([9.5], ids=("a", "c"), state=state) == [True]  # the members changed: counted again
 
 
-def test_a_member_opposed_in_5_of_its_last_50_all_to_all_rounds_is_named_not_in_a_row_and_not_in_gossip():
-    """Rule 6 (PROTOCOL r6.18): a sign flipped on the wire is opposed to the median in some rounds
-    only (45 of 300 in results/lowcomm/attacks_300.jsonl), never 5 in a row, so the streak never
-    named it; counted over its last 50 rounds with us it is named at its 5th. An honest member,
-    opposed once now and then, is not; in gossip rounds (``recent`` None) nothing is counted."""
-    from types import SimpleNamespace
-
-    from blocktrain.p2p.averaging.driver import OPPOSED_OF, OPPOSED_WINDOW, outliers_in_a_row
-
-    def rnd(i, opposed):
-        return SimpleNamespace(robust=True, round=i, suspects={}, live=lambda: ["me", "h", "x"],
-                               opposed=lambda: {p: -0.2 for p in opposed})
-    streak, recent, gossip_streak = {}, {}, {}
-    named, named_in_gossip = [], []
-    for i in range(300):
-        flips = {"x"} if i % 7 == 0 else set()  # 1 round in 7: as the flipper above
-        if i % 60 == 0:
-            flips.add("h")  # honest, now and then
-        named += [(i, p) for p, _ in outliers_in_a_row(rnd(i, flips), "me", streak, recent)]
-        named_in_gossip += outliers_in_a_row(rnd(i, flips), "me", gossip_streak, None)
-    assert named[0] == (7 * (OPPOSED_OF - 1), "x") and all(p == "x" for _, p in named)
-    assert not named_in_gossip and all(len(d) <= OPPOSED_WINDOW for d in recent.values())
-    outliers_in_a_row(SimpleNamespace(robust=True, round=300, suspects={}, live=lambda: ["me", "h"],
-                                      opposed=lambda: {}), "me", streak, recent)
-    assert set(recent) == {"h"}  # kept for live members only
-
-
 def test_a_malformed_mismatched_list_rejects_its_sender():
     rs = rounds([torch.randn(50) for _ in IDS])
     parts = rs["b"].start()

@@ -6,7 +6,7 @@ sockets. Every variant starts from the same weights and sees the same batches.
 
 usage: python experiments/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
            [--codec raw|topk|sign] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
-           [--attack none|flip|scale8 [--attack-from R]] [--exclude [--streak-only]]
+           [--attack none|flip|scale8 [--attack-from R]] [--exclude]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
@@ -90,8 +90,6 @@ def main():
     ap.add_argument("--attack-from", type=int, default=0,
                     help="the attacker sends honest vectors before this round (an attacker that waits until the "
                          "members' updates are noisy)")
-    ap.add_argument("--streak-only", action="store_true",
-                    help="rule 6 before r6.18: only SUSPECT_ROUNDS rounds in a row name a member")
     a = ap.parse_args()
     if a.exclude and a.overlap:
         ap.error("--exclude is for rounds without --overlap")
@@ -110,10 +108,9 @@ def main():
     named: dict = {}
     excluded: dict = {}  # member -> (round, why), with --exclude
     streak: dict = {}
-    recent: dict = {}
 
     def judge(r):
-        for pid, why in outliers_in_a_row(r, all_ids[0], streak, None if a.streak_only else recent):
+        for pid, why in outliers_in_a_row(r, all_ids[0], streak):
             if a.exclude and pid not in excluded:
                 excluded[pid] = (r.round, why)
 

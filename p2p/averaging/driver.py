@@ -4,10 +4,7 @@ Rules (numbered as in the package's index, ``__init__.py``):
 - Rule 3 (here): a member whose part the round rejected is excluded from our later rounds and
   told (phase ``excluded``); one that tells us we are excluded is not waited for again.
 - Rule 6 (here): a member that is a suspect of the robust aggregate (robust.py) SUSPECT_ROUNDS
-  rounds in a row is excluded, named; so is one opposed to the median in OPPOSED_OF of its last
-  OPPOSED_WINDOW all-to-all rounds with us (not in a row: a sign flipped on the wire is opposed
-  in some rounds only, an honest member in none). Not in gossip rounds (rule 10), whose members
-  start from points apart.
+  rounds in a row is excluded, named.
 - Rule 8: every part is fed to the round as it arrives, in the connection's reader, and decoded
   at once where it belongs: the result (``out``, the caller's buffer when given) or the sender's
   place in an arena the ``Averager`` keeps from round to round, like a lossy codec's buffers
@@ -34,7 +31,6 @@ Rules (numbered as in the package's index, ``__init__.py``):
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -58,11 +54,6 @@ log = logging.getLogger("blocktrain.p2p")
 # Rounds in a row as a suspect before a member is excluded: an honest member's batch can make it
 # an outlier once or twice (a block's first steps), an attacker's update is one every round.
 SUSPECT_ROUNDS = 5
-# A member opposed to the median (robust.py OPPOSED_COS) in this many of its last OPPOSED_WINDOW
-# all-to-all robust rounds with us is excluded too. A member of 4 that sends its sign parts negated
-# was opposed in 45 of 300 rounds and never 5 in a row; the 3 honest members in none of 300, with
-# it or without (experiments/lowcomm/lowcomm_ce.py, results/lowcomm/attacks_300.jsonl).
-OPPOSED_OF, OPPOSED_WINDOW = 5, 50
 # Members named (excluded, excluding us) and events kept: identities are free, so what is kept of
 # them is bounded in total; past it the oldest goes (an old identity excluded long ago may come back
 # and be judged again, as any new one).
@@ -95,28 +86,17 @@ def mismatches_within_allowance(r: AveragingRound, ids, state: dict, now: float,
     return sorted(p for p in r.mismatched if counts[p] <= MISMATCH_ROUNDS or young)
 
 
-def outliers_in_a_row(r: AveragingRound, me: str, streak: dict, recent: dict | None = None) -> list[tuple[str, str]]:
+def outliers_in_a_row(r: AveragingRound, me: str, streak: dict) -> list[tuple[str, str]]:
     """Rule 6, for ``me`` after robust round ``r``: its suspects (and members opposed to the median)
     counted in ``streak`` (member -> rounds in a row as a suspect, rounds with it); those that
-    reach SUSPECT_ROUNDS, each with why. ``recent`` (all-to-all rounds; None in gossip rounds):
-    member -> its last OPPOSED_WINDOW rounds with us, whether opposed; one opposed in OPPOSED_OF
-    of them is named too (kept for the round's live members only)."""
+    reach SUSPECT_ROUNDS, each with why."""
     if not r.robust:
         return []
     opposed = r.opposed()
     out = []
-    live = [pid for pid in r.live() if pid != me]
-    if recent is not None:
-        for pid in [p for p in recent if p not in live]:
-            del recent[pid]
-    for pid in live:
-        if recent is not None:
-            seen = recent.setdefault(pid, collections.deque(maxlen=OPPOSED_WINDOW))
-            seen.append(pid in opposed)
-            if pid in opposed and sum(seen) >= OPPOSED_OF:
-                out.append((pid, f"its update pointed against the others' median in {sum(seen)} of its last "
-                                 f"{len(seen)} rounds (cosine {opposed[pid]:.2f} in round {r.round})"))
-                continue
+    for pid in r.live():
+        if pid == me:
+            continue
         if pid in r.suspects or pid in opposed:
             streak[pid] = streak.get(pid, 0) + 1
             if streak[pid] >= SUSPECT_ROUNDS:
@@ -147,7 +127,6 @@ class Averager(EarlyParts):
         super().__init__(block, floats)
         self.peer, self.aggregate = peer, aggregate
         self._suspect_streak: dict[str, int] = {}
-        self._opposed_recent: dict[str, collections.deque] = {}  # rule 6: opposed or not, last rounds
         self._mismatch_state: dict = {}  # rule 9: mismatched rounds per member (mismatches_within_allowance)
         if codec not in UPDATE_CODECS:
             raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")
@@ -356,10 +335,8 @@ class Averager(EarlyParts):
         return self._arena
 
     def _suspicions(self, r: AveragingRound, rnd: int):
-        """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row, or (all-to-all rounds)
-        opposed to the median in OPPOSED_OF of its last OPPOSED_WINDOW rounds, is excluded (named)."""
-        recent = None if self._gossip_group is not None else self._opposed_recent
-        for pid, why in outliers_in_a_row(r, self.peer.id, self._suspect_streak, recent):
+        """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row is excluded (named)."""
+        for pid, why in outliers_in_a_row(r, self.peer.id, self._suspect_streak):
             self._reject(pid, why, rnd)
 
     def _mismatches(self, r: AveragingRound, began: float) -> None:
