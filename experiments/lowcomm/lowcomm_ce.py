@@ -6,7 +6,7 @@ sockets. Every variant starts from the same weights and sees the same batches.
 
 usage: python experiments/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
            [--codec raw|topk|sign] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
-           [--attack none|flip|scale8 [--attack-from R]] [--exclude]
+           [--attack none|flip|scale8 [--attack-from R]] [--exclude] [--cosines]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
@@ -24,6 +24,7 @@ split in 128-byte windows, 2,000 test windows), bytes each worker sent in parts,
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -87,6 +88,8 @@ def main():
     ap.add_argument("--exclude", action="store_true",
                     help="as the driver does (rule 6): a member the first member names is left out of later rounds "
                          "(every member computes every sign piece from the same parts, so all name it alike)")
+    ap.add_argument("--cosines", action="store_true",
+                    help="record each member's cosine with the median in every round (as the first member saw it)")
     ap.add_argument("--attack-from", type=int, default=0,
                     help="the attacker sends honest vectors before this round (an attacker that waits until the "
                          "members' updates are noisy)")
@@ -109,7 +112,13 @@ def main():
     excluded: dict = {}  # member -> (round, why), with --exclude
     streak: dict = {}
 
+    cosines: dict = {}  # --cosines: member -> its cosine with the median, round by round (the first member's view)
+
     def judge(r):
+        if a.cosines:
+            mm = r._agree.get(None, 0.0)
+            for p, (dot, xx) in ((p, v) for p, v in r._agree.items() if p is not None and p != all_ids[0]):
+                cosines.setdefault(p[:1], []).append(round(dot / math.sqrt(xx * mm), 4) if xx > 0 and mm > 0 else None)
         for pid, why in outliers_in_a_row(r, all_ids[0], streak):
             if a.exclude and pid not in excluded:
                 excluded[pid] = (r.round, why)
@@ -181,6 +190,7 @@ def main():
                       "bytes_sent_per_worker": sum(sent.values()) / W, "rounds": rnd,
                       "named_rounds": {p[:1]: k for p, k in sorted(named.items())},
                       "excluded": {p[:1]: {"round": r, "why": w} for p, (r, w) in sorted(excluded.items())},
+                      **({"cosines": cosines} if a.cosines else {}),
                       "seconds": round(time.perf_counter() - t0, 1)}))
 
 
