@@ -268,7 +268,6 @@ class Simulation:
         self.honest_excluded = 0  # exclusions of an honest member by an honest one
         self.banned: dict[str, set[str]] = {}  # member -> ids it rejected (excluded from its rounds)
         self.streak: dict[str, dict[str, int]] = {}  # member -> other -> suspect rounds in a row
-        self.lags: dict[str, dict[str, int]] = {}  # member -> other -> lagging rounds in a row (all-to-all)
         # Views "own": the moments each member learns of a change (drawn on first use, from a generator
         # of their own so that the rest of the run draws as with one view); rule 9's counts per member.
         self._lag_rng = random.Random(cfg.seed + 7919)
@@ -540,9 +539,8 @@ class Simulation:
 
     def _suspicions(self, pid: str, r: AveragingRound) -> None:
         """The driver's rule 6: a partner that was a suspect in SUSPECT_ROUNDS rounds in a row that
-        they shared is excluded; in all-to-all rounds also one that lagged LAG_ROUNDS in a row."""
-        lags = None if self.cfg.mode == "gossip" else self.lags.setdefault(pid, {})
-        for other, _ in outliers_in_a_row(r, pid, self.streak.setdefault(pid, {}), lags):
+        they shared is excluded."""
+        for other, _ in outliers_in_a_row(r, pid, self.streak.setdefault(pid, {})):
             self._reject(pid, other)
 
     # --- measures -----------------------------------------------------------------------------

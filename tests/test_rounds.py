@@ -386,36 +386,6 @@ def test_a_mismatch_fails_rounds_for_two_rounds_or_two_heartbeats_whichever_ends
     assert failed([9.5], ids=("a", "c"), state=state) == [True]  # the members changed: counted again
 
 
-def test_a_member_that_lags_10_rounds_in_a_row_is_named_outside_gossip_rounds_only():
-    """Rule 6 (PROTOCOL r6.18): a sign flipped on the wire once the members' updates are noisy sits
-    at a cosine with the median of about 0.12 where honest members sit at 0.41-0.46 (not opposed,
-    not far): lagging, named after LAG_ROUNDS rounds in a row; an honest member lagging now and then
-    is not; nothing lags where the members' median cosine is below LAG_MIN_COS; gossip rounds (lags
-    None) do not count it."""
-    from types import SimpleNamespace
-
-    from blocktrain.p2p.averaging.driver import LAG_ROUNDS, outliers_in_a_row
-    from blocktrain.p2p.averaging.robust import LAG_MIN_COS, lagging_members
-
-    def agree(cos: dict) -> dict:  # unit median: each member's (dot, |x|^2) for the cosine given
-        return {None: 1.0, **{p: (c, 1.0) for p, c in cos.items()}}
-    live = ["me", "h1", "h2", "x"]
-    assert lagging_members(agree({"me": 0.44, "h1": 0.41, "h2": 0.46, "x": 0.12}), "me", live) == {"x": 0.12}
-    assert lagging_members(agree({"me": 0.1, "h1": 0.12, "h2": 0.15, "x": 0.01}), "me", live) == {}  # < LAG_MIN_COS
-    assert LAG_MIN_COS > 0.15
-    assert lagging_members(agree({"me": 0.44, "x": 0.12}), "me", live) == {}  # fewer than 3 to compare
-
-    def rnd(i, lag):
-        return SimpleNamespace(robust=True, round=i, suspects={}, live=lambda: live, opposed=lambda: {},
-                               lagging=lambda: {p: 0.12 for p in lag})
-    streak, lags, named = {}, {}, []
-    for i in range(60):
-        lag = {"x"} | ({"h1"} if i % 9 == 0 else set())  # h1 lags now and then, x every round
-        named += [(i, p) for p, _ in outliers_in_a_row(rnd(i, lag), "me", streak, lags)]
-    assert named[0] == (LAG_ROUNDS - 1, "x") and {p for _, p in named} == {"x"}
-    assert not outliers_in_a_row(rnd(60, {"x"}), "me", {}, None)  # a gossip round: not counted
-
-
 def test_a_malformed_mismatched_list_rejects_its_sender():
     rs = rounds([torch.randn(50) for _ in IDS])
     parts = rs["b"].start()

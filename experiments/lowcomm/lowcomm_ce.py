@@ -111,7 +111,6 @@ def main():
     named: dict = {}
     excluded: dict = {}  # member -> (round, why), with --exclude
     streak: dict = {}
-    lags: dict = {}
 
     cosines: dict = {}  # --cosines: member -> its cosine with the median, round by round (the first member's view)
 
@@ -120,7 +119,7 @@ def main():
             mm = r._agree.get(None, 0.0)
             for p, (dot, xx) in ((p, v) for p, v in r._agree.items() if p is not None and p != all_ids[0]):
                 cosines.setdefault(p[:1], []).append(round(dot / math.sqrt(xx * mm), 4) if xx > 0 and mm > 0 else None)
-        for pid, why in outliers_in_a_row(r, all_ids[0], streak, lags):
+        for pid, why in outliers_in_a_row(r, all_ids[0], streak):
             if a.exclude and pid not in excluded:
                 excluded[pid] = (r.round, why)
 

@@ -4,8 +4,7 @@ Rules (numbered as in the package's index, ``__init__.py``):
 - Rule 3 (here): a member whose part the round rejected is excluded from our later rounds and
   told (phase ``excluded``); one that tells us we are excluded is not waited for again.
 - Rule 6 (here): a member that is a suspect of the robust aggregate (robust.py) SUSPECT_ROUNDS
-  rounds in a row is excluded, named; so is one that lags (agrees with the median far less than
-  the members do: robust.py) LAG_ROUNDS rounds in a row, in rounds that are not gossip rounds.
+  rounds in a row is excluded, named.
 - Rule 8: every part is fed to the round as it arrives, in the connection's reader, and decoded
   at once where it belongs: the result (``out``, the caller's buffer when given) or the sender's
   place in an arena the ``Averager`` keeps from round to round, like a lossy codec's buffers
@@ -55,10 +54,6 @@ log = logging.getLogger("blocktrain.p2p")
 # Rounds in a row as a suspect before a member is excluded: an honest member's batch can make it
 # an outlier once or twice (a block's first steps), an attacker's update is one every round.
 SUSPECT_ROUNDS = 5
-# Rounds in a row lagging (robust.py lagging_members) before a member is excluded, in rounds that
-# are not gossip rounds: more than SUSPECT_ROUNDS, since an honest member's update can lag in a
-# round or two; a sign flipped on the wire lags in nearly every round once updates are noisy.
-LAG_ROUNDS = 10
 # Members named (excluded, excluding us) and events kept: identities are free, so what is kept of
 # them is bounded in total; past it the oldest goes (an old identity excluded long ago may come back
 # and be judged again, as any new one).
@@ -91,29 +86,17 @@ def mismatches_within_allowance(r: AveragingRound, ids, state: dict, now: float,
     return sorted(p for p in r.mismatched if counts[p] <= MISMATCH_ROUNDS or young)
 
 
-def outliers_in_a_row(r: AveragingRound, me: str, streak: dict, lags: dict | None = None) -> list[tuple[str, str]]:
+def outliers_in_a_row(r: AveragingRound, me: str, streak: dict) -> list[tuple[str, str]]:
     """Rule 6, for ``me`` after robust round ``r``: its suspects (and members opposed to the median)
     counted in ``streak`` (member -> rounds in a row as a suspect, rounds with it); those that
-    reach SUSPECT_ROUNDS, each with why. ``lags`` (rounds that are not gossip rounds; None in
-    those, whose members start from points apart): member -> rounds in a row lagging
-    (``AveragingRound.lagging``); those that reach LAG_ROUNDS too."""
+    reach SUSPECT_ROUNDS, each with why."""
     if not r.robust:
         return []
     opposed = r.opposed()
-    lagging = r.lagging() if lags is not None else {}
     out = []
     for pid in r.live():
         if pid == me:
             continue
-        if lags is not None:
-            if pid in lagging:
-                lags[pid] = lags.get(pid, 0) + 1
-                if lags[pid] >= LAG_ROUNDS:
-                    out.append((pid, f"its update agreed with the others' median far less than theirs {LAG_ROUNDS} "
-                                     f"rounds in a row (cosine {lagging[pid]:.2f} in round {r.round})"))
-                    continue
-            else:
-                lags.pop(pid, None)
         if pid in r.suspects or pid in opposed:
             streak[pid] = streak.get(pid, 0) + 1
             if streak[pid] >= SUSPECT_ROUNDS:
@@ -144,7 +127,6 @@ class Averager(EarlyParts):
         super().__init__(block, floats)
         self.peer, self.aggregate = peer, aggregate
         self._suspect_streak: dict[str, int] = {}
-        self._lag_streak: dict[str, int] = {}  # rule 6: rounds in a row lagging, per member
         self._mismatch_state: dict = {}  # rule 9: mismatched rounds per member (mismatches_within_allowance)
         if codec not in UPDATE_CODECS:
             raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")
@@ -353,10 +335,8 @@ class Averager(EarlyParts):
         return self._arena
 
     def _suspicions(self, r: AveragingRound, rnd: int):
-        """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row, or (not in a gossip
-        round) lags LAG_ROUNDS rounds in a row, is excluded (named)."""
-        lags = None if self._gossip_group is not None else self._lag_streak
-        for pid, why in outliers_in_a_row(r, self.peer.id, self._suspect_streak, lags):
+        """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row is excluded (named)."""
+        for pid, why in outliers_in_a_row(r, self.peer.id, self._suspect_streak):
             self._reject(pid, why, rnd)
 
     def _mismatches(self, r: AveragingRound, began: float) -> None:

@@ -46,11 +46,6 @@ CLIP_ITERS = 3
 # An update whose cosine with the coordinate-wise median (over the whole vector) is below minus
 # this is a suspect too (a sign flipped on the wire); an honest one agrees with the median.
 OPPOSED_COS = 0.05
-# An update whose cosine with the median is below this fraction of the members' median cosine,
-# where that median is at least LAG_MIN_COS, lags (lagging_members): a sign flipped on the wire
-# once the members' updates are noisy sits at about 0.12 where honest members sit at 0.41-0.46
-# (4 members, sign parts; results/lowcomm/attacks_exclude_300.jsonl), never opposed.
-LAG_FRACTION, LAG_MIN_COS = 0.5, 0.2
 
 
 @dataclass(frozen=True)
@@ -157,35 +152,6 @@ def coordinate_median(x: torch.Tensor) -> torch.Tensor:
     return rows[(r - 1) // 2].clone() if r == 1 else rows[(r - 1) // 2]
 
 
-def _cosines(agree: dict, live) -> dict[str, float]:
-    """Each live member's cosine with the coordinate-wise median (``agree`` as ``centred_clip``
-    accumulated it)."""
-    mm = agree.get(None, 0.0)
-    out = {}
-    for p, acc in agree.items():
-        if p is None or p not in live:
-            continue
-        dot, xx = acc
-        if xx > 0 and mm > 0:
-            out[p] = dot / math.sqrt(xx * mm)
-    return out
-
-
-def lagging_members(agree: dict, me: str, live) -> dict[str, float]:
-    """Rule 6: members in ``live`` (``me`` never) whose update agrees with the median's much less
-    than the members' do (cosine below LAG_FRACTION of the members' median cosine, ours included,
-    where that is at least LAG_MIN_COS), as member -> cosine. A sign flipped on the wire once the
-    members' updates are noisy is neither far from the median (every sign part is +-scale) nor
-    opposed to it (the median of 4 partly follows it), but it agrees with it far less."""
-    cos = _cosines(agree, live)
-    if len(cos) < 3:
-        return {}
-    typical = sorted(cos.values())[(len(cos) - 1) // 2]  # the lower middle, as every median here
-    if typical < LAG_MIN_COS:
-        return {}
-    return {p: round(c, 3) for p, c in cos.items() if p != me and c < LAG_FRACTION * typical}
-
-
 def opposed_members(agree: dict, me: str, live) -> dict[str, float]:
     """Rule 6: members in ``live`` (``me`` never) whose update points against the coordinate-wise
     median's over the whole vector (cosine below -OPPOSED_COS), as member -> cosine; ``agree`` as
@@ -204,4 +170,15 @@ def opposed_members(agree: dict, me: str, live) -> dict[str, float]:
     a partner that averaged with the attacker before has its start point pulled back along the
     common direction, and honest partners were named (11 exclusions among 15 honest members in
     the simulator's 16-member run)."""
-    return {p: round(c, 3) for p, c in _cosines(agree, live).items() if p != me and c < -OPPOSED_COS}
+    mm = agree.get(None, 0.0)
+    out = {}
+    for p, acc in agree.items():
+        if p is None or p == me or p not in live:
+            continue
+        dot, xx = acc
+        if not (xx > 0 and mm > 0):
+            continue
+        cos = dot / math.sqrt(xx * mm)
+        if cos < -OPPOSED_COS:
+            out[p] = round(cos, 3)
+    return out

@@ -49,7 +49,7 @@ from blocktrain.protocol import BlockUpdate, Codec, WireTensor
 
 from ..tensors import encode_topk, from_wire, to_wire, topk_count
 from .codec import COMPACT, SIGN, TOPK, Wire, arena_views, encode_vector
-from .robust import Bounds, centred_clip, lagging_members, norm_outliers, opposed_members, validate_part
+from .robust import Bounds, centred_clip, norm_outliers, opposed_members, validate_part
 
 # Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
 PIECE_FLOATS = 1 << 20
@@ -464,11 +464,6 @@ class AveragingRound:
         """Robust: members whose update points against the coordinate-wise median over the whole
         vector (cosine below -OPPOSED_COS), as member -> cosine (``opposed_members``, robust.py)."""
         return opposed_members(self._agree, self.me, self.live())
-
-    def lagging(self) -> dict:
-        """Robust: members whose update agrees with the median's far less than the members' do
-        (``lagging_members``, robust.py), as member -> cosine."""
-        return lagging_members(self._agree, self.me, self.live())
 
     def silent(self) -> set:
         """Live members whose part of a piece we own never came (direct evidence only: an owner
