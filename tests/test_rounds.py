@@ -386,6 +386,25 @@ def test_a_mismatch_fails_rounds_for_two_rounds_or_two_heartbeats_whichever_ends
     assert failed([9.5], ids=("a", "c"), state=state) == [True]  # the members changed: counted again
 
 
+def test_the_suspect_streaks_kept_are_bounded_in_total_and_a_named_members_is_dropped():
+    """Rule 6's per-member count: members that leave as suspects (identities are free) are kept at
+    most MAX_NAMED in all, the least recently counted going first; a member named is forgotten,
+    so one that comes back after the named list forgot it is judged again from nothing."""
+    from types import SimpleNamespace
+
+    from blocktrain.p2p.averaging.driver import MAX_NAMED, SUSPECT_ROUNDS, outliers_in_a_row
+
+    def rnd(i, live, suspects):
+        return SimpleNamespace(robust=True, round=i, suspects={p: 9.0 for p in suspects}, live=lambda: live,
+                               opposed=lambda: {})
+    streak: dict = {}
+    for i in range(3 * MAX_NAMED):  # a fresh suspect every round, each gone the next
+        outliers_in_a_row(rnd(i, ["me", "h", f"x{i}"], [f"x{i}"]), "me", streak)
+        assert len(streak) <= MAX_NAMED
+    named = [outliers_in_a_row(rnd(i, ["me", "h", "x"], ["x"]), "me", streak) for i in range(SUSPECT_ROUNDS)]
+    assert [p for p, _ in named[-1]] == ["x"] and not any(named[:-1]) and "x" not in streak
+
+
 def test_a_malformed_mismatched_list_rejects_its_sender():
     rs = rounds([torch.randn(50) for _ in IDS])
     parts = rs["b"].start()

@@ -98,14 +98,17 @@ def outliers_in_a_row(r: AveragingRound, me: str, streak: dict) -> list[tuple[st
         if pid == me:
             continue
         if pid in r.suspects or pid in opposed:
-            streak[pid] = streak.get(pid, 0) + 1
+            streak[pid] = streak.pop(pid, 0) + 1  # the most recently counted last
             if streak[pid] >= SUSPECT_ROUNDS:
                 why = (f"{r.suspects[pid]:.1f} median distances from the others'" if pid in r.suspects else
                        f"pointing against the others' median, cosine {opposed[pid]:.2f}")
                 out.append((pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row ({why} in round "
                                  f"{r.round})"))
+                del streak[pid]  # named: judged again from nothing if it is ever forgotten and back
         else:
             streak.pop(pid, None)
+    while len(streak) > MAX_NAMED:  # identities are free: members that left as suspects, the oldest first
+        del streak[next(iter(streak))]
     return out
 
 
