@@ -38,7 +38,7 @@ class Batcher:
         self._runner: asyncio.Task | None = None
         self.batches = self.chunks = self.largest = 0
 
-    async def step(self, traversal: Traversal):
+    async def step(self, traversal: Traversal) -> object:
         """The traversal's next chunk, computed with whatever else is queued (see the rules)."""
         fut = asyncio.get_running_loop().create_future()
         self._queued.append((traversal, fut))
@@ -46,7 +46,7 @@ class Batcher:
             self._runner = asyncio.create_task(self._run())
         return await fut
 
-    async def _run(self):
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         batch: list[tuple[Traversal, asyncio.Future]] = []
         try:
