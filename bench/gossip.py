@@ -30,8 +30,7 @@ return, in the order a virtual network delivers them; small groups come from ``g
   others compute, so their parts carry another ``group`` digest; the receiver departs the sender
   and tells it ``absent`` (both ways), and the round goes on without it (a gossip round,
   PROTOCOL r6.14; an all-to-all round fails by driver.py's rule 9, up to ``MISMATCH_ROUNDS``
-  rounds or ``MISMATCH_HEARTBEATS`` x ``--heartbeat-s``, whichever ends later, since the member's
-  view of the group last changed). A crashed member still in a view is a
+  since the member's view of the group last changed). A crashed member still in a view is a
   silent partner there. A part that comes after the receiver's round ended is answered
   ``absent`` only if it carries another digest; the driver also answers one of the same view
   once the receiver has begun its next round (not simulated: slightly optimistic).
@@ -63,8 +62,7 @@ import torch.nn.functional as F
 from blocktrain.blocks.data import load_split
 from blocktrain.p2p.averaging import AveragingRound, RoundFailed
 from blocktrain.p2p.averaging.round import GroupMismatch
-from blocktrain.p2p.averaging.driver import (MISMATCH_HEARTBEATS, MISMATCHED, mismatches_within_allowance,
-                                             outliers_in_a_row)
+from blocktrain.p2p.averaging.driver import MISMATCHED, mismatches_within_allowance, outliers_in_a_row
 from blocktrain.p2p.averaging.gossip import check_gossip_codec, gossip_groups, gossip_start
 
 CONTEXT = 4  # previous bytes the model sees
@@ -520,12 +518,10 @@ class Simulation:
     def _rule9(self, pid: str, view: tuple, r: AveragingRound) -> None:
         """The driver's rule 9, in all-to-all rounds: the round fails (GroupMismatch) when a member
         saw another group in it and, since ``pid``'s view of the whole group last changed, in at
-        most MISMATCH_ROUNDS rounds or MISMATCH_HEARTBEATS heartbeats (the simulated clock: when
-        ``pid`` began the round). A gossip round goes on without it (rule 10, r6.14)."""
+        most MISMATCH_ROUNDS rounds. A gossip round goes on without it (rule 10, r6.14)."""
         if self.cfg.mode == "gossip":
             return
-        tolerated = mismatches_within_allowance(r, view, self._mismatches.setdefault(pid, {}),
-                                                self.members[pid].ready, MISMATCH_HEARTBEATS * self.cfg.heartbeat_s)
+        tolerated = mismatches_within_allowance(r, view, self._mismatches.setdefault(pid, {}))
         if tolerated:
             raise GroupMismatch(0, r.round, tolerated, frozenset(r.silent()))
 

@@ -363,29 +363,6 @@ def test_a_mismatch_is_relayed_so_a_member_that_never_heard_from_the_mismatched_
     assert rs["a"].mismatched == {"c"}
 
 
-def test_a_mismatch_fails_rounds_for_two_rounds_or_two_heartbeats_whichever_ends_later():
-    """Rule 9's allowance (PROTOCOL r6.17): rounds faster than a heartbeat interval, where members
-    learn of a stopped peer up to an interval apart, fail over a mismatched member for the whole
-    allowance instead of departing it after 2 rounds (which split the group); slow rounds still
-    depart it after 2; a change of members starts both counts again."""
-    from types import SimpleNamespace
-
-    from blocktrain.p2p.averaging.driver import MISMATCH_ROUNDS, mismatches_within_allowance
-
-    def failed(times, ids=("a", "b", "c"), allowance_s=2.0, state=None):
-        state = {} if state is None else state
-        return [mismatches_within_allowance(SimpleNamespace(mismatched={"c"}), list(ids), state, t, allowance_s)
-                == ["c"] for t in times]
-    fast = [0.1 * i for i in range(1, 8)]  # one-step rounds, 0.1 s apart: all within 2 s
-    assert failed(fast) == [True] * 7
-    assert failed(fast, allowance_s=0.0) == [True] * MISMATCH_ROUNDS + [False] * (7 - MISMATCH_ROUNDS)  # r6.16
-    assert failed([0.1, 0.2, 0.3, 2.5]) == [True, True, True, False]  # past 2 rounds and 2 s: departs
-    assert failed([3.0, 6.0, 9.0]) == [True, True, False]  # slow rounds: after 2 rounds
-    state: dict = {}
-    assert failed([0.0, 5.0, 9.0], state=state) == [True, True, False]
-    assert failed([9.5], ids=("a", "c"), state=state) == [True]  # the members changed: counted again
-
-
 def test_the_suspect_streaks_kept_are_bounded_in_total_and_a_named_members_is_dropped():
     """Rule 6's per-member count: members that leave as suspects (identities are free) are kept at
     most MAX_NAMED in all, the least recently counted going first; a member named is forgotten,

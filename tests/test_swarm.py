@@ -518,7 +518,7 @@ def test_a_stopped_peer_rejoins_its_group_and_ends_in_step(tmp_path, procs):
     # It came back through a join: the three end in one group whose state a member fetched. Usually
     # the stopped peer fetches it; where the other two split as well (one of them learnt of its
     # departure more than MISMATCH_ROUNDS rounds after the other, rule 9: seen on a loaded CI
-    # machine before r6.17 gave it MISMATCH_HEARTBEATS heartbeats as well), the groups merge (the larger wins, then the smaller sponsor id: group.py rule 6),
+    # machine), the groups merge (the larger wins, then the smaller sponsor id: group.py rule 6),
     # and when the stopped peer's wins, the others fetch its state.
     fetched = [j for r in reps for j in r["joins"] if j["how"] == "fetched the group's state"]
     assert any(sorted(j["members"]) == ids for j in fetched), [r["joins"] for r in reps]

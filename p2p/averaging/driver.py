@@ -20,11 +20,10 @@ Rules (numbered as in the package's index, ``__init__.py``):
   different members; departing each other there split the group in two (merged again only by
   STATUS, rule 6 of group.py, after a state fetch). The next round is begun once the change reached
   both (two under overlap, where a round begins before the one on the wire ends): a member's
-  mismatches fail up to ``MISMATCH_ROUNDS`` rounds, or ``MISMATCH_HEARTBEATS`` heartbeat
-  intervals, whichever ends later, since the members of our rounds last changed; after that the
-  member departs the round as any departed member (the round goes on without it, and it leaves the
-  group). A key holder that forges digests so costs its group at most that many rounds or seconds
-  per change of members. Not in a gossip round (rule 10): a member departed from a small
+  mismatches fail up to ``MISMATCH_ROUNDS`` rounds since the members of our rounds last changed;
+  after that the member departs the round as any departed member (the round goes on without it,
+  and it leaves the group). A key holder that forges digests so costs its group at most that many
+  rounds per change of members. Not in a gossip round (rule 10): a member departed from a small
   group's round leaves that round only, so a mismatched member departs it and the round goes on.
 """
 
@@ -60,30 +59,21 @@ SUSPECT_ROUNDS = 5
 MAX_NAMED = 1024
 # Rounds a member that sees another group fails for us, since our rounds' members last changed,
 # before it departs (rule 9): a change of members reaches a round's members before its next round
-# begins, or, under overlap, the one after. And heartbeats: members learn of a crash that closes no
-# connection each at its own heartbeat, up to one interval apart, and of a join up to two after the
-# joiner took the state; with rounds faster than that, 2 rounds split the group (a clean .ci/run's
-# test_a_stopped_peer_rejoins...: peers learnt of a stopped peer more than 2 one-step rounds apart,
-# split, and merged again about 13 rounds later). So the allowance is also MISMATCH_HEARTBEATS
-# heartbeat intervals since the members changed, whichever ends later.
+# begins, or, under overlap, the one after.
 MISMATCH_ROUNDS = 2
-MISMATCH_HEARTBEATS = 2
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
 
 
-def mismatches_within_allowance(r: AveragingRound, ids, state: dict, now: float, allowance_s: float) -> list[str]:
+def mismatches_within_allowance(r: AveragingRound, ids, state: dict) -> list[str]:
     """Rule 9, for a member whose rounds' members are ``ids``: the members that saw another group
-    in round ``r`` and, since ``ids`` last changed, in at most MISMATCH_ROUNDS rounds, or within
-    ``allowance_s`` seconds (the round fails over them). ``now``: when round ``r`` began
-    (monotonic seconds); the first round with new members starts the clock. ``state`` is the
-    member's count, kept from round to round."""
+    in round ``r`` and, since ``ids`` last changed, in at most MISMATCH_ROUNDS rounds (the round
+    fails over them). ``state`` is the member's count, kept from round to round."""
     if state.get("ids") != list(ids):
-        state["ids"], state["counts"], state["since"] = list(ids), {}, now
+        state["ids"], state["counts"] = list(ids), {}
     counts = state["counts"]
     for p in r.mismatched:
         counts[p] = counts.get(p, 0) + 1
-    young = now - state["since"] <= allowance_s
-    return sorted(p for p in r.mismatched if counts[p] <= MISMATCH_ROUNDS or young)
+    return sorted(p for p in r.mismatched if counts[p] <= MISMATCH_ROUNDS)
 
 
 def outliers_in_a_row(r: AveragingRound, me: str, streak: dict) -> list[tuple[str, str]]:
@@ -211,7 +201,7 @@ class Averager(EarlyParts):
         another view departs the round without failing it (rule 9 is not applied). ``origin``:
         where ``vector`` is a point (a gossip round's parameters), our start point of the steps it
         took, which a robust round measures the members' updates from (``AveragingRound``)."""
-        t0, began = time.perf_counter(), time.monotonic()
+        t0 = time.perf_counter()
         self._gossip_group = None if group is None else sorted(group)
         r = self._begin(rnd, vector, members, start, out, origin)
         self._last_group = r.group
@@ -228,7 +218,7 @@ class Averager(EarlyParts):
         self._residual = r.residual
         self._suspicions(r, rnd)
         try:
-            self._mismatches(r, began)
+            self._mismatches(r)
             out, rep = r.result()
         except RoundFailed:
             r.undo_feedback()
@@ -342,16 +332,14 @@ class Averager(EarlyParts):
         for pid, why in outliers_in_a_row(r, self.peer.id, self._suspect_streak):
             self._reject(pid, why, rnd)
 
-    def _mismatches(self, r: AveragingRound, began: float) -> None:
+    def _mismatches(self, r: AveragingRound) -> None:
         """Rule 9: GroupMismatch when a member saw another group in this round and, since our
-        rounds' members last changed, in at most MISMATCH_ROUNDS rounds or MISMATCH_HEARTBEATS
-        heartbeat intervals. Not in a gossip round
+        rounds' members last changed, in at most MISMATCH_ROUNDS rounds. Not in a gossip round
         (rule 10): a member departed from a small group's round leaves that round only, so the
         round goes on without it and the group does not split."""
         if self._gossip_group is not None:
             return
-        tolerated = mismatches_within_allowance(r, r.ids, self._mismatch_state, began,
-                                                MISMATCH_HEARTBEATS * self.peer.timeouts.heartbeat_s)
+        tolerated = mismatches_within_allowance(r, r.ids, self._mismatch_state)
         if tolerated:
             raise GroupMismatch(self.block, r.round, tolerated, frozenset(r.silent()))
 
