@@ -233,7 +233,8 @@ async def _stop_trainer(task: asyncio.Future | None):
     if task is not None and not task.done():
         t0 = time.monotonic()
         # Python 3.11's wait_for can swallow a cancellation that lands as the awaited thing
-        # completes (gh-86296): cancel again until the trainer has really stopped.
+        # completes (gh-86296; the package waits with asyncio.timeout, waiters.py, but not every
+        # library it awaits does): cancel again until the trainer has really stopped.
         while not task.done():
             task.cancel()
             await asyncio.wait({task}, timeout=0.5)

@@ -154,8 +154,9 @@ class PipelineClient:
         self.conns[self.route[0]].send_nowait(PipelineForward(request_id=rid, route=tuple(self.route), hop=0,
                                                               tensors=tensors, meta=meta))
         try:
-            res = await asyncio.wait_for(fut, self.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):
+                res = await fut
+        except TimeoutError:
             self.pending.pop(rid, None)
             raise PipelineError(f"no answer within {self.timeout_s}s from the chain {self.route} "
                                 f"(blocks {self.blocks})") from None

@@ -94,8 +94,9 @@ class Connections:
     async def _serve_inbound(self, pc: PeerConnection) -> None:
         try:
             try:
-                await asyncio.wait_for(asyncio.shield(pc.established), self.peer.timeouts.handshake_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.peer.timeouts.handshake_s):
+                    await asyncio.shield(pc.established)
+            except TimeoutError:
                 log.info("handshake from %s timed out", pc.peer_addr)
                 pc.abort_timeout("handshake timed out")
                 return

@@ -178,7 +178,8 @@ class SwarmPage:
             return
         self._open += 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
             if len(head) > MAX_HEAD_BYTES:
                 raise ValueError("head too large")
             method, path, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)

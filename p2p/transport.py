@@ -333,8 +333,9 @@ class PeerConnection(asyncio.BufferedProtocol):
             try:
                 self.send_nowait(Goodbye(reason=reason))
                 if self._writer is not None:
-                    await asyncio.wait_for(asyncio.shield(self._writer), self.timeouts.close_s)
-            except (ConnectionError, ProtocolError, asyncio.TimeoutError):
+                    async with asyncio.timeout(self.timeouts.close_s):
+                        await asyncio.shield(self._writer)
+            except (ConnectionError, ProtocolError, TimeoutError):
                 pass
         self._shutdown(f"closed by us: {reason}", cause=cause)
         await self.wait_closed()
@@ -382,13 +383,14 @@ async def open_connection(host: str, port: int, conn: Connection, timeouts: Time
     """Connect, run the handshake, return an ESTABLISHED PeerConnection (or raise)."""
     loop = asyncio.get_running_loop()
     try:
-        _, pc = await asyncio.wait_for(
-            loop.create_connection(lambda: PeerConnection(conn, timeouts, link, name), host, port), timeouts.connect_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeouts.connect_s):
+            _, pc = await loop.create_connection(lambda: PeerConnection(conn, timeouts, link, name), host, port)
+    except TimeoutError:
         raise ConnectionError(f"connect to {host}:{port} timed out after {timeouts.connect_s}s") from None
     try:
-        await asyncio.wait_for(asyncio.shield(pc.established), timeouts.handshake_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeouts.handshake_s):
+            await asyncio.shield(pc.established)
+    except TimeoutError:
         pc.abort("handshake timed out", CloseCause.TIMEOUT)
         await pc.wait_closed()
         raise ConnectionError(f"handshake with {host}:{port} timed out after {timeouts.handshake_s}s") from None

@@ -36,12 +36,13 @@ async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_k
     try:
         pc.send_nowait(Status(status={}))
         while True:
-            msg = await asyncio.wait_for(pc.recv(), timeouts.handshake_s)
+            async with asyncio.timeout(timeouts.handshake_s):
+                msg = await pc.recv()
             if isinstance(msg, Status):
                 return msg.status
             if isinstance(msg, ConnectionClosed):
                 raise ConnectionError(f"{host}:{port} closed before answering: {msg.reason}")
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ConnectionError(f"{host}:{port} did not answer within {timeouts.handshake_s} s") from None
     finally:
         await pc.close("done")

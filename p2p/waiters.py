@@ -5,6 +5,10 @@ Rules:
 - A waiter is a future; ``notify`` completes every one, and each re-checks its predicate.
 - ``wait_for`` returns True once the predicate holds; False at once when the owner is stopping,
   and when the deadline passes (on a timeout it returns the predicate's last word).
+- A cancel always ends the wait (CancelledError), even one that comes in the same turn of the
+  loop as the notify: waits are bounded with ``asyncio.timeout``, never ``asyncio.wait_for``, which
+  in Python 3.11 returns the inner result then and drops the cancel (a stopped trainer went on
+  training to its end; the package's other timed waits follow the same rule).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ class Waiters:
             fut = loop.create_future()
             self._futures.add(fut)
             try:
-                await asyncio.wait_for(fut, left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):
+                    await fut
+            except TimeoutError:
                 return predicate()
             finally:
                 self._futures.discard(fut)

@@ -338,3 +338,26 @@ async def test_messages_released_from_a_queue_no_longer_view_the_senders_buffer(
 def from_wire_copy(m):
     from blocktrain.p2p.tensors import from_wire
     return from_wire(m.tensors[0]).clone()
+
+
+async def test_a_round_cancelled_in_the_turn_its_wait_ends_stops():
+    """A round whose wait for parts ends (a member departs, the round goes on) in the same turn of
+    the loop as its task is cancelled stops there: the cancel is not lost (driver.py waits with
+    asyncio.timeout; asyncio.wait_for in Python 3.11 drops such a cancel and the round, and a
+    trainer stopped while in it, went on)."""
+    from fakes import FakeNet
+    net = FakeNet()
+    a, b, c = (net.peer(i + 1, blocks=(1,)) for i in range(3))
+    avg = Averager(a, 1, timeout_s=20)
+    task = asyncio.ensure_future(avg.average(1, torch.randn(64), [a.id, b.id, c.id]))
+    for _ in range(5):  # A's parts are out; B and C never send theirs
+        await asyncio.sleep(0)
+    assert not task.done()
+    net.leave(c)  # C departs A's round (it wakes and goes on waiting for B) ...
+    task.cancel()  # ... in the same turn as the cancel
+    done, _ = await asyncio.wait({task}, timeout=5)
+    try:
+        assert task in done and task.cancelled()
+    finally:
+        task.cancel()
+

@@ -259,3 +259,27 @@ async def test_waiters_wake_on_notify_and_give_up_when_stopping_or_late():
     assert await w.wait_for(lambda: False, 0.01) is False
     stopping[0] = True
     assert await w.wait_for(lambda: False, None) is False
+
+
+async def test_a_cancel_in_the_same_turn_as_the_notify_ends_the_wait():
+    """asyncio.wait_for in Python 3.11 returns the inner result when the cancel comes in the same
+    turn of the loop, and the cancel is lost (a stopped trainer trained on to its end)."""
+    flag = [False]
+    w = Waiters(lambda: False)
+    task = asyncio.ensure_future(w.wait_for(lambda: flag[0], 10))
+    await asyncio.sleep(0)
+    flag[0] = True
+    w.notify()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_the_package_bounds_its_waits_with_asyncio_timeout_not_wait_for():
+    """The rule of waiters.py, everywhere: asyncio.wait_for drops a cancel that comes in the turn
+    its wait ends (Python 3.11), so a stopped peer's task may go on."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    found = [f"{p.relative_to(root)}:{i}" for d in ("p2p", "protocol", "blocks", "bench") for p in (root / d).rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "asyncio.wait_for(" in line]
+    assert not found, f"asyncio.wait_for in the package (use asyncio.timeout): {found}"

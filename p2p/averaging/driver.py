@@ -271,8 +271,9 @@ class Averager(EarlyParts):
             assert self._wake is not None, "set by _begin until the round ends"
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):  # not wait_for: see waiters.py
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
 
     async def _send_outbox(self, rnd: int, conns: dict, sent: list) -> int:
