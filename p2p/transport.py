@@ -326,12 +326,13 @@ class PeerConnection(asyncio.BufferedProtocol):
             self.transport.close()
 
     async def close(self, reason: str = "goodbye", cause: CloseCause = CloseCause.LOCAL):
-        """Say Goodbye (after queued control frames), give it ``close_s`` to leave, then close."""
+        """Say Goodbye (after every queued frame: a stopping member's last parts of a round go out
+        before it, averaging/driver.py), give it ``close_s`` to leave, then close."""
         if self.closed.done():
             return
         if self.established.done() and not self.established.exception():
             try:
-                self.send_nowait(Goodbye(reason=reason))
+                self.send_nowait(Goodbye(reason=reason), bulk=True)
                 if self._writer is not None:
                     async with asyncio.timeout(self.timeouts.close_s):
                         await asyncio.shield(self._writer)

@@ -361,3 +361,47 @@ async def test_a_round_cancelled_in_the_turn_its_wait_ends_stops():
     finally:
         task.cancel()
 
+
+@pytest.mark.parametrize("told", [True, False])
+async def test_a_member_that_left_the_group_before_the_round_began_departs_it(told):
+    """A member of the round's members left the group while our local steps ran and came back at
+    once (a restart with its identity: a member of the swarm again, in no round of ours). Told
+    (``gone``), the round departs it as it begins and finishes without it, whatever it answers.
+    Not told, it answers that it is not in the round: a mismatch, and the round fails for us
+    alone (a member that heard of its departure first would have finished: their points part)."""
+    from fakes import FakeNet
+    net = FakeNet()
+    a, b, c = (net.peer(i + 1, blocks=(1,)) for i in range(3))
+    avgs = [Averager(p, 1, timeout_s=20) for p in (a, b, c)]
+    avgs[2].expect(5)  # c's next life, resumed at a later round: it answers ABSENT to parts of round 1
+    xs = [torch.randn(64) for _ in range(2)]
+    gone = {c.id: "left the group"} if told else None
+    rounds = [asyncio.ensure_future(avg.average(1, x, [a.id, b.id, c.id], gone=gone)) for avg, x in zip(avgs, xs)]
+    done, _ = await asyncio.wait(rounds, timeout=10)
+    assert len(done) == 2
+    if told:
+        for out, rep in (r.result() for r in rounds):
+            assert rep.departed == [c.id] and rep.coverage == 1.0
+            assert torch.allclose(out, (xs[0] + xs[1]) / 2, atol=1e-6)
+    else:
+        assert all(isinstance(r.exception(), GroupMismatch) for r in rounds)
+
+
+@pytest.mark.parametrize("codec", ["raw", "sign"])
+async def test_a_member_stopped_while_it_sends_its_parts_hands_them_all_out(codec):
+    """A member cancelled between two sends of its parts (its peer stops, or the round is not ours
+    any more) queues the rest at once: every member gets its part, or none does. A member that
+    departs mid-round counts in what it sent before leaving, so members that had its part and
+    members that never got it would end the round at different points."""
+    from fakes import FakeNet
+    net = FakeNet()
+    a, b, c = (net.peer(i + 1, blocks=(1,)) for i in range(3))
+    avg = Averager(a, 1, codec=codec, timeout_s=20)
+    Averager(b, 1), Averager(c, 1)  # they hold A's parts for a round they have not begun
+    task = asyncio.ensure_future(avg.average(1, torch.randn(3000), [a.id, b.id, c.id]))
+    await asyncio.sleep(0)  # A sent its first part and waits (FakeConnection.send yields once)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.05)
+    assert all(p.id in a.conns and a.conns[p.id].sent_bytes > 1000 for p in (b, c))

@@ -315,3 +315,26 @@ async def test_shaped_link_pipelines_frames(psk):
         await a.close()
         await b.close()
         server.close()
+
+
+async def test_goodbye_goes_after_the_frames_queued_before_it(psk):
+    """A stopping member's last parts of a round are queued as bulk frames (averaging/driver.py,
+    ``_hand_out``): its Goodbye follows them, so the receiver gets every one before the close."""
+    from blocktrain.protocol import BlockUpdate, ConnectionClosed
+    server, a, b = await _pair(psk)
+    try:
+        sent = [BlockUpdate(block=0, round=r, meta={"phase": "reduce", "part": 0}) for r in range(6)]
+        for m in sent:
+            a.send_nowait(m, bulk=True)
+        await a.close("stopping")
+        got = []
+        while True:
+            m = await asyncio.wait_for(b.recv(), 5)
+            if isinstance(m, ConnectionClosed):
+                break
+            got.append(m)
+        assert got == sent and m.reason == "stopping"
+    finally:
+        await a.close()
+        await b.close()
+        server.close()

@@ -23,7 +23,11 @@ Rules (numbered as in the package's index, ``__init__.py``):
   mismatches fail up to ``MISMATCH_ROUNDS`` rounds since the members of our rounds last changed;
   after that the member departs the round as any departed member (the round goes on without it,
   and it leaves the group). A key holder that forges digests so costs its group at most that many
-  rounds per change of members. Not in a gossip round (rule 10): a member departed from a small
+  rounds per change of members. A member whose life as a member ended before we heard of a
+  mismatch of it (it left, its connection closed, it was declared dead, it left the group during
+  the round's local steps, ``average``'s ``gone``, or was no member when the round began) stays
+  departed whatever its next life answers (round.py, ``_left_first``): the members that finished
+  the round before its next life spoke would not fail it. Not in a gossip round (rule 10): a member departed from a small
   group's round leaves that round only, so a mismatched member departs it and the round goes on.
 """
 
@@ -172,7 +176,7 @@ class Averager(EarlyParts):
 
     def _membership(self, ev):
         if ev.departed and self._round is not None:
-            self._feed(ev.peer_id, ev.change.value)
+            self._feed(ev.peer_id, ev.change.value, ended=True)
 
     def expect(self, rnd: int) -> None:
         """Our next round is ``rnd``: its parts (and the next one's) are held if they come early;
@@ -186,12 +190,12 @@ class Averager(EarlyParts):
     def depart(self, pid: str, why: str) -> None:
         """A member left the group (a service's own signal): it departs the round in progress."""
         if self._round is not None:
-            self._feed(pid, why)
+            self._feed(pid, why, ended=True)
 
     # --- rounds --------------------------------------------------------------------------------
     async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "",
                       out: torch.Tensor | None = None, group=None,
-                      origin: torch.Tensor | None = None) -> tuple[torch.Tensor, RoundReport]:
+                      origin: torch.Tensor | None = None, gone=None) -> tuple[torch.Tensor, RoundReport]:
         """Average ``vector`` (1-D float32) with ``members`` (peer ids, or id -> address; ours
         included) in round ``rnd`` whose start point has digest ``start``. The result is written
         into ``out`` when given (a caller that reuses one buffer round after round makes the round
@@ -200,7 +204,10 @@ class Averager(EarlyParts):
         ``group`` digest, which every partner computes alike, and depart it at once; a member of
         another view departs the round without failing it (rule 9 is not applied). ``origin``:
         where ``vector`` is a point (a gossip round's parameters), our start point of the steps it
-        took, which a robust round measures the members' updates from (``AveragingRound``)."""
+        took, which a robust round measures the members' updates from (``AveragingRound``).
+        ``gone``: members of ``members`` that left the group since the round's members were fixed
+        (id -> why; the local steps ran meanwhile): they depart the round as it begins, after what
+        they sent of it before leaving is taken in (as at the members that began it before)."""
         t0 = time.perf_counter()
         self._gossip_group = None if group is None else sorted(group)
         r = self._begin(rnd, vector, members, start, out, origin)
@@ -210,7 +217,7 @@ class Averager(EarlyParts):
         sent: list[BlockUpdate] = []
         deadline = time.monotonic() + self.timeout_s
         try:
-            bytes_sent = await self._run(r, early, conns, sent, deadline)
+            bytes_sent = await self._run(r, early, conns, sent, deadline, gone or {})
         finally:
             self._round, self._outbox, self._wake, self._failure = None, [], None, None
             for pc in conns.values():  # what is still queued stops viewing our buffers (reused next round)
@@ -242,19 +249,25 @@ class Averager(EarlyParts):
         self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
         return r
 
-    async def _run(self, r: AveragingRound, early: list, conns: dict, sent: list, deadline: float) -> int:
+    async def _run(self, r: AveragingRound, early: list, conns: dict, sent: list, deadline: float,
+                   gone: dict) -> int:
         """Runs round ``r`` (the one in progress) until it is done or, past ``deadline``, expired:
-        sends what it returns and feeds it what comes (``early``: what came before it began).
-        Returns the payload bytes sent."""
+        sends what it returns and feeds it what comes (``early``: what came before it began;
+        ``gone``: see ``average``). Returns the payload bytes sent."""
         bytes_sent = 0
         for pid in r.ids:
-            if pid != self.peer.id and self.peer.member(pid) is None:
-                self._feed(pid, "not a member")
-            elif pid in self.banned or pid in self.shunned:  # a gossip round's (rule 10; else not in ids)
+            if pid in self.banned or pid in self.shunned:  # a gossip round's (rule 10; else not in ids)
                 self._feed(pid, "excluded" if pid in self.banned else "excluded us", relay=False)
         self._outbox += r.start()
         for pid, msg in early:
             self._feed(pid, msg)
+        for pid in r.ids:  # after their early parts: what a member sent before it left counts here as
+            if pid == self.peer.id:  # at the members that began the round before it left (rule 4)
+                continue
+            if pid in gone:
+                self._feed(pid, str(gone[pid])[:200], ended=True)
+            elif self.peer.member(pid) is None:
+                self._feed(pid, "not a member", ended=True)
         while True:
             bytes_sent += await self._send_outbox(r.round, conns, sent)
             if self._failure is not None:
@@ -280,30 +293,62 @@ class Averager(EarlyParts):
         """Sends the outbox's parts in order (what comes meanwhile is fed in as it comes); a member
         we cannot reach departs. Returns the payload bytes sent."""
         bytes_sent = 0
+        r = self._round
         while self._outbox:
             p = self._outbox.pop(0)
+            if r is not None and p.peer in r.departed:  # queued before it departed: not waited for
+                continue
+            queued = False
             try:
                 if p.peer not in conns:
                     conns[p.peer] = await self.peer.connection(p.peer)
                 sent.append(p.msg)
+                queued = True
                 await conns[p.peer].send(p.msg, bulk=True)
                 bytes_sent += p.stored_bytes
             except (ConnectionError, ProtocolError) as e:
                 log.info("round %d: sending to %s failed: %s", rnd, p.peer[:12], e)
                 self._feed(p.peer, f"unreachable: {e}")
+            except asyncio.CancelledError:
+                if not queued:
+                    self._outbox.insert(0, p)
+                self._hand_out(conns, sent)
+                raise
         return bytes_sent
 
-    def _feed(self, pid: str, msg, relay: bool = True) -> None:
+    def _hand_out(self, conns: dict, sent: list) -> None:
+        """We stop in the middle of a round (cancelled: the peer stops, or the round is not ours
+        any more): the parts it has ready are queued on the connections we hold, without waiting,
+        so that every member receives all of them or none (a member that departs mid-round counts
+        in what it sent before leaving, rule 4, at every member that received it: where some
+        members had a part that others never got, their results, and their points, would part)."""
+        r = self._round
+        for p in self._outbox:
+            if r is not None and p.peer in r.departed:
+                continue
+            pc = conns.get(p.peer) or self.peer.live_connection(p.peer)
+            if pc is None:
+                continue
+            try:
+                pc.send_nowait(p.msg, bulk=True)
+            except (ConnectionError, ProtocolError):
+                continue
+            conns[p.peer] = pc
+            sent.append(p.msg)  # released (copied) by ``average`` as it returns, like the others
+        self._outbox = []
+
+    def _feed(self, pid: str, msg, relay: bool = True, ended: bool = False) -> None:
         """Everything for the round in progress goes in here as it comes, in the connections'
         readers: a part is checked and decoded where it belongs at once (no frame waits in a queue
         holding its receive buffer while we send); what the round has to send next goes to the
-        outbox. ``msg`` is a BlockUpdate or, for a departure, why (``relay``: round.py's ``depart``)."""
+        outbox. ``msg`` is a BlockUpdate or, for a departure, why (``relay``, ``ended``: round.py's
+        ``depart``)."""
         r = self._round
         assert r is not None and self._wake is not None, "fed only while a round is in progress"
         before = len(r.rejected)
         try:
             if isinstance(msg, str):
-                out = r.depart(pid, msg, relay)
+                out = r.depart(pid, msg, relay, ended)
             elif msg.meta.get("phase") == Phase.ABSENT.value:
                 out = r.mismatch(pid, MISMATCHED[1])
             elif msg.meta.get("group") != r.group:  # another view of the group: not usable

@@ -32,7 +32,7 @@ import torch
 
 from ..averaging import Averager, RoundFailed, flatten, unflatten_
 from ..averaging.gossip import gossip_group, gossip_start
-from ..group import Group
+from ..group import Group, State
 from ..services import PeerServices
 from .membership import Membership
 from .report import Stats, round_entry
@@ -121,6 +121,18 @@ class Rounds:
         self.averager.expect_members(self.group.members(rnd + 1))  # whose parts for the next round we hold
         return rnd, members
 
+    def _gone(self, rnd: int, members: list) -> dict:
+        """Members of round ``rnd`` that left the group while its local steps ran (its members were
+        fixed before them): they depart the round as it begins. A member that left and came back
+        at once (restarted with its identity; perhaps admitted again already, for a later round) is
+        a member of the swarm again, and would otherwise answer that it is not in the round: a
+        mismatch, which fails the round for us alone (the members that heard of its departure
+        first go on without it), and the group's points part."""
+        if self.group.state is not State.TRAINING:
+            return {}
+        now = set(self.group.members(rnd))
+        return {m: "left the group" for m in members if m not in now}
+
     def _result_buffer(self, n: int) -> torch.Tensor:
         """The rounds' result buffer of ``n`` floats, reused round after round: no fresh memory."""
         if self._avg_out is None or self._avg_out.numel() != n:
@@ -164,7 +176,7 @@ class Rounds:
         if len(members) > 1:
             try:
                 avg, rep = await self.averager.average(rnd, vec, members, start=digest(start),
-                                                       out=self._result_buffer(vec.numel()))
+                                                       out=self._result_buffer(vec.numel()), gone=self._gone(rnd, members))
             except RoundFailed as e:
                 self._failed(rnd, self.pos.gstep + self.schedule.H, e,
                              "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
@@ -247,7 +259,7 @@ class Rounds:
     async def _average_or_alone(self, rnd: int, vec: torch.Tensor, members: list, start: str):
         if len(members) <= 1:
             return vec, None
-        return await self.averager.average(rnd, vec, members, start=start)
+        return await self.averager.average(rnd, vec, members, start=start, gone=self._gone(rnd, members))
 
     async def _settle(self, p: _Pending, install: bool = False) -> None:
         """Round ``p`` is done (or failed): g takes its outer step (``install``: and becomes our

@@ -243,8 +243,12 @@ class SwarmTrainer:
                 raise ValueError(f"prepared for {self.schedule.S} steps per block, asked to run {steps}")
             self.schedule.set_steps(steps)
         await self._start()
-        while self.gstep < self.total_steps:
-            await self._next_round()
+        try:
+            while self.gstep < self.total_steps:
+                await self._next_round()
+        except asyncio.CancelledError:  # stopped: the round on the wire hands out what it owes (driver.py)
+            self.rounds.drop_pending()
+            raise
         self.membership.send(self.group.finish())
         self.t_end = time.monotonic()
         if self.relay and self.block != self.k:  # serve our own block
