@@ -14,6 +14,7 @@ from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import TrainConfig
 from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
 from blocktrain.p2p.transport import Timeouts
+from blocktrain.provenance import code_version
 torch.set_num_threads(1)
 T = Timeouts(connect_s=5, handshake_s=5, heartbeat_s=0.5, dead_after_s=60, close_s=1)
 MC = ModelConfig(d_model=64, n_head=2, n_layer=3, n_blocks=3, max_seq_len=128)
@@ -47,8 +48,9 @@ async def one(attack: str, aggregate: str, out: Path, n=4):
 
 async def main():
     res = []
+    code = {**code_version(), "command": " ".join(sys.argv)}  # every line says which code made it
     for attack, agg in [(a, g) for a in sys.argv[1].split(",") for g in ("robust", "mean")]:
         r = await one(attack, agg, Path(f"runs/attack/{attack}-{agg}"))
-        print(json.dumps(r), flush=True)
+        print(json.dumps({**r, "code_version": code}), flush=True)
         res.append(r)
 asyncio.run(main())
