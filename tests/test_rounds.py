@@ -363,27 +363,6 @@ def test_a_mismatch_is_relayed_so_a_member_that_never_heard_from_the_mismatched_
     assert rs["a"].mismatched == {"c"}
 
 
-@pytest.mark.parametrize("relayed", [False, True])
-def test_a_member_that_left_and_shows_another_view_in_its_next_life_stays_departed(relayed):
-    """Rule 4 / driver rule 9: c left (its life as a member ended: ``ended``) while a and b were in
-    the round; c restarted with its identity and answers a that it is not in the round (or b, which
-    heard c's next life before its departure, relays that). a finishes without c and records no
-    mismatch; so does b where it heard of the departure first, with a's result."""
-    torch.manual_seed(0)
-    rs = rounds([torch.randn(50) for _ in IDS])
-    queue = [("a", q) for q in rs["a"].depart("c", "left", ended=True)]
-    if relayed:  # b heard c's next life before its departure: it lists c in meta ``mismatched``
-        queue += [("b", q) for q in rs["b"].mismatch("c", "not in this round's group")]
-    else:
-        queue += [("b", q) for q in rs["b"].depart("c", "left", ended=True)]
-        queue += [("a", q) for q in rs["a"].mismatch("c", "not in this round's group")]
-    run({p: rs[p] for p in ("a", "b")}, queue=queue)
-    assert rs["a"].done and not rs["a"].mismatched and "c" in rs["a"].departed
-    if not relayed:
-        assert rs["b"].done and not rs["b"].mismatched
-        assert torch.equal(rs["a"].result()[0], rs["b"].result()[0])
-
-
 def test_the_suspect_streaks_kept_are_bounded_in_total_and_a_named_members_is_dropped():
     """Rule 6's per-member count: members that leave as suspects (identities are free) are kept at
     most MAX_NAMED in all, the least recently counted going first; a member named is forgotten,

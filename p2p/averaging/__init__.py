@@ -37,9 +37,8 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
   ``average`` returns.
 - Rule 9 (driver.py; round.py): a member that began the round with another view of the group
   fails it for us (``GroupMismatch``: nothing applied, it stays in the group) in up to
-  MISMATCH_ROUNDS rounds since our rounds' members last changed, then departs it. Not one whose
-  life as a member ended before we heard of a mismatch of it (a restart's next life): it stays
-  departed. A member that left the group during the round's local steps departs it as it begins.
+  MISMATCH_ROUNDS rounds since our rounds' members last changed, then departs it. A member that
+  left the group during the round's local steps departs it as it begins.
 - Rule 10 (gossip.py; driver.py): a group of 2k members or more (gossip size k) averages each
   round in the small groups of a partition every member computes alike (3 to 2k + 1 members,
   about k + 1 on average, new every round; a view one member apart changes one or two); a round's ``group`` digest names its small group and the gossip salt; members

@@ -23,11 +23,11 @@ Rules (numbered as in the package's index, ``__init__.py``):
   mismatches fail up to ``MISMATCH_ROUNDS`` rounds since the members of our rounds last changed;
   after that the member departs the round as any departed member (the round goes on without it,
   and it leaves the group). A key holder that forges digests so costs its group at most that many
-  rounds per change of members. A member whose life as a member ended before we heard of a
-  mismatch of it (it left, its connection closed, it was declared dead, it left the group during
-  the round's local steps, ``average``'s ``gone``, or was no member when the round began) stays
-  departed whatever its next life answers (round.py, ``_left_first``): the members that finished
-  the round before its next life spoke would not fail it. Not in a gossip round (rule 10): a member departed from a small
+  rounds per change of members. A member that left the group while the round's local steps ran
+  (``average``'s ``gone``: it said LEAVE, or the swarm saw it leave or die) departs the round as
+  it begins: restarted with its identity, it is a member of the swarm again and would answer that
+  it is not in the round, a mismatch that fails the round for a member that began it late while
+  the others, which began it before the departure, finish it without it. Not in a gossip round (rule 10): a member departed from a small
   group's round leaves that round only, so a mismatched member departs it and the round goes on.
 """
 
@@ -176,7 +176,7 @@ class Averager(EarlyParts):
 
     def _membership(self, ev):
         if ev.departed and self._round is not None:
-            self._feed(ev.peer_id, ev.change.value, ended=True)
+            self._feed(ev.peer_id, ev.change.value)
 
     def expect(self, rnd: int) -> None:
         """Our next round is ``rnd``: its parts (and the next one's) are held if they come early;
@@ -190,7 +190,7 @@ class Averager(EarlyParts):
     def depart(self, pid: str, why: str) -> None:
         """A member left the group (a service's own signal): it departs the round in progress."""
         if self._round is not None:
-            self._feed(pid, why, ended=True)
+            self._feed(pid, why)
 
     # --- rounds --------------------------------------------------------------------------------
     async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "",
@@ -265,9 +265,9 @@ class Averager(EarlyParts):
             if pid == self.peer.id:  # at the members that began the round before it left (rule 4)
                 continue
             if pid in gone:
-                self._feed(pid, str(gone[pid])[:200], ended=True)
+                self._feed(pid, str(gone[pid])[:200])
             elif self.peer.member(pid) is None:
-                self._feed(pid, "not a member", ended=True)
+                self._feed(pid, "not a member")
         while True:
             bytes_sent += await self._send_outbox(r.round, conns, sent)
             if self._failure is not None:
@@ -337,18 +337,17 @@ class Averager(EarlyParts):
             sent.append(p.msg)  # released (copied) by ``average`` as it returns, like the others
         self._outbox = []
 
-    def _feed(self, pid: str, msg, relay: bool = True, ended: bool = False) -> None:
+    def _feed(self, pid: str, msg, relay: bool = True) -> None:
         """Everything for the round in progress goes in here as it comes, in the connections'
         readers: a part is checked and decoded where it belongs at once (no frame waits in a queue
         holding its receive buffer while we send); what the round has to send next goes to the
-        outbox. ``msg`` is a BlockUpdate or, for a departure, why (``relay``, ``ended``: round.py's
-        ``depart``)."""
+        outbox. ``msg`` is a BlockUpdate or, for a departure, why (``relay``: round.py's ``depart``)."""
         r = self._round
         assert r is not None and self._wake is not None, "fed only while a round is in progress"
         before = len(r.rejected)
         try:
             if isinstance(msg, str):
-                out = r.depart(pid, msg, relay, ended)
+                out = r.depart(pid, msg, relay)
             elif msg.meta.get("phase") == Phase.ABSENT.value:
                 out = r.mismatch(pid, MISMATCHED[1])
             elif msg.meta.get("group") != r.group:  # another view of the group: not usable

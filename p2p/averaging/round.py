@@ -24,10 +24,9 @@ Rules (numbered as in the package's index, ``__init__.py``):
   (its parts carry another ``group``, or it says it is not in our round's group) is recorded in
   ``mismatched`` as well, and listed in meta ``mismatched`` of every part we send, so that every
   member learns it was a mismatch whichever way it hears of it first (driver.py, rule 9, fails such
-  a round); but a member whose life as a member ended first (``depart``'s ``ended``) stays
-  departed (``_left_first``). Where every member computes every piece (rule 6), a piece counts the
-  parts a departed member sent before it left (the others hold them too; the driver takes in what
-  was held of them ahead of the round before it departs members gone when the round begins).
+  a round). Where every member computes every piece (rule 6), a piece counts the parts a departed
+  member sent before it left (the others hold them too; the driver takes in what was held of them
+  ahead of the round before it departs the members that left the group before the round began).
 - Rule 5: coverage is, for every piece, whether every live member contributed; the fraction of
   the vector covered. Below ``min_coverage`` the result raises ``RoundFailed``: nothing applied.
 - Rule 6 (here): with ``aggregate="robust"`` and 3 or more members, every member sends its part
@@ -191,7 +190,6 @@ class AveragingRound:
         self._live_cache: tuple[list[str], set[str]] = ([], set())
         self._owners: list[str] = []  # piece -> its owner now (kept with the cache)
         self.mismatched: set[str] = set()  # members that began the round with another view of the group (rule 4)
-        self._ended: set[str] = set()  # departed members whose life as a member ended (``_left_first``)
         self._private: set[str] = set()  # departed, not relayed in meta ``departed`` (``depart``)
         self.rejected: list[dict] = []  # {"peer", "reason"}, in order
         self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
@@ -262,7 +260,7 @@ class AveragingRound:
         if not isinstance(other, list) or len(other) > len(self.ids):
             return self._reject(pid, "malformed 'mismatched'")
         for d in other:  # before ``departed`` lists them: a relayed mismatch is one
-            if isinstance(d, str) and d != self.me and d != pid and d in self.ids and not self._left_first(d):
+            if isinstance(d, str) and d != self.me and d != pid and d in self.ids:
                 self.mismatched.add(d)
                 if d in self._live()[1]:
                     self.departed[d] = f"another view of the group, said {pid[:12]}"
@@ -289,38 +287,24 @@ class AveragingRound:
             self.gathered[j] = [p for p in c if isinstance(p, str)] if isinstance(c, list) else []
         return self._progress(final=False)
 
-    def depart(self, pid: str, why: str, relay: bool = True, ended: bool = False) -> list[Part]:
+    def depart(self, pid: str, why: str, relay: bool = True) -> list[Part]:
         """``pid`` leaves the round; ``relay``: listed in meta ``departed`` of our parts (rule 4), so
         the others depart it too; not for a matter between the two of us (a gossip round's
         exclusion, rule 10 of the package: relayed, it would let an excluded member have its
-        excluder departed by everyone who hears of it first). ``ended``: its life as a member
-        ended (it left, its connection closed, it was declared dead, it was no member when the
-        round began): see ``_left_first``."""
+        excluder departed by everyone who hears of it first)."""
         if pid not in self._live()[1] or pid == self.me or self.done:
             return []
         self.departed[pid] = why
-        if ended:
-            self._ended.add(pid)
         if not relay:
             self._private.add(pid)
         return self._progress(final=False)
 
     def mismatch(self, pid: str, why: str) -> list[Part]:
         """``pid`` began the round with another view of the group: recorded (even if it departed
-        already, by a relay of that mismatch or of a departure for it), and departed. Not if it
-        departed first because its life as a member ended (``_left_first``)."""
-        if pid in self.ids and pid != self.me and not self.done and not self._left_first(pid):
+        already, e.g. by a relay that came first), and departed."""
+        if pid in self.ids and pid != self.me and not self.done:
             self.mismatched.add(pid)
         return self.depart(pid, why)
-
-    def _left_first(self, pid: str) -> bool:
-        """``pid`` departed the round because its life as a member ended (``depart``'s ``ended``)
-        before any news of a mismatch: what shows another view after that is its next life (a
-        member restarted with its identity answers that it is not in the round, or sends parts of
-        another view), which the members that finished the round before it came never see: it
-        stays a departure for us too, and rule 9 does not fail the round over it. A member departed
-        for another reason (unreachable, or a relay) and then reported mismatched is a mismatch."""
-        return pid in self._ended and pid not in self.mismatched
 
     def undo_feedback(self) -> None:
         """The round failed (nothing of it applied): the error feedback goes back to what it was

@@ -58,6 +58,7 @@ STATUS_EVERY_S = 5.0
 STATUS_REPLY_S = 0.5
 READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes first
 READY_PER_MEMBER = 2  # of them from one member (an honest one tells one per admission)
+MAX_LEFT = 1024  # members remembered as having left (Membership.left; identities are free: the oldest go)
 MAX_OTHER_JOBS = 64  # peers of another job remembered (named once each; identities are free: the oldest go)
 OTHER_JOB_LINES = 8  # of them named per minute at most (each identity is named once, and identities are free)
 JOB_FORM = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{16}")  # a job of any other form counts as another job
@@ -84,6 +85,9 @@ class Membership:
         self.rejoin = False  # a larger group exists: leave ours and join it before the next round
         self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
         self._status_sent: dict[str, float] = {}
+        # members that left the group by a LEAVE or as the swarm saw them leave or die (not those a
+        # round departed), newest last: Rounds departs them from a round begun before (its ``gone``)
+        self.left: dict[str, str] = {}
         peer.on(BlockUpdate, self._on_block_update, inline=True)
         peer.on_membership(self._membership)
 
@@ -131,6 +135,7 @@ class Membership:
             self._on_ready(pid, meta)
         elif phase is Phase.LEAVE:
             if self.group.on_leave(pid, msg.round, str(meta.get("why", ""))[:200]):
+                self._left(pid, "left the group")
                 self.averager.depart(pid, "left the group")
         elif phase is Phase.STATUS:
             self._on_status(pid, meta)
@@ -182,7 +187,16 @@ class Membership:
 
     def _membership(self, ev) -> None:
         if ev.departed and self.group.depart(ev.peer_id, ev.change.value):
+            self._left(ev.peer_id, ev.change.value)
             log.info("%s left the group (%s)", ev.peer_id[:12], ev.change.value)
+
+    def _left(self, pid: str, why: str) -> None:
+        """``pid`` left the group (``left``); at most MAX_LEFT kept, the oldest going first (a
+        member that left long ago is in no round begun before it left)."""
+        self.left.pop(pid, None)
+        self.left[pid] = why
+        while len(self.left) > MAX_LEFT:
+            del self.left[next(iter(self.left))]
 
     # --- out ---------------------------------------------------------------------------------------
     def send(self, sends: list[Send]) -> None:

@@ -123,15 +123,19 @@ class Rounds:
 
     def _gone(self, rnd: int, members: list) -> dict:
         """Members of round ``rnd`` that left the group while its local steps ran (its members were
-        fixed before them): they depart the round as it begins. A member that left and came back
-        at once (restarted with its identity; perhaps admitted again already, for a later round) is
-        a member of the swarm again, and would otherwise answer that it is not in the round: a
-        mismatch, which fails the round for us alone (the members that heard of its departure
-        first go on without it), and the group's points part."""
-        if self.group.state is not State.TRAINING:
+        fixed before them) by a LEAVE, or as the swarm saw them leave or die: they depart the round
+        as it begins. Restarted with its identity, such a member is a member of the swarm again
+        (perhaps admitted again for a later round) and would answer that it is not in the round: a
+        mismatch, which fails the round for us while the members that began it before the
+        departure finish it without it, and the group's points part. Members a round departed
+        (unreachable, another view) are not: they may still send their parts of this round."""
+        if self.group.state is not State.TRAINING or self.group.round != rnd:  # yielded meanwhile: not this group's
             return {}
         now = set(self.group.members(rnd))
-        return {m: "left the group" for m in members if m not in now}
+        left = self.membership.left
+        for m in now & left.keys():  # back in the group: a later departure is judged anew
+            del left[m]
+        return {m: f"left the group ({left[m]})" for m in members if m not in now and m in left}
 
     def _result_buffer(self, n: int) -> torch.Tensor:
         """The rounds' result buffer of ``n`` floats, reused round after round: no fresh memory."""
