@@ -393,15 +393,28 @@ async def test_a_member_stopped_while_it_sends_its_parts_hands_them_all_out(code
     any more) queues the rest at once: every member gets its part, or none does. A member that
     departs mid-round counts in what it sent before leaving, so members that had its part and
     members that never got it would end the round at different points."""
-    from fakes import FakeNet
+    from blocktrain.p2p.averaging import AveragingRound
+    from fakes import FakeConnection, FakeNet
     net = FakeNet()
     a, b, c = (net.peer(i + 1, blocks=(1,)) for i in range(3))
+    ids, x = [a.id, b.id, c.id], torch.randn(3000)
+    owed = {(p.peer, p.msg.meta["part"]) for p in AveragingRound(a.id, 1, 1, ids, x.clone(), codec=codec).start()}
+    assert len(owed) >= 2  # more than one send: the cancel lands between two
+    sent = []
+    send_nowait = FakeConnection.send_nowait
+
+    def logged(self, msg, bulk=False):
+        sent.append((self.dst.id, msg.meta["part"]))
+        return send_nowait(self, msg, bulk)
     avg = Averager(a, 1, codec=codec, timeout_s=20)
-    Averager(b, 1), Averager(c, 1)  # they hold A's parts for a round they have not begun
-    task = asyncio.ensure_future(avg.average(1, torch.randn(3000), [a.id, b.id, c.id]))
-    await asyncio.sleep(0)  # A sent its first part and waits (FakeConnection.send yields once)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await asyncio.sleep(0.05)
-    assert all(p.id in a.conns and a.conns[p.id].sent_bytes > 1000 for p in (b, c))
+    FakeConnection.send_nowait = logged
+    try:
+        task = asyncio.ensure_future(avg.average(1, x, ids))
+        await asyncio.sleep(0)  # A sent its first part and waits (FakeConnection.send yields once)
+        assert len(sent) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        FakeConnection.send_nowait = send_nowait
+    assert sorted(sent) == sorted(owed)

@@ -66,6 +66,9 @@ MAX_NAMED = 1024
 # begins, or, under overlap, the one after.
 MISMATCH_ROUNDS = 2
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
+# Bytes of parts a round stopped mid-send still queues (``_hand_out``): past it the rest is dropped,
+# since the queued copies (and, on a slow link, the Goodbye behind them) must stay small.
+HAND_OUT_BYTES = 8 << 20
 
 
 def mismatches_within_allowance(r: AveragingRound, ids, state: dict) -> list[str]:
@@ -319,13 +322,18 @@ class Averager(EarlyParts):
     def _hand_out(self, conns: dict, sent: list) -> None:
         """We stop in the middle of a round (cancelled: the peer stops, or the round is not ours
         any more): the parts it has ready are queued on the connections we hold, without waiting,
-        so that every member receives all of them or none (a member that departs mid-round counts
-        in what it sent before leaving, rule 4, at every member that received it: where some
-        members had a part that others never got, their results, and their points, would part)."""
+        so that every member receives all of them (a member that departs mid-round counts in what
+        it sent before leaving, rule 4, at every member that received it: where some members had a
+        part that others never got, their results, and their points, would part). Best effort:
+        up to HAND_OUT_BYTES, and only where a live connection is at hand."""
         r = self._round
+        total = 0
         for p in self._outbox:
             if r is not None and p.peer in r.departed:
                 continue
+            total += p.stored_bytes
+            if total > HAND_OUT_BYTES:
+                break
             pc = conns.get(p.peer) or self.peer.live_connection(p.peer)
             if pc is None:
                 continue
