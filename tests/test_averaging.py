@@ -418,3 +418,33 @@ async def test_a_member_stopped_while_it_sends_its_parts_hands_them_all_out(code
     finally:
         FakeConnection.send_nowait = send_nowait
     assert sorted(sent) == sorted(owed)
+
+
+async def test_a_member_stopped_mid_send_hands_out_whole_pieces_only_within_its_bound(monkeypatch):
+    """The hand-out is bounded (driver.HAND_OUT_BYTES); past the bound it stops at a piece's
+    boundary: a piece reaches every member or, beyond the bound, no more of them do."""
+    from blocktrain.p2p.averaging import AveragingRound, driver
+    from fakes import FakeConnection, FakeNet
+    net = FakeNet()
+    a, b, c = (net.peer(i + 1, blocks=(1,)) for i in range(3))
+    ids, x = [a.id, b.id, c.id], torch.randn(3000)
+    owed = {(p.peer, p.msg.meta["part"]): p.stored_bytes
+            for p in AveragingRound(a.id, 1, 1, ids, x.clone(), codec="sign").start()}
+    assert sorted({j for _, j in owed}) == [0, 1, 2]  # 3 pieces, each to b and c
+    sent = []
+    send_nowait = FakeConnection.send_nowait
+
+    def logged(self, msg, bulk=False):
+        sent.append((self.dst.id, msg.meta["part"]))
+        return send_nowait(self, msg, bulk)
+    monkeypatch.setattr(FakeConnection, "send_nowait", logged)
+    avg = Averager(a, 1, codec="sign", timeout_s=20)
+    task = asyncio.ensure_future(avg.average(1, x, ids))
+    await asyncio.sleep(0)
+    assert sent == [(b.id, 0)]
+    # room for piece 0's rest and half of piece 1: piece 1 is not begun
+    monkeypatch.setattr(driver, "HAND_OUT_BYTES", owed[(c.id, 0)] + owed[(b.id, 1)])
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(sent) == sorted([(b.id, 0), (c.id, 0)])

@@ -280,6 +280,7 @@ def test_the_package_bounds_its_waits_with_asyncio_timeout_not_wait_for():
     its wait ends (Python 3.11), so a stopped peer's task may go on."""
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    found = [f"{p.relative_to(root)}:{i}" for d in ("p2p", "protocol", "blocks", "bench") for p in (root / d).rglob("*.py")
+    found = [f"{p.relative_to(root)}:{i}" for d in ("p2p", "protocol", "blocks", "bench")
+             for p in (root / d).rglob("*.py")
              for i, line in enumerate(p.read_text().splitlines(), 1) if "asyncio.wait_for(" in line]
     assert not found, f"asyncio.wait_for in the package (use asyncio.timeout): {found}"

@@ -27,8 +27,9 @@ Rules (numbered as in the package's index, ``__init__.py``):
   (``average``'s ``gone``: it said LEAVE, or the swarm saw it leave or die) departs the round as
   it begins: restarted with its identity, it is a member of the swarm again and would answer that
   it is not in the round, a mismatch that fails the round for a member that began it late while
-  the others, which began it before the departure, finish it without it. Not in a gossip round (rule 10): a member departed from a small
-  group's round leaves that round only, so a mismatched member departs it and the round goes on.
+  the others, which began it before the departure, finish it without it. Not in a gossip round
+  (rule 10): a member departed from a small group's round leaves that round only, so a mismatched
+  member departs it and the round goes on.
 """
 
 from __future__ import annotations
@@ -325,15 +326,23 @@ class Averager(EarlyParts):
         so that every member receives all of them (a member that departs mid-round counts in what
         it sent before leaving, rule 4, at every member that received it: where some members had a
         part that others never got, their results, and their points, would part). Best effort:
-        up to HAND_OUT_BYTES, and only where a live connection is at hand."""
+        whole pieces (every member's part of one, or none) up to HAND_OUT_BYTES, and only where
+        a live connection is at hand."""
         r = self._round
-        total = 0
-        for p in self._outbox:
-            if r is not None and p.peer in r.departed:
-                continue
-            total += p.stored_bytes
+        parts = [p for p in self._outbox if r is None or p.peer not in r.departed]
+        size: dict = {}
+        for p in parts:
+            j = p.msg.meta.get("part")
+            size[j] = size.get(j, 0) + p.stored_bytes
+        pieces, total = set(), 0
+        for j, n in size.items():  # in the outbox's order: the pieces it began first
+            total += n
             if total > HAND_OUT_BYTES:
                 break
+            pieces.add(j)
+        for p in parts:
+            if p.msg.meta.get("part") not in pieces:
+                continue
             pc = conns.get(p.peer) or self.peer.live_connection(p.peer)
             if pc is None:
                 continue

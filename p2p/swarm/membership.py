@@ -44,7 +44,7 @@ from blocktrain.protocol.events import is_peer_id
 from ..averaging import Averager
 from ..checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, FetchError
 from ..group import Decision, Group, Phase, Send, State, is_control
-from ..services import PeerServices, PeerUnreachable
+from ..services import Change, PeerServices, PeerUnreachable
 from .checks import StateCheck
 from .lower import SwarmError
 from .schedule import Position
@@ -85,8 +85,9 @@ class Membership:
         self.rejoin = False  # a larger group exists: leave ours and join it before the next round
         self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
         self._status_sent: dict[str, float] = {}
-        # members that left the group by a LEAVE or as the swarm saw them leave or die (not those a
-        # round departed), newest last: Rounds departs them from a round begun before (its ``gone``)
+        # members that left the group by a LEAVE or as the swarm saw them leave (Goodbye) or die (not
+        # a closed connection, which is redialled; nor those a round departed), newest last: Rounds
+        # departs them from a round begun before (its ``gone``)
         self.left: dict[str, str] = {}
         peer.on(BlockUpdate, self._on_block_update, inline=True)
         peer.on_membership(self._membership)
@@ -187,7 +188,8 @@ class Membership:
 
     def _membership(self, ev) -> None:
         if ev.departed and self.group.depart(ev.peer_id, ev.change.value):
-            self._left(ev.peer_id, ev.change.value)
+            if ev.change is not Change.SUSPECT:  # a closed connection, redialled: it may be in the round still
+                self._left(ev.peer_id, f"left the group ({ev.change.value})")
             log.info("%s left the group (%s)", ev.peer_id[:12], ev.change.value)
 
     def _left(self, pid: str, why: str) -> None:

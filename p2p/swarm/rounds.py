@@ -135,7 +135,7 @@ class Rounds:
         left = self.membership.left
         for m in now & left.keys():  # back in the group: a later departure is judged anew
             del left[m]
-        return {m: f"left the group ({left[m]})" for m in members if m not in now and m in left}
+        return {m: left[m] for m in members if m not in now and m in left}
 
     def _result_buffer(self, n: int) -> torch.Tensor:
         """The rounds' result buffer of ``n`` floats, reused round after round: no fresh memory."""
@@ -180,7 +180,8 @@ class Rounds:
         if len(members) > 1:
             try:
                 avg, rep = await self.averager.average(rnd, vec, members, start=digest(start),
-                                                       out=self._result_buffer(vec.numel()), gone=self._gone(rnd, members))
+                                                       out=self._result_buffer(vec.numel()),
+                                                       gone=self._gone(rnd, members))
             except RoundFailed as e:
                 self._failed(rnd, self.pos.gstep + self.schedule.H, e,
                              "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
@@ -251,7 +252,7 @@ class Rounds:
         if self._pending is not None:  # it had this phase's compute to arrive
             await self._settle(self._pending)
         self._pending = _Pending(rnd, members, loss, t0, asyncio.ensure_future(
-            self._average_or_alone(rnd, vec, members, digest(self._g))))
+            self._average_or_alone(rnd, vec, members, digest(self._g), self._gone(rnd, members))))
         self.pos.gstep += self.schedule.H
         if wait:
             await self._settle(self._pending, install=True)
@@ -260,10 +261,11 @@ class Rounds:
         if self.on_step is not None:
             self.on_step(self.pos.gstep, self.schedule.total_steps, loss, len(members))
 
-    async def _average_or_alone(self, rnd: int, vec: torch.Tensor, members: list, start: str):
+    async def _average_or_alone(self, rnd: int, vec: torch.Tensor, members: list, start: str, gone: dict):
+        """``gone``: taken when the round is sent (the task first runs after the next round began)."""
         if len(members) <= 1:
             return vec, None
-        return await self.averager.average(rnd, vec, members, start=start, gone=self._gone(rnd, members))
+        return await self.averager.average(rnd, vec, members, start=start, gone=gone)
 
     async def _settle(self, p: _Pending, install: bool = False) -> None:
         """Round ``p`` is done (or failed): g takes its outer step (``install``: and becomes our
