@@ -405,3 +405,29 @@ def test_a_failed_round_gives_back_the_error_feedback_it_started_with(codec):
         r.result()
     r.undo_feedback()
     assert torch.allclose(r.residual, before, atol=1e-6)
+
+
+def test_the_members_a_round_departs_as_it_begins_are_those_that_left_since_it_was_fixed():
+    """Rounds._gone (r6.19): of a round's members, fixed before its local steps, those that left
+    the group meanwhile by a LEAVE or a Goodbye or death (Membership.left) depart it as it begins;
+    not one a round departed (it may still send its parts), nor one back in the group; and only
+    while the group's round is the round's (it is taken when the round is sent)."""
+    from types import SimpleNamespace
+
+    from blocktrain.p2p.group import Group, State
+    from blocktrain.p2p.swarm import SwarmConfig
+    from blocktrain.p2p.swarm.rounds import Rounds
+    g = Group("a")
+    g.state, g.round, g.joined = State.TRAINING, 9, {"b": 1, "c": 1, "d": 1}
+    membership = SimpleNamespace(left={})
+    rounds = Rounds(SimpleNamespace(id="a"), g, None, membership, SwarmConfig(), None, None, None)
+    members = g.begin_round(10, "x", 0)
+    assert members == ["a", "b", "c", "d"]
+    g.depart("c", "left")
+    membership.left["c"] = "left the group (left)"  # what Membership records for a Goodbye
+    g.depart("d", "unreachable: reset")  # a round departed it: not in ``left``
+    assert rounds._gone(10, members) == {"c": "left the group (left)"}
+    g.begin_round(11, "y", 0)
+    assert rounds._gone(10, members) == {}  # the next round began: not this group's round any more
+    g.joined["c"] = 11  # admitted again: in the group from round 11, and judged anew from then
+    assert rounds._gone(11, ["a", "b", "c"]) == {} and "c" not in membership.left
