@@ -2,15 +2,11 @@
 documented an --outer that no command took)."""
 
 import re
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import click
 import pytest
-
-from blocktrain.bench.cli import main as bench
-from blocktrain.blocks.cli import main as train
-from blocktrain.blocks.datacli import main as data
-from blocktrain.p2p.cli import main as peer
 
 OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 
@@ -22,8 +18,13 @@ def _commands(cmd: click.Command, name: str):
             yield from _commands(c, f"{name} {sub}")
 
 
-COMMANDS = dict(c for root, n in ((peer, "bt-peer"), (bench, "bt-bench"), (train, "bt-train"), (data, "bt-data"))
-                for c in _commands(root, n))
+# the commands as installed (pyproject's [project.scripts]), under the names README uses
+ROOTS = {e.name: e.load() for e in entry_points(group="console_scripts") if e.dist and e.dist.name == "blocktrain"}
+COMMANDS = dict(c for n, root in ROOTS.items() for c in _commands(root, n))
+
+
+def test_the_installed_commands_are_read():
+    assert set(ROOTS) == {"bt-peer", "bt-bench", "bt-train", "bt-data"}
 
 
 def _accepted(cmd: click.Command) -> set[str]:
@@ -68,7 +69,7 @@ def test_bad_arguments_are_refused_before_an_identity_is_created(tmp_path):
 
     from blocktrain.p2p.identity import new_swarm_key
     new_swarm_key(tmp_path / "k")
-    r = CliRunner().invoke(peer, ["start", "--block", "99", "--swarm-key", str(tmp_path / "k"),
+    r = CliRunner().invoke(ROOTS["bt-peer"], ["start", "--block", "99", "--swarm-key", str(tmp_path / "k"),
                                   "--identity", str(tmp_path / "id")])
     assert r.exit_code != 0 and "blocks 0..2" in r.output
     assert not (tmp_path / "id").exists() and "created identity" not in r.output
