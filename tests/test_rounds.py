@@ -317,6 +317,103 @@ def test_a_sign_flipped_on_the_wire_is_named_though_its_distance_is_an_honest_on
     assert all(not r.result()[1].opposed for r in noise.values())
 
 
+def _named_over_rounds(make, ids, rounds_, window=True):
+    """Robust rounds 1..rounds_ of ``make(rnd)`` (the members' vectors) judged by the first member as
+    the driver does (rule 6, ``outliers_in_a_row``): member -> the round it was named in."""
+    from blocktrain.p2p.averaging.driver import outliers_in_a_row
+    streak, win, named = {}, av.PairWindow() if window else None, {}
+    for rnd in range(1, rounds_ + 1):
+        rs = {p: AveragingRound(p, 0, rnd, ids, x, aggregate="robust") for p, x in zip(ids, make(rnd))}
+        run(rs)
+        for pid, _ in outliers_in_a_row(rs[ids[0]], ids[0], streak, win):
+            named.setdefault(pid, rnd)
+    return named
+
+
+def test_a_sign_flipped_once_the_updates_are_noisy_is_named_by_the_pair_window():
+    """Issue 29, finding 11, the late flipper (r6.20): where the members' common direction is weak
+    (a quarter of the noise per coordinate) the flipped update still agrees with the median (+0.28)
+    and the median test never names it; against each honest member's update it points away
+    (about -0.06 a round), and over the window of rounds that is clear: named after the window
+    fills and SUSPECT_ROUNDS rounds in a row. Honest members never are."""
+    torch.manual_seed(3)
+    n = 20_000
+
+    def flipped(rnd):
+        g = 0.25 * torch.randn(n)
+        return [g + torch.randn(n) for _ in IDS4[:3]] + [-(g + torch.randn(n))]
+    torch.manual_seed(3)
+    assert _named_over_rounds(flipped, IDS4, 12, window=False) == {}  # the median alone misses it
+    torch.manual_seed(3)
+    named = _named_over_rounds(flipped, IDS4, 12)
+    assert named == {"d": av.PAIR_MIN_ROUNDS + av.SUSPECT_ROUNDS - 1}
+
+
+@pytest.mark.parametrize("kind", ["no common direction", "each against the mean"])
+def test_honest_members_whose_updates_point_apart_are_never_named_by_the_pair_window(kind):
+    """Honest updates with no common direction (cosines about 0, noisy), or each member's data
+    apart from the mean (deviations that sum to zero: every pair's cosine about -1/3 with 4
+    members, the case of per-step gradients of a deeper block where the common direction is weak):
+    no member is singled out, since the others do not agree among themselves either."""
+    torch.manual_seed(8)
+    n = 20_000
+
+    def apart(rnd):
+        d = [torch.randn(n) for _ in IDS4]
+        if kind == "no common direction":
+            return d
+        mean = sum(d) / 4
+        return [x - mean + 0.05 * torch.randn(n) for x in d]
+    assert _named_over_rounds(apart, IDS4, 20) == {}
+
+
+@pytest.mark.parametrize("members", [3, 4])
+def test_an_attacker_cannot_make_an_honest_members_updates_look_opposed(members):
+    """The pair test takes the upper median of a member's cosines with the others: an attacker
+    that answers last and sends exactly the reverse of one honest member's update every round (the
+    worst it can do to that member's cosines) lowers one of them, not the figure (with 3 members,
+    of two cosines the larger), and honest updates summed over the window agree. The attacker is
+    the one named."""
+    torch.manual_seed(11)
+    n, ids = 20_000, IDS4[:members]
+
+    def steer(rnd):
+        g = 0.25 * torch.randn(n)
+        honest = [g + torch.randn(n) for _ in ids[:-1]]
+        return honest + [-honest[0]]
+    named = _named_over_rounds(steer, [ids[1], *ids[:1], *ids[2:]], 15)  # judged by an honest member other than a
+    assert set(named) == {ids[-1]}
+
+
+def test_the_pair_window_keeps_only_the_latest_rounds_members_and_counts_a_pair_once_it_has_rounds():
+    """Bounded: pairs with a member not in the latest round go (identities are free); a pair counts
+    only once it holds PAIR_MIN_ROUNDS rounds (a new member is judged on more than one round)."""
+    w = av.PairWindow()
+    w.add({("a", "b"): [1.0, 1.0, 1.0], ("a", "x"): [-1.0, 1.0, 1.0], ("b", "x"): [-1.0, 1.0, 1.0]}, ["a", "b", "x"])
+    assert len(w.acc) == 3 and w.opposed({"a", "b", "x"}, "a") == {}  # one round: not yet
+    for _ in range(av.PAIR_MIN_ROUNDS):
+        w.add({("a", "b"): [1.0, 1.0, 1.0], ("a", "x"): [-1.0, 1.0, 1.0], ("b", "x"): [-1.0, 1.0, 1.0]},
+              ["a", "b", "x"])
+    assert w.opposed({"a", "b", "x"}, "a") == {"x": -1.0}
+    w.add({("a", "b"): [1.0, 1.0, 1.0]}, ["a", "b", "y"])
+    assert set(w.acc) == {("a", "b")}
+
+
+def test_a_pair_cosine_counts_only_the_pieces_that_held_both_parts():
+    """A part that missed a piece leaves that piece out of its pairs instead of counting as zeros
+    there, which would shrink its cosines toward 0 (a late part must not make an honest member
+    look opposed, nor hide a reversed one)."""
+    torch.manual_seed(2)
+    rows = torch.randn(3, 50)
+    whole, cut = {}, {}
+    av.robust.accumulate_pairs(whole, rows[:, :25], ["a", "b", "c"])
+    av.robust.accumulate_pairs(cut, rows[:, :25], ["a", "b", "c"])
+    av.robust.accumulate_pairs(cut, rows[:2, 25:], ["a", "b"])  # c's part of the second piece missed it
+    assert av.robust.pair_cosines(cut, {"a", "b", "c"})["c"] == av.robust.pair_cosines(whole, {"a", "b", "c"})["c"]
+    assert cut[("a", "b")] != whole[("a", "b")]
+    assert set(av.robust.pair_cosines(cut, {"a", "b"})) == {"a", "b"}  # a member not live is left out
+
+
 def test_a_gossip_partner_that_reverses_its_update_is_opposed_measured_from_our_start():
     """Issue 33 (one malicious member of 16, named): in a gossip round the parts are parameters and
     the partners' start points differ (by the consensus distance: 0.5 of an update's norm at the

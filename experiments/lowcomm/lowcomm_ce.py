@@ -15,7 +15,8 @@ the next phase starting from the last averaged point minus the worker's own phas
 time on the wire hides behind the next phase's compute), alone (one worker, no rounds).
 --attack: the last worker is malicious: every round it sends its vector negated or x8 (its own
 parameters follow the group); the JSON's ``named_rounds`` counts the rounds whose report (seen by
-the first worker) named each member: rejected, a suspect, or opposed to the median. --exclude:
+the first worker) named each member: rejected, a suspect, or opposed to the median (the pair
+test over the last rounds, PairWindow, is counted by --exclude only). --exclude:
 as the driver does (its rule 6, ``outliers_in_a_row``), a member the first worker names is left
 out of every later round; ``excluded`` says when and why.
 Prints one JSON line: the settings, test and valid CE of block 0's head (the whole validation
@@ -35,6 +36,7 @@ from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain
 from blocktrain.p2p.averaging import AveragingRound, OuterOptimizer, flatten
 from blocktrain.p2p.averaging.driver import outliers_in_a_row
+from blocktrain.p2p.averaging.robust import PAIR_MIN_ROUNDS, PairWindow, pair_cosines
 
 
 def average(ids, vectors, rnd, codec, density, residuals, named=None, judge=None):
@@ -89,7 +91,8 @@ def main():
                     help="as the driver does (rule 6): a member the first member names is left out of later rounds "
                          "(every member computes every sign piece from the same parts, so all name it alike)")
     ap.add_argument("--cosines", action="store_true",
-                    help="record each member's cosine with the median in every round (as the first member saw it)")
+                    help="record each member's cosine with the median, and the upper median of its cosines with the "
+                         "others' updates, in every round (as the first member saw it)")
     ap.add_argument("--attack-from", type=int, default=0,
                     help="the attacker sends honest vectors before this round (an attacker that waits until the "
                          "members' updates are noisy)")
@@ -111,17 +114,26 @@ def main():
     named: dict = {}
     excluded: dict = {}  # member -> (round, why), with --exclude
     streak: dict = {}
+    window = PairWindow()
 
     cosines: dict = {}  # --cosines: member -> its cosine with the median, round by round (the first member's view)
+    pairwise: dict = {}  # --cosines: member -> the upper median of its cosines with the others', round by round
+    windowed: dict = {}  # --cosines: the same over the driver's window of rounds (PairWindow), where it has one
 
     def judge(r):
         if a.cosines:
             mm = r._agree.get(None, 0.0)
             for p, (dot, xx) in ((p, v) for p, v in r._agree.items() if p is not None and p != all_ids[0]):
                 cosines.setdefault(p[:1], []).append(round(dot / math.sqrt(xx * mm), 4) if xx > 0 and mm > 0 else None)
-        for pid, why in outliers_in_a_row(r, all_ids[0], streak):
+            for p, c in pair_cosines(r.pairs, set(r.live())).items():
+                pairwise.setdefault(p[:1], []).append(round(c, 4))
+        for pid, why in outliers_in_a_row(r, all_ids[0], streak, window):
             if a.exclude and pid not in excluded:
                 excluded[pid] = (r.round, why)
+        if a.cosines:
+            ready = {k: v[:3] for k, v in window.acc.items() if v[3] >= PAIR_MIN_ROUNDS}
+            for p, c in pair_cosines(ready, set(r.live())).items():
+                windowed.setdefault(p[:1], []).append(round(c, 4))
 
     def attacked(vs):
         if a.attack == "none" or all_ids[-1] not in ids or rnd < a.attack_from:
@@ -190,7 +202,7 @@ def main():
                       "bytes_sent_per_worker": sum(sent.values()) / W, "rounds": rnd,
                       "named_rounds": {p[:1]: k for p, k in sorted(named.items())},
                       "excluded": {p[:1]: {"round": r, "why": w} for p, (r, w) in sorted(excluded.items())},
-                      **({"cosines": cosines} if a.cosines else {}),
+                      **({"cosines": cosines, "pair_cosines": pairwise, "window_cosines": windowed} if a.cosines else {}),
                       "seconds": round(time.perf_counter() - t0, 1)}))
 
 

@@ -47,7 +47,7 @@ from ..group import Phase, is_control, log_event
 from ..services import PeerServices, PeerUnreachable
 from .codec import UPDATE_CODECS, lossy_scratch
 from .early import AHEAD_ROUNDS, EarlyParts
-from .robust import Bounds
+from .robust import Bounds, PairWindow
 from .round import AveragingRound, GroupMismatch, Part, RoundFailed, RoundReport
 
 if TYPE_CHECKING:
@@ -84,13 +84,18 @@ def mismatches_within_allowance(r: AveragingRound, ids, state: dict) -> list[str
     return sorted(p for p in r.mismatched if counts[p] <= MISMATCH_ROUNDS)
 
 
-def outliers_in_a_row(r: AveragingRound, me: str, streak: dict) -> list[tuple[str, str]]:
-    """Rule 6, for ``me`` after robust round ``r``: its suspects (and members opposed to the median)
-    counted in ``streak`` (member -> rounds in a row as a suspect, rounds with it); those that
-    reach SUSPECT_ROUNDS, each with why."""
+def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
+                      window: PairWindow | None = None) -> list[tuple[str, str]]:
+    """Rule 6, for ``me`` after robust round ``r``: its suspects (and members opposed to the median,
+    or, with ``window``, to the others' updates over the last rounds: the round is taken into it
+    unless it is a gossip round) counted in ``streak`` (member -> rounds in a row as a suspect,
+    rounds with it); those that reach SUSPECT_ROUNDS, each with why."""
     if not r.robust:
         return []
     opposed = r.opposed()
+    if window is not None and r.origin is None:
+        window.add(r.pairs, r.ids)
+        opposed = {**window.opposed(r.live(), me), **opposed}
     out = []
     for pid in r.live():
         if pid == me:
@@ -99,7 +104,7 @@ def outliers_in_a_row(r: AveragingRound, me: str, streak: dict) -> list[tuple[st
             streak[pid] = streak.pop(pid, 0) + 1  # the most recently counted last
             if streak[pid] >= SUSPECT_ROUNDS:
                 why = (f"{r.suspects[pid]:.1f} median distances from the others'" if pid in r.suspects else
-                       f"pointing against the others' median, cosine {opposed[pid]:.2f}")
+                       f"pointing against the others' updates or their median, cosine {opposed[pid]:.2f}")
                 out.append((pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row ({why} in round "
                                  f"{r.round})"))
                 del streak[pid]  # named: judged again from nothing if it is ever forgotten and back
@@ -128,6 +133,7 @@ class Averager(EarlyParts):
         super().__init__(block, floats)
         self.peer, self.aggregate = peer, aggregate
         self._suspect_streak: dict[str, int] = {}
+        self._pair_window = PairWindow()  # rule 6's pair test over the last rounds
         self._mismatch_state: dict = {}  # rule 9: mismatched rounds per member (mismatches_within_allowance)
         if codec not in UPDATE_CODECS:
             raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")
@@ -391,7 +397,7 @@ class Averager(EarlyParts):
 
     def _suspicions(self, r: AveragingRound, rnd: int):
         """Rule 6: a member that is a suspect SUSPECT_ROUNDS rounds in a row is excluded (named)."""
-        for pid, why in outliers_in_a_row(r, self.peer.id, self._suspect_streak):
+        for pid, why in outliers_in_a_row(r, self.peer.id, self._suspect_streak, self._pair_window):
             self._reject(pid, why, rnd)
 
     def _mismatches(self, r: AveragingRound) -> None:

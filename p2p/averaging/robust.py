@@ -46,6 +46,11 @@ CLIP_ITERS = 3
 # An update whose cosine with the coordinate-wise median (over the whole vector) is below minus
 # this is a suspect too (a sign flipped on the wire); an honest one agrees with the median.
 OPPOSED_COS = 0.05
+# The pair test's window (``PairWindow``): older rounds count PAIR_DECAY times less each round
+# (about 5 rounds' worth in all; the noise of one round's cosine shrinks about 3x), and a pair
+# counts once it holds PAIR_MIN_ROUNDS rounds.
+PAIR_DECAY = 0.8
+PAIR_MIN_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -96,16 +101,20 @@ def norm_outliers(parts: dict[str, torch.Tensor], me: str) -> list[tuple[str, st
 
 
 def centred_clip(x: torch.Tensor, suspects: dict, ids: list, agree: dict | None = None,
-                 origin: torch.Tensor | None = None) -> torch.Tensor:
+                 origin: torch.Tensor | None = None, pairs: dict | None = None) -> torch.Tensor:
     """Centred clipping of the rows of ``x`` (R x n): start at the coordinate-wise median, clip each
     row's offset to CLIP_RADIUS median distances, move to the mean of the clipped offsets; rows
     beyond SUSPECT_RADIUS median distances are recorded in ``suspects`` (id -> distance ratio).
     ``agree`` (id -> [u . m, |u|^2], None -> |m|^2, for each row's update u and the median's m)
-    accumulates over the pieces of a round, for ``opposed_members``. The rows are updates
-    themselves unless ``origin`` (n) is given: then they are points (a gossip round's parameters),
-    and an update is a point minus ``origin``. The arithmetic of the result is that of PROTOCOL.md
-    7.1, op for op (members must end with the same bytes), in one scratch matrix instead of fresh
-    ones; ``agree`` and ``origin`` do not touch it."""
+    accumulates over the pieces of a round, for ``opposed_members``; so does ``pairs`` ((p, q) with
+    p < q in ``ids`` -> [u_p . u_q, |u_p|^2, |u_q|^2] over the pieces that hold both), where the rows
+    are updates themselves. The rows are updates themselves unless ``origin`` (n) is given: then
+    they are points (a gossip round's parameters), and an update is a point minus ``origin``. The
+    arithmetic of the result is that of PROTOCOL.md 7.1, op for op (members must end with the same
+    bytes), in one scratch matrix instead of fresh ones; ``agree``, ``pairs`` and ``origin`` do not
+    touch it."""
+    if pairs is not None and origin is None:
+        accumulate_pairs(pairs, x, ids)
     v = coordinate_median(x)
     o = origin.to(x.dtype) if agree is not None and origin is not None else None  # only the opposed test reads it
     d = torch.sub(x, v) if o is None else torch.sub(x, o)
@@ -134,6 +143,83 @@ def centred_clip(x: torch.Tensor, suspects: dict, ids: list, agree: dict | None 
         n = torch.linalg.vector_norm(d, dim=1, keepdim=True).clamp_min(1e-30)
         v = v + d.mul_(torch.clamp(tau / n, max=1.0)).mean(0)
     return v
+
+
+def accumulate_pairs(pairs: dict, x: torch.Tensor, ids: list) -> None:
+    """Adds each pair of rows' dot product and squared norms to ``pairs`` ((ids[i], ids[k]) for
+    i < k -> [x_i . x_k, |x_i|^2, |x_k|^2]), for ``pair_cosines``."""
+    g = (x @ x.T).tolist()
+    for i, p in enumerate(ids):
+        for k in range(i + 1, len(ids)):
+            acc = pairs.setdefault((p, ids[k]), [0.0, 0.0, 0.0])
+            acc[0] += g[i][k]
+            acc[1] += g[i][i]
+            acc[2] += g[k][k]
+
+
+def pair_cosines(pairs: dict, live) -> dict[str, float]:
+    """Each member of ``live`` that shares pieces with another -> the upper median of its updates'
+    cosines with the other live members' (``pairs`` as ``accumulate_pairs`` made it; each pair
+    over the pieces that held both, so a part that missed a piece does not shrink a cosine). The
+    upper median (of two: the larger) keeps a member's figure at or above its lowest cosine with an
+    honest member while honest members are at least half of the others: an attacker can lower
+    its own cosines, not an honest member's below the honest ones."""
+    cos: dict[str, list[float]] = {}
+    for (p, q), (dot, pp, qq) in pairs.items():
+        if p in live and q in live and pp > 0 and qq > 0:
+            c = dot / math.sqrt(pp * qq)
+            cos.setdefault(p, []).append(c)
+            cos.setdefault(q, []).append(c)
+    return {p: sorted(cs)[len(cs) // 2] for p, cs in cos.items()}
+
+
+class PairWindow:
+    """Rule 6's pair test, over the last rounds (robust rounds whose parts are updates, not gossip
+    rounds): every pair of members' dot product and squared norms (``accumulate_pairs``), the older
+    rounds' decayed by PAIR_DECAY a round. A member that flips its sign on the wire only once the
+    updates are noisy agrees with the coordinate-wise median less than honest members do but rarely
+    against it (over the median of 4 sign parts its own part tips the coordinates where the others
+    split), while against each honest member's update it points away. One round's cosines are
+    noisy where the members' common direction is weak (per-step gradients of a deeper block: an
+    honest member's figure below -0.05 five rounds in a row); summed over rounds the noise shrinks
+    and an honest figure stays near its mean, at or above 0. Only pairs among the latest round's
+    members are kept (at most R(R-1)/2)."""
+
+    def __init__(self) -> None:
+        self.acc: dict[tuple[str, str], list[float]] = {}  # (p, q), p < q -> [dot, |u_p|^2, |u_q|^2, rounds]
+
+    def add(self, pairs: dict, ids) -> None:
+        """Takes in one round's ``pairs`` among its members ``ids``."""
+        keep = set(ids)
+        for k in list(self.acc):
+            if k[0] in keep and k[1] in keep:
+                dot, pp, qq, k_rounds = self.acc[k]
+                self.acc[k] = [dot * PAIR_DECAY, pp * PAIR_DECAY, qq * PAIR_DECAY, k_rounds]
+            else:
+                del self.acc[k]
+        for k, (dot, pp, qq) in pairs.items():
+            if k[0] in keep and k[1] in keep:
+                acc = self.acc.setdefault(k, [0.0, 0.0, 0.0, 0.0])
+                acc[0] += dot
+                acc[1] += pp
+                acc[2] += qq
+                acc[3] += 1.0
+
+    def opposed(self, live, me: str) -> dict[str, float]:
+        """Members of ``live`` (``me`` never) whose figure (``pair_cosines`` over the window's pairs
+        of at least PAIR_MIN_ROUNDS rounds) is below -OPPOSED_COS while the others agree among
+        themselves: the lower median of the other members' figures is above +OPPOSED_COS (where
+        every member's updates point apart, as when each one's data differs from the mean and the
+        common direction is weak, nobody is singled out). Member -> its figure."""
+        fig = pair_cosines({k: v[:3] for k, v in self.acc.items() if v[3] >= PAIR_MIN_ROUNDS}, live)
+        out = {}
+        for j, c in fig.items():
+            if j == me or c >= -OPPOSED_COS:
+                continue
+            others = sorted(v for k, v in fig.items() if k != j)
+            if others and others[(len(others) - 1) // 2] > OPPOSED_COS:
+                out[j] = round(c, 3)
+        return out
 
 
 def coordinate_median(x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +255,7 @@ def opposed_members(agree: dict, me: str, live) -> dict[str, float]:
     median, up to 1.3). Compared with our own update instead, a reversal shows at any consensus distance, but
     a partner that averaged with the attacker before has its start point pulled back along the
     common direction, and honest partners were named (11 exclusions among 15 honest members in
-    the simulator's 16-member run)."""
+    the simulator's 16-member run). A reversal the median misses: ``PairWindow``."""
     mm = agree.get(None, 0.0)
     out = {}
     for p, acc in agree.items():

@@ -172,6 +172,7 @@ class AveragingRound:
         self.everyone = self.robust or codec == SIGN  # every member computes every piece (rule 6)
         self.suspects: dict[str, float] = {}  # robust: member -> its largest distance, in median distances
         self._agree: dict = {}  # robust: member -> [u . m, |u|^2] over the pieces (updates: robust.py); None -> |m|^2
+        self.pairs: dict = {}  # robust, parts that are updates: (p, q) -> [u_p . u_q, |u_p|^2, |u_q|^2] (robust.py)
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
         self.n = n = vector.numel()
         self.P = max(len(self.ids), -(-n // PIECE_FLOATS))
@@ -434,7 +435,7 @@ class AveragingRound:
         avg = self.out[a:b]
         if self.robust and len(ids) >= 3:
             avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree,
-                                   None if self.origin is None else self.origin[a:b]))
+                                   None if self.origin is None else self.origin[a:b], self.pairs))
         else:
             _mean_into(avg, [got[p] for p in ids])
         self.gathered[j] = ids
