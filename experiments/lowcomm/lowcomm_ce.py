@@ -6,7 +6,7 @@ sockets. Every variant starts from the same weights and sees the same batches.
 
 usage: python experiments/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
            [--codec raw|topk|sign] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
-           [--attack none|flip|scale8 [--attack-from R]] [--exclude] [--cosines]
+           [--attack none|flip|scale8|steer [--attack-from R]] [--exclude] [--cosines]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
@@ -14,7 +14,10 @@ each chunk with error feedback: SparseLoCo-like; --overlap: each round is applie
 the next phase starting from the last averaged point minus the worker's own phase, so a round's
 time on the wire hides behind the next phase's compute), alone (one worker, no rounds).
 --attack: the last worker is malicious: every round it sends its vector negated or x8 (its own
-parameters follow the group); the JSON's ``named_rounds`` counts the rounds whose report (seen by
+parameters follow the group), or (steer, 4 workers or more) it answers last and sends, coordinate
+by coordinate, the sign the first two members share where they agree and the reverse of the
+third member's where they differ (with its own magnitudes): the attack a review modelled against
+tests measured with the median, meant to make the third, honest, member look opposed; the JSON's ``named_rounds`` counts the rounds whose report (seen by
 the first worker) named each member: rejected, a suspect, or opposed to the median (the pair
 test over the last rounds, PairWindow, is counted by --exclude only). --exclude:
 as the driver does (its rule 6, ``outliers_in_a_row``), a member the first worker names is left
@@ -85,8 +88,9 @@ def main():
     ap.add_argument("--outer-momentum", type=float, default=0.0)
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attack", choices=["none", "flip", "scale8"], default="none",
-                    help="the last worker sends its vector negated (flip) or x8 (scale8) every round")
+    ap.add_argument("--attack", choices=["none", "flip", "scale8", "steer"], default="none",
+                    help="the last worker sends its vector negated (flip) or x8 (scale8) every round, or (steer) "
+                         "steers against the third member")
     ap.add_argument("--exclude", action="store_true",
                     help="as the driver does (rule 6): a member the first member names is left out of later rounds "
                          "(every member computes every sign piece from the same parts, so all name it alike)")
@@ -138,6 +142,11 @@ def main():
     def attacked(vs):
         if a.attack == "none" or all_ids[-1] not in ids or rnd < a.attack_from:
             return vs
+        if a.attack == "steer":  # answers last, knowing the others' parts: see the docstring
+            if len(vs) < 4:
+                return vs
+            agree = torch.sign(vs[0]) == torch.sign(vs[1])
+            return vs[:-1] + [torch.where(agree, torch.sign(vs[0]), -torch.sign(vs[2])) * vs[-1].abs()]
         return vs[:-1] + [vs[-1] * (-1.0 if a.attack == "flip" else 8.0)]
     outer = OuterOptimizer(a.outer_lr, a.outer_momentum, a.outer_momentum > 0)
     sent = dict.fromkeys(all_ids, 0)
