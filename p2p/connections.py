@@ -244,3 +244,4 @@ class Connections:
         m = self.mesh.table.get(pid)
         self.ledger.add(pid, pc.conn.counter.snapshot(), m.info.addr if m is not None else "",
                         lambda p: p in self.mesh.table or p in self.clients)
+        pc.accounted = True  # a member that still holds it (we are stopping) must not count it twice

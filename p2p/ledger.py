@@ -66,7 +66,7 @@ class TrafficLedger:
             m = members.get(pid)
             pc = m.conn if m is not None else clients.get(pid)
             row = self.rows.get(pid) or PeerTraffic()
-            t = merge_counts(row.closed, pc.conn.counter.snapshot() if pc is not None else None)
+            t = merge_counts(row.closed, pc.conn.counter.snapshot() if pc is not None and not pc.accounted else None)
             t["addr"] = m.info.addr if m else row.addr
             t["client"] = (m is None and pid in clients) or t["addr"] == ""
             if pid == DEPARTED_ROW:

@@ -119,6 +119,25 @@ async def test_wrong_swarm_key_is_rejected_and_swarm_undisturbed(psk):
             await p.stop()
 
 
+async def test_a_stopped_peers_report_counts_each_connection_once(psk):
+    """At stop a member keeps its closed connection (nothing is redialled then), and the report
+    took both the connection's counts, added to the peer's rows when it ended, and its live
+    counter again: every row of a stopped peer's report doubled (2 goodbyes sent on one link)."""
+    a = await new_peer(psk).start()
+    b = await new_peer(psk).start()
+    try:
+        await b.join("127.0.0.1", a.port)
+        await wait_for(lambda: len(a.members()) == 1 and len(b.members()) == 1, what="join")
+        await a.stop()
+        await wait_for(lambda: not b.members(), what="b sees a leave")
+        rows = a.traffic_report()["peers"]
+        assert list(rows) == [b.id] and rows[b.id]["sent"]["by_type"]["goodbye"]["frames"] == 1
+        assert b.traffic_report()["peers"][a.id]["received"]["by_type"]["goodbye"]["frames"] == 1
+    finally:
+        for p in (a, b):
+            await p.stop()
+
+
 async def test_bad_input_gets_bounded_cost(psk):
     a = await new_peer(psk).start()
     b = await new_peer(psk).start()
@@ -311,6 +330,37 @@ async def test_shaped_link_pipelines_frames(psk):
             assert m.offset == i  # in order
         took = time.monotonic() - t0
         assert 0.15 <= took < 0.15 * 5, took
+    finally:
+        await a.close()
+        await b.close()
+        server.close()
+
+
+async def test_goodbye_reaches_a_busy_peer_that_was_still_sending_to_us(psk):
+    """A swarm stopped at once: each side closes while the other is still sending to it and is
+    too busy to read. A socket closed with unread bytes sends a reset, which throws away the
+    frames it had not sent yet, our Goodbye among them: the peer saw its connection lost and
+    took us for a suspect (1 run in 12 of the whole-swarm stop test). Closing lingers: our side
+    ends after the Goodbye and we read on, so the peer reads the Goodbye once it reads again."""
+    from blocktrain.p2p.transport import CloseCause
+    from blocktrain.protocol import BlockUpdate, ConnectionClosed
+    server, a, b = await _pair(psk)
+    try:
+        for pc in (a, b):  # neither reads: the one stopping, nor the busy peer
+            pc.transport.pause_reading()
+            pc._paused_reading = True
+        for r in range(40):
+            b.send_nowait(BlockUpdate(block=0, round=r, meta={"phase": "reduce", "part": 0}), bulk=True)
+        for k in range(16):  # a -> b: more than b's socket takes while it does not read
+            a.send_nowait(StreamChunk(stream_id=1, offset=k << 20, data=os.urandom(1 << 20)), bulk=True)
+        await asyncio.sleep(0.3)
+        await a.close("stopping")
+        assert a.close_cause is CloseCause.LOCAL
+        b.transport.resume_reading()
+        b._paused_reading = False
+        while not isinstance(m := await asyncio.wait_for(b.recv(), 5), ConnectionClosed):
+            pass
+        assert m.reason == "stopping" and b.close_cause is CloseCause.GOODBYE
     finally:
         await a.close()
         await b.close()

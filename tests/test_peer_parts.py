@@ -34,10 +34,11 @@ class _Counter:
 
 
 class _Conn:
-    """What the parts read of a PeerConnection: last_heard, closed, counts, and aborts."""
+    """What the parts read of a PeerConnection: last_heard, closed, counts (accounted: added to
+    the traffic rows), and aborts."""
 
-    def __init__(self, last_heard=0.0, closed=False, frames=1):
-        self.last_heard, self.closed, self.refused = last_heard, _Closed(closed), None
+    def __init__(self, last_heard=0.0, closed=False, frames=1, accounted=False):
+        self.last_heard, self.closed, self.refused, self.accounted = last_heard, _Closed(closed), None, accounted
         self.conn = type("C", (), {"counter": _Counter(frames)})()
 
     def abort_with(self, code, reason, cause):
@@ -154,6 +155,9 @@ def test_a_report_adds_live_connections_and_marks_clients():
     peers = rep["peers"]
     assert peers["c"]["client"] and peers["k"]["client"] and not peers[_info(1).peer_id]["client"]
     assert peers[_info(1).peer_id]["addr"] == "10.0.0.1:7000" and rep["totals"]["sent"]["frames"] == 6
+    ledger.add(_info(1).peer_id, _Counter(2).snapshot(), "10.0.0.1:7000", lambda p: True)  # its connection ended
+    t.by_id[_info(1).peer_id].conn.accounted = True  # ... and the member still holds it (a peer stopping)
+    assert ledger.report(t.by_id, {})["peers"][_info(1).peer_id]["sent"]["total"]["frames"] == 2  # once, not twice
 
 
 # --- handlers.py ------------------------------------------------------------------------------------
