@@ -28,9 +28,9 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
 - Rule 5 (round.py): coverage; below ``min_coverage`` the result raises ``RoundFailed``.
 - Rule 6 (robust.py; round.py, driver.py): ``aggregate="robust"`` (3 or more members): every member
   computes every piece, by norm test and centred clipping; suspects SUSPECT_ROUNDS rounds in a row
-  are excluded (far from the median, against it, or, outside gossip rounds, against the others'
-  updates over the last rounds: ``PairWindow``). A ``sign`` round is gathered so with every aggregate (a plain mean in member order
-  below 3 members or with ``mean``).
+  are excluded (far from the median, against it, or, in sign rounds of updates, against the
+  others' updates over the last rounds: ``PairWindow``). A ``sign`` round is gathered so with
+  every aggregate (a plain mean in member order below 3 members or with ``mean``).
 - Rule 7 (codec.py; round.py): lossy codecs keep their rounding error for the next round (error
   feedback); every member ends the round with the same bytes.
 - Rule 8 (driver.py; codec.py): parts are fed to the round as they arrive and decoded where they
@@ -59,16 +59,16 @@ from .codec import COMPACT, SIGN, TOPK, UPDATE_CODECS, lossy_scratch
 from .driver import MAX_NAMED, SUSPECT_ROUNDS, Averager, remember
 from .early import AHEAD_ROUNDS, MAX_EARLY_BYTES
 from .outer import OuterOptimizer, flatten, unflatten_
-from .robust import (CLIP_ITERS, CLIP_RADIUS, OPPOSED_COS, PAIR_DECAY, PAIR_MIN_ROUNDS, RELATIVE_NORM, SUSPECT_RADIUS,
-                     Bounds, PairWindow, centred_clip, coordinate_median, validate_part)
+from .robust import (CLIP_ITERS, CLIP_RADIUS, OPPOSED_COS, PAIR_AGREE, PAIR_DECAY, PAIR_MIN_ROUNDS, RELATIVE_NORM,
+                     SUSPECT_RADIUS, Bounds, PairWindow, centred_clip, coordinate_median, validate_part)
 from .round import AGGREGATES, PIECE_FLOATS, AveragingRound, GroupMismatch, Part, RoundFailed, RoundReport, group_digest
 
 __all__ = [
-    "AGGREGATES", "COMPACT", "AHEAD_ROUNDS", "CLIP_ITERS", "CLIP_RADIUS", "MAX_EARLY_BYTES", "MAX_NAMED", "OPPOSED_COS",
-    "PAIR_DECAY", "PAIR_MIN_ROUNDS", "PIECE_FLOATS", "RELATIVE_NORM", "SIGN", "SUSPECT_RADIUS", "SUSPECT_ROUNDS", "TOPK", "UPDATE_CODECS",
-    "Averager", "AveragingRound", "Bounds", "GroupMismatch", "OuterOptimizer", "PairWindow", "Part", "RoundFailed", "RoundReport",
-    "centred_clip", "coordinate_median", "flatten", "group_digest", "lossy_scratch", "remember", "unflatten_",
-    "validate_part",
+    "AGGREGATES", "COMPACT", "AHEAD_ROUNDS", "CLIP_ITERS", "CLIP_RADIUS", "MAX_EARLY_BYTES", "MAX_NAMED",
+    "OPPOSED_COS", "PAIR_AGREE", "PAIR_DECAY", "PAIR_MIN_ROUNDS", "PIECE_FLOATS", "RELATIVE_NORM", "SIGN",
+    "SUSPECT_RADIUS", "SUSPECT_ROUNDS", "TOPK", "UPDATE_CODECS", "Averager", "AveragingRound", "Bounds",
+    "GroupMismatch", "OuterOptimizer", "PairWindow", "Part", "RoundFailed", "RoundReport", "centred_clip",
+    "coordinate_median", "flatten", "group_digest", "lossy_scratch", "remember", "unflatten_", "validate_part",
 ]
 
 _MODULES = (codec, robust, round_, early, driver, outer)

@@ -45,7 +45,7 @@ from blocktrain.protocol import BlockUpdate, ProtocolError
 
 from ..group import Phase, is_control, log_event
 from ..services import PeerServices, PeerUnreachable
-from .codec import UPDATE_CODECS, lossy_scratch
+from .codec import SIGN, UPDATE_CODECS, lossy_scratch
 from .early import AHEAD_ROUNDS, EarlyParts
 from .robust import Bounds, PairWindow
 from .round import AveragingRound, GroupMismatch, Part, RoundFailed, RoundReport
@@ -88,12 +88,13 @@ def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
                       window: PairWindow | None = None) -> list[tuple[str, str]]:
     """Rule 6, for ``me`` after robust round ``r``: its suspects (and members opposed to the median,
     or, with ``window``, to the others' updates over the last rounds: the round is taken into it
-    unless it is a gossip round) counted in ``streak`` (member -> rounds in a row as a suspect,
-    rounds with it); those that reach SUSPECT_ROUNDS, each with why."""
+    when its parts are sign-coded updates, not a gossip round's parameters) counted in ``streak``
+    (member -> rounds in a row as a suspect, rounds with it); those that reach SUSPECT_ROUNDS,
+    each with why."""
     if not r.robust:
         return []
     opposed = r.opposed()
-    if window is not None and r.origin is None:
+    if window is not None and r.origin is None and r.update_codec == SIGN:
         window.add(r.pairs, r.ids)
         opposed = {**window.opposed(r.live(), me), **opposed}
     out = []

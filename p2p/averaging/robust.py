@@ -47,10 +47,13 @@ CLIP_ITERS = 3
 # this is a suspect too (a sign flipped on the wire); an honest one agrees with the median.
 OPPOSED_COS = 0.05
 # The pair test's window (``PairWindow``): older rounds count PAIR_DECAY times less each round
-# (about 5 rounds' worth in all; the noise of one round's cosine shrinks about 3x), and a pair
-# counts once it holds PAIR_MIN_ROUNDS rounds.
-PAIR_DECAY = 0.8
+# (about 10 rounds' worth in all; the noise of one round's cosine shrinks about 4x), and a pair
+# counts once it holds PAIR_MIN_ROUNDS rounds. A member is opposed when the others agree among
+# themselves above PAIR_AGREE and it points against them by at least half as much (and beyond
+# -OPPOSED_COS): a reversed update mirrors the others' agreement, honest noise does not.
+PAIR_DECAY = 0.9
 PAIR_MIN_ROUNDS = 3
+PAIR_AGREE = 0.1
 
 
 @dataclass(frozen=True)
@@ -174,16 +177,19 @@ def pair_cosines(pairs: dict, live) -> dict[str, float]:
 
 
 class PairWindow:
-    """Rule 6's pair test, over the last rounds (robust rounds whose parts are updates, not gossip
-    rounds): every pair of members' dot product and squared norms (``accumulate_pairs``), the older
+    """Rule 6's pair test, over the last rounds (robust rounds whose parts are sign-coded updates:
+    the low-communication mode, where each part is a member's optimizer step; not gossip rounds,
+    and not per-step gradients, whose cosines late in a deeper block are too weak and noisy):
+    every pair of members' dot product and squared norms (``accumulate_pairs``), the older
     rounds' decayed by PAIR_DECAY a round. A member that flips its sign on the wire only once the
     updates are noisy agrees with the coordinate-wise median less than honest members do but rarely
     against it (over the median of 4 sign parts its own part tips the coordinates where the others
     split), while against each honest member's update it points away. One round's cosines are
-    noisy where the members' common direction is weak (per-step gradients of a deeper block: an
-    honest member's figure below -0.05 five rounds in a row); summed over rounds the noise shrinks
-    and an honest figure stays near its mean, at or above 0. Only pairs among the latest round's
-    members are kept (at most R(R-1)/2)."""
+    noisy where the members' common direction is weak; summed over rounds the noise shrinks and
+    an honest figure stays near its mean. Per-step gradients are left out: late in a deeper block
+    an honest member's figure was below -0.05 for 5 rounds in a row, alone (one round) and over a
+    window of 0.8 (the relay test, 1 run in 3). Only pairs among the latest round's members are
+    kept (at most R(R-1)/2)."""
 
     def __init__(self) -> None:
         self.acc: dict[tuple[str, str], list[float]] = {}  # (p, q), p < q -> [dot, |u_p|^2, |u_q|^2, rounds]
@@ -207,17 +213,18 @@ class PairWindow:
 
     def opposed(self, live, me: str) -> dict[str, float]:
         """Members of ``live`` (``me`` never) whose figure (``pair_cosines`` over the window's pairs
-        of at least PAIR_MIN_ROUNDS rounds) is below -OPPOSED_COS while the others agree among
-        themselves: the lower median of the other members' figures is above +OPPOSED_COS (where
-        every member's updates point apart, as when each one's data differs from the mean and the
-        common direction is weak, nobody is singled out). Member -> its figure."""
+        of at least PAIR_MIN_ROUNDS rounds) is below -OPPOSED_COS and below minus half of the
+        others' agreement, the lower median of the other members' figures, which must be above
+        PAIR_AGREE (where the common direction is weak, or every member's updates point apart as
+        when each one's data differs from the mean, nobody is singled out). Member -> its figure."""
         fig = pair_cosines({k: v[:3] for k, v in self.acc.items() if v[3] >= PAIR_MIN_ROUNDS}, live)
         out = {}
         for j, c in fig.items():
             if j == me or c >= -OPPOSED_COS:
                 continue
             others = sorted(v for k, v in fig.items() if k != j)
-            if others and others[(len(others) - 1) // 2] > OPPOSED_COS:
+            agree = others[(len(others) - 1) // 2] if others else 0.0
+            if agree > PAIR_AGREE and c < -agree / 2:
                 out[j] = round(c, 3)
         return out
 
