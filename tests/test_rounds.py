@@ -376,21 +376,27 @@ def test_honest_members_whose_updates_point_apart_are_never_named_by_the_pair_wi
 
 
 @pytest.mark.parametrize("members", [3, 4])
-def test_an_attacker_cannot_make_an_honest_members_updates_look_opposed(members):
-    """The pair test takes the upper median of a member's cosines with the others: an attacker
-    that answers last and sends exactly the reverse of one honest member's update every round (the
-    worst it can do to that member's cosines) lowers one of them, not the figure (with 3 members,
-    of two cosines the larger), and honest updates summed over the window agree. The attacker is
-    the one named."""
+@pytest.mark.parametrize("attack", ["reverse", "copy"])
+def test_an_attacker_cannot_make_an_honest_members_updates_look_opposed(members, attack):
+    """The pair test takes the upper median of a member's cosines with the others, and asks the
+    others to agree among themselves. An attacker that answers last and sends exactly the reverse
+    of one honest member's update every round (the worst it can do to that member's cosines)
+    lowers one of them, not the figure where honest members are the majority of the others, and
+    with 3 members its own disagreement leaves no agreement to judge against; it is named itself
+    (against the median too). One that copies another honest
+    member's update raises the others' agreement, but an honest member's figure stays at its
+    lowest cosine with an honest member, positive where honest updates share a direction. The
+    victim is judged by another honest member. The limit (PROTOCOL 7.1): where two honest
+    members' updates point apart by more than half the others' agreement, the copy gets one named."""
     torch.manual_seed(11)
     n, ids = 20_000, IDS4[:members]
 
     def steer(rnd):
         g = 0.5 * torch.randn(n)
         honest = [g + torch.randn(n) for _ in ids[:-1]]
-        return honest + [-honest[0]]
-    named = _named_over_rounds(steer, [ids[1], *ids[:1], *ids[2:]], 15)  # judged by an honest member other than a
-    assert set(named) == {ids[-1]}
+        return honest + [-honest[1] if attack == "reverse" else honest[-1].clone()]
+    named = _named_over_rounds(steer, ids, 15)  # judged by "a"; the victim is "b"
+    assert set(named) == ({ids[-1]} if attack == "reverse" else set())
 
 
 def test_the_pair_window_keeps_only_the_latest_rounds_members_and_counts_a_pair_once_it_has_rounds():
@@ -405,6 +411,28 @@ def test_the_pair_window_keeps_only_the_latest_rounds_members_and_counts_a_pair_
     assert w.opposed({"a", "b", "x"}, "a") == {"x": -1.0}
     w.add({("a", "b"): [1.0, 1.0, 1.0]}, ["a", "b", "y"])
     assert set(w.acc) == {("a", "b")}
+
+
+def test_the_pair_and_median_sums_do_not_depend_on_the_order_parts_came_in():
+    """A member rejected after some pieces counted it has those pieces computed again; their sums
+    (the pairs, the cosines with the median) replace the first ones instead of adding to them, so
+    every member ends with the same sums whatever order its parts came in (before, the pieces a
+    member had gathered before the rejection counted twice, and members could name differently
+    from the same parts)."""
+    av.PIECE_FLOATS, old = 7, av.PIECE_FLOATS
+    try:
+        torch.manual_seed(6)
+        xs = [torch.randn(28) for _ in IDS4[:3]] + [torch.cat([torch.randn(21), 1e5 * torch.randn(7)])]
+        sums = []
+        for order in ([], [10 ** 6] * 400, [7, 3, 11] * 150):
+            rs = run(rounds(xs, IDS4, aggregate="robust", codec="sign"), order)
+            for p in IDS4[:3]:
+                r = rs[p]
+                assert any(x["peer"] == "d" for x in r.rejected)  # its last piece is a norm outlier
+                sums.append((r.pairs, r._agree))
+        assert all(x == sums[0] for x in sums[1:])
+    finally:
+        av.PIECE_FLOATS = old
 
 
 def test_a_pair_cosine_counts_only_the_pieces_that_held_both_parts():

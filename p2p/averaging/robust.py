@@ -104,20 +104,16 @@ def norm_outliers(parts: dict[str, torch.Tensor], me: str) -> list[tuple[str, st
 
 
 def centred_clip(x: torch.Tensor, suspects: dict, ids: list, agree: dict | None = None,
-                 origin: torch.Tensor | None = None, pairs: dict | None = None) -> torch.Tensor:
+                 origin: torch.Tensor | None = None) -> torch.Tensor:
     """Centred clipping of the rows of ``x`` (R x n): start at the coordinate-wise median, clip each
     row's offset to CLIP_RADIUS median distances, move to the mean of the clipped offsets; rows
     beyond SUSPECT_RADIUS median distances are recorded in ``suspects`` (id -> distance ratio).
     ``agree`` (id -> [u . m, |u|^2], None -> |m|^2, for each row's update u and the median's m)
-    accumulates over the pieces of a round, for ``opposed_members``; so does ``pairs`` ((p, q) with
-    p < q in ``ids`` -> [u_p . u_q, |u_p|^2, |u_q|^2] over the pieces that hold both), where the rows
-    are updates themselves. The rows are updates themselves unless ``origin`` (n) is given: then
-    they are points (a gossip round's parameters), and an update is a point minus ``origin``. The
-    arithmetic of the result is that of PROTOCOL.md 7.1, op for op (members must end with the same
-    bytes), in one scratch matrix instead of fresh ones; ``agree``, ``pairs`` and ``origin`` do not
-    touch it."""
-    if pairs is not None and origin is None:
-        accumulate_pairs(pairs, x, ids)
+    accumulates over the pieces of a round, for ``opposed_members``. The rows are updates
+    themselves unless ``origin`` (n) is given: then they are points (a gossip round's parameters),
+    and an update is a point minus ``origin``. The arithmetic of the result is that of PROTOCOL.md
+    7.1, op for op (members must end with the same bytes), in one scratch matrix instead of fresh
+    ones; ``agree`` and ``origin`` do not touch it."""
     v = coordinate_median(x)
     o = origin.to(x.dtype) if agree is not None and origin is not None else None  # only the opposed test reads it
     d = torch.sub(x, v) if o is None else torch.sub(x, o)

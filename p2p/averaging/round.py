@@ -50,7 +50,7 @@ from blocktrain.protocol import BlockUpdate, Codec, WireTensor
 
 from ..tensors import encode_topk, from_wire, to_wire, topk_count
 from .codec import COMPACT, SIGN, TOPK, Wire, arena_views, encode_vector
-from .robust import Bounds, centred_clip, norm_outliers, opposed_members, validate_part
+from .robust import Bounds, accumulate_pairs, centred_clip, norm_outliers, opposed_members, validate_part
 
 # Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
 PIECE_FLOATS = 1 << 20
@@ -171,8 +171,11 @@ class AveragingRound:
         self.robust = aggregate == "robust" and len(self.ids) >= 3
         self.everyone = self.robust or codec == SIGN  # every member computes every piece (rule 6)
         self.suspects: dict[str, float] = {}  # robust: member -> its largest distance, in median distances
-        self._agree: dict = {}  # robust: member -> [u . m, |u|^2] over the pieces (updates: robust.py); None -> |m|^2
-        self.pairs: dict = {}  # robust, parts that are updates: (p, q) -> [u_p . u_q, |u_p|^2, |u_q|^2] (robust.py)
+        # robust, per piece (a piece computed again replaces its record, so a member's sums do not
+        # depend on the order parts came in): member -> [u . m, |u|^2], None -> |m|^2 (robust.py);
+        # for parts that are updates, (p, q) -> [u_p . u_q, |u_p|^2, |u_q|^2] (``accumulate_pairs``)
+        self._piece_agree: dict[int, dict] = {}
+        self._piece_pairs: dict[int, dict] = {}
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
         self.n = n = vector.numel()
         self.P = max(len(self.ids), -(-n // PIECE_FLOATS))
@@ -433,12 +436,45 @@ class AveragingRound:
             bad = self.rejected_ids()
             ids = [p for p in ids if p not in bad]
         avg = self.out[a:b]
-        if self.robust and len(ids) >= 3:
-            avg.copy_(centred_clip(torch.stack([got[p] for p in ids]), self.suspects, ids, self._agree,
-                                   None if self.origin is None else self.origin[a:b], self.pairs))
+        x = torch.stack([got[p] for p in ids]) if self.robust and len(ids) >= 2 else None
+        if x is not None and self.origin is None:  # every piece of two parts or more: a member that
+            pairs: dict = {}  # withholds a part cannot choose where a pair is measured
+            accumulate_pairs(pairs, x, ids)
+            self._piece_pairs[j] = pairs
+        if x is not None and len(ids) >= 3:
+            agree: dict = {}
+            self._piece_agree[j] = agree
+            avg.copy_(centred_clip(x, self.suspects, ids, agree, None if self.origin is None else self.origin[a:b]))
         else:
+            self._piece_agree.pop(j, None)
             _mean_into(avg, [got[p] for p in ids])
         self.gathered[j] = ids
+
+    @property
+    def _agree(self) -> dict:
+        """Robust: member -> [u . m, |u|^2] summed over the pieces, None -> |m|^2 (robust.py)."""
+        out: dict = {}
+        for rec in self._piece_agree.values():
+            for k, v in rec.items():
+                if k is None:
+                    out[None] = out.get(None, 0.0) + v
+                else:
+                    acc = out.setdefault(k, [0.0, 0.0])
+                    acc[0] += v[0]
+                    acc[1] += v[1]
+        return out
+
+    @property
+    def pairs(self) -> dict:
+        """Robust, parts that are updates: (p, q) -> [u_p . u_q, |u_p|^2, |u_q|^2] summed over the
+        pieces that held both (``PairWindow`` takes them in)."""
+        out: dict = {}
+        for rec in self._piece_pairs.values():
+            for k, v in rec.items():
+                acc = out.setdefault(k, [0.0, 0.0, 0.0])
+                for i in range(3):
+                    acc[i] += v[i]
+        return out
 
     def result(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector and the round's report; RoundFailed below ``min_coverage``."""
