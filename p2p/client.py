@@ -137,7 +137,7 @@ class PipelineClient:
 
     async def close(self):
         for pc in self.conns.values():
-            await pc.close("done")
+            await pc.close("done", linger=False)  # a client: nothing to be taken for a member lost
         for t in self._readers:
             t.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)

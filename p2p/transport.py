@@ -115,7 +115,8 @@ class PeerConnection(asyncio.BufferedProtocol):
         self.peer_addr = None
         self.auto_pong = True  # a Ping is answered by the driver at once and never queued
         self._reading_direct = False
-        self._said_goodbye: tuple[str, CloseCause] | None = None  # close(): our Goodbye went out; how we close
+        self._closing: tuple[str, CloseCause] | None = None  # close() began: the reason and cause it closes with
+        self._eof_sent = False  # close() lingers: our side of the stream has ended
         self.accounted = False  # its counts were added to the peer's traffic rows (ledger.py) once it ended
 
     # --- asyncio.Protocol -------------------------------------------------------------------
@@ -191,8 +192,9 @@ class PeerConnection(asyncio.BufferedProtocol):
             self.transport.write(out)
 
     def connection_lost(self, exc):
-        if self._said_goodbye is not None:  # the peer's end after our Goodbye: the close we began
-            self._shutdown(*self._said_goodbye)
+        if self._closing is not None:  # the peer's end while we close (after our Goodbye): our close
+            reason, cause = self._closing
+            self._shutdown(reason, cause=cause)
             return
         self._shutdown(f"connection lost: {exc or 'EOF'}", ConnectionError(f"connection lost: {exc or 'EOF'}"),
                        CloseCause.LOST)
@@ -330,35 +332,43 @@ class PeerConnection(asyncio.BufferedProtocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
-    async def close(self, reason: str = "goodbye", cause: CloseCause = CloseCause.LOCAL):
+    async def close(self, reason: str = "goodbye", cause: CloseCause = CloseCause.LOCAL, linger: bool = True):
         """Say Goodbye (after every queued frame: a stopping member's last parts of a round go out
-        before it, averaging/driver.py), then end our side of the stream and read to the peer's end
-        (a lingering close), ``close_s`` for both, then close. A socket closed with unread bytes
-        in it sends a reset, and a reset makes the peer's kernel drop what it has not read yet: our
-        Goodbye, when the peer was busy, or stopping too and still sending to us (a swarm stopped
-        at once: a member saw another's connection lost, not its Goodbye, 1 run in 12)."""
+        before it, averaging/driver.py), ``close_s`` for it to leave; then (``linger``) end our side
+        of the stream and read to the peer's end, ``close_s`` more at most; then close. A socket
+        closed with unread bytes in it sends a reset, and the reset discards what the sender has
+        not sent yet: our Goodbye, queued behind a full window while the peer was busy, or
+        stopping too and still sending to us (a swarm stopped at once: a member saw another's
+        connection lost, not its Goodbye, 1 run in 12). A client that read its replies has
+        nothing unread: it need not linger (a status query would wait a round trip more)."""
         if self.closed.done():
             return
+        self._closing = (f"closed by us: {reason}", cause)
         if self.established.done() and not self.established.exception():
             try:
                 self.send_nowait(Goodbye(reason=reason), bulk=True)
-                async with asyncio.timeout(self.timeouts.close_s):
-                    if self._writer is not None:
+                if self._writer is not None:
+                    async with asyncio.timeout(self.timeouts.close_s):
                         await asyncio.shield(self._writer)
-                    await self._linger(f"closed by us: {reason}", cause)
+                if linger:
+                    async with asyncio.timeout(self.timeouts.close_s):
+                        await self._linger()
             except (ConnectionError, ProtocolError, TimeoutError):
                 pass
         self._shutdown(f"closed by us: {reason}", cause=cause)
         await self.wait_closed()
 
-    async def _linger(self, reason: str, cause: CloseCause):
+    async def _linger(self):
         """After our Goodbye: end our side (FIN once the buffered frames are out) and read on,
         dropping what comes (the session is closed), until the peer ends its side."""
         transport = self.transport
         if transport is None or transport.is_closing() or not transport.can_write_eof():
             return
-        self._said_goodbye = (reason, cause)
-        transport.write_eof()  # a shaped link's frames are out: the writer flushed them before it ended
+        self._eof_sent = True
+        try:
+            transport.write_eof()  # a shaped link's frames are out: the writer flushed them before it ended
+        except OSError:  # the peer's reset came first: nothing left to read
+            return
         if self._paused_reading:
             self._paused_reading = False
             transport.resume_reading()
@@ -374,8 +384,9 @@ class PeerConnection(asyncio.BufferedProtocol):
                     pass
 
     def abort_with(self, code: ErrorCode, reason: str, cause: CloseCause):
-        """Close, telling the peer why first (an Error frame: plain before the handshake, sealed after)."""
-        if self.transport is not None and not self.transport.is_closing():
+        """Close, telling the peer why first (an Error frame: plain before the handshake, sealed after;
+        not after our Goodbye, when our side of the stream has ended)."""
+        if self.transport is not None and not self.transport.is_closing() and not self._eof_sent:
             try:
                 self.transport.write(self.conn.close_frame(code, reason))
             except ProtocolError:

@@ -45,7 +45,7 @@ async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_k
     except TimeoutError:
         raise ConnectionError(f"{host}:{port} did not answer within {timeouts.handshake_s} s") from None
     finally:
-        await pc.close("done")
+        await pc.close("done", linger=False)
 
 
 class NothingListens(ConnectionRefusedError):

@@ -367,6 +367,34 @@ async def test_goodbye_reaches_a_busy_peer_that_was_still_sending_to_us(psk):
         server.close()
 
 
+async def test_a_lingering_close_keeps_its_cause_and_can_be_aborted(psk):
+    """The peer's end, after our Goodbye, ends the close we began: with our cause (a duplicate's
+    stays a duplicate, not a lost connection) and no exception as its result. A bad frame handled
+    while we linger aborts the connection (our side of the stream has ended: no Error is written)."""
+    from blocktrain.p2p.transport import CloseCause
+    from blocktrain.protocol import ErrorCode
+    server, a, b = await _pair(psk)
+    try:
+        await a.close("duplicate", CloseCause.DUPLICATE)
+        assert a.close_cause is CloseCause.DUPLICATE and a.closed.result() is None
+        assert a._eof_sent  # it lingered
+    finally:
+        await b.close()
+        server.close()
+    server, a, b = await _pair(psk)
+    try:
+        b.transport.pause_reading()  # a lingers until its close_s
+        closing = asyncio.ensure_future(a.close("stopping"))
+        await wait_for(lambda: a._eof_sent, what="a lingering")
+        a.abort_with(ErrorCode.MALFORMED_METADATA, "bad frame", CloseCause.PEER_ERROR)
+        await asyncio.wait_for(closing, 5)
+        assert a.close_cause is CloseCause.PEER_ERROR
+    finally:
+        await a.close()
+        await b.close()
+        server.close()
+
+
 async def test_goodbye_goes_after_the_frames_queued_before_it(psk):
     """A stopping member's last parts of a round are queued as bulk frames (averaging/driver.py,
     ``_hand_out``): its Goodbye follows them, so the receiver gets every one before the close."""
