@@ -681,6 +681,34 @@ def test_a_member_flooding_ready_cannot_push_out_another_members(tmp_path):
     assert sorted(sp.membership._ready) == [(7, "b" * 64), (198, "f" * 64), (199, "f" * 64)]
 
 
+@pytest.mark.parametrize("steps", [True, False])
+async def test_the_pair_window_judges_optimizer_steps_only(steps):
+    """Issue 29, finding 11, the driver: a member whose sign parts point against the others' while
+    it still agrees with the median is excluded by the pair window (r6.20) where the parts are
+    optimizer steps (``steps``: sync params), and not where they are per-step gradients, whose
+    cosines late in a deeper block are too noisy to judge by."""
+    import blocktrain.p2p.averaging as avm
+    psk = os.urandom(32)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    av = avm.Averager(a, 0, codec="sign", steps=steps)
+    try:
+        ids = [a.id, "b" * 64, "c" * 64, "d" * 64]
+        torch.manual_seed(4)
+        for rnd in range(1, avm.PAIR_MIN_ROUNDS + avm.SUSPECT_ROUNDS):
+            g = 0.5 * torch.randn(20_000)
+            xs = [g + torch.randn(20_000) for _ in range(3)] + [-(g + torch.randn(20_000))]
+            rs = {p: avm.AveragingRound(p, 0, rnd, ids, x, aggregate="robust", codec="sign") for p, x in zip(ids, xs)}
+            queue = [(p, part) for p, r in rs.items() for part in r.start()]
+            while queue:
+                src, part = queue.pop(0)
+                queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+            assert not rs[a.id].opposed() and not rs[a.id].suspects  # the median and the distances miss it
+            av._suspicions(rs[a.id], rnd)
+        assert set(av.banned) == ({"d" * 64} if steps else set())
+    finally:
+        await a.stop()
+
+
 async def test_a_member_whose_updates_point_against_the_median_is_excluded_after_its_streak():
     """Issue 29, finding 11, the driver: a member reported opposed SUSPECT_ROUNDS rounds in a row is
     excluded and named with the reason (before, only distance counted and it was never named)."""

@@ -415,8 +415,9 @@ def test_the_pair_window_keeps_only_the_latest_rounds_members_and_counts_a_pair_
 
 def test_the_pair_and_median_sums_do_not_depend_on_the_order_parts_came_in():
     """A member rejected after some pieces counted it has those pieces computed again; their sums
-    (the pairs, the cosines with the median) replace the first ones instead of adding to them, so
-    every member ends with the same sums whatever order its parts came in (before, the pieces a
+    (the pairs, the cosines with the median, the suspects' distances) replace the first ones
+    instead of adding to them, so every member ends with the same sums whatever order its parts
+    came in (before, the pieces a
     member had gathered before the rejection counted twice, and members could name differently
     from the same parts)."""
     av.PIECE_FLOATS, old = 7, av.PIECE_FLOATS
@@ -429,7 +430,7 @@ def test_the_pair_and_median_sums_do_not_depend_on_the_order_parts_came_in():
             for p in IDS4[:3]:
                 r = rs[p]
                 assert any(x["peer"] == "d" for x in r.rejected)  # its last piece is a norm outlier
-                sums.append((r.pairs, r._agree))
+                sums.append((r.pairs, r._agree, r.suspects))
         assert all(x == sums[0] for x in sums[1:])
     finally:
         av.PIECE_FLOATS = old

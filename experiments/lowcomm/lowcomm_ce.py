@@ -118,7 +118,7 @@ def main():
     named: dict = {}
     excluded: dict = {}  # member -> (round, why), with --exclude
     streak: dict = {}
-    window = PairWindow()
+    window = PairWindow() if a.mode == "params" else None  # as the driver: optimizer steps only
 
     cosines: dict = {}  # --cosines: member -> its cosine with the median, round by round (the first member's view)
     pairwise: dict = {}  # --cosines: member -> the upper median of its cosines with the others', round by round
@@ -135,7 +135,7 @@ def main():
             if a.exclude and pid not in excluded:
                 excluded[pid] = (r.round, why)
         if a.cosines:
-            ready = {k: v[:3] for k, v in window.acc.items() if v[3] >= PAIR_MIN_ROUNDS}
+            ready = {k: v[:3] for k, v in window.acc.items() if v[3] >= PAIR_MIN_ROUNDS} if window else {}
             for p, c in pair_cosines(ready, set(r.live())).items():
                 windowed.setdefault(p[:1], []).append(round(c, 4))
 

@@ -93,7 +93,7 @@ def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
     each with why."""
     if not r.robust:
         return []
-    opposed = r.opposed()
+    opposed, suspects = r.opposed(), r.suspects
     if window is not None and r.origin is None and r.update_codec == SIGN:
         window.add(r.pairs, r.ids)
         opposed = {**window.opposed(r.live(), me), **opposed}
@@ -101,10 +101,10 @@ def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
     for pid in r.live():
         if pid == me:
             continue
-        if pid in r.suspects or pid in opposed:
+        if pid in suspects or pid in opposed:
             streak[pid] = streak.pop(pid, 0) + 1  # the most recently counted last
             if streak[pid] >= SUSPECT_ROUNDS:
-                why = (f"{r.suspects[pid]:.1f} median distances from the others'" if pid in r.suspects else
+                why = (f"{suspects[pid]:.1f} median distances from the others'" if pid in suspects else
                        f"pointing against the others' updates or their median, cosine {opposed[pid]:.2f}")
                 out.append((pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row ({why} in round "
                                  f"{r.round})"))
@@ -128,13 +128,15 @@ class Averager(EarlyParts):
 
     def __init__(self, peer: PeerServices, block: int, codec: str = "raw", min_coverage: float = 1.0,
                  max_norm: float = 1e6, timeout_s: float = 30.0, aggregate: str = "mean", floats: int = 0,
-                 density: float = 0.01):
+                 density: float = 0.01, steps: bool = False):
         """``floats``: the vector size of the rounds, when known before the first one (it sizes what
-        is held of members' parts that come before we begin a round; later rounds know it)."""
+        is held of members' parts that come before we begin a round; later rounds know it).
+        ``steps``: the parts are members' optimizer steps (sync params), and rule 6's pair window
+        judges their sign rounds; per-step gradients are too noisy late in a deeper block."""
         super().__init__(block, floats)
         self.peer, self.aggregate = peer, aggregate
         self._suspect_streak: dict[str, int] = {}
-        self._pair_window = PairWindow()  # rule 6's pair test over the last rounds
+        self._pair_window = PairWindow() if steps else None  # rule 6's pair test over the last rounds
         self._mismatch_state: dict = {}  # rule 9: mismatched rounds per member (mismatches_within_allowance)
         if codec not in UPDATE_CODECS:
             raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")

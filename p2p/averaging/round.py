@@ -170,10 +170,11 @@ class AveragingRound:
         self.bounds, self.min_coverage = bounds, min_coverage
         self.robust = aggregate == "robust" and len(self.ids) >= 3
         self.everyone = self.robust or codec == SIGN  # every member computes every piece (rule 6)
-        self.suspects: dict[str, float] = {}  # robust: member -> its largest distance, in median distances
-        # robust, per piece (a piece computed again replaces its record, so a member's sums do not
-        # depend on the order parts came in): member -> [u . m, |u|^2], None -> |m|^2 (robust.py);
-        # for parts that are updates, (p, q) -> [u_p . u_q, |u_p|^2, |u_q|^2] (``accumulate_pairs``)
+        # robust, per piece (a piece computed again replaces its record, so what a member names does
+        # not depend on the order parts came in): suspects, member -> distance in median distances;
+        # member -> [u . m, |u|^2], None -> |m|^2 (robust.py); in sign rounds of updates, (p, q) ->
+        # [u_p . u_q, |u_p|^2, |u_q|^2] (``accumulate_pairs``, for the driver's ``PairWindow``)
+        self._piece_suspects: dict[int, dict] = {}
         self._piece_agree: dict[int, dict] = {}
         self._piece_pairs: dict[int, dict] = {}
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
@@ -436,26 +437,38 @@ class AveragingRound:
             bad = self.rejected_ids()
             ids = [p for p in ids if p not in bad]
         avg = self.out[a:b]
-        x = torch.stack([got[p] for p in ids]) if self.robust and len(ids) >= 2 else None
-        if x is not None and self.origin is None:  # every piece of two parts or more: a member that
-            pairs: dict = {}  # withholds a part cannot choose where a pair is measured
+        for rec in (self._piece_suspects, self._piece_agree, self._piece_pairs):
+            rec.pop(j, None)
+        pairs_wanted = self.robust and self.update_codec == SIGN and self.origin is None and len(ids) >= 2
+        x = torch.stack([got[p] for p in ids]) if pairs_wanted or (self.robust and len(ids) >= 3) else None
+        if pairs_wanted and x is not None:  # every piece of two parts or more: a member that
+            pairs: dict = {}  # withholds a part cannot choose where an honest pair is measured
             accumulate_pairs(pairs, x, ids)
             self._piece_pairs[j] = pairs
         if x is not None and len(ids) >= 3:
+            suspects: dict[str, float] = {}
             agree: dict = {}
-            self._piece_agree[j] = agree
-            avg.copy_(centred_clip(x, self.suspects, ids, agree, None if self.origin is None else self.origin[a:b]))
+            self._piece_suspects[j], self._piece_agree[j] = suspects, agree
+            avg.copy_(centred_clip(x, suspects, ids, agree, None if self.origin is None else self.origin[a:b]))
         else:
-            self._piece_agree.pop(j, None)
             _mean_into(avg, [got[p] for p in ids])
         self.gathered[j] = ids
+
+    @property
+    def suspects(self) -> dict[str, float]:
+        """Robust: member -> its largest distance over the pieces, in median distances."""
+        out: dict[str, float] = {}
+        for j in sorted(self._piece_suspects):
+            for p, d in self._piece_suspects[j].items():
+                out[p] = max(out.get(p, 0.0), d)
+        return out
 
     @property
     def _agree(self) -> dict:
         """Robust: member -> [u . m, |u|^2] summed over the pieces, None -> |m|^2 (robust.py)."""
         out: dict = {}
-        for rec in self._piece_agree.values():
-            for k, v in rec.items():
+        for j in sorted(self._piece_agree):  # in piece order: the same float sums at every member
+            for k, v in self._piece_agree[j].items():
                 if k is None:
                     out[None] = out.get(None, 0.0) + v
                 else:
@@ -469,8 +482,8 @@ class AveragingRound:
         """Robust, parts that are updates: (p, q) -> [u_p . u_q, |u_p|^2, |u_q|^2] summed over the
         pieces that held both (``PairWindow`` takes them in)."""
         out: dict = {}
-        for rec in self._piece_pairs.values():
-            for k, v in rec.items():
+        for j in sorted(self._piece_pairs):  # in piece order: the same float sums at every member
+            for k, v in self._piece_pairs[j].items():
                 acc = out.setdefault(k, [0.0, 0.0, 0.0])
                 for i in range(3):
                     acc[i] += v[i]

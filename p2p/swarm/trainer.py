@@ -69,7 +69,7 @@ class SwarmTrainer:
         self.group = Group(peer.id, margin=scfg.margin)
         self.averager = Averager(peer, k, codec=scfg.codec, density=scfg.density, min_coverage=scfg.min_coverage,
                                  max_norm=scfg.max_norm, timeout_s=scfg.round_timeout_s, aggregate=scfg.aggregate,
-                                 floats=_largest_block(mcfg, self.schedule.plan))
+                                 floats=_largest_block(mcfg, self.schedule.plan), steps=scfg.sync == "params")
         self.server = CheckpointServer(peer, self.dir / "serve")
         self.fetcher = CheckpointFetcher(peer)
         self.stats = Stats()
