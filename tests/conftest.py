@@ -1,4 +1,5 @@
 import os
+from importlib.metadata import entry_points
 
 import pytest
 import torch
@@ -89,3 +90,8 @@ def run_rounds(rounds: dict) -> int:
         sent += part.stored_bytes
         queue += [(part.peer, q) for q in rounds[part.peer].receive(src, part.msg)]
     return sent
+
+
+# The commands as installed: pyproject's [project.scripts] entry points, loaded by name (tests
+# drive the commands, not the CLI modules behind them).
+COMMANDS = {e.name: e.load() for e in entry_points(group="console_scripts") if e.dist and e.dist.name == "blocktrain"}

@@ -10,10 +10,13 @@ import torch
 from click.testing import CliRunner
 from torch.nn import functional as F
 
-from blocktrain.bench.cli import main
 from blocktrain.bench.step import PlainLoop, configs, counted_flops
 from blocktrain.blocks.data import load_split
 from blocktrain.blocks.train import BlockTrainer
+
+from conftest import COMMANDS
+
+main = COMMANDS["bt-bench"]
 
 SMALL = ["--sizes", "tiny", "--set", "model.d_model=32", "--set", "model.n_head=2", "--batch", "2", "--seq", "16",
          "--steps", "2", "--threads", "1"]

@@ -2,11 +2,12 @@
 documented an --outer that no command took)."""
 
 import re
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import click
 import pytest
+
+from conftest import COMMANDS as ROOTS  # the commands as installed, under the names README uses
 
 OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 
@@ -18,8 +19,6 @@ def _commands(cmd: click.Command, name: str):
             yield from _commands(c, f"{name} {sub}")
 
 
-# the commands as installed (pyproject's [project.scripts]), under the names README uses
-ROOTS = {e.name: e.load() for e in entry_points(group="console_scripts") if e.dist and e.dist.name == "blocktrain"}
 COMMANDS = dict(c for n, root in ROOTS.items() for c in _commands(root, n))
 
 

@@ -20,7 +20,7 @@ from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer
 from blocktrain.p2p.swarm.membership import JobMismatch
 from blocktrain.p2p.swarm.settings import job_difference, job_digest
 
-from conftest import mesh
+from conftest import COMMANDS, mesh
 from test_swarm import FAST, MC, SC, TC
 
 DATA = as_tensor(read_split("valid"))
@@ -75,7 +75,7 @@ def test_the_corpus_digest_names_the_bytes_not_the_format(tmp_path):
 
 
 def test_bt_train_trains_on_a_text_file(tmp_path, monkeypatch):
-    from blocktrain.blocks.cli import main
+    main = COMMANDS["bt-train"]
     monkeypatch.setenv("BT_DATA_CACHE", str(tmp_path / "cache"))
     src = _text(tmp_path / "mine.txt")
     r = CliRunner().invoke(main, ["--data", str(src), "--out", str(tmp_path / "run"), "--steps", "3", "--no-reference",
@@ -106,7 +106,7 @@ def test_devices_are_checked_and_auto_is_the_cpu_without_a_gpu():
         pick_precision("fp8", torch.device("cpu"))
 
 def test_an_absent_device_is_refused_before_anything_is_written(tmp_path):
-    from blocktrain.blocks.cli import main
+    main = COMMANDS["bt-train"]
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     r = CliRunner().invoke(main, ["--device", f"cuda:{n}", "--out", str(tmp_path / "run")])
     assert r.exit_code == 2 and "CUDA device" in r.output and not (tmp_path / "run").exists()

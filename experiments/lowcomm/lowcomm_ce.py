@@ -39,7 +39,7 @@ from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain
 from blocktrain.p2p.averaging import AveragingRound, OuterOptimizer, flatten
 from blocktrain.p2p.averaging.driver import outliers_in_a_row
-from blocktrain.p2p.averaging.robust import PAIR_MIN_ROUNDS, PairWindow, pair_cosines
+from blocktrain.p2p.averaging.robust import PairWindow, pair_cosines
 
 
 def average(ids, vectors, rnd, codec, density, residuals, named=None, judge=None):
@@ -135,8 +135,7 @@ def main():
             if a.exclude and pid not in excluded:
                 excluded[pid] = (r.round, why)
         if a.cosines:
-            ready = {k: v[:3] for k, v in window.acc.items() if v[3] >= PAIR_MIN_ROUNDS} if window else {}
-            for p, c in pair_cosines(ready, set(r.live())).items():
+            for p, c in (window.figures(set(r.live())) if window else {}).items():
                 windowed.setdefault(p[:1], []).append(round(c, 4))
 
     def attacked(vs):

@@ -207,13 +207,18 @@ class PairWindow:
                 acc[2] += qq
                 acc[3] += 1.0
 
+    def figures(self, live) -> dict[str, float]:
+        """Each member of ``live`` -> its figure: ``pair_cosines`` over the window's pairs that hold
+        PAIR_MIN_ROUNDS rounds or more."""
+        return pair_cosines({k: v[:3] for k, v in self.acc.items() if v[3] >= PAIR_MIN_ROUNDS}, live)
+
     def opposed(self, live, me: str) -> dict[str, float]:
         """Members of ``live`` (``me`` never) whose figure (``pair_cosines`` over the window's pairs
         of at least PAIR_MIN_ROUNDS rounds) is below -OPPOSED_COS and below minus half of the
         others' agreement, the lower median of the other members' figures, which must be above
         PAIR_AGREE (where the common direction is weak, or every member's updates point apart as
         when each one's data differs from the mean, nobody is singled out). Member -> its figure."""
-        fig = pair_cosines({k: v[:3] for k, v in self.acc.items() if v[3] >= PAIR_MIN_ROUNDS}, live)
+        fig = self.figures(live)
         out = {}
         for j, c in fig.items():
             if j == me or c >= -OPPOSED_COS:

@@ -117,6 +117,21 @@ def group_digest(members, rnd: int, start: str) -> str:
     return hashlib.sha256(f"{','.join(sorted(members))}|{rnd}|{start}".encode()).hexdigest()[:16]
 
 
+def _summed(records: dict[int, dict]) -> dict:
+    """Per-piece records (piece -> key -> a float or a list of floats) summed key by key, in piece
+    order: the same float sums at every member whatever order its pieces were computed in."""
+    out: dict = {}
+    for j in sorted(records):
+        for k, v in records[j].items():
+            if isinstance(v, float):
+                out[k] = out.get(k, 0.0) + v
+            else:
+                acc = out.setdefault(k, [0.0] * len(v))
+                for i, x in enumerate(v):
+                    acc[i] += x
+    return out
+
+
 def _mean_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
     """The plain mean of ``parts`` (in member order) into ``out``: the first copied, the others added
     one by one, then divided by their count, in float32 (PROTOCOL.md 7.1: members must get the same
@@ -466,28 +481,13 @@ class AveragingRound:
     @property
     def _agree(self) -> dict:
         """Robust: member -> [u . m, |u|^2] summed over the pieces, None -> |m|^2 (robust.py)."""
-        out: dict = {}
-        for j in sorted(self._piece_agree):  # in piece order: the same float sums at every member
-            for k, v in self._piece_agree[j].items():
-                if k is None:
-                    out[None] = out.get(None, 0.0) + v
-                else:
-                    acc = out.setdefault(k, [0.0, 0.0])
-                    acc[0] += v[0]
-                    acc[1] += v[1]
-        return out
+        return _summed(self._piece_agree)
 
     @property
     def pairs(self) -> dict:
         """Robust, parts that are updates: (p, q) -> [u_p . u_q, |u_p|^2, |u_q|^2] summed over the
         pieces that held both (``PairWindow`` takes them in)."""
-        out: dict = {}
-        for j in sorted(self._piece_pairs):  # in piece order: the same float sums at every member
-            for k, v in self._piece_pairs[j].items():
-                acc = out.setdefault(k, [0.0, 0.0, 0.0])
-                for i in range(3):
-                    acc[i] += v[i]
-        return out
+        return _summed(self._piece_pairs)
 
     def result(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector and the round's report; RoundFailed below ``min_coverage``."""
