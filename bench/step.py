@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from blocktrain.blocks.config import SIZES, ConfigError, JobConfig, ModelConfig, TrainConfig, load
 from blocktrain.blocks.data import ByteBatches, load_split
 from blocktrain.blocks.device import autocast, describe
+from blocktrain.blocks.device import threads as torch_threads
 from blocktrain.blocks.model import Block, EndToEnd
 from blocktrain.blocks.train import BlockTrainer, slot_batch
 
@@ -227,13 +228,9 @@ def measure(size: str, mcfg: ModelConfig, tcfg: TrainConfig, data: torch.Tensor,
 def run(sizes: list[tuple[str, ModelConfig, TrainConfig]], device: torch.device, precision: str, steps: int,
         threads: int, log=lambda line: None) -> dict:
     """Every size of ``sizes`` (``configs``), on ``device`` with ``threads`` torch threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         data = load_split("train")
         results = [measure(name, m, t, data, device, precision, steps, log) for name, m, t in sizes]
-    finally:
-        torch.set_num_threads(before)
     return {"benchmark": "step", "device": describe(device, precision), "precision": precision, "threads": threads,
             "steps": steps, "warmup_steps": WARMUP_STEPS, "sizes": results,
             "targets": {"ratio >= 0.95 at every size (CPU)": all(s["ratio_min"] >= 0.95 for s in results),

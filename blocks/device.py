@@ -76,6 +76,18 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def threads(n: int):
+    """Torch computes on ``n`` threads inside the block and on as many as before after it: a
+    job or benchmark run in process does not leave its ``--threads`` to its caller."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def describe(device: torch.device, precision: str) -> str:
     """One line for logs and results: the device (its name where it has one) and the precision."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

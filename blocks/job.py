@@ -19,14 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from blocktrain.provenance import code_version
 
 from . import checkpoint as ckpt
 from .config import JobConfig
 from .data import DataError, load_split, prepared, resolve_data
-from .device import describe, pick_device, pick_precision
+from .device import describe, pick_device, pick_precision, threads
 from .model import Assembled
 from .run import train_blocktrain, train_e2e
 from .schedule import make_plans
@@ -83,7 +82,11 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar, command: str | None 
     ``command`` (the command line that asked for it)."""
     made_by = code_version()
     check_job(job)
-    torch.set_num_threads(job.threads)
+    with threads(job.threads):  # in process (tests, notebooks) the caller keeps its own count
+        return _run_checked_job(job, made_by, log, bar, command)
+
+
+def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | None) -> dict:
     device = pick_device(job.device)  # before anything is written
     precision = pick_precision(job.precision, device)
     out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")

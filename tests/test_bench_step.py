@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from blocktrain.bench.step import PlainLoop, configs, counted_flops
 from blocktrain.blocks.data import load_split
+from blocktrain.blocks.device import threads
 from blocktrain.blocks.train import BlockTrainer
 
 from conftest import COMMANDS
@@ -25,12 +26,13 @@ SMALL = ["--sizes", "tiny", "--set", "model.d_model=32", "--set", "model.n_head=
 def test_step_command_reports_every_block_with_its_ratio(tmp_path, monkeypatch):
     out = tmp_path / "step.json"
     monkeypatch.setattr(sys, "argv", ["bt-bench", "step", *SMALL, "--json", str(out)])  # what the JSON records
-    r = CliRunner().invoke(main, ["step", *SMALL, "--json", str(out)])
+    with threads(2):  # the caller's count, which the run's --threads 1 must not replace
+        r = CliRunner().invoke(main, ["step", *SMALL, "--json", str(out)])
+        assert torch.get_num_threads() == 2
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
     assert d["command"].startswith("bt-bench step --sizes tiny") and d["code_version"]["code_hash"]
     assert d["threads"] == 1 and "side by side" in d["note"]
-    assert torch.get_num_threads() == 1  # the run's --threads is not left behind
     (s,) = d["sizes"]
     K = s["model"]["n_blocks"]
     assert s["size"] == "tiny" and s["model"]["d_model"] == 32

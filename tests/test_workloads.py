@@ -13,7 +13,7 @@ from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.config import ConfigError, JobConfig, TrainConfig, load
 from blocktrain.blocks.data import (DataError, as_tensor, corpus_digest, load_split, prepare, read_embedded, read_split,
                                     resolve_data)
-from blocktrain.blocks.device import DeviceError, pick_device, pick_precision
+from blocktrain.blocks.device import DeviceError, pick_device, pick_precision, threads
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import BlockTrainer, EndToEndTrainer
 from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer
@@ -78,10 +78,13 @@ def test_bt_train_trains_on_a_text_file(tmp_path, monkeypatch):
     main = COMMANDS["bt-train"]
     monkeypatch.setenv("BT_DATA_CACHE", str(tmp_path / "cache"))
     src = _text(tmp_path / "mine.txt")
-    r = CliRunner().invoke(main, ["--data", str(src), "--out", str(tmp_path / "run"), "--steps", "3", "--no-reference",
-                                  "--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "train.batch_size=4",
-                                  "--set", "train.seq_len=32", "--set", "train.eval_every=3", "--set", "draft_frac=0",
-                                  "--set", "test_windows=4", "--device", "cpu", "--threads", "1"])
+    with threads(2):  # the caller's count, which an in-process run must leave as it found it
+        r = CliRunner().invoke(main, ["--data", str(src), "--out", str(tmp_path / "run"), "--steps", "3",
+                                      "--no-reference", "--set", "model.d_model=32", "--set", "model.n_head=2",
+                                      "--set", "train.batch_size=4", "--set", "train.seq_len=32",
+                                      "--set", "train.eval_every=3", "--set", "draft_frac=0",
+                                      "--set", "test_windows=4", "--device", "cpu", "--threads", "1"])
+        assert torch.get_num_threads() == 2
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["job"]["device"] == "cpu" and res["job"]["data"].startswith(str(tmp_path / "cache"))
