@@ -631,6 +631,39 @@ def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_rou
     assert not a.sent
 
 
+def test_a_member_that_just_left_our_group_hears_our_status_at_once(tmp_path):
+    """PROTOCOL r6.22: a split heals in a round trip even where the two sides told each other
+    their status in an earlier split less than STATUS_EVERY_S ago (the stopped-peer test: a member
+    split off again trained its block's last rounds alone, in milliseconds, and ended apart)."""
+    from blocktrain.p2p.group import Phase, State
+    from blocktrain.p2p.swarm.membership import STATUS_KEPT
+
+    node = _FakeNode("a" * 64)
+    node.known = ("a" * 64, "b" * 64, "c" * 64)
+    sp = _swarm_trainer(node, tmp_path)
+    sp.group.state, sp.group.round = State.TRAINING, 466
+    sent = []
+    sp.membership.send = sent.extend
+    b, c = "b" * 64, "c" * 64
+    sp.group.joined[b] = 1
+    sp.membership.tell_outsiders()  # c is outside: told; b is a member: not
+    assert [(s.peer, s.meta["phase"]) for s in sent] == [(c, Phase.STATUS.value)]
+    sent.clear()
+    sp.membership._status_sent[b] = time.monotonic()  # told in an earlier split, a moment ago
+    sp.membership.tell_outsiders()
+    assert not sent  # c was told a moment ago
+    sp.group.depart(b, "sees another group")  # split again
+    sp.membership.tell_outsiders()
+    assert [s.peer for s in sent] == [b] and sent[0].meta["size"] == 1
+    sent.clear()
+    sp.membership.tell_outsiders()  # once: then every STATUS_EVERY_S again
+    assert not sent
+    for i in range(4 * STATUS_KEPT):  # when we told peers no longer in scope is not kept for ever
+        sp.membership._status_sent[f"{i:064x}"] = 0.0
+    sp.membership.tell_outsiders()
+    assert set(sp.membership._status_sent) == {b, c}
+
+
 def test_a_joiner_named_in_an_admit_is_never_dialled_as_an_address(tmp_path):
     """A member passes a new admission on to the joiners pending (group.py rule 2). A keyed member
     could name an address as the joiner ("10.9.9.9:22"): the node dials a peer id it does not know

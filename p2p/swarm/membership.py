@@ -15,7 +15,7 @@ Rules:
 - STATUS (group.py rule 6): a size no group here can have, or a STATUS from an excluded peer, is
   ignored; a larger group makes us leave ours and join it (``rejoin``); a lower-ranked group's
   member hears ours at once (at most every ``STATUS_REPLY_S``), peers outside our group every
-  ``STATUS_EVERY_S``.
+  ``STATUS_EVERY_S`` and at once after they left it (a split heals within a round trip).
 - After each round, joiners admitted at it are told the name of the state they take (READY).
 - Job (PROTOCOL.md 7.2 "Job"): every control message we send carries ``job``
   (settings.job_digest: the shared settings and the corpus). One that carries another job is not
@@ -56,6 +56,7 @@ log = logging.getLogger("blocktrain.p2p")
 STATUS_EVERY_S = 5.0
 # ... and answered at most this often when its STATUS ranks below ours (so that it yields at once).
 STATUS_REPLY_S = 0.5
+STATUS_KEPT = 64  # when last told, for peers no longer in scope: pruned past twice the candidates plus this
 READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes first
 READY_PER_MEMBER = 2  # of them from one member (an honest one tells one per admission)
 MAX_LEFT = 1024  # members remembered as having left (Membership.left; identities are free: the oldest go)
@@ -84,7 +85,8 @@ class Membership:
         self.joining = False
         self.rejoin = False  # a larger group exists: leave ours and join it before the next round
         self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
-        self._status_sent: dict[str, float] = {}
+        self._status_sent: dict[str, float] = {}  # peer -> when it was last told our status
+        self._insiders: set[str] = set()  # our group's members at the last tell_outsiders
         # members that left the group by a LEAVE or as the swarm saw them leave (Goodbye) or die (not
         # a closed connection, which is redialled; nor those a round departed), newest last: Rounds
         # departs them from a round begun before (its ``gone``)
@@ -234,13 +236,21 @@ class Membership:
         self.tell_outsiders()
 
     def tell_outsiders(self) -> None:
-        """Rule 6 of group.py: training peers in scope but outside our group hear our status."""
+        """Rule 6 of group.py: training peers in scope but outside our group hear our status, every
+        STATUS_EVERY_S, and at once when they were in our group at the last call (a split: each
+        side hears the other's rank now, whatever it was told in an earlier split, so the smaller
+        side yields before it trains on apart; a member left alone trains a round in milliseconds)."""
         now = time.monotonic()
         members = set(self.group.members()) | set(self.group.joined)
-        for pid in self.candidates():
-            if pid not in members and now - self._status_sent.get(pid, 0.0) > STATUS_EVERY_S:
+        candidates = self.candidates()
+        for pid in candidates:
+            if pid not in members and (pid in self._insiders or now - self._status_sent.get(pid, 0.0) > STATUS_EVERY_S):
                 self._status_sent[pid] = now
                 self.send([self.group.status_for(pid)])
+        self._insiders = members
+        if len(self._status_sent) > 2 * len(candidates) + STATUS_KEPT:  # identities are free: only live peers'
+            live = set(candidates)
+            self._status_sent = {p: t for p, t in self._status_sent.items() if p in live}
 
     # --- joining -----------------------------------------------------------------------------------
     async def join(self, start_digest: Callable[[], str], min_group: int, join_timeout_s: float,
