@@ -340,22 +340,29 @@ class PeerConnection(asyncio.BufferedProtocol):
         not sent yet: our Goodbye, queued behind a full window while the peer was busy, or
         stopping too and still sending to us (a swarm stopped at once: a member saw another's
         connection lost, not its Goodbye, 1 run in 12). A client that read its replies has
-        nothing unread: it need not linger (a status query would wait a round trip more)."""
+        nothing unread: it need not linger (a status query would wait a round trip more).
+        A close begun already is waited for (its reason and cause stand); a close cancelled while
+        it waits still closes the connection."""
         if self.closed.done():
             return
+        if self._closing is not None:
+            await asyncio.shield(self.closed)
+            return
         self._closing = (f"closed by us: {reason}", cause)
-        if self.established.done() and not self.established.exception():
-            try:
-                self.send_nowait(Goodbye(reason=reason), bulk=True)
-                if self._writer is not None:
-                    async with asyncio.timeout(self.timeouts.close_s):
-                        await asyncio.shield(self._writer)
-                if linger:
-                    async with asyncio.timeout(self.timeouts.close_s):
-                        await self._linger()
-            except (ConnectionError, ProtocolError, TimeoutError):
-                pass
-        self._shutdown(f"closed by us: {reason}", cause=cause)
+        try:
+            if self.established.done() and not self.established.exception():
+                try:
+                    self.send_nowait(Goodbye(reason=reason), bulk=True)
+                    if self._writer is not None:
+                        async with asyncio.timeout(self.timeouts.close_s):
+                            await asyncio.shield(self._writer)
+                    if linger:
+                        async with asyncio.timeout(self.timeouts.close_s):
+                            await self._linger()
+                except (ConnectionError, ProtocolError, TimeoutError):
+                    pass
+        finally:  # cancelled too: the socket is closed, not left open with our side ended
+            self._shutdown(f"closed by us: {reason}", cause=cause)
         await self.wait_closed()
 
     async def _linger(self):

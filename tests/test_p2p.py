@@ -395,6 +395,40 @@ async def test_a_lingering_close_keeps_its_cause_and_can_be_aborted(psk):
         server.close()
 
 
+async def test_a_second_close_waits_for_the_first_and_a_cancelled_close_still_closes(psk):
+    """Two closes at once: one Goodbye goes out and the first close's cause stands (the later one
+    replaced it before). A close cancelled while it lingers closes the socket all the same (it was
+    left open, our side of the stream ended, the connection never done)."""
+    from blocktrain.p2p.transport import CloseCause
+    from blocktrain.protocol import ConnectionClosed
+    server, a, b = await _pair(psk)
+    try:
+        first = asyncio.ensure_future(a.close("duplicate", CloseCause.DUPLICATE))
+        second = asyncio.ensure_future(a.close("stopping"))
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+        assert a.close_cause is CloseCause.DUPLICATE and a.close_reason == "closed by us: duplicate"
+        m = await asyncio.wait_for(b.recv(), 5)
+        assert isinstance(m, ConnectionClosed) and m.reason == "duplicate"
+        assert b.conn.counter.snapshot()["received"]["by_type"]["goodbye"]["frames"] == 1
+    finally:
+        await a.close()
+        await b.close()
+        server.close()
+    server, a, b = await _pair(psk)
+    try:
+        b.transport.pause_reading()  # a lingers until its close_s
+        closing = asyncio.ensure_future(a.close("stopping"))
+        await wait_for(lambda: a._eof_sent, what="a lingering")
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert a.closed.done() and a.transport.is_closing() and a.close_cause is CloseCause.LOCAL
+    finally:
+        await a.close()
+        await b.close()
+        server.close()
+
+
 async def test_goodbye_goes_after_the_frames_queued_before_it(psk):
     """A stopping member's last parts of a round are queued as bulk frames (averaging/driver.py,
     ``_hand_out``): its Goodbye follows them, so the receiver gets every one before the close."""
