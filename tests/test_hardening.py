@@ -560,7 +560,9 @@ class _FakeNode:
     known: tuple = ()
 
     def __init__(self, pid):
+        from blocktrain.p2p.waiters import Waiters
         self.id = pid
+        self._waiters = Waiters(lambda: False)
 
     def members(self, **k):
         from types import SimpleNamespace
@@ -569,7 +571,12 @@ class _FakeNode:
     def on(self, *a, **k): pass
     def on_membership(self, *a): pass
     def report_section(self, *a): pass
-    def notify(self): pass
+
+    def notify(self):
+        self._waiters.notify()
+
+    async def wait_for(self, predicate, timeout=None):
+        return await self._waiters.wait_for(predicate, timeout)
 
 
 def _swarm_trainer(node, tmp_path):
@@ -631,37 +638,138 @@ def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_rou
     assert not a.sent
 
 
+def _status_trainer(tmp_path, pid, known, rnd=466):
+    from blocktrain.p2p.group import State
+    node = _FakeNode(pid)
+    node.known = known
+    sp = _swarm_trainer(node, tmp_path)
+    sp.group.state, sp.group.round = State.TRAINING, rnd
+    sp.sent = []
+    sp.membership.send = sp.sent.extend
+    return sp
+
+
+def _statuses(sp):
+    from blocktrain.p2p.group import Phase
+    out = [s for s in sp.sent if s.meta["phase"] == Phase.STATUS.value]
+    sp.sent.clear()
+    return out
+
+
 def test_a_member_that_just_left_our_group_hears_our_status_at_once(tmp_path):
     """PROTOCOL r6.22: a split heals in a round trip even where the two sides told each other
     their status in an earlier split less than STATUS_EVERY_S ago (the stopped-peer test: a member
-    split off again trained its block's last rounds alone, in milliseconds, and ended apart)."""
-    from blocktrain.p2p.group import Phase, State
+    split off again trained its block's last rounds alone, in milliseconds, and ended apart). One
+    that is not a live candidate when it leaves is owed it until it is one."""
     from blocktrain.p2p.swarm.membership import STATUS_KEPT
 
-    node = _FakeNode("a" * 64)
-    node.known = ("a" * 64, "b" * 64, "c" * 64)
-    sp = _swarm_trainer(node, tmp_path)
-    sp.group.state, sp.group.round = State.TRAINING, 466
-    sent = []
-    sp.membership.send = sent.extend
-    b, c = "b" * 64, "c" * 64
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+    sp = _status_trainer(tmp_path, a, (a, b, c))
     sp.group.joined[b] = 1
     sp.membership.tell_outsiders()  # c is outside: told; b is a member: not
-    assert [(s.peer, s.meta["phase"]) for s in sent] == [(c, Phase.STATUS.value)]
-    sent.clear()
+    assert [s.peer for s in _statuses(sp)] == [c]
     sp.membership._status_sent[b] = time.monotonic()  # told in an earlier split, a moment ago
     sp.membership.tell_outsiders()
-    assert not sent  # c was told a moment ago
+    assert not _statuses(sp)  # c was told a moment ago
     sp.group.depart(b, "sees another group")  # split again
     sp.membership.tell_outsiders()
-    assert [s.peer for s in sent] == [b] and sent[0].meta["size"] == 1
-    sent.clear()
+    (st,) = _statuses(sp)
+    assert st.peer == b and st.meta["size"] == 1
     sp.membership.tell_outsiders()  # once: then every STATUS_EVERY_S again
-    assert not sent
+    assert not _statuses(sp)
     for i in range(4 * STATUS_KEPT):  # when we told peers no longer in scope is not kept for ever
         sp.membership._status_sent[f"{i:064x}"] = 0.0
     sp.membership.tell_outsiders()
     assert set(sp.membership._status_sent) == {b, c}
+
+    sp = _status_trainer(tmp_path, a, (a, b, c))  # b leaves while it is no live candidate (dead a while)
+    sp.group.joined[b] = 1
+    sp.membership.tell_outsiders()
+    sp.membership._status_sent[b] = time.monotonic()
+    sp.peer.known = (a, c)
+    sp.group.depart(b, "silent in round 466")
+    sp.membership.tell_outsiders()
+    assert [s.peer for s in _statuses(sp)] == [c]
+    sp.peer.known = (a, b, c)  # back: owed our status at once
+    sp.membership.tell_outsiders()
+    assert [s.peer for s in _statuses(sp)] == [b]
+
+
+def test_our_status_at_a_split_does_not_stop_us_answering_the_other_side(tmp_path):
+    """Review of r6.22: a drops b and tells it its status at once; b still counts a in and ignores
+    it, then drops a and tells a its own. a answers (it ranks higher), so b yields: the answer's
+    limit (STATUS_REPLY_S) is not spent by the STATUS a sent b at the split."""
+    from blocktrain.p2p.group import State
+    from blocktrain.protocol import BlockUpdate
+
+    ids = ("a" * 64, "b" * 64, "c" * 64)
+    a, b = (_status_trainer(tmp_path, pid, ids) for pid in ids[:2])
+    a.group.joined.update({ids[1]: 1, ids[2]: 1})
+    b.group.joined.update({ids[0]: 1})
+    a.membership.tell_outsiders(), b.membership.tell_outsiders()
+    _statuses(a), _statuses(b)
+
+    def deliver(src, dst):
+        for s in _statuses(src):
+            if s.peer == dst.peer.id:
+                dst.membership.on_control(BlockUpdate(block=0, round=s.round, meta={**s.meta, "scope": dst.scope}),
+                                          None, src.peer.id)
+    a.group.depart(ids[1], "sees another group")  # a's group: a and c
+    a.membership.tell_outsiders()
+    deliver(a, b)  # b still counts a in: ignored
+    assert b.group.state is State.TRAINING and not b.membership.rejoin
+    b.group.depart(ids[0], "sees another group")  # b alone
+    b.membership.tell_outsiders()
+    deliver(b, a)  # a answers at once
+    deliver(a, b)
+    assert b.group.state is State.IDLE and b.membership.rejoin
+
+
+async def test_a_member_split_off_alone_waits_for_the_other_sides_status(tmp_path):
+    """r6.22: a member left alone by members that departed its rounds alive waits, before its next
+    round, for the status of one of them (SPLIT_WAIT_S at most): alone it trains a round in
+    milliseconds and would finish its block apart. A LEAVE is no split; nor is a departure that
+    leaves others with us; a member that is gone ends the wait."""
+    from blocktrain.p2p.group import State
+    from blocktrain.protocol import BlockUpdate
+
+    ids = ("a" * 64, "b" * 64, "c" * 64)
+    a = _status_trainer(tmp_path, ids[1], ids)  # a is b's node here: it ranks below a group of a and c
+    a.group.joined.update({ids[0]: 1, ids[2]: 1})
+    a.membership.tell_outsiders()
+    a.group.depart(ids[0], "sees another group")  # one left: two remain, no wait
+    a.membership.tell_outsiders()
+    assert not a.membership.split_pending()
+    a.group.depart(ids[2], "sees another group")  # alone now
+    a.membership.tell_outsiders()
+    assert a.membership.split_pending()
+    waiting = asyncio.ensure_future(a.membership.after_split())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # the next round waits
+    a.membership.on_control(BlockUpdate(block=0, round=470, meta={"phase": "status", "scope": a.scope, "size": 2,
+                                                                  "sponsor": ids[0], "round": 470}), None, ids[0])
+    await asyncio.wait_for(waiting, 1)  # their group is larger: we yield (and the round will rejoin)
+    assert a.membership.rejoin and a.group.state is State.IDLE
+
+    c = _status_trainer(tmp_path, ids[2], ids)
+    c.group.joined.update({ids[1]: 1})
+    c.membership.tell_outsiders()
+    c.membership.left[ids[1]] = "left the group (left)"  # it said LEAVE: no split
+    c.group.depart(ids[1], "left")
+    c.membership.tell_outsiders()
+    assert not c.membership.split_pending()
+    del c.membership.left[ids[1]]
+    c.group.joined[ids[1]] = 1
+    c.membership.tell_outsiders()
+    c.group.depart(ids[1], "silent in round 466")
+    c.membership.tell_outsiders()
+    assert c.membership.split_pending()
+    waiting = asyncio.ensure_future(c.membership.after_split())
+    await asyncio.sleep(0.05)
+    c.peer.known = (ids[0], ids[2])  # b declared dead: nobody to wait for
+    c.peer.notify()
+    await asyncio.wait_for(waiting, 1)
+    assert not c.membership.split_pending()
 
 
 def test_a_joiner_named_in_an_admit_is_never_dialled_as_an_address(tmp_path):

@@ -15,7 +15,12 @@ Rules:
 - STATUS (group.py rule 6): a size no group here can have, or a STATUS from an excluded peer, is
   ignored; a larger group makes us leave ours and join it (``rejoin``); a lower-ranked group's
   member hears ours at once (at most every ``STATUS_REPLY_S``), peers outside our group every
-  ``STATUS_EVERY_S`` and at once after they left it (a split heals within a round trip).
+  ``STATUS_EVERY_S`` and, once they have left our group, at our next round's end where they are
+  live then (else as soon as they are).
+- A split (r6.22): a member left alone by members that departed its rounds alive (not by a LEAVE,
+  a Goodbye or a death) trains no further round alone until it hears the status of one of them,
+  ``SPLIT_WAIT_S`` at most (``after_split``): alone it trains a round in milliseconds, and could
+  finish its block apart from the group it is about to rejoin.
 - After each round, joiners admitted at it are told the name of the state they take (READY).
 - Job (PROTOCOL.md 7.2 "Job"): every control message we send carries ``job``
   (settings.job_digest: the shared settings and the corpus). One that carries another job is not
@@ -56,7 +61,8 @@ log = logging.getLogger("blocktrain.p2p")
 STATUS_EVERY_S = 5.0
 # ... and answered at most this often when its STATUS ranks below ours (so that it yields at once).
 STATUS_REPLY_S = 0.5
-STATUS_KEPT = 64  # when last told, for peers no longer in scope: pruned past twice the candidates plus this
+STATUS_KEPT = 64  # when last told or answered, for peers no longer in scope: pruned past twice the candidates plus this
+SPLIT_WAIT_S = STATUS_EVERY_S  # a member split off alone waits this long at most for the others' status
 READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes first
 READY_PER_MEMBER = 2  # of them from one member (an honest one tells one per admission)
 MAX_LEFT = 1024  # members remembered as having left (Membership.left; identities are free: the oldest go)
@@ -85,8 +91,10 @@ class Membership:
         self.joining = False
         self.rejoin = False  # a larger group exists: leave ours and join it before the next round
         self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
-        self._status_sent: dict[str, float] = {}  # peer -> when it was last told our status
+        self._status_sent: dict[str, float] = {}  # peer -> when it was last told our status (STATUS_EVERY_S)
+        self._status_replied: dict[str, float] = {}  # peer -> when its STATUS was last answered (STATUS_REPLY_S)
         self._insiders: set[str] = set()  # our group's members at the last tell_outsiders
+        self._split_from: set[str] = set()  # members that left us alone alive (after_split waits for their status)
         # members that left the group by a LEAVE or as the swarm saw them leave (Goodbye) or die (not
         # a closed connection, which is redialled; nor those a round departed), newest last: Rounds
         # departs them from a round begun before (its ``gone``)
@@ -171,22 +179,25 @@ class Membership:
             del self._ready[min(self._ready)]
 
     def _on_status(self, pid: str, meta: dict) -> None:
-        size = meta.get("size")
-        if pid in self.averager.banned or pid in self.averager.shunned or type(size) is not int \
-                or not 1 <= size <= len(self.candidates()) + 1:  # a size no group here can have
-            return
+        size, candidates = meta.get("size"), self.candidates()  # (without the banned and shunned)
+        if pid not in candidates or type(size) is not int or not 1 <= size <= len(candidates) + 1:
+            return  # not a live training peer of our scope, or a size no group here can have
+        if pid in self._split_from:  # we know where the other side of a split stands (after_split)
+            self._split_from.clear()
+            self.peer.notify()
         leave = self.group.on_status(pid, meta)
         if leave is not None:
             self.say(f"another group is larger; leaving ours to join it ({len(leave)} member(s) told)")
             self.send(leave)
             self.rejoin = True
+            self.peer.notify()
         elif self.group.state is State.TRAINING and pid not in self.group.joined and self.group.outranks(meta) \
-                and time.monotonic() - self._status_sent.get(pid, 0.0) > STATUS_REPLY_S:
+                and time.monotonic() - self._status_replied.get(pid, 0.0) > STATUS_REPLY_S:
             # ours ranks higher: say so now. Two members that dropped a dead third at different
             # rounds each see the other outside; the first one's STATUS reached the other while
             # it still counted the first in, and without this reply the split lasted STATUS_EVERY_S.
-            self._status_sent[pid] = time.monotonic()
-            self.send([self.group.status_for(pid)])
+            self._status_replied[pid] = time.monotonic()  # apart from _status_sent: a STATUS we sent it
+            self.send([self.group.status_for(pid)])  # at a split, just before it dropped us, is no answer
 
     def _membership(self, ev) -> None:
         if ev.departed and self.group.depart(ev.peer_id, ev.change.value):
@@ -237,20 +248,45 @@ class Membership:
 
     def tell_outsiders(self) -> None:
         """Rule 6 of group.py: training peers in scope but outside our group hear our status, every
-        STATUS_EVERY_S, and at once when they were in our group at the last call (a split: each
-        side hears the other's rank now, whatever it was told in an earlier split, so the smaller
-        side yields before it trains on apart; a member left alone trains a round in milliseconds)."""
+        STATUS_EVERY_S; one that has left our group since the last call is owed it at once (a
+        split: each side learns the other's rank now, whatever it was told in an earlier split),
+        here if it is a live candidate, else as soon as it is one again. Members that left us
+        alone alive are what ``after_split`` waits to hear from."""
+        if self.group.state is not State.TRAINING:  # we left our group: no status for a group we have not
+            self._insiders, self._split_from = set(), set()
+            return
         now = time.monotonic()
         members = set(self.group.members()) | set(self.group.joined)
+        gone = self._insiders - members
+        for pid in gone:
+            self._status_sent.pop(pid, None)
+        self._split_from = ((self._split_from | {p for p in gone if p not in self.left})
+                            if len(members) == 1 else set())  # a LEAVE, Goodbye or death is no split
         candidates = self.candidates()
         for pid in candidates:
-            if pid not in members and (pid in self._insiders or now - self._status_sent.get(pid, 0.0) > STATUS_EVERY_S):
+            if pid not in members and now - self._status_sent.get(pid, 0.0) > STATUS_EVERY_S:
                 self._status_sent[pid] = now
                 self.send([self.group.status_for(pid)])
         self._insiders = members
-        if len(self._status_sent) > 2 * len(candidates) + STATUS_KEPT:  # identities are free: only live peers'
-            live = set(candidates)
+        if len(self._status_sent) + len(self._status_replied) > 2 * len(candidates) + STATUS_KEPT:
+            live = set(candidates)  # identities are free: only live peers' are kept
             self._status_sent = {p: t for p, t in self._status_sent.items() if p in live}
+            self._status_replied = {p: t for p, t in self._status_replied.items() if p in live}
+
+    def split_pending(self) -> bool:
+        """Alone after a split, and one of the members that left us is a live candidate whose
+        status we have not heard since (nor have we yielded)."""
+        return bool(self._split_from) and not self.rejoin and self.group.state is State.TRAINING \
+            and len(self.group.members()) == 1 and not self._split_from.isdisjoint(self.candidates())
+
+    async def after_split(self) -> None:
+        """Before a round alone after a split: wait, SPLIT_WAIT_S at most, for the status of a
+        member that left us (we yield to its group, or it to ours), or for it to be gone. Once:
+        a split not heard from in that time is left to the periodic STATUS."""
+        if self.split_pending():
+            self.say(f"split from {len(self._split_from)} member(s) still alive: waiting for their status")
+            await self.peer.wait_for(lambda: not self.split_pending(), SPLIT_WAIT_S)
+            self._split_from = set()
 
     # --- joining -----------------------------------------------------------------------------------
     async def join(self, start_digest: Callable[[], str], min_group: int, join_timeout_s: float,

@@ -292,6 +292,7 @@ class SwarmTrainer:
     async def _next_round(self) -> None:
         """The schedule's next round: a rejoin first if due (the next block in _train_round); a
         block's end, saves and reports after it."""
+        await self.membership.after_split()  # alone after a split: hear the other side first
         if self.membership.rejoin:
             self.membership.rejoin = False
             self.rounds.drop_pending()  # we take the group's state
