@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from blocktrain.provenance import code_version
 
 from . import checkpoint as ckpt

@@ -1,6 +1,7 @@
 """Peers over loopback TCP (port 0): handshake, link shaping, membership, bad input, processes."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -383,7 +384,8 @@ async def test_a_lingering_close_keeps_its_cause_and_can_be_aborted(psk):
         server.close()
     server, a, b = await _pair(psk)
     try:
-        b.transport.pause_reading()  # a lingers until its close_s
+        b.transport.pause_reading()  # a lingers until its close_s: long enough to be aborted in it
+        a.timeouts = dataclasses.replace(FAST, close_s=30)
         closing = asyncio.ensure_future(a.close("stopping"))
         await wait_for(lambda: a._eof_sent, what="a lingering")
         a.abort_with(ErrorCode.MALFORMED_METADATA, "bad frame", CloseCause.PEER_ERROR)
@@ -396,9 +398,9 @@ async def test_a_lingering_close_keeps_its_cause_and_can_be_aborted(psk):
 
 
 async def test_a_second_close_waits_for_the_first_and_a_cancelled_close_still_closes(psk):
-    """Two closes at once: one Goodbye goes out and the first close's cause stands (the later one
-    replaced it before). A close cancelled while it lingers closes the socket all the same (it was
-    left open, our side of the stream ended, the connection never done)."""
+    """Two closes at once: the first close's cause stands (the later one replaced it before) and
+    the peer reads one Goodbye. A close cancelled while it lingers closes the socket all the same
+    (it was left open, our side of the stream ended, the connection never done)."""
     from blocktrain.p2p.transport import CloseCause
     from blocktrain.protocol import ConnectionClosed
     server, a, b = await _pair(psk)
@@ -416,7 +418,8 @@ async def test_a_second_close_waits_for_the_first_and_a_cancelled_close_still_cl
         server.close()
     server, a, b = await _pair(psk)
     try:
-        b.transport.pause_reading()  # a lingers until its close_s
+        b.transport.pause_reading()  # a lingers until its close_s: long enough to be cancelled in it
+        a.timeouts = dataclasses.replace(FAST, close_s=30)
         closing = asyncio.ensure_future(a.close("stopping"))
         await wait_for(lambda: a._eof_sent, what="a lingering")
         closing.cancel()
