@@ -387,6 +387,24 @@ async def test_a_member_that_left_the_group_before_the_round_began_departs_it(to
         assert all(isinstance(r.exception(), GroupMismatch) for r in rounds)
 
 
+async def test_a_member_training_alone_answers_absent_to_a_round_that_still_counts_it_in():
+    """r6.22: b was split off alone (it averages with nobody, so its averager's round stayed
+    behind) while a still counts it in: a's parts of round 1 were held at b without an answer, and
+    a waited for b until its round's deadline. b training round 1 alone tells a it is not in it."""
+    from fakes import FakeNet
+    net = FakeNet()
+    a, b = (net.peer(i + 1, blocks=(1,)) for i in range(2))
+    avg_a, avg_b = Averager(a, 1, timeout_s=60), Averager(b, 1, timeout_s=60)
+    task = asyncio.ensure_future(avg_a.average(1, torch.randn(64), [a.id, b.id]))
+    await asyncio.sleep(0.2)
+    assert not task.done()  # held at b, unanswered
+    avg_b.alone(1)
+    done, _ = await asyncio.wait({task}, timeout=10)
+    assert task in done and isinstance(task.exception(), GroupMismatch)
+    avg_b.alone(0)  # never back
+    assert avg_b.current == 1
+
+
 @pytest.mark.parametrize("codec", ["raw", "sign"])
 async def test_a_member_stopped_while_it_sends_its_parts_hands_them_all_out(codec):
     """A member cancelled between two sends of its parts (its peer stops, or the round is not ours

@@ -323,18 +323,30 @@ async def test_a_peer_that_trains_and_serves_nothing_refuses_at_once(tmp_path):
     from blocktrain.p2p.checkpoints import CheckpointFetcher, FetchError, refuse_streams
     from blocktrain.p2p.pipeline import refuse_requests
     from blocktrain.p2p.swarm import refuse_joins
-    from blocktrain.protocol import BlockUpdate
+    from blocktrain.protocol import BlockUpdate, PipelineForward, PipelineResult
     a, b = await mesh(2, FAST)
     refuse_streams(a)
     refuse_joins(a)
     refuse_requests(a)
     answers = []
-    b.on(BlockUpdate, lambda m, pc, pid: (answers.append(m.meta.get("phase")), b.notify()), inline=True)
+    b.on(BlockUpdate, lambda m, pc, pid: (answers.append((m.meta.get("phase"), m.meta.get("scope"))), b.notify()),
+         inline=True)
     try:
         with pytest.raises(FetchError, match="not served here"):
             await asyncio.wait_for(CheckpointFetcher(b).fetch([a.id], "checkpoint", "block0"), 10)
-        (await b.connection(a.id)).send_nowait(BlockUpdate(block=0, round=1, meta={"phase": "join", "scope": "relay"}))
-        assert await b.wait_for(lambda: answers == ["absent"], 10), answers
+        pc = await b.connection(a.id)
+        for bad in ({}, {"scope": None}, {"scope": ["relay"]}, {"scope": "x" * 4000}):  # finding 12: not answered
+            pc.send_nowait(BlockUpdate(block=0, round=1, meta={"phase": "join", **bad}))  # with scope: nil
+        pc.send_nowait(BlockUpdate(block=0, round=1, meta={"phase": "join", "scope": "block:2"}))
+        pc.send_nowait(BlockUpdate(block=0, round=1, meta={"phase": "join", "scope": "relay"}))
+        assert await b.wait_for(lambda: len(answers) >= 2, 10), answers
+        assert answers == [("absent", "block:2"), ("absent", "relay")] and not pc.closed.done()
+        results = []  # a request: refused at once, the hop's fault (the client routes around it)
+        b.on(PipelineResult, lambda m, pc, pid: (results.append(m), b.notify()), inline=True)
+        pc.send_nowait(PipelineForward(request_id=7, route=(a.addr, b.addr), hop=0, meta={"blocks": [0, 1]}))
+        assert await b.wait_for(lambda: results, 10)
+        (r,) = results
+        assert r.request_id == 7 and r.meta["fault"] == "hop" and "serves no blocks" in r.meta["error"]
     finally:
         await a.stop()
         await b.stop()
@@ -628,7 +640,7 @@ def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_rou
     b.membership.send([b.group.status_for(a.peer.id)])
     deliver(b, a)
     assert not a.sent
-    a.membership._status_sent.clear()  # a STATUS of equal rank, a size no group here can have, or from an
+    a.membership._status_replied.clear()  # a STATUS of equal rank, a size no group here can have, or from an
     for meta in ({"size": 1, "sponsor": "a" * 64}, {"size": 10**6, "sponsor": "0" * 64}):  # excluded peer: no answer
         a.membership.on_control(BlockUpdate(block=0, round=1, meta={"phase": "status", "scope": a.scope, **meta}), None, b.peer.id)
         assert not a.sent and a.group.state is State.TRAINING
@@ -686,10 +698,11 @@ def test_a_member_that_just_left_our_group_hears_our_status_at_once(tmp_path):
     sp.group.joined[b] = 1
     sp.membership.tell_outsiders()
     sp.membership._status_sent[b] = time.monotonic()
+    _statuses(sp)
     sp.peer.known = (a, c)
     sp.group.depart(b, "silent in round 466")
     sp.membership.tell_outsiders()
-    assert [s.peer for s in _statuses(sp)] == [c]
+    assert not _statuses(sp)  # b is not live; c was told a moment ago
     sp.peer.known = (a, b, c)  # back: owed our status at once
     sp.membership.tell_outsiders()
     assert [s.peer for s in _statuses(sp)] == [b]
@@ -726,49 +739,82 @@ def test_our_status_at_a_split_does_not_stop_us_answering_the_other_side(tmp_pat
 
 
 async def test_a_member_split_off_alone_waits_for_the_other_sides_status(tmp_path):
-    """r6.22: a member left alone by members that departed its rounds alive waits, before its next
-    round, for the status of one of them (SPLIT_WAIT_S at most): alone it trains a round in
-    milliseconds and would finish its block apart. A LEAVE is no split; nor is a departure that
-    leaves others with us; a member that is gone ends the wait."""
-    from blocktrain.p2p.group import State
+    """r6.22: a member left alone by members that trained with it and departed its rounds alive
+    waits, before its next round, until each has told it where it stands (SPLIT_WAIT_S at most):
+    alone it trains a round in milliseconds and would finish its block apart. The wait ends on a
+    larger group's STATUS (we yield), a lower one's (it will yield to us), a JOIN, or a death; an
+    ADMIT (it still counts us in) does not end it. A LEAVE is no split; nor is a departure that
+    leaves others with us, or a joiner that never trained with us."""
+    from blocktrain.p2p.group import Phase, State
     from blocktrain.protocol import BlockUpdate
 
     ids = ("a" * 64, "b" * 64, "c" * 64)
-    a = _status_trainer(tmp_path, ids[1], ids)  # a is b's node here: it ranks below a group of a and c
-    a.group.joined.update({ids[0]: 1, ids[2]: 1})
-    a.membership.tell_outsiders()
-    a.group.depart(ids[0], "sees another group")  # one left: two remain, no wait
-    a.membership.tell_outsiders()
-    assert not a.membership.split_pending()
-    a.group.depart(ids[2], "sees another group")  # alone now
-    a.membership.tell_outsiders()
-    assert a.membership.split_pending()
-    waiting = asyncio.ensure_future(a.membership.after_split())
+
+    def hear(sp, pid, phase, **meta):
+        sp.membership.on_control(BlockUpdate(block=0, round=470, meta={"phase": phase, "scope": sp.scope, **meta}),
+                                 None, pid)
+
+    async def split(me, others, why="sees another group"):
+        sp = _status_trainer(tmp_path, me, ids)
+        sp.group.joined.update({p: 1 for p in others})
+        sp.membership.tell_outsiders()
+        for p in others:
+            sp.group.depart(p, why)
+            sp.membership.tell_outsiders()
+        return sp
+
+    b = await split(ids[1], ids[0:1] + ids[2:])
+    assert b.membership.split_pending()
+    waiting = asyncio.ensure_future(b.membership.after_split())
+    await asyncio.sleep(0.05)
+    hear(b, ids[0], Phase.ADMIT.value, peer=ids[2], at=471)  # a still counts b in: no answer yet
     await asyncio.sleep(0.05)
     assert not waiting.done()  # the next round waits
-    a.membership.on_control(BlockUpdate(block=0, round=470, meta={"phase": "status", "scope": a.scope, "size": 2,
-                                                                  "sponsor": ids[0], "round": 470}), None, ids[0])
-    await asyncio.wait_for(waiting, 1)  # their group is larger: we yield (and the round will rejoin)
-    assert a.membership.rejoin and a.group.state is State.IDLE
+    hear(b, ids[0], Phase.STATUS.value, size=2, sponsor=ids[0], round=470)  # a's group of two: b yields
+    await asyncio.wait_for(waiting, 1)
+    assert b.membership.rejoin and b.group.state is State.IDLE
 
-    c = _status_trainer(tmp_path, ids[2], ids)
-    c.group.joined.update({ids[1]: 1})
+    a = await split(ids[0], ids[1:2])  # a alone, split from b
+    waiting = asyncio.ensure_future(a.membership.after_split())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    hear(a, ids[1], Phase.STATUS.value, size=1, sponsor=ids[1], round=470)  # lower than a's: b will yield
+    await asyncio.wait_for(waiting, 1)
+    assert not a.membership.rejoin and a.group.state is State.TRAINING and not a.membership.split_pending()
+
+    c = await split(ids[2], ids[1:2], "silent in round 466")
+    waiting = asyncio.ensure_future(c.membership.after_split())
+    await asyncio.sleep(0.05)
+    hear(c, ids[1], Phase.JOIN.value, step=10, digest="0" * 16)  # b asks to join c: it stands alone
+    await asyncio.wait_for(waiting, 1)
+
+    c = await split(ids[2], ids[1:2], "silent in round 466")
+    waiting = asyncio.ensure_future(c.membership.after_split())
+    await asyncio.sleep(0.05)
+    c.peer.known = (ids[0], ids[2])  # b declared dead: gone from the swarm's table
+    c.peer.notify()
+    await asyncio.wait_for(waiting, 1)
+
+    c = await split(ids[2], ids[0:2])  # one left, then the other: alone only after the second
+    assert c.membership.split_pending()
+    c = _status_trainer(tmp_path, ids[2], ids)  # a departure that leaves another with us: no wait
+    c.group.joined.update({ids[0]: 1, ids[1]: 1})
     c.membership.tell_outsiders()
-    c.membership.left[ids[1]] = "left the group (left)"  # it said LEAVE: no split
+    c.group.depart(ids[0], "sees another group")
+    c.membership.tell_outsiders()
+    assert not c.membership.split_pending()
+    c = _status_trainer(tmp_path, ids[2], ids)  # it said LEAVE: no split
+    c.group.joined[ids[1]] = 1
+    c.membership.tell_outsiders()
+    c.membership.left[ids[1]] = "left the group (left)"
     c.group.depart(ids[1], "left")
     c.membership.tell_outsiders()
     assert not c.membership.split_pending()
-    del c.membership.left[ids[1]]
-    c.group.joined[ids[1]] = 1
+    c = _status_trainer(tmp_path, ids[2], ids)  # a joiner admitted for a later round, gone before it
+    c.group.joined[ids[1]] = 500  # pending: it never trained with us
     c.membership.tell_outsiders()
-    c.group.depart(ids[1], "silent in round 466")
+    c.group.depart(ids[1], "gave up its admission")
     c.membership.tell_outsiders()
-    assert c.membership.split_pending()
-    waiting = asyncio.ensure_future(c.membership.after_split())
-    await asyncio.sleep(0.05)
-    c.peer.known = (ids[0], ids[2])  # b declared dead: nobody to wait for
-    c.peer.notify()
-    await asyncio.wait_for(waiting, 1)
     assert not c.membership.split_pending()
 
 

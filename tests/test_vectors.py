@@ -14,7 +14,7 @@ from blocktrain.protocol.handshake import NoiseHandshake
 from blocktrain.protocol.statediagram import mermaid
 from blocktrain.protocol.connection import Role
 
-from vectors import (INVALID_FIRST, INVALID_HELLOS, INVALID_R4, PROTOCOL_MD, VALID, fixed_connection,
+from vectors import (INVALID_FIRST, INVALID_HELLOS, INVALID_R4, RANGE_HELLOS, PROTOCOL_MD, VALID, fixed_connection,
                      message3_with_hello, session_transcript, tables)
 
 VALID_ROWS = tables("Valid frames")
@@ -153,6 +153,14 @@ def test_invalid_hello_rejected_by_a_responder(name, hexstr, code, split):
 
 def test_every_invalid_hello_has_a_vector():
     assert {r[0] for r in HELLO_ROWS} == set(INVALID_HELLOS)
+
+
+@pytest.mark.parametrize("name", RANGE_HELLOS)
+def test_the_out_of_range_block_hellos_are_canonical_so_the_range_check_refuses_them(name):
+    """Issue 29, finding 13: the u16 vector encoded -1 in a longer form than needed, so it was
+    refused as non-canonical and never reached the range check."""
+    from blocktrain.protocol import unpack_canonical
+    assert unpack_canonical(INVALID_HELLOS[name])["info"]["blocks"][0] in (-1, 65536)
 
 
 def test_sealed_session_vector_encodes():

@@ -145,8 +145,11 @@ INVALID_HELLOS = {
     "extra key": b"\x84\xa1v\x01\xa4seal\xc3\xa4info\x80\xa1x\x00",
     "duplicate key": b"\x84\xa1v\x01\xa4seal\xc3\xa4info\x80\xa1v\x01",
     "unknown role": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa4role\xa3cat",
-    "block not a u16": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa6blocks\x91\xd0\xff",
+    # canonical msgpack (the tests check): refused by the range check, not as a longer form (r6.22)
+    "block not a u16": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa6blocks\x91\xff",
+    "block past a u16": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa6blocks\x91\xce\x00\x01\x00\x00",
 }
+RANGE_HELLOS = ("block not a u16", "block past a u16")  # canonical: only their values are wrong
 
 
 def tables(section: str) -> list[list[str]]:

@@ -200,6 +200,14 @@ class Averager(EarlyParts):
                 self._tell_absent(pid, old)
         self._recount_early()
 
+    def alone(self, rnd: int) -> None:
+        """We trained round ``rnd`` alone (a group of one: no ``average``): parts of it or an earlier
+        round are not ours, and their senders hear so (ABSENT), so a member that still counts us in
+        learns of the split at once, not at its round's deadline (swarm/membership.py, r6.22).
+        Never moves back: a round in progress, or a later one begun, stands."""
+        if self._round is None and rnd > self.current:
+            self.expect(rnd + 1)
+
     def depart(self, pid: str, why: str) -> None:
         """A member left the group (a service's own signal): it departs the round in progress."""
         if self._round is not None:

@@ -15,12 +15,15 @@ Rules:
 - STATUS (group.py rule 6): a size no group here can have, or a STATUS from an excluded peer, is
   ignored; a larger group makes us leave ours and join it (``rejoin``); a lower-ranked group's
   member hears ours at once (at most every ``STATUS_REPLY_S``), peers outside our group every
-  ``STATUS_EVERY_S`` and, once they have left our group, at our next round's end where they are
-  live then (else as soon as they are).
-- A split (r6.22): a member left alone by members that departed its rounds alive (not by a LEAVE,
-  a Goodbye or a death) trains no further round alone until it hears the status of one of them,
-  ``SPLIT_WAIT_S`` at most (``after_split``): alone it trains a round in milliseconds, and could
-  finish its block apart from the group it is about to rejoin.
+  ``STATUS_EVERY_S`` and, once they have left our group, at the end of our first round at which
+  they are live. We send no STATUS once we left our group, and take none from a peer that is not
+  a live training peer of our scope.
+- A split (r6.22): a member left alone (no member, no joiner pending) by members that trained
+  with it and departed its rounds without a LEAVE, Goodbye or death trains no further round until
+  each of them has told it where it stands (a STATUS, JOIN, LEAVE, ABSENT or STARTING of our
+  scope) or is gone (declared dead, left), ``SPLIT_WAIT_S`` at most
+  (``after_split``; meanwhile it tells them its STATUS as they come back): alone it trains a round
+  in milliseconds, and could finish its block apart from the group it is about to rejoin.
 - After each round, joiners admitted at it are told the name of the state they take (READY).
 - Job (PROTOCOL.md 7.2 "Job"): every control message we send carries ``job``
   (settings.job_digest: the shared settings and the corpus). One that carries another job is not
@@ -63,12 +66,16 @@ STATUS_EVERY_S = 5.0
 STATUS_REPLY_S = 0.5
 STATUS_KEPT = 64  # when last told or answered, for peers no longer in scope: pruned past twice the candidates plus this
 SPLIT_WAIT_S = STATUS_EVERY_S  # a member split off alone waits this long at most for the others' status
+# What a member split from us may say that tells us where it stands (its rank, or that it joins,
+# leaves or trains nothing); an ADMIT or READY says it still counts us in, which settles nothing.
+SETTLES_SPLIT = frozenset({Phase.STATUS, Phase.JOIN, Phase.LEAVE, Phase.ABSENT, Phase.STARTING})
 READY_KEPT = 16  # READYs (round, member) a joiner keeps; the oldest round goes first
 READY_PER_MEMBER = 2  # of them from one member (an honest one tells one per admission)
 MAX_LEFT = 1024  # members remembered as having left (Membership.left; identities are free: the oldest go)
 MAX_OTHER_JOBS = 64  # peers of another job remembered (named once each; identities are free: the oldest go)
 OTHER_JOB_LINES = 8  # of them named per minute at most (each identity is named once, and identities are free)
 JOB_FORM = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{16}")  # a job of any other form counts as another job
+SCOPE_FORM = re.compile(r"relay|block:\d{1,5}")  # PROTOCOL.md 7.2: relay, or block:K of a u16 K
 JOB_PATIENCE_S = 5.0  # a first join stops (JobMismatch) only after meeting only other jobs this long
 
 
@@ -93,7 +100,8 @@ class Membership:
         self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
         self._status_sent: dict[str, float] = {}  # peer -> when it was last told our status (STATUS_EVERY_S)
         self._status_replied: dict[str, float] = {}  # peer -> when its STATUS was last answered (STATUS_REPLY_S)
-        self._insiders: set[str] = set()  # our group's members at the last tell_outsiders
+        self._insiders: set[str] = set()  # our group's members and pending joiners at the last tell_outsiders
+        self._trained_with: set[str] = set()  # our group's members (not joiners) at the last tell_outsiders
         self._split_from: set[str] = set()  # members that left us alone alive (after_split waits for their status)
         # members that left the group by a LEAVE or as the swarm saw them leave (Goodbye) or die (not
         # a closed connection, which is redialled; nor those a round departed), newest last: Rounds
@@ -124,6 +132,9 @@ class Membership:
             if phase is Phase.JOIN:  # another scope's join: we are not in its group
                 self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value})])
             return
+        if pid in self._split_from and phase in SETTLES_SPLIT:  # it told us where it stands (after_split)
+            self._split_from.discard(pid)
+            self.peer.notify()
         theirs = meta.get("job", self.job)  # absent: an older peer, not checked
         if self.job and theirs != self.job and phase is not Phase.LEAVE:  # not of our group, whatever it says
             self._other_job(pid, theirs)  # (a LEAVE removes only its sender: honoured whatever its job)
@@ -182,14 +193,12 @@ class Membership:
         size, candidates = meta.get("size"), self.candidates()  # (without the banned and shunned)
         if pid not in candidates or type(size) is not int or not 1 <= size <= len(candidates) + 1:
             return  # not a live training peer of our scope, or a size no group here can have
-        if pid in self._split_from:  # we know where the other side of a split stands (after_split)
-            self._split_from.clear()
-            self.peer.notify()
         leave = self.group.on_status(pid, meta)
         if leave is not None:
             self.say(f"another group is larger; leaving ours to join it ({len(leave)} member(s) told)")
             self.send(leave)
             self.rejoin = True
+            self._forget_group()
             self.peer.notify()
         elif self.group.state is State.TRAINING and pid not in self.group.joined and self.group.outranks(meta) \
                 and time.monotonic() - self._status_replied.get(pid, 0.0) > STATUS_REPLY_S:
@@ -200,6 +209,8 @@ class Membership:
             self.send([self.group.status_for(pid)])  # at a split, just before it dropped us, is no answer
 
     def _membership(self, ev) -> None:
+        if ev.departed and ev.change is not Change.SUSPECT and ev.peer_id in self._split_from:
+            self._split_from.discard(ev.peer_id)  # gone: nothing to wait for (after_split)
         if ev.departed and self.group.depart(ev.peer_id, ev.change.value):
             if ev.change is not Change.SUSPECT:  # a closed connection, redialled: it may be in the round still
                 self._left(ev.peer_id, f"left the group ({ev.change.value})")
@@ -248,45 +259,63 @@ class Membership:
 
     def tell_outsiders(self) -> None:
         """Rule 6 of group.py: training peers in scope but outside our group hear our status, every
-        STATUS_EVERY_S; one that has left our group since the last call is owed it at once (a
-        split: each side learns the other's rank now, whatever it was told in an earlier split),
-        here if it is a live candidate, else as soon as it is one again. Members that left us
-        alone alive are what ``after_split`` waits to hear from."""
+        STATUS_EVERY_S; one that has left our group since the last call is owed it (its last time
+        dropped: a split, whose two sides must learn each other's rank now, whatever they were
+        told in an earlier one), sent now if it is a live candidate, else at the first call at
+        which it is one. Members that trained with us and left us alone alive are what
+        ``after_split`` waits to hear from."""
         if self.group.state is not State.TRAINING:  # we left our group: no status for a group we have not
-            self._insiders, self._split_from = set(), set()
+            self._forget_group()
             return
         now = time.monotonic()
-        members = set(self.group.members()) | set(self.group.joined)
+        trained_with = set(self.group.members())
+        members = trained_with | set(self.group.joined)
         gone = self._insiders - members
         for pid in gone:
             self._status_sent.pop(pid, None)
-        self._split_from = ((self._split_from | {p for p in gone if p not in self.left})
-                            if len(members) == 1 else set())  # a LEAVE, Goodbye or death is no split
+        if members == {self.peer.id}:  # alone: a LEAVE, Goodbye or death is no split; a joiner never trained with us
+            self._split_from |= {p for p in gone & self._trained_with if p not in self.left}
+        else:
+            self._split_from = set()
+        self._insiders, self._trained_with = members, trained_with
         candidates = self.candidates()
         for pid in candidates:
             if pid not in members and now - self._status_sent.get(pid, 0.0) > STATUS_EVERY_S:
                 self._status_sent[pid] = now
                 self.send([self.group.status_for(pid)])
-        self._insiders = members
         if len(self._status_sent) + len(self._status_replied) > 2 * len(candidates) + STATUS_KEPT:
             live = set(candidates)  # identities are free: only live peers' are kept
             self._status_sent = {p: t for p, t in self._status_sent.items() if p in live}
             self._status_replied = {p: t for p, t in self._status_replied.items() if p in live}
 
+    def _forget_group(self) -> None:
+        """We left our group (yielding, or idle): its members are no split of ours."""
+        self._insiders, self._trained_with, self._split_from = set(), set(), set()
+
     def split_pending(self) -> bool:
-        """Alone after a split, and one of the members that left us is a live candidate whose
-        status we have not heard since (nor have we yielded)."""
-        return bool(self._split_from) and not self.rejoin and self.group.state is State.TRAINING \
-            and len(self.group.members()) == 1 and not self._split_from.isdisjoint(self.candidates())
+        """Alone (no member, no joiner pending) after a split, and a member that left us is still
+        in the swarm's table (alive, or its connection being redialled) and has not told us where
+        it stands since; nor have we yielded."""
+        if not self._split_from or self.rejoin or self.group.state is not State.TRAINING \
+                or set(self.group.members()) | set(self.group.joined) != {self.peer.id}:
+            return False
+        present = {m.peer_id for m in self.peer.members(role="train", block=self.block_filter, alive=False)}
+        return not self._split_from.isdisjoint(present)
 
     async def after_split(self) -> None:
-        """Before a round alone after a split: wait, SPLIT_WAIT_S at most, for the status of a
-        member that left us (we yield to its group, or it to ours), or for it to be gone. Once:
-        a split not heard from in that time is left to the periodic STATUS."""
-        if self.split_pending():
-            self.say(f"split from {len(self._split_from)} member(s) still alive: waiting for their status")
-            await self.peer.wait_for(lambda: not self.split_pending(), SPLIT_WAIT_S)
-            self._split_from = set()
+        """Before a round alone after a split: wait, SPLIT_WAIT_S at most, until every member that
+        left us has told us where it stands or is gone; each that is live hears our STATUS (owed)
+        as soon as it is. Once: a split not settled in that time is left to the periodic STATUS."""
+        if not self.split_pending():
+            return
+        self.say(f"split from {len(self._split_from)} member(s) still in the swarm: waiting for them")
+        deadline = time.monotonic() + SPLIT_WAIT_S
+        while self.split_pending() and time.monotonic() < deadline:
+            self.tell_outsiders()  # the owed STATUS to each that is live now
+            live = set(self.candidates())
+            await self.peer.wait_for(lambda: not self.split_pending() or set(self.candidates()) != live,
+                                     deadline - time.monotonic())
+        self._split_from = set()
 
     # --- joining -----------------------------------------------------------------------------------
     async def join(self, start_digest: Callable[[], str], min_group: int, join_timeout_s: float,
@@ -393,12 +422,16 @@ class Membership:
 
 
 def refuse_joins(peer: PeerServices) -> None:
-    """For a peer that trains nothing: every JOIN is answered ABSENT at once (nobody waits on it)."""
+    """For a peer that trains nothing: every JOIN is answered ABSENT at once (nobody waits on it),
+    in the JOIN's scope (the joiner takes answers of its own scope only); a JOIN whose scope is
+    not of the form ``SCOPE_FORM`` (none, not a string) is not answered (issue 29, finding 12:
+    it was answered with ``scope: nil``)."""
     def handler(msg: BlockUpdate, pc, pid):
-        if msg.meta.get("phase") == Phase.JOIN.value:
+        scope = msg.meta.get("scope")
+        if msg.meta.get("phase") == Phase.JOIN.value and isinstance(scope, str) and SCOPE_FORM.fullmatch(scope):
             try:
                 pc.send_nowait(BlockUpdate(block=msg.block, round=msg.round,
-                                           meta={"phase": Phase.ABSENT.value, "scope": msg.meta.get("scope")}))
+                                           meta={"phase": Phase.ABSENT.value, "scope": scope}))
             except (ConnectionError, ProtocolError):
                 pass
     peer.on(BlockUpdate, handler, inline=True)

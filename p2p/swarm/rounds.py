@@ -264,6 +264,7 @@ class Rounds:
     async def _average_or_alone(self, rnd: int, vec: torch.Tensor, members: list, start: str, gone: dict):
         """``gone``: taken when the round is sent (the task first runs after the next round began)."""
         if len(members) <= 1:
+            self.averager.alone(rnd)  # a member that still counts us in hears that we are not in its round
             return vec, None
         return await self.averager.average(rnd, vec, members, start=start, gone=gone)
 
