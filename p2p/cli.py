@@ -547,8 +547,8 @@ def status(address, swarm_key, identity, as_json, wait_s, timeout):
     """Show a peer's view of the swarm: members, blocks, liveness, what it works on, bytes moved."""
     from blocktrain.protocol import ProtocolError
 
+    from .reports import status_lines
     from .view import status_when_listening
-    from .reports import fmt_bytes
 
     host, port = _addr(address)
     key, ident = _keys(swarm_key, identity)
@@ -561,19 +561,8 @@ def status(address, swarm_key, identity, as_json, wait_s, timeout):
     if as_json:
         click.echo(json.dumps(st, indent=1))
         return
-    click.echo(f"peer {st['peer_id'][:16]} at {st['addr']} (blocks {st['blocks']}, role {st['role']})")
-    w = st.get("work")
-    if w:
-        click.echo(f"  {w['state']}: holds block {w['holds']}" + (
-            f", training block {w['training_block']}" if w.get("training_block") is not None else "")
-            + f", step {w['step']}/{w['steps']}, round {w['round']}, group of {len(w['group'])}")
-    click.echo(f"{'peer':<18} {'address':<22} {'blocks':<10} {'role':<10} {'state':<8} {'last heard':>10}")
-    for m in st["members"]:
-        click.echo(f"{m['peer_id'][:16]:<18} {m['addr']:<22} {str(m['blocks']):<10} {m['role']:<10} "
-                   f"{m['state']:<8} {m['last_heard_s']:>9.1f}s")
-    t = st["traffic"]
-    click.echo(f"bytes moved by this peer: sent {fmt_bytes(t['sent']['wire_bytes'])}, "
-               f"received {fmt_bytes(t['received']['wire_bytes'])}")
+    for line in status_lines(st):
+        click.echo(line)
 
 
 @main.command()

@@ -5,6 +5,11 @@ Rules:
   else is a ``ReportError`` naming the file.
 - ``summarise`` gives one row per peer (block, rounds, rejected, CE start -> end, bytes by kind, CE
   per GB) and the swarm's bytes by kind; ``details`` gives every (peer, direction, remote, type) row.
+- A report is its peer's claim (issue 29, finding 10: a key holder may write any): rows are
+  attributed to the peer whose report says them, and where two reports see one link, what one
+  says it sent is checked against what the other says it received (``disagreements``: more than
+  ``LINK_SLACK_BYTES`` or ``LINK_SLACK_FRAC`` apart; reports written at different moments also
+  differ by what was in flight between them).
 """
 
 from __future__ import annotations
@@ -33,12 +38,38 @@ def read_report(path: str | Path) -> dict:
     return r
 
 
+LINK_SLACK_BYTES = 64 * 1024
+LINK_SLACK_FRAC = 0.01
+
+
+def _link_bytes(r: dict, remote: str, d: str) -> int:
+    t = r["peers"].get(remote) or {}
+    return sum(c["wire_bytes"] for c in (t.get(d) or {}).get("by_type", {}).values())
+
+
+def link_disagreements(reports: list[dict]) -> list[dict]:
+    """Links both of whose ends are among ``reports`` where the bytes one end says it sent and
+    the other says it received differ by more than the slack (see the rules)."""
+    by_id = {r["peer_id"]: r for r in reports}
+    out = []
+    for a, ra in by_id.items():
+        for b in sorted(ra["peers"]):
+            rb = by_id.get(b)
+            if rb is None or b == a:
+                continue
+            sent, got = _link_bytes(ra, b, "sent"), _link_bytes(rb, a, "received")
+            if abs(sent - got) > max(LINK_SLACK_BYTES, LINK_SLACK_FRAC * max(sent, got)):
+                out.append({"from": a, "to": b, "sent_says": sent, "received_says": got})
+    return out
+
+
 def summarise(files) -> dict:
     """The aggregate of several reports (JSON-able)."""
     kinds: dict[str, dict] = {d: {} for d in DIRECTIONS}
-    peers = []
+    peers, reports = [], []
     for f in files:
         r = read_report(f)
+        reports.append(r)
         for d in DIRECTIONS:
             add_counts(kinds[d], r.get("by_kind", {}).get(d, {}))
         tr = r.get("training") or {}
@@ -55,7 +86,7 @@ def summarise(files) -> dict:
             "membership_events": len(r.get("events", [])), "details": _detail_rows(r),
         })
     sent = sum(c["wire_bytes"] for c in kinds["sent"].values())
-    return {"peers": peers, "by_kind": kinds, "wire_bytes_sent": sent}
+    return {"peers": peers, "by_kind": kinds, "wire_bytes_sent": sent, "disagreements": link_disagreements(reports)}
 
 
 def _detail_rows(r: dict) -> list:
@@ -109,6 +140,11 @@ def summary_lines(agg: dict) -> list[str]:
                          f"{ev['reason']} (excluded since)")
         for pid, why in p["excluded_by"].items():
             lines.append(f"{p['peer_id'][:12]}: EXCLUDED by {pid[:12]}, which rejected this peer's update: {why}")
+    for x in agg.get("disagreements", []):
+        lines.append(f"DISAGREE: {x['from'][:12]} says it sent {fmt_bytes(x['sent_says'])} to {x['to'][:12]}, "
+                     f"which says it received {fmt_bytes(x['received_says'])} from it")
+    lines.append("Each row is what that peer's own report says (a member with the swarm key may write any); "
+                 "where two reports see one link, their bytes are compared (DISAGREE lines).")
     return lines
 
 
@@ -117,4 +153,27 @@ def detail_lines(agg: dict) -> list[str]:
     for p in agg["peers"]:
         for peer, d, remote, typ, fr, pb, wb in p["details"]:
             lines.append(f"{peer:<13} {d:<9} {remote:<13} {typ:<17} {fr:>8} {fmt_bytes(pb):>11} {fmt_bytes(wb):>11}")
+    return lines
+
+
+def status_lines(st: dict) -> list[str]:
+    """``bt-peer status``'s lines for a peer's STATUS answer ``st`` (issue 29, finding 10): what
+    the asked peer says of itself, then its members. A member's blocks and role are what it
+    announced (marked ``*``: a swarm key holder may claim any), its state and when it was last heard
+    are what the asked peer saw itself."""
+    lines = [f"peer {st['peer_id'][:16]} at {st['addr']} (blocks {st['blocks']}, role {st['role']}; as it says)"]
+    w = st.get("work")
+    if w:
+        lines.append(f"  {w['state']}: holds block {w['holds']}" + (
+            f", training block {w['training_block']}" if w.get("training_block") is not None else "")
+            + f", step {w['step']}/{w['steps']}, round {w['round']}, group of {len(w['group'])}")
+    lines.append(f"{'peer':<18} {'address':<22} {'blocks*':<10} {'role*':<10} {'state':<8} {'last heard':>10}")
+    for m in st["members"]:
+        lines.append(f"{m['peer_id'][:16]:<18} {m['addr']:<22} {str(m['blocks']):<10} {m['role']:<10} "
+                     f"{m['state']:<8} {m['last_heard_s']:>9.1f}s")
+    lines.append("* claimed: as each member announced it (a member with the swarm key may claim any block or "
+                 "role); state and last heard: what this peer saw")
+    t = st["traffic"]
+    lines.append(f"bytes moved by this peer: sent {fmt_bytes(t['sent']['wire_bytes'])}, "
+                 f"received {fmt_bytes(t['received']['wire_bytes'])}")
     return lines

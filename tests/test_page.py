@@ -183,3 +183,47 @@ def test_a_lying_member_is_shown_as_a_claim_with_this_peers_doubts():
     # a member of another group, or while we are not training (just started): its step is not ours to judge
     ahead = clean_work({"training_block": 1, "step": 900, "steps": 1000, "state": "training"})
     assert doubts(ahead, mine, "o" * 64) == [] and doubts(ahead, {**mine, "state": "joining"}, liar_id) == []
+
+
+def _report(pid: str, links: dict) -> dict:
+    """A minimal transfer report of ``pid``: links {remote: (sent wire bytes, received wire bytes)}."""
+    from blocktrain.p2p.reports import REPORT_KIND
+    peers = {q: {d: {"by_type": {"block_update": {"frames": 1, "payload_bytes": n, "wire_bytes": n}}}
+                 for d, n in zip(("sent", "received"), sr)} for q, sr in links.items()}
+    tot = {d: {"frames": 1, "payload_bytes": 0, "wire_bytes": sum(sr[i] for sr in links.values())}
+           for i, d in enumerate(("sent", "received"))}
+    return {"kind": REPORT_KIND, "peer_id": pid, "addr": "127.0.0.1:1", "blocks": [0], "role": "train",
+            "start_time": 0.0, "end_time": 1.0, "totals": tot, "by_kind": {}, "peers": peers}
+
+
+def test_reports_are_claims_and_two_ends_of_a_link_are_compared(tmp_path):
+    """Issue 29, finding 10: what a report says is its peer's claim. Where both ends of a link
+    reported, what one says it sent is checked against what the other says it received; beyond
+    the slack (in flight between two reports' moments) the summary says they disagree."""
+    from blocktrain.p2p.reports import LINK_SLACK_BYTES, summarise, summary_lines
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+    files = []
+    for pid, links in ((a, {b: (10_000_000, 2_000_000), c: (5_000, 0)}),  # a claims 10 MB sent to b
+                       (b, {a: (2_000_000 + LINK_SLACK_BYTES // 2, 1_000_000)})):  # b got 1 MB from a
+        files.append(tmp_path / f"{pid[0]}.json")
+        files[-1].write_text(json.dumps(_report(pid, links)))
+    agg = summarise(files)
+    assert agg["disagreements"] == [{"from": a, "to": b, "sent_says": 10_000_000, "received_says": 1_000_000}]
+    text = "\n".join(summary_lines(agg))  # b -> a within the slack; a -> c: c did not report
+    assert f"DISAGREE: {a[:12]} says it sent" in text and text.count("DISAGREE:") == 1
+    assert "own report says" in text
+
+
+def test_bt_peer_status_marks_what_members_announced_as_claimed():
+    """Issue 29, finding 10: `bt-peer status` showed a lying member 'alive on block 0' as fact:
+    its blocks and role are what it announced, its state and last heard what the asked peer saw."""
+    from blocktrain.p2p.reports import status_lines
+    st = {"peer_id": "a" * 64, "addr": "127.0.0.1:1", "blocks": [0], "role": "train",
+          "members": [{"peer_id": "b" * 64, "addr": "127.0.0.1:2", "blocks": [0], "role": "train",
+                       "state": "alive", "last_heard_s": 0.4}],
+          "traffic": {"sent": {"wire_bytes": 10}, "received": {"wire_bytes": 20}}}
+    lines = status_lines(st)
+    assert "as it says" in lines[0]
+    head = next(i for i, line in enumerate(lines) if line.startswith("peer  "))
+    assert "blocks*" in lines[head] and "role*" in lines[head] and lines[head + 1].startswith("b" * 16)
+    assert any(line.startswith("* claimed") for line in lines)
