@@ -218,6 +218,15 @@ INVALID_R4 = {  # name in PROTOCOL.md's Invalid frames -> the frame
         {"n": "bits", "d": "uint8", "s": [1, 511], "c": "raw", "g": 1 << 20, "L": [511], "z": [False]},
         {"n": "scale", "d": "float32", "s": [1], "c": "raw", "g": 1 << 20, "L": [4], "z": [False]}], "meta": {}}),
         bytes(511) + b"\x00\x00\x80\x3e"),
+    # r6.22: the answers of r6.1 to issue 29's spec gaps (finding 13), as vectors
+    "tensor name of 257 characters": _result_with(n="b" * 257),
+    "unknown update codec": raw_frame(0x20, _pk({"block": 0, "round": 1, "codec": "zz", "tensors": [
+        {"n": "w", "d": "float32", "s": [1], "c": "raw", "g": 1 << 20, "L": [4], "z": [False]}], "meta": {}}),
+        bytes(4)),
+    "stream open offset past its total size": raw_frame(0x30, _pk({
+        "kind": "checkpoint", "meta": {}, "name": "b", "offset": 10, "total_size": 5, "sha256": bytes(32)}), stream_id=3),
+    "stream chunk whose lz4 does not decompress": raw_header(0x31, 0x01, 3, 32) + struct.pack(">QI", 0, 100) + b"\xff" * 20,
+    "error code not a u16": raw_frame(0x02, _pk({"code": 65536, "reason": "x"})),
 }
 
 
