@@ -335,7 +335,8 @@ async def test_a_peer_that_trains_and_serves_nothing_refuses_at_once(tmp_path):
         with pytest.raises(FetchError, match="not served here"):
             await asyncio.wait_for(CheckpointFetcher(b).fetch([a.id], "checkpoint", "block0"), 10)
         pc = await b.connection(a.id)
-        for bad in ({}, {"scope": None}, {"scope": ["relay"]}, {"scope": "x" * 4000}):  # finding 12: not answered
+        for bad in ({}, {"scope": None}, {"scope": ["relay"]}, {"scope": "x" * 4000}, {"scope": "block:65536"},
+                    {"scope": "block:\u0663"}):  # finding 12: not answered (with scope: nil, as was)
             pc.send_nowait(BlockUpdate(block=0, round=1, meta={"phase": "join", **bad}))  # with scope: nil
         pc.send_nowait(BlockUpdate(block=0, round=1, meta={"phase": "join", "scope": "block:2"}))
         pc.send_nowait(BlockUpdate(block=0, round=1, meta={"phase": "join", "scope": "relay"}))
@@ -568,17 +569,20 @@ def test_a_dead_member_is_redialled_with_backoff_for_a_bounded_time():
 
 
 class _FakeNode:
-    """What a SwarmTrainer asks of its node, for driving its control messages by hand."""
+    """What a SwarmTrainer asks of its node, for driving its control messages by hand: ``known``
+    members are alive, ``suspect`` ones in the table with their connection being redialled."""
     known: tuple = ()
+    suspect: tuple = ()
 
     def __init__(self, pid):
         from blocktrain.p2p.waiters import Waiters
         self.id = pid
         self._waiters = Waiters(lambda: False)
 
-    def members(self, **k):
+    def members(self, alive=True, **k):
         from types import SimpleNamespace
-        return [SimpleNamespace(peer_id=q, addr=q[:4]) for q in self.known if q != self.id]
+        return [SimpleNamespace(peer_id=q, addr=q[:4]) for q in self.known + (() if alive else self.suspect)
+                if q != self.id]
 
     def on(self, *a, **k): pass
     def on_membership(self, *a): pass
@@ -816,6 +820,75 @@ async def test_a_member_split_off_alone_waits_for_the_other_sides_status(tmp_pat
     c.group.depart(ids[1], "gave up its admission")
     c.membership.tell_outsiders()
     assert not c.membership.split_pending()
+
+
+async def test_a_split_wait_ends_at_its_bound_tells_a_returning_peer_and_skips_excluded_ones(tmp_path, monkeypatch):
+    """Review of r6.22: the wait after a split ends at SPLIT_WAIT_S whatever the other side does;
+    a split peer that comes back (its connection redialled) during it hears our owed STATUS at
+    once; a member we excluded is not waited for (it will not tell us where it stands). Another
+    scope's JOIN is answered ABSENT in the joiner's scope (it takes answers of its own only)."""
+    from blocktrain.p2p.group import Phase
+    from blocktrain.p2p.swarm import membership
+    from blocktrain.protocol import BlockUpdate
+
+    monkeypatch.setattr(membership, "SPLIT_WAIT_S", 0.3)
+    ids = ("a" * 64, "b" * 64, "c" * 64)
+    c = _status_trainer(tmp_path, ids[2], ids)
+    c.group.joined[ids[1]] = 1
+    c.membership.tell_outsiders()
+    c.peer.known, c.peer.suspect = (ids[0], ids[2]), (ids[1],)  # b's connection closed: in the table, not live
+    c.group.depart(ids[1], "silent in round 466")
+    c.membership.tell_outsiders()
+    assert c.membership.split_pending() and not [s for s in _statuses(c) if s.peer == ids[1]]
+    t0 = time.monotonic()
+    waiting = asyncio.ensure_future(c.membership.after_split())
+    await asyncio.sleep(0.05)
+    c.peer.known, c.peer.suspect = ids, ()  # b is back: told our status now, and we wait on for its answer
+    c.peer.notify()
+    await asyncio.sleep(0.05)
+    assert [s.peer for s in _statuses(c)] == [ids[1]] and not waiting.done()
+    await asyncio.wait_for(waiting, 2)  # no answer: the bound ends the wait
+    assert 0.25 < time.monotonic() - t0 < 1.5 and not c.membership.split_pending()
+
+    c = _status_trainer(tmp_path, ids[2], ids)
+    c.group.joined[ids[1]] = 1
+    c.membership.tell_outsiders()
+    c.averager.banned[ids[1]] = "its update was NaN"
+    c.group.depart(ids[1], "excluded")
+    c.membership.tell_outsiders()
+    assert not c.membership.split_pending()
+
+    c.sent.clear()
+    c.membership.on_control(BlockUpdate(block=3, round=1, meta={"phase": "join", "scope": "block:3", "step": 0,
+                                                                "digest": "0" * 16}), None, ids[0])
+    (absent,) = c.sent
+    assert absent.peer == ids[0] and absent.meta == {"phase": Phase.ABSENT.value, "scope": "block:3"}
+
+
+@pytest.mark.parametrize("sync", ["grads", "params"])
+async def test_a_round_trained_alone_answers_the_parts_of_a_member_that_still_counts_us_in(tmp_path, sync):
+    """Review of r6.22: every lone round (not only under overlap) moves the averager's round on,
+    so parts of it that a member still counting us in sent are answered ABSENT at once."""
+    from blocktrain.p2p.group import State
+    node = _FakeNode("a" * 64)
+    node.known = ("a" * 64,)
+    sp = _swarm_trainer(node, tmp_path)
+    sp.scfg.sync = sync
+    sp.prepare()
+    sp.group.state, sp.group.round, sp.pos.rnd = State.TRAINING, 4, 4
+    told = []
+    sp.averager._tell_absent = lambda pid, rnd: told.append((pid, rnd))
+    sp.averager.expect_members(["b" * 64])
+    sp.averager._hold(5, "b" * 64, _held_part())
+    await sp.rounds.step()
+    assert sp.averager.current == 5 and told == [("b" * 64, 5)]
+
+
+def _held_part():
+    from blocktrain.p2p.tensors import to_wire
+    from blocktrain.protocol import BlockUpdate
+    return BlockUpdate(block=0, round=5, tensors=(to_wire("part", torch.randn(7)),),
+                       meta={"phase": "reduce", "part": 0, "group": "0" * 16})
 
 
 def test_a_joiner_named_in_an_admit_is_never_dialled_as_an_address(tmp_path):

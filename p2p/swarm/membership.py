@@ -19,11 +19,14 @@ Rules:
   they are live. We send no STATUS once we left our group, and take none from a peer that is not
   a live training peer of our scope.
 - A split (r6.22): a member left alone (no member, no joiner pending) by members that trained
-  with it and departed its rounds without a LEAVE, Goodbye or death trains no further round until
-  each of them has told it where it stands (a STATUS, JOIN, LEAVE, ABSENT or STARTING of our
-  scope) or is gone (declared dead, left), ``SPLIT_WAIT_S`` at most
+  with it and departed its rounds without a LEAVE, Goodbye, death or exclusion trains no further
+  round until each of them has told it where it stands (a STATUS, JOIN, LEAVE, ABSENT or STARTING
+  of our scope) or is gone from the table of our scope's training peers, ``SPLIT_WAIT_S`` at most
   (``after_split``; meanwhile it tells them its STATUS as they come back): alone it trains a round
-  in milliseconds, and could finish its block apart from the group it is about to rejoin.
+  in milliseconds, and could finish its block apart from the group it is about to rejoin. Its
+  lone rounds answer the parts a member still counting it in sends (``Averager.alone``).
+- Scope: another scope's JOIN is answered ABSENT in the joiner's scope (``is_scope``), as by a
+  peer that trains nothing (``refuse_joins``).
 - After each round, joiners admitted at it are told the name of the state they take (READY).
 - Job (PROTOCOL.md 7.2 "Job"): every control message we send carries ``job``
   (settings.job_digest: the shared settings and the corpus). One that carries another job is not
@@ -75,7 +78,13 @@ MAX_LEFT = 1024  # members remembered as having left (Membership.left; identitie
 MAX_OTHER_JOBS = 64  # peers of another job remembered (named once each; identities are free: the oldest go)
 OTHER_JOB_LINES = 8  # of them named per minute at most (each identity is named once, and identities are free)
 JOB_FORM = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{16}")  # a job of any other form counts as another job
-SCOPE_FORM = re.compile(r"relay|block:\d{1,5}")  # PROTOCOL.md 7.2: relay, or block:K of a u16 K
+SCOPE_FORM = re.compile(r"relay|block:(0|[1-9][0-9]{0,4})")  # PROTOCOL.md 7.2 ([0-9]: ASCII digits only)
+
+
+def is_scope(x) -> bool:
+    """``x`` names a scope: ``relay``, or ``block:K`` of a u16 K."""
+    m = SCOPE_FORM.fullmatch(x) if isinstance(x, str) else None
+    return m is not None and (m.group(1) is None or int(m.group(1)) <= 0xFFFF)
 JOB_PATIENCE_S = 5.0  # a first join stops (JobMismatch) only after meeting only other jobs this long
 
 
@@ -129,8 +138,11 @@ class Membership:
         except ValueError:
             return
         if meta.get("scope") != self.scope:
-            if phase is Phase.JOIN:  # another scope's join: we are not in its group
-                self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value})])
+            theirs = meta.get("scope")
+            if phase is Phase.JOIN and is_scope(theirs):
+                # another scope's join: we are not in its group, said in its scope (the joiner takes
+                # answers of its own scope only; in ours it waited its join timeout for us)
+                self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value, "scope": theirs})])
             return
         if pid in self._split_from and phase in SETTLES_SPLIT:  # it told us where it stands (after_split)
             self._split_from.discard(pid)
@@ -230,7 +242,7 @@ class Membership:
         we know. A peer id from a message (an ADMIT's joiner) is never dialled as an address."""
         for s in sends:
             job = {"job": self.job} if self.job else {}
-            msg = BlockUpdate(block=self.pos.block, round=max(0, s.round), meta={**s.meta, "scope": self.scope, **job})
+            msg = BlockUpdate(block=self.pos.block, round=max(0, s.round), meta={"scope": self.scope, **s.meta, **job})
             pc = self.peer.live_connection(s.peer)
             if pc is not None:
                 try:
@@ -273,8 +285,10 @@ class Membership:
         gone = self._insiders - members
         for pid in gone:
             self._status_sent.pop(pid, None)
-        if members == {self.peer.id}:  # alone: a LEAVE, Goodbye or death is no split; a joiner never trained with us
-            self._split_from |= {p for p in gone & self._trained_with if p not in self.left}
+        if members == {self.peer.id}:  # alone: a LEAVE, Goodbye or death is no split; a joiner never trained with
+            # us; a member we excluded (or that excluded us) will not tell us where it stands
+            out = self.averager.banned.keys() | self.averager.shunned.keys()
+            self._split_from |= {p for p in gone & self._trained_with if p not in self.left and p not in out}
         else:
             self._split_from = set()
         self._insiders, self._trained_with = members, trained_with
@@ -300,12 +314,13 @@ class Membership:
                 or set(self.group.members()) | set(self.group.joined) != {self.peer.id}:
             return False
         present = {m.peer_id for m in self.peer.members(role="train", block=self.block_filter, alive=False)}
-        return not self._split_from.isdisjoint(present)
+        return not self._split_from.isdisjoint(present - self.averager.banned.keys() - self.averager.shunned.keys())
 
     async def after_split(self) -> None:
         """Before a round alone after a split: wait, SPLIT_WAIT_S at most, until every member that
         left us has told us where it stands or is gone; each that is live hears our STATUS (owed)
         as soon as it is. Once: a split not settled in that time is left to the periodic STATUS."""
+        self.tell_outsiders()  # a departure since the last round's end: a split now, not a round later
         if not self.split_pending():
             return
         self.say(f"split from {len(self._split_from)} member(s) still in the swarm: waiting for them")
@@ -313,8 +328,9 @@ class Membership:
         while self.split_pending() and time.monotonic() < deadline:
             self.tell_outsiders()  # the owed STATUS to each that is live now
             live = set(self.candidates())
-            await self.peer.wait_for(lambda: not self.split_pending() or set(self.candidates()) != live,
-                                     deadline - time.monotonic())
+            if not await self.peer.wait_for(lambda: not self.split_pending() or set(self.candidates()) != live,
+                                            deadline - time.monotonic()):
+                break  # the deadline, or the peer stops (wait_for then returns at once)
         self._split_from = set()
 
     # --- joining -----------------------------------------------------------------------------------
@@ -424,11 +440,11 @@ class Membership:
 def refuse_joins(peer: PeerServices) -> None:
     """For a peer that trains nothing: every JOIN is answered ABSENT at once (nobody waits on it),
     in the JOIN's scope (the joiner takes answers of its own scope only); a JOIN whose scope is
-    not of the form ``SCOPE_FORM`` (none, not a string) is not answered (issue 29, finding 12:
+    is no scope (``is_scope``: none, not a string, block 65536) is not answered (issue 29, finding 12:
     it was answered with ``scope: nil``)."""
     def handler(msg: BlockUpdate, pc, pid):
         scope = msg.meta.get("scope")
-        if msg.meta.get("phase") == Phase.JOIN.value and isinstance(scope, str) and SCOPE_FORM.fullmatch(scope):
+        if msg.meta.get("phase") == Phase.JOIN.value and is_scope(scope):
             try:
                 pc.send_nowait(BlockUpdate(block=msg.block, round=msg.round,
                                            meta={"phase": Phase.ABSENT.value, "scope": scope}))
