@@ -8,8 +8,8 @@ Rules:
 - A report is its peer's claim (issue 29, finding 10: a key holder may write any): rows are
   attributed to the peer whose report says them, and where two reports see one link, what one
   says it sent is checked against what the other says it received (``disagreements``: more than
-  ``LINK_SLACK_BYTES`` or ``LINK_SLACK_FRAC`` apart; reports written at different moments also
-  differ by what was in flight between them).
+  ``LINK_SLACK_BYTES`` and ``LINK_SLACK_FRAC`` apart, in a direction the two reports' times
+  allow; ``link_disagreements``; of two files of one peer, the later named is compared).
 """
 
 from __future__ import annotations
@@ -35,32 +35,69 @@ def read_report(path: str | Path) -> dict:
         raise ReportError(f"{path}: not JSON: {e}") from None
     if not isinstance(r, dict) or r.get("kind") != REPORT_KIND:
         raise ReportError(f"{path}: not a BlockTrain transfer report")
+    _check_structure(r, path)
     return r
 
 
 LINK_SLACK_BYTES = 64 * 1024
 LINK_SLACK_FRAC = 0.01
+DEPARTED_ROW = "departed"  # ledger.py's row of folded departed peers (no link of its own)
 
 
-def _link_bytes(r: dict, remote: str, d: str) -> int:
-    t = r["peers"].get(remote) or {}
-    return sum(c["wire_bytes"] for c in (t.get(d) or {}).get("by_type", {}).values())
+def _link_bytes(r: dict, remote: str, d: str) -> int | None:
+    """Wire bytes ``r``'s peer counts in direction ``d`` with ``remote``; None where its report has
+    no row for it and may have folded it into DEPARTED_ROW (then nothing can be compared)."""
+    t = r["peers"].get(remote)
+    if t is None:
+        return None if DEPARTED_ROW in r["peers"] else 0
+    return sum(c["wire_bytes"] for c in t[d]["by_type"].values())
+
+
+def _covers(outer: dict, inner: dict) -> bool:
+    """``outer``'s report counted everything ``inner``'s did: it began no later and ended no earlier."""
+    return outer["start_time"] <= inner["start_time"] and outer["end_time"] >= inner["end_time"]
 
 
 def link_disagreements(reports: list[dict]) -> list[dict]:
-    """Links both of whose ends are among ``reports`` where the bytes one end says it sent and
-    the other says it received differ by more than the slack (see the rules)."""
+    """Links both of whose ends are among ``reports`` where the bytes one end says it sent and the
+    other says it received differ by more than the slack (both ``LINK_SLACK_BYTES`` and
+    ``LINK_SLACK_FRAC``), in the direction the two reports' times allow: a receiver whose report
+    covers the sender's time cannot have received less than was sent (beyond a frame lost with a
+    dying connection), nor a sender covering the receiver's time have sent less than was received.
+    Reports written at other moments (a peer resumed under its identity, a snapshot of a running
+    swarm), a row folded into DEPARTED_ROW, are not compared."""
     by_id = {r["peer_id"]: r for r in reports}
     out = []
     for a, ra in by_id.items():
-        for b in sorted(ra["peers"]):
-            rb = by_id.get(b)
-            if rb is None or b == a:
+        for b, rb in by_id.items():
+            if b == a or b not in ra["peers"]:
                 continue
             sent, got = _link_bytes(ra, b, "sent"), _link_bytes(rb, a, "received")
-            if abs(sent - got) > max(LINK_SLACK_BYTES, LINK_SLACK_FRAC * max(sent, got)):
+            if sent is None or got is None:
+                continue
+            slack = max(LINK_SLACK_BYTES, LINK_SLACK_FRAC * max(sent, got))
+            if (sent > got + slack and _covers(rb, ra)) or (got > sent + slack and _covers(ra, rb)):
                 out.append({"from": a, "to": b, "sent_says": sent, "received_says": got})
     return out
+
+
+def _check_structure(r: dict, path) -> None:
+    """What the summary reads of a report, checked: a file that is no report of this form is a
+    ReportError naming it, not a KeyError later."""
+    def counts(t) -> bool:
+        return isinstance(t, dict) and all(isinstance(t.get(d), dict) and isinstance(t[d].get("by_type"), dict)
+                                           and all(isinstance(c, dict) and all(type(c.get(k)) is int for k in
+                                                   ("frames", "payload_bytes", "wire_bytes"))
+                                                   for c in t[d]["by_type"].values()) for d in DIRECTIONS)
+    ok = (isinstance(r.get("peer_id"), str) and isinstance(r.get("peers"), dict)
+          and all(isinstance(k, str) and counts(v) for k, v in r["peers"].items())
+          and all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for k in ("start_time", "end_time"))
+          and isinstance(r.get("totals"), dict)
+          and all(isinstance(r["totals"].get(d), dict) and type(r["totals"][d].get("wire_bytes")) is int
+                  for d in DIRECTIONS)
+          and all(k in r for k in ("addr", "blocks", "role")))
+    if not ok:
+        raise ReportError(f"{path}: not a BlockTrain transfer report of this version (peer_id, peers, times, totals)")
 
 
 def summarise(files) -> dict:

@@ -185,22 +185,23 @@ def test_a_lying_member_is_shown_as_a_claim_with_this_peers_doubts():
     assert doubts(ahead, mine, "o" * 64) == [] and doubts(ahead, {**mine, "state": "joining"}, liar_id) == []
 
 
-def _report(pid: str, links: dict) -> dict:
-    """A minimal transfer report of ``pid``: links {remote: (sent wire bytes, received wire bytes)}."""
+def _report(pid: str, links: dict, start: float = 0.0, end: float = 1.0) -> dict:
+    """A minimal transfer report of ``pid``: links {remote: (sent wire bytes, received wire bytes)},
+    counted from ``start`` to ``end``."""
     from blocktrain.p2p.reports import REPORT_KIND
     peers = {q: {d: {"by_type": {"block_update": {"frames": 1, "payload_bytes": n, "wire_bytes": n}}}
                  for d, n in zip(("sent", "received"), sr)} for q, sr in links.items()}
     tot = {d: {"frames": 1, "payload_bytes": 0, "wire_bytes": sum(sr[i] for sr in links.values())}
            for i, d in enumerate(("sent", "received"))}
     return {"kind": REPORT_KIND, "peer_id": pid, "addr": "127.0.0.1:1", "blocks": [0], "role": "train",
-            "start_time": 0.0, "end_time": 1.0, "totals": tot, "by_kind": {}, "peers": peers}
+            "start_time": start, "end_time": end, "totals": tot, "by_kind": {}, "peers": peers}
 
 
 def test_reports_are_claims_and_two_ends_of_a_link_are_compared(tmp_path):
     """Issue 29, finding 10: what a report says is its peer's claim. Where both ends of a link
     reported, what one says it sent is checked against what the other says it received; beyond
     the slack (in flight between two reports' moments) the summary says they disagree."""
-    from blocktrain.p2p.reports import LINK_SLACK_BYTES, summarise, summary_lines
+    from blocktrain.p2p.reports import LINK_SLACK_BYTES, ReportError, summarise, summary_lines
     a, b, c = "a" * 64, "b" * 64, "c" * 64
     files = []
     for pid, links in ((a, {b: (10_000_000, 2_000_000), c: (5_000, 0)}),  # a claims 10 MB sent to b
@@ -212,6 +213,22 @@ def test_reports_are_claims_and_two_ends_of_a_link_are_compared(tmp_path):
     text = "\n".join(summary_lines(agg))  # b -> a within the slack; a -> c: c did not report
     assert f"DISAGREE: {a[:12]} says it sent" in text and text.count("DISAGREE:") == 1
     assert "own report says" in text
+    # honest reports that cannot be compared: a resumed with its identity (its report counts its
+    # new life only), and c, whose report folded departed peers' rows (none for a)
+    files[0].write_text(json.dumps(_report(a, {b: (0, 500_000), c: (5_000_000, 0)}, start=0.5, end=1.0)))
+    c_report = _report(c, {"departed": (0, 10)})
+    files.append(tmp_path / "c.json")
+    files[-1].write_text(json.dumps(c_report))
+    assert summarise(files)["disagreements"] == []
+    del c_report["peers"]["departed"]  # c kept every row: it never received what a says it sent
+    files[-1].write_text(json.dumps(c_report))
+    assert [(x["from"], x["to"]) for x in summarise(files)["disagreements"]] == [(a, c)]
+    for broken in ({"peers": []}, {"peer_id": ["x"]}, {"end_time": "late"}, {"totals": {}},
+                   {"peers": {b: {"sent": {"by_type": {"ping": {"frames": 1, "payload_bytes": 1, "wire_bytes": "1"}}},
+                                  "received": {"by_type": {}}}}}):
+        files[-1].write_text(json.dumps({**c_report, **broken}))
+        with pytest.raises(ReportError, match="not a BlockTrain transfer report"):
+            summarise(files)
 
 
 def test_bt_peer_status_marks_what_members_announced_as_claimed():
