@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .ledger import DEPARTED_ROW  # the row of folded departed peers (no link of its own)
 from .traffic import DIRECTIONS, add_counts
 
 REPORT_KIND = "blocktrain-transfer-report"
@@ -41,7 +42,6 @@ def read_report(path: str | Path) -> dict:
 
 LINK_SLACK_BYTES = 64 * 1024
 LINK_SLACK_FRAC = 0.01
-DEPARTED_ROW = "departed"  # ledger.py's row of folded departed peers (no link of its own)
 
 
 def _link_bytes(r: dict, remote: str, d: str) -> int | None:
@@ -58,26 +58,33 @@ def _covers(outer: dict, inner: dict) -> bool:
     return outer["start_time"] <= inner["start_time"] and outer["end_time"] >= inner["end_time"]
 
 
-def link_disagreements(reports: list[dict]) -> list[dict]:
+def link_disagreements(reports: list[dict], counted: dict | None = None) -> list[dict]:
     """Links both of whose ends are among ``reports`` where the bytes one end says it sent and the
     other says it received differ by more than the slack (both ``LINK_SLACK_BYTES`` and
     ``LINK_SLACK_FRAC``), in the direction the two reports' times allow: a receiver whose report
     covers the sender's time cannot have received less than was sent (beyond a frame lost with a
     dying connection), nor a sender covering the receiver's time have sent less than was received.
     Reports written at other moments (a peer resumed under its identity, a snapshot of a running
-    swarm), a row folded into DEPARTED_ROW, are not compared."""
+    swarm), a row folded into DEPARTED_ROW, are not compared. ``counted`` (when given) gets how
+    many directions of links both reports see were compared and how many were not: the times a
+    report gives are its writer's word too, and a comparison left out is no agreement."""
     by_id = {r["peer_id"]: r for r in reports}
     out = []
+    n = {"compared": 0, "not_compared": 0}
     for a, ra in by_id.items():
         for b, rb in by_id.items():
             if b == a or b not in ra["peers"]:
                 continue
             sent, got = _link_bytes(ra, b, "sent"), _link_bytes(rb, a, "received")
-            if sent is None or got is None:
+            if sent is None or got is None or not (_covers(rb, ra) or _covers(ra, rb)):
+                n["not_compared"] += 1
                 continue
+            n["compared"] += 1
             slack = max(LINK_SLACK_BYTES, LINK_SLACK_FRAC * max(sent, got))
             if (sent > got + slack and _covers(rb, ra)) or (got > sent + slack and _covers(ra, rb)):
                 out.append({"from": a, "to": b, "sent_says": sent, "received_says": got})
+    if counted is not None:
+        counted.update(n)
     return out
 
 
@@ -123,7 +130,10 @@ def summarise(files) -> dict:
             "membership_events": len(r.get("events", [])), "details": _detail_rows(r),
         })
     sent = sum(c["wire_bytes"] for c in kinds["sent"].values())
-    return {"peers": peers, "by_kind": kinds, "wire_bytes_sent": sent, "disagreements": link_disagreements(reports)}
+    counted: dict = {}
+    disagreements = link_disagreements(reports, counted)
+    return {"peers": peers, "by_kind": kinds, "wire_bytes_sent": sent, "disagreements": disagreements,
+            "links_compared": counted}
 
 
 def _detail_rows(r: dict) -> list:
@@ -180,8 +190,11 @@ def summary_lines(agg: dict) -> list[str]:
     for x in agg.get("disagreements", []):
         lines.append(f"DISAGREE: {x['from'][:12]} says it sent {fmt_bytes(x['sent_says'])} to {x['to'][:12]}, "
                      f"which says it received {fmt_bytes(x['received_says'])} from it")
+    n = agg.get("links_compared") or {}
     lines.append("Each row is what that peer's own report says (a member with the swarm key may write any); "
-                 "where two reports see one link, their bytes are compared (DISAGREE lines).")
+                 "where two reports see one link, their bytes are compared (DISAGREE lines): "
+                 f"{n.get('compared', 0)} link direction(s) compared, {n.get('not_compared', 0)} not "
+                 "(reports of other moments, or a row folded into 'departed').")
     return lines
 
 

@@ -210,6 +210,7 @@ def test_reports_are_claims_and_two_ends_of_a_link_are_compared(tmp_path):
         files[-1].write_text(json.dumps(_report(pid, links)))
     agg = summarise(files)
     assert agg["disagreements"] == [{"from": a, "to": b, "sent_says": 10_000_000, "received_says": 1_000_000}]
+    assert agg["links_compared"] == {"compared": 2, "not_compared": 0}
     text = "\n".join(summary_lines(agg))  # b -> a within the slack; a -> c: c did not report
     assert f"DISAGREE: {a[:12]} says it sent" in text and text.count("DISAGREE:") == 1
     assert "own report says" in text
@@ -219,7 +220,9 @@ def test_reports_are_claims_and_two_ends_of_a_link_are_compared(tmp_path):
     c_report = _report(c, {"departed": (0, 10)})
     files.append(tmp_path / "c.json")
     files[-1].write_text(json.dumps(c_report))
-    assert summarise(files)["disagreements"] == []
+    agg = summarise(files)
+    assert agg["disagreements"] == [] and agg["links_compared"] == {"compared": 2, "not_compared": 1}
+    assert "2 link direction(s) compared, 1 not" in "\n".join(summary_lines(agg))
     del c_report["peers"]["departed"]  # c kept every row: it never received what a says it sent
     files[-1].write_text(json.dumps(c_report))
     assert [(x["from"], x["to"]) for x in summarise(files)["disagreements"]] == [(a, c)]

@@ -79,13 +79,13 @@ MAX_OTHER_JOBS = 64  # peers of another job remembered (named once each; identit
 OTHER_JOB_LINES = 8  # of them named per minute at most (each identity is named once, and identities are free)
 JOB_FORM = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{16}")  # a job of any other form counts as another job
 SCOPE_FORM = re.compile(r"relay|block:(0|[1-9][0-9]{0,4})")  # PROTOCOL.md 7.2 ([0-9]: ASCII digits only)
+JOB_PATIENCE_S = 5.0  # a first join stops (JobMismatch) only after meeting only other jobs this long
 
 
 def is_scope(x) -> bool:
     """``x`` names a scope: ``relay``, or ``block:K`` of a u16 K."""
     m = SCOPE_FORM.fullmatch(x) if isinstance(x, str) else None
     return m is not None and (m.group(1) is None or int(m.group(1)) <= 0xFFFF)
-JOB_PATIENCE_S = 5.0  # a first join stops (JobMismatch) only after meeting only other jobs this long
 
 
 class JobMismatch(SwarmError):
