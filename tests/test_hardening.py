@@ -665,6 +665,18 @@ def _status_trainer(tmp_path, pid, known, rnd=466):
     return sp
 
 
+def _one_departs(tmp_path, ids, me, gone, why, before=lambda c: None):
+    """``me``'s trainer in a group with ``gone``, which departs it (``before``: what ``me`` knew of
+    it first), its status bookkeeping run before and after, as at the rounds' ends."""
+    c = _status_trainer(tmp_path, me, ids)
+    c.group.joined[gone] = 1
+    c.membership.tell_outsiders()
+    before(c)
+    c.group.depart(gone, why)
+    c.membership.tell_outsiders()
+    return c
+
+
 def _statuses(sp):
     from blocktrain.p2p.group import Phase
     out = [s for s in sp.sent if s.meta["phase"] == Phase.STATUS.value]
@@ -807,12 +819,8 @@ async def test_a_member_split_off_alone_waits_for_the_other_sides_status(tmp_pat
     c.group.depart(ids[0], "sees another group")
     c.membership.tell_outsiders()
     assert not c.membership.split_pending()
-    c = _status_trainer(tmp_path, ids[2], ids)  # it said LEAVE: no split
-    c.group.joined[ids[1]] = 1
-    c.membership.tell_outsiders()
-    c.membership.left[ids[1]] = "left the group (left)"
-    c.group.depart(ids[1], "left")
-    c.membership.tell_outsiders()
+    c = _one_departs(tmp_path, ids, ids[2], ids[1], "left",  # it said LEAVE: no split
+                     lambda c: c.membership.left.update({ids[1]: "left the group (left)"}))
     assert not c.membership.split_pending()
     c = _status_trainer(tmp_path, ids[2], ids)  # a joiner admitted for a later round, gone before it
     c.group.joined[ids[1]] = 500  # pending: it never trained with us
@@ -852,12 +860,8 @@ async def test_a_split_wait_ends_at_its_bound_tells_a_returning_peer_and_skips_e
     await asyncio.wait_for(waiting, 2)  # no answer: the bound ends the wait
     assert 0.9 < time.monotonic() - t0 < 4 and not c.membership.split_pending()
 
-    c = _status_trainer(tmp_path, ids[2], ids)
-    c.group.joined[ids[1]] = 1
-    c.membership.tell_outsiders()
-    c.averager.banned[ids[1]] = "its update was NaN"
-    c.group.depart(ids[1], "excluded")
-    c.membership.tell_outsiders()
+    c = _one_departs(tmp_path, ids, ids[2], ids[1], "excluded",  # we excluded it: no split
+                     lambda c: c.averager.banned.update({ids[1]: "its update was NaN"}))
     assert not c.membership.split_pending()
 
     c.sent.clear()

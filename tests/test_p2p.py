@@ -368,6 +368,16 @@ async def test_goodbye_reaches_a_busy_peer_that_was_still_sending_to_us(psk):
         server.close()
 
 
+async def _lingering_close(a, b):
+    """``a``'s close, begun and lingering: ``b`` reads nothing, so it lingers up to its close_s,
+    30 s here (long enough to be aborted or cancelled in it on a loaded machine)."""
+    b.transport.pause_reading()
+    a.timeouts = dataclasses.replace(FAST, close_s=30)
+    closing = asyncio.ensure_future(a.close("stopping"))
+    await wait_for(lambda: a._eof_sent, what="a lingering")
+    return closing
+
+
 async def test_a_lingering_close_keeps_its_cause_and_can_be_aborted(psk):
     """The peer's end, after our Goodbye, ends the close we began: with our cause (a duplicate's
     stays a duplicate, not a lost connection) and no exception as its result. A bad frame handled
@@ -384,10 +394,7 @@ async def test_a_lingering_close_keeps_its_cause_and_can_be_aborted(psk):
         server.close()
     server, a, b = await _pair(psk)
     try:
-        b.transport.pause_reading()  # a lingers until its close_s: long enough to be aborted in it
-        a.timeouts = dataclasses.replace(FAST, close_s=30)
-        closing = asyncio.ensure_future(a.close("stopping"))
-        await wait_for(lambda: a._eof_sent, what="a lingering")
+        closing = await _lingering_close(a, b)
         a.abort_with(ErrorCode.MALFORMED_METADATA, "bad frame", CloseCause.PEER_ERROR)
         await asyncio.wait_for(closing, 5)
         assert a.close_cause is CloseCause.PEER_ERROR
@@ -418,10 +425,7 @@ async def test_a_second_close_waits_for_the_first_and_a_cancelled_close_still_cl
         server.close()
     server, a, b = await _pair(psk)
     try:
-        b.transport.pause_reading()  # a lingers until its close_s: long enough to be cancelled in it
-        a.timeouts = dataclasses.replace(FAST, close_s=30)
-        closing = asyncio.ensure_future(a.close("stopping"))
-        await wait_for(lambda: a._eof_sent, what="a lingering")
+        closing = await _lingering_close(a, b)
         closing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await closing
