@@ -10,6 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from blocktrain.blocks.decode import CHUNK, SessionMismatch, Traversal, step_together
+from blocktrain.blocks.device import threads
 from blocktrain.blocks.model import MIN_ROWS, Block, BlockCache, ModelConfig
 from blocktrain.p2p.batching import Batcher
 
@@ -44,10 +45,8 @@ def _alone(b: Block, prompts: list[list[int]]) -> list[torch.Tensor]:
 @pytest.fixture(autouse=True)
 def one_thread():
     """bt-peer serve's thread count, which the rows' invariance is claimed at (model.MIN_ROWS)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with threads(1):
+        yield
 
 
 PROMPTS = [list(b"the first session"), list(b"a second, much longer one: three chunks of tokens here"), list(b"3rd")]

@@ -9,6 +9,7 @@ from torch.nn import functional as F
 
 from blocktrain.blocks.decode import (Sampling, Session, SessionMismatch, bf16_round, drive, generate, hop_step,
                                       new_caches, run_chain)
+from blocktrain.blocks.device import threads
 from blocktrain.blocks.model import MASK_ID, MIN_ROWS, Assembled, Block, BlockCache, ModelConfig, tree_mask
 
 
@@ -224,9 +225,7 @@ def test_traversals_stepped_together_give_each_session_what_it_gets_alone():
              {"draft_len": 4, "slots": 4, "lookup": 2}, {"draft_len": 16, "drafter": True, "lookup": 4}]
     texts = [b" The game was released in Japan in 2011 , and the ", b"He", b" = = History = = \n In 1923 the city ",
              b"abcab" * 9, b" the the the "]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with threads(1):
         alone = [generate(blocks, t, 40, between=bf16_round, **kw)[0] for t, kw in zip(texts, kinds)]
         sessions = [Session(t, 40, blocks[0].cfg.max_seq_len, **kw) for t, kw in zip(texts, kinds)]
         caches = [new_caches(blocks) for _ in sessions]
@@ -246,8 +245,6 @@ def test_traversals_stepped_together_give_each_session_what_it_gets_alone():
                 x = {n: out[n] if k == len(blocks) - 1 else bf16_round(out[n]) for n in live}
             for n in live:
                 sessions[n].feed(x[n]["logits"], x[n]["drafts"])
-    finally:
-        torch.set_num_threads(before)
     assert [s.output for s in sessions] == alone and widest >= 3
 
 
@@ -355,9 +352,7 @@ def test_positions_beyond_max_seq_len_raise():
 def test_rows_are_batch_invariant_above_min_rows():
     """The claim MIN_ROWS rests on, on the machine the tests run on, at one torch thread (the
     serving peers' default; an earlier test may have left the process at another count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with threads(1):
         torch.manual_seed(0)
         w, b = torch.randn(96, 32) * 0.1, torch.randn(96) * 0.1
         x = torch.randn(40, 32)
@@ -365,8 +360,6 @@ def test_rows_are_batch_invariant_above_min_rows():
         for m in range(MIN_ROWS, 40):
             assert torch.equal(F.linear(x[:m], w, b), ref[:m]), m
             assert torch.equal(F.linear(x[40 - m:], w, b), ref[40 - m:]), m
-    finally:
-        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------------------------
