@@ -19,7 +19,8 @@ from .schedule import SCHEDULES
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]},
                epilog="Examples: bt-train | bt-train --steps 1000 --set model.d_model=192 --set model.n_head=6 | "
-                      "bt-train --config job.json --schedule sequential --out runs/seq")
+                      "bt-train --config job.json --schedule sequential --out runs/seq | "
+                      "bt-train --init shipped --data mine.txt --steps 200 --schedule sequential")
 @click.option("--size", type=click.Choice(list(SIZES)), default=None,
               help="A named model size (tiny = the default d 128 x 6 layers, small d 512 x 12, base d 1024 x 24); "
                    "--config and --set override it. --dry-run prints what it costs.")
@@ -44,13 +45,17 @@ from .schedule import SCHEDULES
               help="bf16: forward passes under bfloat16 autocast (default auto: bf16 on a CUDA device that "
                    "supports it, else fp32).")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Output directory (default runs/train-<time>).")
+@click.option("--init", default=None, metavar="DIR|shipped",
+              help="Start every block from the checkpoints in DIR (a bt-train OUT/checkpoints, or `shipped`: the "
+                   "model the package ships) instead of from scratch: fine-tune it on --data, or on longer windows "
+                   "(--set train.seq_len=384). The model settings are theirs; the reference is not trained.")
 @click.option("--no-reference", is_flag=True, default=None, help="Skip the end-to-end reference.")
 @click.option("--processes", is_flag=True, default=None,
               help="Train each block in its own process, exchanging checkpoint files (staggered, parallel or "
                    "sequential; relay needs same-block averaging between workers, which bt-peer provides).")
 @click.option("--threads", type=click.IntRange(1), default=None, help="torch threads (default 2).")
-def main(size, dry_run, config_file, sets, steps, schedule, data, device, precision, out, no_reference, processes,
-         threads):
+def main(size, dry_run, config_file, sets, steps, schedule, data, device, precision, out, init, no_reference,
+         processes, threads):
     """Train a 3-block BlockTrain model and the end-to-end reference on WikiText-2 bytes, under the
     same budget; report the test CE of every head along the chain, write results.json, curves.png
     and the checkpoints (servable with `bt-peer serve --checkpoints OUT/checkpoints`).
@@ -58,10 +63,14 @@ def main(size, dry_run, config_file, sets, steps, schedule, data, device, precis
     Defaults live in one place (the config dataclasses); --config FILE and --set KEY=VALUE
     override them, typed by the fields; unknown keys are errors.
     """
-    from .job import run_job
+    from .job import init_model, run_job
     try:
-        job = load(JobConfig(), config_file, sets, size, **{"train.steps": steps, "schedule": schedule, "data": data,
-                                                       "device": device, "precision": precision, "out": out, "threads": threads,
+        base = JobConfig(model=init_model(init)) if init is not None else JobConfig()  # their shape
+    except (ckpt.CheckpointError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--init") from None
+    try:
+        job = load(base, config_file, sets, size, **{"train.steps": steps, "schedule": schedule, "data": data,
+                                                       "device": device, "precision": precision, "out": out, "threads": threads, "init": init,
                                                        "reference": False if no_reference else None,
                                                        "processes": True if processes else None})
     except ConfigError as e:

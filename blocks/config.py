@@ -150,6 +150,7 @@ class JobConfig:
     device: str = "auto"  # auto | cpu | cuda[:N] | mps (blocks/device.py)
     precision: str = "auto"  # auto | fp32 | bf16 (auto: bf16 on a CUDA device that supports it)
     out: str | None = None  # output directory; None = runs/train-<time>
+    init: str | None = None  # every block starts from the checkpoints in this directory ("shipped": the shipped model)
 
     def __post_init__(self):
         from .schedule import SCHEDULES

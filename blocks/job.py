@@ -25,7 +25,8 @@ from . import checkpoint as ckpt
 from .config import JobConfig
 from .data import DataError, load_split, prepared, resolve_data
 from .device import describe, pick_device, pick_precision, threads
-from .model import Assembled
+from .evaluate import load_chain
+from .model import Assembled, ModelConfig
 from .run import train_blocktrain, train_e2e
 from .schedule import make_plans
 from . import decode
@@ -49,8 +50,43 @@ def no_bar(desc: str, total: int | None):
 EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES = 64, 32
 
 
+def init_directory(name: str) -> Path:
+    """The directory ``--init`` names: ``shipped`` is the model the package ships."""
+    return ckpt.SHIPPED_MODEL if name == "shipped" else Path(name)
+
+
+def init_model(name: str) -> ModelConfig:
+    """The model config of the checkpoints ``--init`` names (block 0's): a job that starts from them
+    has their shape unless it says otherwise (and then ``load_init`` refuses)."""
+    files = ckpt.block_files(init_directory(name))
+    if 0 not in files:
+        raise ckpt.CheckpointError(f"--init {name}: no block0.safetensors in {init_directory(name)}")
+    return ModelConfig.from_dict(ckpt.load(files[0]).config)
+
+
+def load_init(job: JobConfig) -> tuple[list[dict], dict]:
+    """The state dicts every block starts from (``job.init``), checked whole and against the job's
+    model, and what results.json records of them (the directory, each file's sha256)."""
+    assert job.init is not None
+    directory = init_directory(job.init)
+    blocks, _ = load_chain(directory)
+    theirs = blocks[0].cfg
+    if theirs != job.model:
+        diff = {k: (v, job.model.to_dict()[k]) for k, v in theirs.to_dict().items() if job.model.to_dict()[k] != v}
+        raise ValueError(f"--init {job.init}: its blocks are another model than the job's ("
+                         + ", ".join(f"model.{k} {a} there, {b} here" for k, (a, b) in diff.items())
+                         + "); drop the model settings that differ")
+    files = ckpt.block_files(directory)
+    return ([b.state_dict() for b in blocks],
+            {"directory": str(directory), "name": job.init,
+             "sha256": {k: ckpt.load(path).sha256 for k, path in files.items()}})
+
+
 def check_job(job: JobConfig):
     """Everything the job will need, checked before any training (nothing is lost at the end)."""
+    if job.init is not None and job.processes:
+        raise ValueError("--init with --processes: the block worker processes start from scratch; train in one "
+                         "process (drop --processes)")
     need = max(job.train.seq_len, EVAL_PROMPT_BYTES + EVAL_CONTINUATION_BYTES)
     if job.model.max_seq_len < need:
         raise ValueError(f"model.max_seq_len {job.model.max_seq_len} is too short: training windows of "
@@ -88,6 +124,7 @@ def run_job(job: JobConfig, log=lambda s: None, bar=no_bar, command: str | None 
 def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | None) -> dict:
     device = pick_device(job.device)  # before anything is written
     precision = pick_precision(job.precision, device)
+    init, init_info = load_init(job) if job.init is not None else (None, None)  # checked before anything is written
     out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -110,6 +147,8 @@ def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | Non
         f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} bytes"
         + (f" in {tc.micro_batches} slices" if tc.micro_batches > 1 else "")
         + f"; schedule {job.schedule}; on {describe(device, precision)}")
+    if init_info is not None:
+        log(f"every block starts from {init_info['directory']} (--init {job.init})")
 
     plans = make_plans(job.schedule, mc.n_blocks, tc.steps, tc.decay_frac)
     wall = max(p.end(tc.steps) for p in plans)
@@ -120,7 +159,7 @@ def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | Non
         draft = tc.draft_steps if mc.draft_layers else 0  # the last block's draft phase comes after
         with bar(f"blocktrain ({job.schedule}{', then the draft model' if draft else ''})", wall + draft) as b:
             bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(b, [p.start for p in plans]),
-                                  device=device, precision=precision)
+                                  device=device, precision=precision, init=init)
     heads = eval_chain(bt.blocks, test, tc.seq_len, tw)  # on the device the blocks trained on
     heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
     bt.blocks = [b.cpu() for b in bt.blocks]  # checkpoints and the serving checks below: on the CPU
@@ -134,7 +173,7 @@ def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | Non
     result = {
         "job": {"model": mc.to_dict(), "train": tc.to_dict(), "schedule": job.schedule,
                 "test_windows": job.test_windows, "data": job.data or "embedded WikiText-2",
-                "device": str(device), "precision": precision},
+                "device": str(device), "precision": precision, "init": init_info},
         "blocktrain": {
             "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
             "curve": bt.curve, "train_seconds": bt.seconds, "train_flops": bt.train_flops,
@@ -143,7 +182,11 @@ def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | Non
             "continuation_one_traversal": eval_continuation(asm, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=True),
         },
     }
-    if job.reference:
+    if job.reference and init is not None:
+        log("end-to-end reference: not trained (--init: there is no end-to-end model to start from, and one "
+            "trained from scratch would not be a reference at the same settings)")
+        result["reference_skipped"] = "--init: no end-to-end model to start from"
+    elif job.reference:
         ref_draft = tc.draft_steps if mc.draft_layers else 0  # its draft phase too (the progress went past the total)
         with bar(f"end-to-end reference{', then the draft model' if ref_draft else ''}", tc.steps + ref_draft) as b:
             e2e = train_e2e(mc, tc, train, valid, progress_for(b), device=device, precision=precision)
@@ -170,7 +213,7 @@ def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | Non
         "exact_bytes_per_traversal": st.bytes_per_traversal(len(exact)),
         "blocktrain_one_traversal": bytes(asm.generate_one_traversal(prompt, 32)[0].tolist()).decode("utf-8", "replace"),
     }
-    if job.reference:
+    if "reference" in result:
         result["samples"]["reference_autoregressive"] = bytes(e2e.model.generate(prompt, 64)[0].tolist()).decode(
             "utf-8", "replace")
     result["code_version"], result["command"] = made_by, command

@@ -93,6 +93,39 @@ def test_bt_train_trains_on_a_text_file(tmp_path, monkeypatch):
     assert res["code_version"]["code_hash"] == code_hash() and res["command"].startswith("bt-train")
 
 
+def test_bt_train_init_starts_every_block_from_a_trained_model(tmp_path):
+    """`--init DIR`: every block (and the draft model) starts from DIR's checkpoints, with their
+    model settings; at a learning rate of 1e-9 the run ends where it began. Another model shape,
+    --processes and a directory without blocks are refused before training."""
+    main = COMMANDS["bt-train"]
+    tiny = ["--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "train.batch_size=4",
+            "--set", "train.eval_every=2", "--set", "test_windows=4", "--device", "cpu", "--threads", "1"]
+    r = CliRunner().invoke(main, ["--out", str(tmp_path / "a"), "--steps", "3", "--no-reference",
+                                  "--set", "train.seq_len=32", *tiny])
+    assert r.exit_code == 0, r.output
+    a = tmp_path / "a" / "checkpoints"
+    r = CliRunner().invoke(main, ["--init", str(a), "--out", str(tmp_path / "b"), "--steps", "2",
+                                  "--set", "train.lr=1e-9", "--set", "train.seq_len=48", *tiny[4:]])
+    assert r.exit_code == 0, r.output
+    assert "reference: not trained (--init" in r.output
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res["job"]["model"]["d_model"] == 32 and res["job"]["train"]["seq_len"] == 48  # their shape, our windows
+    assert res["job"]["init"]["sha256"] == {str(k): ckpt.load(p).sha256 for k, p in ckpt.block_files(a).items()}
+    assert "reference" not in res and res["reference_skipped"]
+    for k, path in ckpt.block_files(tmp_path / "b" / "checkpoints").items():
+        before, after = ckpt.load(a / ckpt.block_file(k)).tensors, ckpt.load(path).tensors
+        assert before.keys() == after.keys()
+        assert any(n.startswith("drafter") for n in after) == (k == 2)
+        for n in before:
+            assert torch.allclose(before[n], after[n], atol=1e-6), (k, n)
+    r = CliRunner().invoke(main, ["--init", str(a), "--set", "model.d_model=64", "--out", str(tmp_path / "c")])
+    assert r.exit_code == 2 and "model.d_model 32 there, 64 here" in r.output and not (tmp_path / "c").exists()
+    r = CliRunner().invoke(main, ["--init", str(a), "--processes", "--out", str(tmp_path / "c")])
+    assert r.exit_code == 2 and "--processes" in r.output and not (tmp_path / "c").exists()
+    r = CliRunner().invoke(main, ["--init", str(tmp_path), "--out", str(tmp_path / "c")])
+    assert r.exit_code == 2 and "no block0.safetensors" in r.output
+
+
 # --- devices, precision, micro-batches ----------------------------------------------------------------
 
 def test_devices_are_checked_and_auto_is_the_cpu_without_a_gpu():
