@@ -5,7 +5,9 @@ Rules:
   device that is absent is a ``DeviceError`` that says what is present; nothing falls back silently.
 - Parameters, optimizer state and activations live on the device; everything that leaves the
   worker (checkpoints, the flat vectors a round averages, served hidden states) is a CPU tensor,
-  so checkpoints and the wire are device-independent.
+  so checkpoints and the wire are device-independent. From a CUDA device it comes out in pinned
+  host memory (``to_host``); what goes back (an averaged vector) is one transfer from the wire's
+  buffer.
 - ``bf16`` runs the forward passes under ``torch.autocast`` in bfloat16 (parameters, gradients and
   optimizer state stay float32); ``auto`` is bf16 on a CUDA device that supports it, fp32 elsewhere
   (on a CPU bf16 autocast is supported but rarely faster).
@@ -95,8 +97,18 @@ def describe(device: torch.device, precision: str) -> str:
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a CPU tensor (itself when it is one): what leaves a worker."""
-    return t if t.device.type == "cpu" else t.to("cpu")
+    """``t`` as a CPU tensor (itself when it is one): what leaves a worker. From a CUDA device it
+    lands in pinned (page-locked) host memory in one DMA transfer, with no staging copy through
+    pageable memory; torch's caching host allocator reuses such buffers from step to step, and the
+    wire reads them as they are."""
+    if t.device.type == "cpu":
+        return t
+    if t.device.type != "cuda":
+        return t.to("cpu")
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()  # the bytes are there before anyone reads them
+    return out
 
 
 def host_state(module: torch.nn.Module) -> dict:

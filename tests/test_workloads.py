@@ -172,6 +172,20 @@ def test_micro_batches_give_the_steps_gradient_in_slices(slots):
         load(JobConfig(), None, ["train.micro_batches=9", "train.batch_size=8"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run where one is: scripts/gpu_check.sh)")
+def test_what_leaves_a_cuda_worker_is_in_pinned_host_memory():
+    from blocktrain.blocks.device import to_host
+    from blocktrain.p2p.averaging.outer import flatten
+    t = torch.randn(1000, device="cuda")
+    h = to_host(t)
+    assert h.device.type == "cpu" and h.is_pinned() and torch.equal(h, t.cpu())
+    params = [torch.nn.Parameter(torch.randn(3, 4, device="cuda")), torch.nn.Parameter(torch.randn(5, device="cuda"))]
+    flat = flatten(params)
+    assert flat.is_pinned() and torch.equal(flat, torch.cat([p.detach().cpu().reshape(-1) for p in params]))
+    c = torch.randn(4)
+    assert to_host(c) is c  # a CPU tensor is itself
+
+
 def test_bf16_autocast_trains_and_checkpoints_stay_float32_on_the_cpu(tmp_path):
     mc = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64)
     tc = TrainConfig(steps=4, batch_size=4, seq_len=32, warmup=1)

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
+from blocktrain.blocks.device import to_host
+
 
 def flatten(params) -> torch.Tensor:
-    """The parameters as one flat float32 CPU vector (on an accelerator: one transfer)."""
+    """The parameters as one flat float32 CPU vector (on an accelerator: one transfer, into pinned
+    memory from CUDA: ``to_host``)."""
     if not params:
         return torch.empty(0)
-    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-    return flat if flat.device.type == "cpu" else flat.to("cpu")
+    return to_host(torch.cat([p.detach().reshape(-1).float() for p in params]))
 
 
 def unflatten_(params, vec: torch.Tensor):
