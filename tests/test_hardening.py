@@ -822,6 +822,14 @@ async def test_a_member_split_off_alone_waits_for_the_other_sides_status(tmp_pat
     c = _one_departs(tmp_path, ids, ids[2], ids[1], "left",  # it said LEAVE: no split
                      lambda c: c.membership.left.update({ids[1]: "left the group (left)"}))
     assert not c.membership.split_pending()
+    c = _one_departs(tmp_path, ids, ids[2], ids[1], "left",  # it left once by LEAVE, came back, then split:
+                     lambda c: c.membership.left.update({ids[1]: "left the group (left)"}))
+    c.group.joined[ids[1]] = 466  # admitted again (a gossip round never reads ``left``: tell_outsiders forgets it)
+    c.membership.tell_outsiders()
+    assert ids[1] not in c.membership.left
+    c.group.depart(ids[1], "sees another group")
+    c.membership.tell_outsiders()
+    assert c.membership.split_pending()  # this split is waited for
     c = _status_trainer(tmp_path, ids[2], ids)  # a joiner admitted for a later round, gone before it
     c.group.joined[ids[1]] = 500  # pending: it never trained with us
     c.membership.tell_outsiders()

@@ -275,12 +275,15 @@ class Membership:
         dropped: a split, whose two sides must learn each other's rank now, whatever they were
         told in an earlier one), sent now if it is a live candidate, else at the first call at
         which it is one. Members that trained with us and left us alone alive are what
-        ``after_split`` waits to hear from."""
+        ``after_split`` waits to hear from. A member of our group is forgotten as having left
+        (``left``), whatever kind of round we train (gossip too)."""
         if self.group.state is not State.TRAINING:  # we left our group: no status for a group we have not
             self._forget_group()
             return
         now = time.monotonic()
         trained_with = set(self.group.members())
+        for pid in trained_with & self.left.keys():  # back in our group: a later departure is judged anew
+            del self.left[pid]  # (Rounds._gone; and a later split from it is waited for: after_split)
         members = trained_with | set(self.group.joined)
         gone = self._insiders - members
         for pid in gone:

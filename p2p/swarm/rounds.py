@@ -132,9 +132,7 @@ class Rounds:
         if self.group.state is not State.TRAINING or self.group.round != rnd:  # yielded meanwhile: not this group's
             return {}
         now = set(self.group.members(rnd))
-        left = self.membership.left
-        for m in now & left.keys():  # back in the group: a later departure is judged anew
-            del left[m]
+        left = self.membership.left  # (a member back in the group is forgotten there: tell_outsiders)
         return {m: left[m] for m in members if m not in now and m in left}
 
     def _result_buffer(self, n: int) -> torch.Tensor:

@@ -102,17 +102,26 @@ data_sha = {s: hashlib.sha256(read_split(s)).hexdigest() for s in ("train", "val
 from blocktrain.blocks.model import ModelConfig  # noqa: E402
 from blocktrain.blocks.train import TrainConfig  # noqa: E402
 
-sets = [f"--set model.{k}={v}" for k, v in res["job"]["model"].items() if ModelConfig().to_dict().get(k) != v]
+init = res["job"].get("init")  # a run that started from a model (bt-train --init): its lineage
+if init is not None:
+    prev = json.loads((Path(init["directory"]) / "model.json").read_text()) if init["name"] == "shipped" else {}
+    init = {**init, "directory": init["name"],
+            "files_at_commit": (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None,
+            "its_command": prev.get("command"), "its_test_ce_heads": prev.get("test_ce_heads_shipped_bf16")}
+sets = [] if init else [f"--set model.{k}={v}" for k, v in res["job"]["model"].items()
+                        if ModelConfig().to_dict().get(k) != v]  # --init: the model settings are its own
 sets += [f"--set train.{k}={v}" for k, v in res["job"]["train"].items()
          if k != "steps" and TrainConfig().to_dict().get(k) != v]
 ref = res.get("reference") or {}
 med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
 device = res["job"].get("device", "cpu")
-meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(sets)} --schedule {res['job']['schedule']} "
+meta = {"command": f"bt-train {'--init ' + init['name'] + ' ' if init else ''}"
+                   f"--steps {res['job']['train']['steps']} {' '.join(sets)} --schedule {res['job']['schedule']} "
                    f"--device {device.split(':')[0]} "
                    f"{'' if ref else '--no-reference '}--set test_windows={res['job']['test_windows']} --out {run}; "
                    f"python results/ship/make_shipped_model.py {run}",
         "trained_at_commit": (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None,
+        "started_from": init,
         "made_by": made_by,
         "model": res["job"]["model"], "train": res["job"]["train"],
         "data": "embedded WikiText-2 (wiki.*.tokens), sha256 of the bytes: " + json.dumps(data_sha),
@@ -131,13 +140,17 @@ meta = {"command": f"bt-train --steps {res['job']['train']['steps']} {' '.join(s
         "exact_greedy_bytes_per_traversal_by_prompt_length_48_bytes_out": by_prompt,
         "measure_seconds": time.perf_counter() - t0}
 (out / "model.json").write_text(json.dumps(meta, indent=1))
+started = "" if not init else (
+    f", starting from the model shipped at that commit (`{init['its_command']}`; test CE per head "
+    f"{' / '.join(f'{x:.4f}' for x in init['its_test_ce_heads'] or [])}; `git show "
+    f"{init['files_at_commit']}:blocks/data/model/block0.safetensors` and so on)")
 (out / "MODEL.md").write_text(f"""# The shipped model
 
 A small BlockTrain model trained by the project's own `bt-train` on the embedded WikiText-2
 bytes (CC BY-SA 3.0, see ../README.md), so that `bt-peer serve` and `bt-bench wan` work on a
 fresh clone without training first. d {meta['model']['d_model']}, {meta['model']['n_layer']} layers in
 {meta['model']['n_blocks']} blocks, a one-layer draft model on the last block; weights stored bfloat16.
-Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}.
+Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}{started}.
 
 - Made by: `{meta['command']}`
 - Test CE of each head along the chain (nats/byte, the whole test split in windows of 128 bytes,
