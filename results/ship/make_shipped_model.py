@@ -10,6 +10,18 @@ The shipped model of 12-04 was trained so on one H200 (bf16 autocast, 270 s with
 results/ship/train-results.json and train-curves.png are that run's own files); on 2 CPU cores
 the same command takes about 16x longer.
 
+The shipped model of 12-05 is that model fine-tuned on windows of 384 bytes on 2 CPU cores, so
+that a session's context may pass 128 bytes (the 12-04 model's next-byte CE rose from 1.2 to 3.8
+by position 384, and sampled output turned to noise past about 150 bytes):
+
+    mkdir -p runs/ship-long && git rev-parse HEAD > runs/ship-long/COMMIT
+    .venv/bin/bt-train --init shipped --schedule sequential --steps 300 --set train.seq_len=384 \
+        --set train.batch_size=24 --set train.lr=0.0005 --set test_windows=0 --device cpu --out runs/ship-long
+    .venv/bin/python results/ship/make_shipped_model.py runs/ship-long
+
+(results/ship/finetune-384-results.json is that run's own results.json.) model.json records
+where a fine-tuned model started (``started_from``: the commit whose blocks/data/model it was).
+
 (The command recorded in model.json is rebuilt from the run's own settings.)
 
 Stores each block in bfloat16 (half the bytes; loaded back as float32), then measures what is
@@ -53,7 +65,7 @@ text = read_split("valid")  # prompts never used for tuning: the validation spli
 
 
 @torch.no_grad()
-def ce_by_position(T: int = 384, rows: int = 48, band: int = 64) -> dict:
+def ce_by_position(T: int = 512, rows: int = 48, band: int = 64) -> dict:
     """The chain's next-byte CE in ``rows`` validation windows of ``T`` bytes, per band of positions:
     where the context a session has outgrows the windows the model trained on."""
     data = torch.tensor(list(text[:rows * 8192]))
@@ -98,6 +110,21 @@ for i in range(n):
     if i < 20:  # byte-identity on a subset (autoregressive costs 64 traversals each)
         ar, _ = decode.generate(blocks, prompt, 64)
         same += ar == exact
+
+
+def off_text(b: bytes) -> float:
+    """Share of bytes that are no printable ASCII, space or newline: WikiText is almost all such text."""
+    return sum(not (32 <= c < 127 or c == 10) for c in b) / max(1, len(b))
+
+
+long_n, long_out = 20, 256  # sampled sessions past the 128 bytes the first model trained on
+long_off, long_bpt = [], []
+for i in range(long_n):
+    prompt = list(text[i * step:i * step + 64])
+    out_s, st_l = decode.generate(blocks, prompt, long_out, draft_len=16, drafter=True,
+                                  sampling=decode.Sampling(temperature=0.8, seed=1000 + i))
+    long_off.append((off_text(bytes(out_s[:128])), off_text(bytes(out_s[128:]))))
+    long_bpt.append(st_l.bytes_per_traversal(long_out))
 data_sha = {s: hashlib.sha256(read_split(s)).hexdigest() for s in ("train", "valid", "test")}
 from blocktrain.blocks.model import ModelConfig  # noqa: E402
 from blocktrain.blocks.train import TrainConfig  # noqa: E402
@@ -136,7 +163,14 @@ meta = {"command": f"bt-train {'--init ' + init['name'] + ' ' if init else ''}"
                                                    "min": min(bpt_sampled), "max": max(bpt_sampled)},
         "greedy_continuations_repeating_a_16gram": f"{repeats}/{n}",
         "exact_identical_to_autoregressive": f"{same}/20",
-        "next_byte_ce_by_position_384_byte_valid_windows": by_position,
+        "sampled_t0.8_256_bytes": {
+            "prompts": f"{long_n} validation prompts of 64 bytes, one draft chain",
+            "off_text_share_bytes_1_128": sum(a for a, _ in long_off) / long_n,
+            "off_text_share_bytes_129_256": sum(b for _, b in long_off) / long_n,
+            "bytes_per_traversal_mean": sum(long_bpt) / long_n,
+            "note": "off text: bytes that are no printable ASCII, space or newline (the test split: "
+                    f"{off_text(bytes(read_split('test')[:200000])):.4f})"},
+        "next_byte_ce_by_position_512_byte_valid_windows": by_position,
         "exact_greedy_bytes_per_traversal_by_prompt_length_48_bytes_out": by_prompt,
         "measure_seconds": time.perf_counter() - t0}
 (out / "model.json").write_text(json.dumps(meta, indent=1))
@@ -164,8 +198,11 @@ Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}{started}.
     traversal (median {meta['exact_sampled_t0.8_bytes_per_traversal']['median']:.2f}) with one draft chain; the client
     drafts wide when it samples (4 chains of 8): see `results/serving/drafting.json`;
   - {repeats} of {n} greedy continuations repeat a 16-gram.
+- Sampled at temperature 0.8, 256 bytes after each of {long_n} validation prompts: the share of
+  bytes that are no printable ASCII, space or newline is {meta['sampled_t0.8_256_bytes']['off_text_share_bytes_1_128']:.3f}
+  in the first 128 and {meta['sampled_t0.8_256_bytes']['off_text_share_bytes_129_256']:.3f} in the next 128 (noise shows here first).
 - Context: it trained on windows of {meta['train']['seq_len']} bytes, and past them it is worse. Its
-  next-byte CE in 384-byte validation windows, by position:
+  next-byte CE in 512-byte validation windows, by position:
   {', '.join(f'{k} {v:.2f}' for k, v in by_position.items())}. Exact greedy drafting, 48 bytes
   after prompts of 32 / 64 / 128 / 192 / 256 bytes (8 prompts each):
   {' / '.join(f'{v:.2f}' for v in by_prompt.values())} bytes per traversal. Keep prompt + output
