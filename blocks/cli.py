@@ -48,7 +48,8 @@ from .schedule import SCHEDULES
 @click.option("--init", default=None, metavar="DIR|shipped",
               help="Start every block from the checkpoints in DIR (a bt-train OUT/checkpoints, or `shipped`: the "
                    "model the package ships) instead of from scratch: fine-tune it on --data, or on longer windows "
-                   "(--set train.seq_len=384). The model settings are theirs; the reference is not trained.")
+                   "(--set train.seq_len=384). The model settings are theirs; the training settings are this "
+                   "job's (defaults, --config, --set); the reference is not trained.")
 @click.option("--no-reference", is_flag=True, default=None, help="Skip the end-to-end reference.")
 @click.option("--processes", is_flag=True, default=None,
               help="Train each block in its own process, exchanging checkpoint files (staggered, parallel or "
@@ -64,15 +65,17 @@ def main(size, dry_run, config_file, sets, steps, schedule, data, device, precis
     override them, typed by the fields; unknown keys are errors.
     """
     from .job import init_model, run_job
+    options = {"train.steps": steps, "schedule": schedule, "data": data, "device": device, "precision": precision,
+               "out": out, "threads": threads, "init": init, "reference": False if no_reference else None,
+               "processes": True if processes else None}
     try:
-        base = JobConfig(model=init_model(init)) if init is not None else JobConfig()  # their shape
-    except (ckpt.CheckpointError, ValueError) as e:
-        raise click.BadParameter(str(e), param_hint="--init") from None
-    try:
-        job = load(base, config_file, sets, size, **{"train.steps": steps, "schedule": schedule, "data": data,
-                                                       "device": device, "precision": precision, "out": out, "threads": threads, "init": init,
-                                                       "reference": False if no_reference else None,
-                                                       "processes": True if processes else None})
+        job = load(JobConfig(), config_file, sets, size, **options)
+        if job.init is not None:  # (--init or a config file's): the model settings are the checkpoints'
+            try:
+                base = JobConfig(model=init_model(job.init))
+            except (ckpt.CheckpointError, ValueError) as e:
+                raise click.BadParameter(str(e), param_hint="--init") from None
+            job = load(base, config_file, sets, size, **options)
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="configuration") from None
     if dry_run:

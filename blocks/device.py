@@ -5,9 +5,9 @@ Rules:
   device that is absent is a ``DeviceError`` that says what is present; nothing falls back silently.
 - Parameters, optimizer state and activations live on the device; everything that leaves the
   worker (checkpoints, the flat vectors a round averages, served hidden states) is a CPU tensor,
-  so checkpoints and the wire are device-independent. From a CUDA device it comes out in pinned
-  host memory (``to_host``); what goes back (an averaged vector) is one transfer from the wire's
-  buffer.
+  so checkpoints and the wire are device-independent. What a round sends comes off a CUDA device
+  into pinned host memory (``to_host(pinned=True)``); what comes back (an averaged vector) is one
+  transfer from the round's result buffer.
 - ``bf16`` runs the forward passes under ``torch.autocast`` in bfloat16 (parameters, gradients and
   optimizer state stay float32); ``auto`` is bf16 on a CUDA device that supports it, fp32 elsewhere
   (on a CPU bf16 autocast is supported but rarely faster).
@@ -96,14 +96,15 @@ def describe(device: torch.device, precision: str) -> str:
     return f"{device} ({name}), {precision}"
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a CPU tensor (itself when it is one): what leaves a worker. From a CUDA device it
-    lands in pinned (page-locked) host memory in one DMA transfer, with no staging copy through
-    pageable memory; torch's caching host allocator reuses such buffers from step to step, and the
-    wire reads them as they are."""
+def to_host(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """``t`` as a CPU tensor (itself when it is one): what leaves a worker. ``pinned``, from a CUDA
+    device: into page-locked host memory in one DMA transfer, with no staging copy through pageable
+    memory, for what goes on the wire every round (the flat vectors a round averages, gradients).
+    torch's caching host allocator keeps such buffers once freed and reuses them round after round:
+    about as much page-locked memory as the vectors of one round, held while the worker runs."""
     if t.device.type == "cpu":
         return t
-    if t.device.type != "cuda":
+    if not pinned or t.device.type != "cuda":
         return t.to("cpu")
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)

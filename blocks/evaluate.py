@@ -20,8 +20,9 @@ from .train import eval_chain
 MIN_GAIN = 0.02
 
 
-def load_chain(directory: str | Path) -> tuple[list[Block], dict]:
-    """The blocks in ``directory`` in order, and the extra metadata of the last one."""
+def load_chain(directory: str | Path, digests: dict | None = None) -> tuple[list[Block], dict]:
+    """The blocks in ``directory`` in order, and the extra metadata of the last one (``digests``:
+    filled with each block's sha256)."""
     files = ckpt.block_files(directory)
     if not files:
         raise ckpt.CheckpointError(f"{directory}: no block*.safetensors checkpoints")
@@ -37,6 +38,8 @@ def load_chain(directory: str | Path) -> tuple[list[Block], dict]:
         b = Block(ModelConfig.from_dict(c.config), k)
         b.load_state_dict(c.tensors)
         b.eval()
+        if digests is not None:
+            digests[k] = c.sha256
         blocks.append(b)
         extra = c.extra
     n = blocks[0].cfg.n_blocks

@@ -69,17 +69,17 @@ def load_init(job: JobConfig) -> tuple[list[dict], dict]:
     model, and what results.json records of them (the directory, each file's sha256)."""
     assert job.init is not None
     directory = init_directory(job.init)
-    blocks, _ = load_chain(directory)
+    digests: dict = {}
+    blocks, _ = load_chain(directory, digests)
     theirs = blocks[0].cfg
     if theirs != job.model:
-        diff = {k: (v, job.model.to_dict()[k]) for k, v in theirs.to_dict().items() if job.model.to_dict()[k] != v}
+        ours = job.model.to_dict()
+        diff = {k: (v, ours[k]) for k, v in theirs.to_dict().items() if ours[k] != v}
         raise ValueError(f"--init {job.init}: its blocks are another model than the job's ("
                          + ", ".join(f"model.{k} {a} there, {b} here" for k, (a, b) in diff.items())
                          + "); drop the model settings that differ")
-    files = ckpt.block_files(directory)
     return ([b.state_dict() for b in blocks],
-            {"directory": str(directory), "name": job.init,
-             "sha256": {k: ckpt.load(path).sha256 for k, path in files.items()}})
+            {"directory": str(directory), "name": job.init, "sha256": digests})
 
 
 def check_job(job: JobConfig):
@@ -91,7 +91,9 @@ def check_job(job: JobConfig):
     if job.model.max_seq_len < need:
         raise ValueError(f"model.max_seq_len {job.model.max_seq_len} is too short: training windows of "
                          f"{job.train.seq_len} bytes and the final evaluation ({EVAL_PROMPT_BYTES}-byte prompts + "
-                         f"{EVAL_CONTINUATION_BYTES} bytes) need {need}; raise it or lower train.seq_len")
+                         f"{EVAL_CONTINUATION_BYTES} bytes) need {need}; "
+                         + ("lower train.seq_len (--init: the model is the checkpoints')" if job.init is not None
+                            else "raise it or lower train.seq_len"))
 
 
 def progress_for(bar, starts=None):
@@ -182,7 +184,7 @@ def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | Non
             "continuation_one_traversal": eval_continuation(asm, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=True),
         },
     }
-    if job.reference and init is not None:
+    if job.reference and init_info is not None:
         log("end-to-end reference: not trained (--init: there is no end-to-end model to start from, and one "
             "trained from scratch would not be a reference at the same settings)")
         result["reference_skipped"] = "--init: no end-to-end model to start from"

@@ -44,12 +44,16 @@ def train_blocktrain(mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, train:
                      valid: torch.Tensor, progress=None, identity_start: bool = True,
                      device: torch.device | str = "cpu", precision: str = "fp32",
                      init: list[dict] | None = None) -> RunResult:
-    """``init``: every block's state dict to start from (then no block starts from the one below)."""
+    """``init``: every block's state dict to start from (then no block starts from the one below);
+    emptied once loaded, so that its tensors are not held through the run."""
     K, S = mcfg.n_blocks, tcfg.steps
     plans: list[BlockPlan] = make_plans(schedule, K, S, tcfg.decay_frac)
     trainers = [BlockTrainer(mcfg, tcfg, k, train, device=device, precision=precision) for k in range(K)]
     for tr, state in zip(trainers, init or ()):
         tr.block.load_state_dict(state)  # in the block's own dtype (a bf16 checkpoint trains in float32)
+    started_from = init is not None
+    if init:
+        init.clear()
     for tr, p in zip(trainers, plans):
         tr.lr_plan = (p.decay_start, p.decay_end)
     published: list[dict | None] = [None] * K
@@ -71,7 +75,7 @@ def train_blocktrain(mcfg: ModelConfig, tcfg: TrainConfig, schedule: str, train:
                 continue
             if not started[k]:
                 started[k] = True
-                if k > 0 and identity_start and init is None and schedule in ("sequential", "relay"):
+                if k > 0 and identity_start and not started_from and schedule in ("sequential", "relay"):
                     tr.init_from_below(trainers[k - 1].block)
             if k > 0 and (t == p.start or t % tcfg.refresh_every == 0):
                 tr.set_lower([published[j] for j in range(k)], pub_step[:k])

@@ -261,7 +261,7 @@ class BlockTrainer:
     def grads(self) -> torch.Tensor:
         """The gradients as one flat float32 CPU vector (parameter order): one transfer."""
         return to_host(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                  for p in self.block.parameters()]))
+                                  for p in self.block.parameters()]), pinned=True)
 
     def apply_grads(self, flat: torch.Tensor | None = None):
         """Clip and take the optimizer step, with ``flat`` (e.g. the group's average) as the

@@ -6,7 +6,8 @@
 # 2. two bt-peer processes on the device train block 0..2 together, averaging every step (relay);
 # 3. serves step 1's checkpoints (written on the device) and continues a prompt through the chain
 #    (serving runs on the CPU);
-# 4. bt-bench step on the device (block worker against the plain loop, per FLOP).
+# 4. bt-bench step on the device (block worker against the plain loop, per FLOP);
+# 5. on cuda: the pinned-memory test of tests/test_workloads.py (skipped where CUDA is absent).
 # Everything it writes goes to $OUT (default: a new temporary directory); it stops only the
 # processes it started, by their ids. Exit code 0: every step passed.
 set -euo pipefail
@@ -21,7 +22,7 @@ trap cleanup EXIT
 tiny=(--set model.d_model=64 --set model.n_head=4 --set train.batch_size=8 --set train.seq_len=64)
 say() { echo "== $*" >&2; }
 
-say "1/4 bt-train on $DEVICE"
+say "1/5 bt-train on $DEVICE"
 "$BIN/bt-train" --device "$DEVICE" --steps 20 --no-reference --out "$OUT/train" "${tiny[@]}" \
     --set train.eval_every=10 --set draft_frac=0 --set test_windows=20
 python3 - "$OUT/train/results.json" <<'EOF'
@@ -31,7 +32,7 @@ print("device", r["job"]["device"], r["job"]["precision"], "test CE per head", [
 assert all(0 < c < 6 for c in r["blocktrain"]["test_ce_heads"])
 EOF
 
-say "2/4 two bt-peer processes on $DEVICE, averaging every step"
+say "2/5 two bt-peer processes on $DEVICE, averaging every step"
 "$BIN/bt-peer" keygen --out "$OUT/swarm.key"
 common=(--swarm-key "$OUT/swarm.key" --device "$DEVICE" --steps 10 --min-group 2 --exit-when-done "${tiny[@]}"
         --set train.draft_frac=0)
@@ -52,7 +53,7 @@ for f in sys.argv[1:-1]:
     assert t["rounds"] and not t["failed_rounds"] and t["config"]["device"].startswith(sys.argv[-1])
 EOF
 
-say "3/4 serve the blocks step 1 trained on $DEVICE and continue a prompt (serving: CPU)"
+say "3/5 serve the blocks step 1 trained on $DEVICE and continue a prompt (serving: CPU)"
 S=127.0.0.1:$((PORT + 1))
 "$BIN/bt-peer" serve --block 0 --listen "$S" --checkpoints "$OUT/train/checkpoints" --swarm-key "$OUT/swarm.key" \
     --identity "$OUT/s0" 2> "$OUT/serve0.log" &
@@ -65,6 +66,10 @@ done
 "$BIN/bt-peer" generate "127.0.0.1:$((PORT + 1))" --swarm-key "$OUT/swarm.key" --identity "$OUT/me" \
     --prompt "The history of the" --bytes 16 --wait 120
 
-say "4/4 bt-bench step on $DEVICE"
+say "4/5 bt-bench step on $DEVICE"
 "$BIN/bt-bench" step --device "$DEVICE" --sizes tiny --steps 3 --json "$OUT/step.json"
+if [ "$DEVICE" = cuda ]; then
+    say "5/5 what a round sends comes off the GPU in pinned memory (the test that is skipped without CUDA)"
+    "$BIN/python" -m pytest -q -p no:cacheprovider tests/test_workloads.py -k pinned_host_memory
+fi
 say "passed; everything is in $OUT"

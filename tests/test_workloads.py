@@ -112,6 +112,11 @@ def test_bt_train_init_starts_every_block_from_a_trained_model(tmp_path):
     assert res["job"]["model"]["d_model"] == 32 and res["job"]["train"]["seq_len"] == 48  # their shape, our windows
     assert res["job"]["init"]["sha256"] == {str(k): ckpt.load(p).sha256 for k, p in ckpt.block_files(a).items()}
     assert "reference" not in res and res["reference_skipped"]
+    from blocktrain.blocks.evaluate import load_chain
+    from blocktrain.blocks.job import init_model
+    from blocktrain.blocks.train import eval_chain
+    chain, _ = load_chain(a)  # the whole chain started from a's: every head scores as a's did
+    assert res["blocktrain"]["test_ce_heads"] == pytest.approx(eval_chain(chain, load_split("test"), 48, 4), abs=1e-4)
     for k, path in ckpt.block_files(tmp_path / "b" / "checkpoints").items():
         before, after = ckpt.load(a / ckpt.block_file(k)).tensors, ckpt.load(path).tensors
         assert before.keys() == after.keys()
@@ -124,6 +129,10 @@ def test_bt_train_init_starts_every_block_from_a_trained_model(tmp_path):
     assert r.exit_code == 2 and "--processes" in r.output and not (tmp_path / "c").exists()
     r = CliRunner().invoke(main, ["--init", str(tmp_path), "--out", str(tmp_path / "c")])
     assert r.exit_code == 2 and "no block0.safetensors" in r.output
+    (tmp_path / "job.json").write_text(json.dumps({"init": str(a)}))  # named by a config file: the same
+    r = CliRunner().invoke(main, ["--config", str(tmp_path / "job.json"), "--dry-run"])
+    assert r.exit_code == 0 and "model: d 32" in r.output, r.output
+    assert init_model("shipped").d_model == 192  # the shipped model, stored bf16
 
 
 # --- devices, precision, micro-batches ----------------------------------------------------------------
@@ -172,18 +181,19 @@ def test_micro_batches_give_the_steps_gradient_in_slices(slots):
         load(JobConfig(), None, ["train.micro_batches=9", "train.batch_size=8"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run where one is: scripts/gpu_check.sh)")
-def test_what_leaves_a_cuda_worker_is_in_pinned_host_memory():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh runs it)")
+def test_what_a_cuda_worker_sends_is_in_pinned_host_memory():
     from blocktrain.blocks.device import to_host
     from blocktrain.p2p.averaging.outer import flatten
     t = torch.randn(1000, device="cuda")
-    h = to_host(t)
+    h = to_host(t, pinned=True)
     assert h.device.type == "cpu" and h.is_pinned() and torch.equal(h, t.cpu())
+    assert not to_host(t).is_pinned()  # checkpoints: pageable
     params = [torch.nn.Parameter(torch.randn(3, 4, device="cuda")), torch.nn.Parameter(torch.randn(5, device="cuda"))]
     flat = flatten(params)
     assert flat.is_pinned() and torch.equal(flat, torch.cat([p.detach().cpu().reshape(-1) for p in params]))
     c = torch.randn(4)
-    assert to_host(c) is c  # a CPU tensor is itself
+    assert to_host(c, pinned=True) is c  # a CPU tensor is itself
 
 
 def test_bf16_autocast_trains_and_checkpoints_stay_float32_on_the_cpu(tmp_path):

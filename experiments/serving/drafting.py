@@ -46,11 +46,16 @@ def no_runners_up(session_cls):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default="results/serving/drafting.json")
+    ap.add_argument("--json", default=None, help="where to write (default results/serving/drafting.json; "
+                    "required with --arms)")
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--bytes", type=int, default=64, help="output bytes per prompt")
     ap.add_argument("--arms", default="all", help="comma list of the arms to run (default all)")
     args = ap.parse_args()
+    if args.json is None:
+        if args.arms != "all":
+            ap.error("--arms: name the file with --json (a subset would replace the full record)")
+        args.json = "results/serving/drafting.json"
     made_by = code_version()  # what is measured: taken first (a commit made meanwhile is not it)
     torch.set_num_threads(1)
     blocks, _ = load_chain(ckpt.SHIPPED_MODEL)

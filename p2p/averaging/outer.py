@@ -16,10 +16,10 @@ from blocktrain.blocks.device import to_host
 
 def flatten(params) -> torch.Tensor:
     """The parameters as one flat float32 CPU vector (on an accelerator: one transfer, into pinned
-    memory from CUDA: ``to_host``)."""
+    memory from CUDA: ``to_host``), what a round sends."""
     if not params:
         return torch.empty(0)
-    return to_host(torch.cat([p.detach().reshape(-1).float() for p in params]))
+    return to_host(torch.cat([p.detach().reshape(-1).float() for p in params]), pinned=True)
 
 
 def unflatten_(params, vec: torch.Tensor):

@@ -24,7 +24,9 @@ Rules:
   of our scope) or is gone from the table of our scope's training peers, ``SPLIT_WAIT_S`` at most
   (``after_split``; meanwhile it tells them its STATUS as they come back): alone it trains a round
   in milliseconds, and could finish its block apart from the group it is about to rejoin. Its
-  lone rounds answer the parts a member still counting it in sends (``Averager.alone``).
+  lone rounds answer the parts a member still counting it in sends (``Averager.alone``). A member
+  that once left by a LEAVE and came back counts as any other (``left`` forgets it at every
+  round's end, gossip rounds too).
 - Scope: another scope's JOIN is answered ABSENT in the joiner's scope (``is_scope``), as by a
   peer that trains nothing (``refuse_joins``).
 - After each round, joiners admitted at it are told the name of the state they take (READY).
@@ -114,7 +116,8 @@ class Membership:
         self._split_from: set[str] = set()  # members that left us alone alive (after_split waits for their status)
         # members that left the group by a LEAVE or as the swarm saw them leave (Goodbye) or die (not
         # a closed connection, which is redialled; nor those a round departed), newest last: Rounds
-        # departs them from a round begun before (its ``gone``)
+        # departs them from a round begun before (its ``gone``); one back in our group is forgotten
+        # here (tell_outsiders), so that a later departure or split of it is judged anew
         self.left: dict[str, str] = {}
         peer.on(BlockUpdate, self._on_block_update, inline=True)
         peer.on_membership(self._membership)

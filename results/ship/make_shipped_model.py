@@ -22,7 +22,8 @@ by position 384, and sampled output turned to noise past about 150 bytes):
 (results/ship/finetune-384-results.json is that run's own results.json.) model.json records
 where a fine-tuned model started (``started_from``: the commit whose blocks/data/model it was).
 
-(The command recorded in model.json is rebuilt from the run's own settings.)
+(The command recorded in model.json is the run's own, from its results.json; for a run that did not
+record one, rebuilt from its settings.)
 
 Stores each block in bfloat16 (half the bytes; loaded back as float32), then measures what is
 shipped: the test CE of every head along the chain (the whole test split in 128-byte windows),
@@ -32,6 +33,7 @@ model.json beside the blocks.
 """
 import hashlib
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -131,9 +133,13 @@ from blocktrain.blocks.train import TrainConfig  # noqa: E402
 
 init = res["job"].get("init")  # a run that started from a model (bt-train --init): its lineage
 if init is not None:
-    prev = json.loads((Path(init["directory"]) / "model.json").read_text()) if init["name"] == "shipped" else {}
-    init = {**init, "directory": init["name"],
-            "files_at_commit": (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None,
+    at = (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None
+    prev = {}
+    if init["name"] == "shipped" and at:  # the model shipped at the commit it trained with, from git
+        shown = subprocess.run(["git", "show", f"{at}:blocks/data/model/model.json"], capture_output=True, text=True,
+                               cwd=Path(__file__).parent)
+        prev = json.loads(shown.stdout) if shown.returncode == 0 else {}
+    init = {**init, "directory": init["name"], "files_at_commit": at if init["name"] == "shipped" else None,
             "its_command": prev.get("command"), "its_test_ce_heads": prev.get("test_ce_heads_shipped_bf16")}
 sets = [] if init else [f"--set model.{k}={v}" for k, v in res["job"]["model"].items()
                         if ModelConfig().to_dict().get(k) != v]  # --init: the model settings are its own
@@ -142,11 +148,13 @@ sets += [f"--set train.{k}={v}" for k, v in res["job"]["train"].items()
 ref = res.get("reference") or {}
 med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
 device = res["job"].get("device", "cpu")
-meta = {"command": f"bt-train {'--init ' + init['name'] + ' ' if init else ''}"
-                   f"--steps {res['job']['train']['steps']} {' '.join(sets)} --schedule {res['job']['schedule']} "
-                   f"--device {device.split(':')[0]} "
-                   f"{'' if ref else '--no-reference '}--set test_windows={res['job']['test_windows']} --out {run}; "
-                   f"python results/ship/make_shipped_model.py {run}",
+rebuilt = (f"bt-train {'--init ' + init['name'] + ' ' if init else ''}"
+           f"--steps {res['job']['train']['steps']} {' '.join(sets)} --schedule {res['job']['schedule']} "
+           f"--device {device.split(':')[0]} "
+           f"{'' if ref else '--no-reference '}--set test_windows={res['job']['test_windows']} --out {run}; "
+           f"python results/ship/make_shipped_model.py {run}")
+meta = {"command": (f"{res['command']}; python results/ship/make_shipped_model.py {run}" if res.get("command")
+                    else rebuilt),  # bt-train records its own command line; older runs' is rebuilt
         "trained_at_commit": (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None,
         "started_from": init,
         "made_by": made_by,
@@ -174,10 +182,14 @@ meta = {"command": f"bt-train {'--init ' + init['name'] + ' ' if init else ''}"
         "exact_greedy_bytes_per_traversal_by_prompt_length_48_bytes_out": by_prompt,
         "measure_seconds": time.perf_counter() - t0}
 (out / "model.json").write_text(json.dumps(meta, indent=1))
-started = "" if not init else (
-    f", starting from the model shipped at that commit (`{init['its_command']}`; test CE per head "
-    f"{' / '.join(f'{x:.4f}' for x in init['its_test_ce_heads'] or [])}; `git show "
-    f"{init['files_at_commit']}:blocks/data/model/block0.safetensors` and so on)")
+if not init:
+    started = ""
+elif init["files_at_commit"]:
+    started = (f", starting from the model shipped at that commit (`{init['its_command']}`; test CE per head "
+               f"{' / '.join(f'{x:.4f}' for x in init['its_test_ce_heads'] or [])}; `git show "
+               f"{init['files_at_commit']}:blocks/data/model/block0.safetensors` and so on)")
+else:
+    started = f", starting from the checkpoints in {init['name']} (sha256 in model.json)"
 (out / "MODEL.md").write_text(f"""# The shipped model
 
 A small BlockTrain model trained by the project's own `bt-train` on the embedded WikiText-2
@@ -188,8 +200,9 @@ Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}{started}.
 
 - Made by: `{meta['command']}`
 - Test CE of each head along the chain (nats/byte, the whole test split in windows of 128 bytes,
-  shipped weights): {' / '.join(f'{x:.4f}' for x in ev['head_ce'])}; the end-to-end reference trained
-  at the same settings (same objective, steps, batches): {f"{ref['test_ce']:.4f}" if ref else 'not trained'}.
+  shipped weights): {' / '.join(f'{x:.4f}' for x in ev['head_ce'])}; {
+  f"the end-to-end reference trained at the same settings (same objective, steps, batches): {ref['test_ce']:.4f}"
+  if ref else "no end-to-end reference was trained with it"}.
 - Exact mode, 64 bytes after each of {n} validation prompts of 64 bytes:
   - greedy: {meta['exact_greedy_bytes_per_traversal']['mean']:.2f} bytes per traversal (median
     {meta['exact_greedy_bytes_per_traversal']['median']:.2f}, min {meta['exact_greedy_bytes_per_traversal']['min']:.2f});
