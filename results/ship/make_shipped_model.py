@@ -12,14 +12,17 @@ the same command takes about 16x longer.
 
 The shipped model of 12-05 is that model fine-tuned on windows of 384 bytes on 2 CPU cores, so
 that a session's context may pass 128 bytes (the 12-04 model's next-byte CE rose from 1.2 to 3.8
-by position 384, and sampled output turned to noise past about 150 bytes):
+by position 384, and sampled output turned to noise once the context passed 128 bytes):
 
     mkdir -p runs/ship-long && git rev-parse HEAD > runs/ship-long/COMMIT
     .venv/bin/bt-train --init shipped --schedule sequential --steps 300 --set train.seq_len=384 \
-        --set train.batch_size=24 --set train.lr=0.0005 --set test_windows=0 --device cpu --out runs/ship-long
+        --set train.batch_size=24 --set train.lr=0.0005 --set test_windows=0 --device cpu --threads 2 \
+        --out runs/ship-long
     .venv/bin/python results/ship/make_shipped_model.py runs/ship-long
 
-(results/ship/finetune-384-results.json is that run's own results.json.) model.json records
+(results/ship/finetune-384-results.json is that run's own results.json. It ran in a clone at
+/tmp/ft, so model.json's command measures /tmp/ft/runs/ship-long, the --out of the bt-train before
+it.) model.json records
 where a fine-tuned model started (``started_from``: the commit whose blocks/data/model it was).
 
 (The command recorded in model.json is the run's own, from its results.json; for a run that did not
@@ -127,6 +130,7 @@ for i in range(long_n):
                                   sampling=decode.Sampling(temperature=0.8, seed=1000 + i))
     long_off.append((off_text(bytes(out_s[:128])), off_text(bytes(out_s[128:]))))
     long_bpt.append(st_l.bytes_per_traversal(long_out))
+test_off = off_text(bytes(read_split("test")[:200000]))  # what text itself holds of them
 data_sha = {s: hashlib.sha256(read_split(s)).hexdigest() for s in ("train", "valid", "test")}
 from blocktrain.blocks.model import ModelConfig  # noqa: E402
 from blocktrain.blocks.train import TrainConfig  # noqa: E402
@@ -176,8 +180,7 @@ meta = {"command": (f"{res['command']}; python results/ship/make_shipped_model.p
             "off_text_share_bytes_1_128": sum(a for a, _ in long_off) / long_n,
             "off_text_share_bytes_129_256": sum(b for _, b in long_off) / long_n,
             "bytes_per_traversal_mean": sum(long_bpt) / long_n,
-            "note": "off text: bytes that are no printable ASCII, space or newline (the test split: "
-                    f"{off_text(bytes(read_split('test')[:200000])):.4f})"},
+            "note": f"off text: bytes that are no printable ASCII, space or newline (the test split: {test_off:.4f})"},
         "next_byte_ce_by_position_512_byte_valid_windows": by_position,
         "exact_greedy_bytes_per_traversal_by_prompt_length_48_bytes_out": by_prompt,
         "measure_seconds": time.perf_counter() - t0}
@@ -209,11 +212,12 @@ Trained on {meta['trained_on']} at commit {meta['trained_at_commit']}{started}.
     output identical to autoregressive decoding on {same}/20 checked;
   - sampled at temperature 0.8: {meta['exact_sampled_t0.8_bytes_per_traversal']['mean']:.2f} bytes per
     traversal (median {meta['exact_sampled_t0.8_bytes_per_traversal']['median']:.2f}) with one draft chain; the client
-    drafts wide when it samples (4 chains of 8): see `results/serving/drafting.json`;
+    drafts wide when it samples (4 chains of 8): results/README.md, section 4;
   - {repeats} of {n} greedy continuations repeat a 16-gram.
 - Sampled at temperature 0.8, 256 bytes after each of {long_n} validation prompts: the share of
   bytes that are no printable ASCII, space or newline is {meta['sampled_t0.8_256_bytes']['off_text_share_bytes_1_128']:.3f}
-  in the first 128 and {meta['sampled_t0.8_256_bytes']['off_text_share_bytes_129_256']:.3f} in the next 128 (noise shows here first).
+  in the first 128 and {meta['sampled_t0.8_256_bytes']['off_text_share_bytes_129_256']:.3f} in the next 128 (the test split's own: {test_off:.4f};
+  a model past its context writes noise, which shows here first).
 - Context: it trained on windows of {meta['train']['seq_len']} bytes, and past them it is worse. Its
   next-byte CE in 512-byte validation windows, by position:
   {', '.join(f'{k} {v:.2f}' for k, v in by_position.items())}. Exact greedy drafting, 48 bytes
