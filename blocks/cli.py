@@ -11,7 +11,7 @@ import sys
 import click
 
 from . import checkpoint as ckpt
-from .config import SIZES, ConfigError, JobConfig, load
+from .config import SIZES, ConfigError, JobConfig, load, parse_set, read_config_file
 from .data import DataError
 from .progress import bar
 from .schedule import SCHEDULES
@@ -68,14 +68,13 @@ def main(size, dry_run, config_file, sets, steps, schedule, data, device, precis
     options = {"train.steps": steps, "schedule": schedule, "data": data, "device": device, "precision": precision,
                "out": out, "threads": threads, "init": init, "reference": False if no_reference else None,
                "processes": True if processes else None}
-    try:
-        job = load(JobConfig(), config_file, sets, size, **options)
-        if job.init is not None:  # (--init or a config file's): the model settings are the checkpoints'
-            try:
-                base = JobConfig(model=init_model(job.init))
-            except (ckpt.CheckpointError, ValueError) as e:
-                raise click.BadParameter(str(e), param_hint="--init") from None
-            job = load(base, config_file, sets, size, **options)
+    try:  # --init (or --set init=, or a config file's): the model settings are the checkpoints'
+        name = init or parse_set(sets).get("init") or (read_config_file(config_file).get("init") if config_file else None)
+        try:
+            base = JobConfig(model=init_model(name)) if name else JobConfig()
+        except (ckpt.CheckpointError, ValueError) as e:
+            raise click.BadParameter(str(e), param_hint="--init") from None
+        job = load(base, config_file, sets, size, **options)
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="configuration") from None
     if dry_run:

@@ -133,6 +133,8 @@ def test_bt_train_init_starts_every_block_from_a_trained_model(tmp_path):
     r = CliRunner().invoke(main, ["--config", str(tmp_path / "job.json"), "--dry-run"])
     assert r.exit_code == 0 and "model: d 32" in r.output, r.output
     assert init_model("shipped").d_model == 192  # the shipped model, stored bf16
+    r = CliRunner().invoke(main, ["--init", "shipped", "--set", "model.n_head=6", "--dry-run"])  # 6 heads of d 192
+    assert r.exit_code == 0 and "model: d 192, 6 heads" in r.output, r.output
 
 
 # --- devices, precision, micro-batches ----------------------------------------------------------------
