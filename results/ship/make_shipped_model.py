@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from blocktrain.bench.provenance import code_version
+from blocktrain.bench.wan import repeats_16gram
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks import decode
 from blocktrain.blocks.data import read_split
@@ -99,11 +100,6 @@ t0 = time.perf_counter()
 bpt, bpt_sampled, same, repeats = [], [], 0, 0
 
 
-def repeats_16gram(b: bytes) -> bool:
-    grams = [b[i:i + 16] for i in range(len(b) - 15)]
-    return len(grams) != len(set(grams))
-
-
 for i in range(n):
     prompt = list(text[i * step:i * step + 64])
     exact, st = decode.generate(blocks, prompt, 64, draft_len=16, drafter=True)
@@ -135,9 +131,9 @@ data_sha = {s: hashlib.sha256(read_split(s)).hexdigest() for s in ("train", "val
 from blocktrain.blocks.model import ModelConfig  # noqa: E402
 from blocktrain.blocks.train import TrainConfig  # noqa: E402
 
+at = (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None  # the code it trained with
 init = res["job"].get("init")  # a run that started from a model (bt-train --init): its lineage
 if init is not None:
-    at = (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None
     prev = {}
     if init["name"] == "shipped" and at:  # the model shipped at the commit it trained with, from git
         shown = subprocess.run(["git", "show", f"{at}:blocks/data/model/model.json"], capture_output=True, text=True,
@@ -159,7 +155,7 @@ rebuilt = (f"bt-train {'--init ' + init['name'] + ' ' if init else ''}"
            f"python results/ship/make_shipped_model.py {run}")
 meta = {"command": (f"{res['command']}; python results/ship/make_shipped_model.py {run}" if res.get("command")
                     else rebuilt),  # bt-train records its own command line; older runs' is rebuilt
-        "trained_at_commit": (run / "COMMIT").read_text().strip() if (run / "COMMIT").exists() else None,
+        "trained_at_commit": at,
         "started_from": init,
         "made_by": made_by,
         "model": res["job"]["model"], "train": res["job"]["train"],
