@@ -483,9 +483,10 @@ class Connection:
         assert cs is not None  # sealed frames are accepted only after _finish
         n = h.length - TAGLEN
         if n >= SEAL_PARTS_MIN_BYTES:
-            # a payload received in place is ours (a reused buffer): opened where it lies, no copy
-            out = payload[:n] if not payload.readonly else self._open_buf.get(n)
-            return cs.decrypt_into(h.pack(), payload, out)
+            # opened into a reused buffer, never where it lies: the AEAD refuses overlapping input
+            # and output (cryptography >= 51 raises ValueError), and the receive buffer is free
+            # again at once for the next frame
+            return cs.decrypt_into(h.pack(), payload, self._open_buf.get(n))
         return memoryview(cs.decrypt(h.pack(), payload))
 
     def _handle(self, h: FrameHeader, payload: memoryview):

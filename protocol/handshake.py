@@ -95,10 +95,11 @@ class CipherState:
         return out[:pos + TAGLEN]
 
     def decrypt_into(self, ad: bytes, ciphertext, out: memoryview) -> memoryview:
-        """Open ``ciphertext`` into ``out`` (len(ciphertext) - TAGLEN bytes); returns the view."""
+        """Open ``ciphertext`` into ``out`` (len(ciphertext) - TAGLEN bytes, not overlapping
+        ``ciphertext``); returns the view."""
         if self.n >= MAX_NONCE:
             raise LocalProtocolError("nonce space exhausted; reconnect", ErrorCode.DECRYPT_FAILED)
-        assert self._aead is not None  # only a session's keyed states open in place
+        assert self._aead is not None  # only a session's keyed states open into a buffer
         try:
             self._aead.decrypt_into(_nonce(self.n), ciphertext, ad, out)
         except InvalidTag:
