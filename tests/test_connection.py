@@ -223,7 +223,7 @@ def test_large_payload_received_in_place_equals_fed(seal):
     data = os.urandom(300_000)
     wire = p.a.send(StreamChunk(offset=7, data=data, stream_id=2)) + p.a.send(Ping(nonce=1))
     rng = random.Random(0)
-    pos, got, direct = 0, [], 0
+    pos, got, direct, receive_buffers = 0, [], 0, []
     p.b.receive_data(wire[:1000])  # the header and a little payload arrive the ordinary way
     pos = 1000
     got += p.drain(p.b)
@@ -237,9 +237,14 @@ def test_large_payload_received_in_place_equals_fed(seal):
             view[:n] = wire[pos:pos + n]
             p.b.received_into(n)
             direct += 1
+            receive_buffers.append(view.obj)
         pos += n
         got += p.drain(p.b)
     assert direct > 0 and got == [StreamChunk(offset=7, data=data, stream_id=2), Ping(nonce=1)]
+    # unsealed, the chunk is a view of the buffer the socket wrote (zero-copy); sealed, it was opened
+    # into a buffer of its own: AES-GCM must not decrypt in place (cryptography >= 51 refuses it)
+    in_receive_buffer = any(got[0].data.obj is b for b in receive_buffers)
+    assert in_receive_buffer is not seal
 
 
 # --- r4: nothing unauthenticated is held beyond the handshake's own limit (issue 12, finding 1) ---
