@@ -86,14 +86,15 @@ def mismatches_within_allowance(r: AveragingRound, ids, state: dict) -> list[str
 
 def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
                       window: PairWindow | None = None) -> list[tuple[str, str]]:
-    """Rule 6, for ``me`` after robust round ``r``: its suspects (and members opposed to the median,
+    """Rule 6, for ``me`` after robust round ``r``: its suspects (members far from the median or,
+    by their parts' norms, far above it, and members opposed to the median,
     or, with ``window``, to the others' updates over the last rounds: the round is taken into it
     when its parts are sign-coded updates, not a gossip round's parameters) counted in ``streak``
     (member -> rounds in a row as a suspect, rounds with it); those that reach SUSPECT_ROUNDS,
     each with why."""
     if not r.robust:
         return []
-    opposed, suspects = r.opposed(), r.suspects
+    opposed, suspects, far = r.opposed(), r.suspects, r.far
     if window is not None and r.origin is None and r.update_codec == SIGN:
         window.add(r.pairs, r.ids)
         opposed = {**window.opposed(r.live(), me), **opposed}
@@ -101,10 +102,11 @@ def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
     for pid in r.live():
         if pid == me:
             continue
-        if pid in suspects or pid in opposed:
+        if pid in suspects or pid in opposed or pid in far:
             streak[pid] = streak.pop(pid, 0) + 1  # the most recently counted last
             if streak[pid] >= SUSPECT_ROUNDS:
-                why = (f"{suspects[pid]:.1f} median distances from the others'" if pid in suspects else
+                why = (f"its part's norm {far[pid]:.3g}x the median of the round's parts" if pid in far else
+                       f"{suspects[pid]:.1f} median distances from the others'" if pid in suspects else
                        f"pointing against the others' updates or their median, cosine {opposed[pid]:.2f}")
                 out.append((pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row ({why} in round "
                                  f"{r.round})"))

@@ -93,6 +93,7 @@ class RoundReport:
     why: dict = field(default_factory=dict)  # departed or rejected member -> why
     robust: bool = False  # aggregated by rule 6 (no average taken on trust)
     suspects: dict = field(default_factory=dict)  # robust: member -> its distance, in median distances
+    far: dict = field(default_factory=dict)  # robust: member -> its largest part norm over the median's, when > 100x
     opposed: dict = field(default_factory=dict)  # robust: member -> its cosine with the median, when < -OPPOSED_COS
 
 
@@ -190,6 +191,7 @@ class AveragingRound:
         # member -> [u . m, |u|^2], None -> |m|^2 (robust.py); in sign rounds of updates, (p, q) ->
         # [u_p . u_q, |u_p|^2, |u_q|^2] (``accumulate_pairs``, for the driver's ``PairWindow``)
         self._piece_suspects: dict[int, dict] = {}
+        self._piece_far: dict[int, dict] = {}  # member -> its part's norm over the median's (left out)
         self._piece_agree: dict[int, dict] = {}
         self._piece_pairs: dict[int, dict] = {}
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
@@ -446,14 +448,15 @@ class AveragingRound:
     def _robust_piece(self, j: int, got: dict) -> None:
         a, b = self.bounds_[j], self.bounds_[j + 1]
         ids = sorted(got)
-        if self.robust and len(ids) >= 3:
-            for p, why in norm_outliers(got, self.me):
-                self._reject(p, why)
-            bad = self.rejected_ids()
-            ids = [p for p in ids if p not in bad]
-        avg = self.out[a:b]
-        for rec in (self._piece_suspects, self._piece_agree, self._piece_pairs):
+        for rec in (self._piece_suspects, self._piece_far, self._piece_agree, self._piece_pairs):
             rec.pop(j, None)
+        considered = ids  # the piece's contributors: a far part is weighed (at nothing), as a clipped one
+        if self.robust and len(ids) >= 3:
+            far = norm_outliers(got, self.me)  # left out of this piece: suspects, not rejected
+            if far:
+                self._piece_far[j] = far
+                ids = [p for p in ids if p not in far]
+        avg = self.out[a:b]
         pairs_wanted = self.robust and self.update_codec == SIGN and self.origin is None and len(ids) >= 2
         x = torch.stack([got[p] for p in ids]) if pairs_wanted or (self.robust and len(ids) >= 3) else None
         if pairs_wanted and x is not None:  # every piece of two parts or more: a member that
@@ -467,7 +470,17 @@ class AveragingRound:
             avg.copy_(centred_clip(x, suspects, ids, agree, None if self.origin is None else self.origin[a:b]))
         else:
             _mean_into(avg, [got[p] for p in ids])
-        self.gathered[j] = ids
+        self.gathered[j] = considered
+
+    @property
+    def far(self) -> dict[str, float]:
+        """Robust: member -> its largest part norm over the piece's median norm, where a part was
+        left out of its piece for it (``norm_outliers``)."""
+        out: dict[str, float] = {}
+        for j in sorted(self._piece_far):
+            for p, r in self._piece_far[j].items():
+                out[p] = max(out.get(p, 0.0), r)
+        return out
 
     @property
     def suspects(self) -> dict[str, float]:
@@ -505,7 +518,7 @@ class AveragingRound:
         rep = RoundReport(self.round, self.ids, covered / self.n if self.n else 1.0, parts, list(self.rejected),
                           departed=sorted(self.departed),
                           why={**self.departed, **{r["peer"]: r["reason"] for r in self.rejected}},
-                          robust=self.robust, suspects=dict(self.suspects), opposed=self.opposed())
+                          robust=self.robust, suspects=dict(self.suspects), far=self.far, opposed=self.opposed())
         if rep.coverage < self.min_coverage:
             raise RoundFailed(self.block, self.round, rep.coverage, sum(not p["ok"] for p in parts), self.P,
                               self.min_coverage, frozenset(self.silent()))

@@ -55,7 +55,7 @@ class Stats:
         self.rounds.append(entry)
         if len(self.rounds) > REPORT_ROUNDS:  # keep the anomalies and the last REPORT_ROUNDS
             drop = next((i for i, r in enumerate(self.rounds[:-REPORT_ROUNDS])
-                         if not (r["departed"] or r["rejected"] or r["candidates_outside"])), None)
+                         if not (r["departed"] or r["rejected"] or r["candidates_outside"] or r.get("far"))), None)
             if drop is not None:
                 self.rounds.pop(drop)
         if gstep % 10 == 0 or gstep < 10:
@@ -69,7 +69,7 @@ def round_entry(rnd: int, block: int, gstep: int, loss: float, rep, me: str, mem
             "coverage": rep.coverage if rep else 1.0, "departed": rep.departed if rep else [],
             "rejected": rep.rejected if rep else [], "seconds": round(seconds, 4),
             "bytes_sent": rep.bytes_sent if rep else 0, "robust": rep.robust if rep else False,
-            "suspects": rep.suspects if rep else {},
+            "suspects": rep.suspects if rep else {}, "far": rep.far if rep else {},
             "candidates_outside": sorted(candidates - set(members)),
             **({"why": rep.why} if rep else {})}
 
