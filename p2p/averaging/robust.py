@@ -96,13 +96,14 @@ def validate_part(msg: BlockUpdate, numel: int, bounds: Bounds, out: torch.Tenso
     return t
 
 
-def norm_outliers(parts: dict[str, torch.Tensor], me: str) -> dict[str, float]:
-    """Rule 6: the members (``me`` never) whose part's norm is over RELATIVE_NORM x the median of
-    the parts' norms, as member -> its norm over the median, in id order."""
+def norm_outliers(parts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Rule 6: the members whose part's norm is over RELATIVE_NORM x the median of the parts'
+    norms, as member -> its norm over the median, in id order. Our own part included: every
+    member leaves the same parts out, so all end with the same bytes (our own far part too)."""
     ids = sorted(parts)
     norms = {p: float(torch.linalg.vector_norm(parts[p])) for p in ids}
     med = float(torch.tensor(list(norms.values())).median())
-    return {p: norms[p] / med for p in ids if med > 0 and norms[p] > RELATIVE_NORM * med and p != me}
+    return {p: norms[p] / med for p in ids if med > 0 and norms[p] > RELATIVE_NORM * med}
 
 
 def centred_clip(x: torch.Tensor, suspects: dict, ids: list, agree: dict | None = None,

@@ -452,7 +452,7 @@ class AveragingRound:
             rec.pop(j, None)
         considered = ids  # the piece's contributors: a far part is weighed (at nothing), as a clipped one
         if self.robust and len(ids) >= 3:
-            far = norm_outliers(got, self.me)  # left out of this piece: suspects, not rejected
+            far = norm_outliers(got)  # left out of this piece (ours too): suspects, not rejected
             if far:
                 self._piece_far[j] = far
                 ids = [p for p in ids if p not in far]
