@@ -151,6 +151,7 @@ def test_a_part_far_above_the_others_is_left_out_and_its_sender_named_only_when_
     steps), and the rejection excluded it for good, so it trained apart. Far above the others
     every other round, a member is never named; every round, it is named after SUSPECT_ROUNDS."""
     from blocktrain.p2p.averaging.driver import SUSPECT_ROUNDS
+    torch.manual_seed(3)
     xs = [torch.randn(200) for _ in IDS4[:3]] + [torch.randn(200) * 1e4]
     rs = run(rounds(xs, IDS4, aggregate="robust"))
     outs = []
@@ -160,7 +161,6 @@ def test_a_part_far_above_the_others_is_left_out_and_its_sender_named_only_when_
         assert torch.allclose(out, torch.stack(xs[:3]).mean(0), atol=1e-5)
         outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    torch.manual_seed(3)
 
     def spikes(every):
         return lambda rnd: [torch.randn(200) for _ in IDS4[:3]] + [torch.randn(200) * (1e4 if rnd % every == 0 else 1)]
@@ -446,7 +446,7 @@ def test_the_pair_and_median_sums_do_not_depend_on_the_order_parts_came_in():
             for p in IDS4[:3]:
                 r = rs[p]
                 assert any(x["peer"] == "d" for x in r.rejected)  # its last piece is over the norm bound
-                sums.append((r.pairs, r._agree, r.suspects))
+                sums.append((r.pairs, r._agree, r.suspects, r.far))
         assert all(x == sums[0] for x in sums[1:])
     finally:
         av.PIECE_FLOATS = old

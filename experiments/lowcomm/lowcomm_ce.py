@@ -60,7 +60,7 @@ def average(ids, vectors, rnd, codec, density, residuals, named=None, judge=None
     outs = [out for out, _ in results]
     if named is not None:
         rep = results[0][1]
-        for p in {r["peer"] for r in rep.rejected} | set(rep.suspects) | set(rep.opposed):
+        for p in {r["peer"] for r in rep.rejected} | set(rep.suspects) | set(rep.opposed) | set(rep.far):
             named[p] = named.get(p, 0) + 1
     if judge is not None:
         judge(rounds[0])

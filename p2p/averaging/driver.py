@@ -105,7 +105,7 @@ def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
         if pid in suspects or pid in opposed or pid in far:
             streak[pid] = streak.pop(pid, 0) + 1  # the most recently counted last
             if streak[pid] >= SUSPECT_ROUNDS:
-                why = (f"its part's norm {far[pid]:.3g}x the median of the round's parts" if pid in far else
+                why = (f"a part's norm {far[pid]:.3g}x the median of its piece's parts" if pid in far else
                        f"{suspects[pid]:.1f} median distances from the others'" if pid in suspects else
                        f"pointing against the others' updates or their median, cosine {opposed[pid]:.2f}")
                 out.append((pid, f"its update was an outlier {SUSPECT_ROUNDS} rounds in a row ({why} in round "
@@ -301,7 +301,7 @@ class Averager(EarlyParts):
             if left <= 0:
                 before = len(r.rejected)
                 self._outbox += r.expire()
-                for rej in r.rejected[before:]:  # robust pieces computed now can reject a member
+                for rej in r.rejected[before:]:  # parts validated now (a piece's last) can reject a member
                     self._reject(rej["peer"], rej["reason"], r.round)
                 continue
             assert self._wake is not None, "set by _begin until the round ends"

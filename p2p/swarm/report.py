@@ -2,7 +2,8 @@
 
 Rules:
 - Rounds: the last ``REPORT_ROUNDS`` in full; older ones are dropped except anomalies (members
-  departed or rejected, candidates left outside the round), which are always kept.
+  departed or rejected, candidates left outside the round), which are always kept. A round with a
+  part left out for its norm (``far``) is not kept for it: one key holder could make most rounds so.
 - Losses: every 10th global step (and the first 10).
 - The busy fraction is training compute over wall time without the curve's evaluations; a figure
   that contention inflates (the report says nothing of the machine's load).
@@ -55,7 +56,7 @@ class Stats:
         self.rounds.append(entry)
         if len(self.rounds) > REPORT_ROUNDS:  # keep the anomalies and the last REPORT_ROUNDS
             drop = next((i for i, r in enumerate(self.rounds[:-REPORT_ROUNDS])
-                         if not (r["departed"] or r["rejected"] or r["candidates_outside"] or r.get("far"))), None)
+                         if not (r["departed"] or r["rejected"] or r["candidates_outside"])), None)
             if drop is not None:
                 self.rounds.pop(drop)
         if gstep % 10 == 0 or gstep < 10:
