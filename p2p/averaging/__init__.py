@@ -28,9 +28,9 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
 - Rule 5 (round.py): coverage; below ``min_coverage`` the result raises ``RoundFailed``.
 - Rule 6 (robust.py; round.py, driver.py): ``aggregate="robust"`` (3 or more members): every member
   computes every piece, by norm test and centred clipping; suspects SUSPECT_ROUNDS rounds in a row
-  are excluded (far from the median, a part's norm over 100x its piece's median: the part is
-  left out of that piece, r6.23; pointing against the median, or, in sign rounds of updates, against the
-  others' updates over the last rounds: ``PairWindow``). A ``sign`` round is gathered so with
+  are excluded (far from the median; a part's norm over 100x its piece's median, the part left
+  out of that piece, r6.23; pointing against the median, or, in sign rounds of updates, against
+  the others' updates over the last rounds: ``PairWindow``). A ``sign`` round is gathered so with
   every aggregate (a plain mean in member order below 3 members or with ``mean``).
 - Rule 7 (codec.py; round.py): lossy codecs keep their rounding error for the next round (error
   feedback); every member ends the round with the same bytes.

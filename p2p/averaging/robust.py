@@ -36,8 +36,9 @@ from .codec import COMPACT, TOPK
 
 # Robust aggregation (rule 6). Honest per-step gradients of one block vary in norm by about 10x
 # between members' batches (seen at a block's first steps), and once by 107x (4 x 32 byte
-# batches, round 37 of block 0): a part over 100x the median is left out of its piece and its sender is a suspect of
-# the round, far inside the absolute bound. Subtler parts are left to the clipping.
+# batches, round 37 of block 0): a part over 100x the median is left out of its piece and its
+# sender is a suspect of the round; 100x is far inside the absolute bound. Subtler parts are left
+# to the clipping.
 RELATIVE_NORM = 100.0
 # Clip radius, in median distances to the coordinate-wise median: honest parts (similar
 # distances) pass unclipped, so an honest round is the plain mean.
