@@ -118,6 +118,15 @@ def group_digest(members, rnd: int, start: str) -> str:
     return hashlib.sha256(f"{','.join(sorted(members))}|{rnd}|{start}".encode()).hexdigest()[:16]
 
 
+def _largest(records: dict[int, dict]) -> dict[str, float]:
+    """Per-piece records (piece -> member -> a float): each member's largest, over the pieces."""
+    out: dict[str, float] = {}
+    for j in sorted(records):
+        for p, v in records[j].items():
+            out[p] = max(out.get(p, 0.0), v)
+    return out
+
+
 def _summed(records: dict[int, dict]) -> dict:
     """Per-piece records (piece -> key -> a float or a list of floats) summed key by key, in piece
     order: the same float sums at every member whatever order its pieces were computed in."""
@@ -424,20 +433,13 @@ class AveragingRound:
                 if p not in sent:
                     sent.add(p)
                     out.append(Part(p, self._msg("reduce", j, self.wires[j]), _stored(self.wires[j])))
-        progressed = True
-        while progressed:  # a rejection shrinks the live set: pieces may complete (or change) again
-            progressed = False
-            live, bad = set(self.live()), self.rejected_ids()
-            for j, (a, b) in enumerate(spans):
-                if j in self.gathered:
-                    continue  # a part of a member that departed since counts: the others hold it too
-                got = {p: t for p, t in self._received[j].items() if p not in bad}
-                if not final and not set(got) >= live:
-                    continue
-                before = len(self.rejected)
+        live, bad = set(self.live()), self.rejected_ids()  # computing a piece rejects nobody (r6.23)
+        for j in range(len(spans)):
+            if j in self.gathered:
+                continue  # a part of a member that departed since counts: the others hold it too
+            got = {p: t for p, t in self._received[j].items() if p not in bad}
+            if final or set(got) >= live:
                 self._robust_piece(j, got)
-                progressed = progressed or len(self.rejected) > before
-        bad = self.rejected_ids()
         if any(bad & set(self.gathered[j]) for j in self.gathered):
             for j in list(self.gathered):  # a member was rejected after some pieces counted it: redo them
                 if bad & set(self.gathered[j]):
@@ -476,20 +478,12 @@ class AveragingRound:
     def far(self) -> dict[str, float]:
         """Robust: member -> its largest part norm over the piece's median norm, where a part was
         left out of its piece for it (``norm_outliers``)."""
-        out: dict[str, float] = {}
-        for j in sorted(self._piece_far):
-            for p, r in self._piece_far[j].items():
-                out[p] = max(out.get(p, 0.0), r)
-        return out
+        return _largest(self._piece_far)
 
     @property
     def suspects(self) -> dict[str, float]:
         """Robust: member -> its largest distance over the pieces, in median distances."""
-        out: dict[str, float] = {}
-        for j in sorted(self._piece_suspects):
-            for p, d in self._piece_suspects[j].items():
-                out[p] = max(out.get(p, 0.0), d)
-        return out
+        return _largest(self._piece_suspects)
 
     @property
     def _agree(self) -> dict:
