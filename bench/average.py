@@ -119,7 +119,7 @@ def hivemind_missing(python: str) -> str | None:
     return None
 
 
-# Issue 15's targets: ours at most this many times gloo's fp32 all_reduce (by group size), and at
+# The averaging targets: ours at most this many times gloo's fp32 all_reduce (by group size), and at
 # least HIVEMIND_TARGET times faster than hivemind.
 GLOO_TARGET = {2: 1.5}
 GLOO_TARGET_DEFAULT = 2.0
@@ -132,7 +132,7 @@ def gloo_target(peers: int) -> float:
 
 def summarize(runs: list[dict]) -> dict:
     """Per group size: every run's ratios, their median and worst, and whether every run met the
-    targets (issue 15 asks for each of several consecutive runs, not the median)."""
+    targets (each of several consecutive runs must meet them, not only their median)."""
     out = {}
     for n in sorted({r["peers"] for r in runs}):
         rs = [r for r in runs if r["peers"] == n]

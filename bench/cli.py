@@ -151,7 +151,7 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
     per offset beside its time (it is not the same output). Per mode: time per sequence,
     traversals, bytes moved, and the physical bound (one-way delays of the links crossed +
     serialization at the link rate + measured compute). Links: the in-process link shaper (this
-    kernel has no netem). Targets (issue 11): exact >= 3x faster than autoregressive at identical
+    kernel has no netem). Targets: exact >= 3x faster than autoregressive at identical
     output; every mode within 1.25x of its bound.
     """
     from pathlib import Path
@@ -399,7 +399,7 @@ def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, 
     For every seed and worker count: equal steps per worker (does adding workers, and data, help?)
     and equal total steps per block (the same work shared), each head's test CE along the chain,
     every worker's busy fraction, bytes by kind, wall time (and to --target-ce); beside the
-    in-process sequential run of the same model. Targets (issue 10): the K-worker relay within
+    in-process sequential run of the same model. Targets: the K-worker relay within
     0.02 of the in-process sequential CE, every upper block >= 0.02 better than the one below,
     every worker busy >= 80%; more workers better at equal steps, within 0.03 at equal total.
     """

@@ -106,7 +106,7 @@ def progress_for(bar, starts=None):
         if ces is not point["ces"]:  # a new point: the runner reports it at the step it was taken
             point.update(ces=ces, step=t)
         if ces:  # only heads measured after their block began training mean anything: a block
-            # that just began shows its untrained CE until the next evaluation (issue 30, item 6)
+            # that just began shows its untrained CE until the next evaluation
             shown = [f"{c:.3f}" for k, c in enumerate(ces) if starts is None or point["step"] > starts[k]]
             bar.set_postfix_str("valid CE " + " / ".join(shown))
         else:

@@ -5,7 +5,7 @@ Rules:
   else is a ``ReportError`` naming the file.
 - ``summarise`` gives one row per peer (block, rounds, rejected, CE start -> end, bytes by kind, CE
   per GB) and the swarm's bytes by kind; ``details`` gives every (peer, direction, remote, type) row.
-- A report is its peer's claim (issue 29, finding 10: a key holder may write any): rows are
+- A report is its peer's claim (a holder of the swarm key may write any): rows are
   attributed to the peer whose report says them, and where two reports see one link, what one
   says it sent is checked against what the other says it received (``disagreements``: more than
   ``LINK_SLACK_BYTES`` and ``LINK_SLACK_FRAC`` apart, in a direction the two reports' times
@@ -207,7 +207,7 @@ def detail_lines(agg: dict) -> list[str]:
 
 
 def status_lines(st: dict) -> list[str]:
-    """``bt-peer status``'s lines for a peer's STATUS answer ``st`` (issue 29, finding 10): what
+    """``bt-peer status``'s lines for a peer's STATUS answer ``st`` (a claim, not a fact): what
     the asked peer says of itself, then its members. A member's blocks and role are what it
     announced (marked ``*``: a swarm key holder may claim any), its state and when it was last heard
     are what the asked peer saw itself."""

@@ -446,8 +446,8 @@ class Membership:
 def refuse_joins(peer: PeerServices) -> None:
     """For a peer that trains nothing: every JOIN is answered ABSENT at once (nobody waits on it),
     in the JOIN's scope (the joiner takes answers of its own scope only); a JOIN that names no
-    scope (``is_scope``: none, not a string, block 65536) is not answered (issue 29, finding 12:
-    it was answered with ``scope: nil``)."""
+    scope (``is_scope``: none, not a string, block 65536) is not answered (it was once answered
+    with ``scope: nil``)."""
     def handler(msg: BlockUpdate, pc, pid):
         scope = msg.meta.get("scope")
         if msg.meta.get("phase") == Phase.JOIN.value and is_scope(scope):

@@ -64,10 +64,10 @@ for k, path in ckpt.block_files(run / "checkpoints").items():
         extra["drafter_steps"] = res["job"]["train"]["steps"] * res["job"]["train"].get("draft_frac", 0.6)
     ckpt.save(ckpt.Checkpoint(c.config, c.block, c.step, tensors, extra=extra), out / ckpt.block_file(k))
 
-ev = evaluate(out, windows=0, seq_len=128)  # the whole test split in 128-byte windows (issue 31's target)
+ev = evaluate(out, windows=0, seq_len=128)  # the whole test split in 128-byte windows (the serving targets' measure)
 ev_train = evaluate(out, windows=1000, seq_len=res["job"]["train"]["seq_len"])  # ... and as it trained
 blocks, _ = load_chain(out)
-text = read_split("valid")  # prompts never used for tuning: the validation split
+text = read_split("valid")  # the validation split's prompts (the drafting settings were chosen on them: not held out)
 
 
 @torch.no_grad()
