@@ -374,7 +374,7 @@ def test_progress_lines_give_the_total_rate_and_time_left_and_bench_train_reads_
 
 
 def test_the_progress_line_shows_a_head_only_once_it_was_measured_after_its_block_began():
-    """Issue 30, item 6: at a block change the line showed the next, untrained block's CE
+    """At a block change the line showed the next, untrained block's CE
     (5.608 beside 2.291) until the next evaluation, which read as a blow-up."""
     from blocktrain.blocks.job import progress_for
 

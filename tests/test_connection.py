@@ -247,7 +247,7 @@ def test_large_payload_received_in_place_equals_fed(seal):
     assert in_receive_buffer is not seal
 
 
-# --- r4: nothing unauthenticated is held beyond the handshake's own limit (issue 12, finding 1) ---
+# --- r4: nothing unauthenticated is held beyond the handshake's own limit ---
 
 def _header(mtype, flags, stream_id, length):
     import struct

@@ -1,4 +1,4 @@
-"""A corpus of the user's own text: bt-data prepare, and training reading it memory-mapped (issue 32)."""
+"""A corpus of the user's own text: bt-data prepare, and training reading it memory-mapped."""
 
 import hashlib
 import json

@@ -211,7 +211,7 @@ def test_drafter_drafts_equal_a_reference_run():
 
 
 def test_traversals_stepped_together_give_each_session_what_it_gets_alone():
-    """Continuous batching's numerics (issue 31): sessions of several kinds (autoregressive, greedy
+    """Continuous batching's numerics: sessions of several kinds (autoregressive, greedy
     exact with the draft model, sampled with wide drafts, prompt lookup and slots), prompts of
     different lengths, their chunks computed together (``step_together``, one forward per block over
     the rows of all) at one torch thread as a serving hop runs: each output is byte for byte what the

@@ -158,7 +158,7 @@ def test_an_attacker_is_clipped_then_excluded_and_no_honest_round_fails(attack):
 
 
 def test_a_reversed_update_is_named_in_a_group_of_16_and_no_honest_member_is():
-    """Issue 33's attack target (one of 16, named): the attacker sends its start point minus its
+    """The gossip attack target (one of 16, named): the attacker sends its start point minus its
     update. With 16 members its partners change every round, their start points differ, and the
     opposed test saw parameter vectors (cosines of about 1): none of the 15 honest members named
     it. Measured from each member's own start point (``origin``), 14 of 15 do in 32 rounds (the

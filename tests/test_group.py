@@ -66,7 +66,7 @@ def test_min_group_waits_until_enough_start_together():
 
 
 def test_a_join_that_arrives_before_the_other_side_starts_still_ends_in_one_group():
-    """The race of issue 13: b's JOIN reaches a while a is not yet training (answered absent)."""
+    """The join race: b's JOIN reaches a while a is not yet training (answered absent)."""
     net = Net(["a", "b"])
     start(net, "b")
     net.drain()  # a is idle: absent

@@ -1,4 +1,4 @@
-"""Issue 12's findings, one regression test each: what an attacker (with or without the swarm key),
+"""An outside attack campaign's findings, one regression test each: what an attacker (with or without the swarm key),
 a fault, or bad input at the edge could do, and what the peer does now."""
 
 import asyncio
@@ -143,7 +143,7 @@ def test_a_crafted_group_state_is_not_adopted(tmp_path):
             sp.check.state(bad, {})
     with pytest.raises(ValueError, match="NaN"):
         sp.check.state(good, {0: nan})
-    # issue 29, finding 6: finite but destroyed: scaled 1000x, zeroed, or noise of the right norm
+    # finite but destroyed: scaled 1000x, zeroed, or noise of the right norm
     big = {k: v * 1e3 for k, v in good.tensors.items()}
     zero = {k: torch.zeros_like(v) for k, v in good.tensors.items()}
     for bad, why in (({**good.tensors}, None), (big, "norm"), (zero, "norm")):
@@ -223,7 +223,7 @@ async def test_update_parts_from_a_client_or_for_far_rounds_are_not_held():
 @pytest.mark.parametrize("command,extra", [("status", ["--wait", "1"]), ("generate", ["--prompt", "x", "--wait", "1"]),
                                            ("assemble", ["--out", "OUT", "--wait", "1"]), ("assemble", ["--out", "OUT"])])
 def test_every_client_waits_for_an_address_by_one_rule_and_says_so(tmp_path, command, extra):
-    """Issue 30, item 7: against an address where nothing listens, generate failed after 31-40 s
+    """Against an address where nothing listens, generate failed after 31-40 s
     and printed nothing while it retried, status after 9 s, assemble after 2 s. Now every client
     asks again for --wait seconds, says so in one line when it begins, and fails naming how long
     it waited; with --wait 0 it fails at once."""
@@ -242,7 +242,7 @@ def test_every_client_waits_for_an_address_by_one_rule_and_says_so(tmp_path, com
 
 
 async def test_near_round_parts_from_many_identities_share_one_bounded_pool(monkeypatch):
-    """Issue 29, finding 5: 64 members (identities are free) each sent two parts for the next
+    """64 members (identities are free) each sent two parts for the next
     round: every one of them was held up to one vector's worth (peak +390 MiB). Now the members of
     our last round get that each, and everyone else shares one pool of a quarter of the early
     buffer; the last round's member is still held in full."""
@@ -963,7 +963,7 @@ def test_a_member_flooding_ready_cannot_push_out_another_members(tmp_path):
 
 @pytest.mark.parametrize("steps", [True, False])
 async def test_the_pair_window_judges_optimizer_steps_only(steps):
-    """Issue 29, finding 11, the driver: a member whose sign parts point against the others' while
+    """The sign flipper, the driver: a member whose sign parts point against the others' while
     it still agrees with the median is excluded by the pair window (r6.20) where the parts are
     optimizer steps (``steps``: sync params), and not where they are per-step gradients, whose
     cosines late in a deeper block are too noisy to judge by."""
@@ -990,7 +990,7 @@ async def test_the_pair_window_judges_optimizer_steps_only(steps):
 
 
 async def test_a_member_whose_updates_point_against_the_median_is_excluded_after_its_streak():
-    """Issue 29, finding 11, the driver: a member reported opposed SUSPECT_ROUNDS rounds in a row is
+    """The sign flipper, the driver: a member reported opposed SUSPECT_ROUNDS rounds in a row is
     excluded and named with the reason (before, only distance counted and it was never named)."""
     import blocktrain.p2p.averaging as avm
     psk = os.urandom(32)

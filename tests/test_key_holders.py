@@ -1,4 +1,4 @@
-"""Issue 29: a holder of the swarm key may be an attacker, and identities are free. One test per
+"""A holder of the swarm key may be an attacker, and identities are free. One test per
 finding fixed: what a key holder could do, and what the peer does now."""
 
 import asyncio
@@ -885,7 +885,7 @@ async def test_a_peer_list_of_thousands_dials_at_most_a_few_and_not_again_soon()
 
 
 async def test_what_is_kept_of_named_identities_and_stray_stream_messages_is_bounded(tmp_path):
-    """The spec-gap review (issue 29, finding 13): exclusions, 'excluded by' and averaging and
+    """The spec-gap review: exclusions, 'excluded by' and averaging and
     group events grew by one per identity; 1,024 bogus STREAM_RESETs filled the server's reset
     set for good (real resets were ignored after); a fetch took stream messages for its id from
     any connection (ids are predictable: another key holder could end or feed it)."""

@@ -1,5 +1,5 @@
-"""Every option README or a command's --help names is accepted by the command (issue 28: README
-documented an --outer that no command took)."""
+"""Every option README or a command's --help names is accepted by the command (README
+once documented an --outer that no command took)."""
 
 import re
 from pathlib import Path
@@ -63,7 +63,7 @@ def test_every_option_a_commands_help_names_is_accepted(name):
 
 
 def test_bad_arguments_are_refused_before_an_identity_is_created(tmp_path):
-    """Issue 30, item 12: `start --block 99` printed `created identity ...`, then the error."""
+    """`start --block 99` printed `created identity ...`, then the error."""
     from click.testing import CliRunner
 
     from blocktrain.p2p.identity import new_swarm_key

@@ -53,7 +53,7 @@ async def test_page_serves_the_swarm_as_this_peer_sees_it_and_nothing_else(tmp_p
         v = json.loads(body)
         assert code == 200 and v["peer_id"] == peers[0].id
         assert {m["peer_id"] for m in v["members"]} == {peers[1].id, peers[2].id}
-        assert v["training"]["state"] == "done" and len(v["training"]["curve"]) >= 20  # issue 30, item 11: by default
+        assert v["training"]["state"] == "done" and len(v["training"]["curve"]) >= 20  # by default
         assert set(v["member_work"]) == {peers[1].id, peers[2].id}  # the others' own work sections
         assert all(w["step"] == 90 for w in v["member_work"].values())
         assert all(w["rounds_applied"] == 90 and w["coverage_min"] == 1.0 for w in v["member_work"].values())
@@ -162,7 +162,7 @@ def test_what_a_member_says_about_its_work_reaches_the_page_only_as_numbers_and_
 
 
 def test_a_lying_member_is_shown_as_a_claim_with_this_peers_doubts():
-    """Issue 29, finding 10: a member claiming step 10^12, 10^9 rounds, CE 0.01 was shown as fact.
+    """A member claiming step 10^12, 10^9 rounds, CE 0.01 was shown as fact.
     Its claims are checked against each other and against this peer's own work; the doubts are
     named beside them (and the page leaves doubted members out of the per-block summary)."""
     from blocktrain.p2p.page import clean_work, doubts
@@ -198,7 +198,7 @@ def _report(pid: str, links: dict, start: float = 0.0, end: float = 1.0) -> dict
 
 
 def test_reports_are_claims_and_two_ends_of_a_link_are_compared(tmp_path):
-    """Issue 29, finding 10: what a report says is its peer's claim. Where both ends of a link
+    """What a report says is its peer's claim. Where both ends of a link
     reported, what one says it sent is checked against what the other says it received; beyond
     the slack (in flight between two reports' moments) the summary says they disagree."""
     from blocktrain.p2p.reports import LINK_SLACK_BYTES, ReportError, summarise, summary_lines
@@ -235,7 +235,7 @@ def test_reports_are_claims_and_two_ends_of_a_link_are_compared(tmp_path):
 
 
 def test_bt_peer_status_marks_what_members_announced_as_claimed():
-    """Issue 29, finding 10: `bt-peer status` showed a lying member 'alive on block 0' as fact:
+    """`bt-peer status` showed a lying member 'alive on block 0' as fact:
     its blocks and role are what it announced, its state and last heard what the asked peer saw."""
     from blocktrain.p2p.reports import status_lines
     st = {"peer_id": "a" * 64, "addr": "127.0.0.1:1", "blocks": [0], "role": "train",

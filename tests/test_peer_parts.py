@@ -219,7 +219,7 @@ async def test_a_connection_error_in_a_handler_is_not_the_senders_fault():
 
 
 def test_every_handler_for_a_type_gets_each_message():
-    """Issue 27 item 2: a second ``on`` replaced the first, so a training peer's checkpoint server
+    """A second ``on`` replaced the first, so a training peer's checkpoint server
     never heard a STREAM_RESET (its fetcher's handler had replaced the server's). Now both hear it,
     in the order they registered."""
     got = []

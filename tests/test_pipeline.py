@@ -108,7 +108,7 @@ async def test_exact_output_is_the_autoregressive_output_byte_for_byte(models, p
 
 
 async def test_sessions_of_clients_at_once_are_batched_and_each_writes_what_it_writes_alone(models):
-    """Continuous batching (issue 31): clients at once, greedy exact, autoregressive and sampled; at
+    """Continuous batching: clients at once, greedy exact, autoregressive and sampled; at
     --batch 8 their chunks are computed together at each hop (one forward over the rows of all);
     each output is the one its session writes alone in one process, and the hops did batch."""
     from blocktrain.blocks.decode import Sampling
@@ -282,7 +282,7 @@ async def test_client_retries_through_another_holder_of_the_block(models):
 
 
 async def test_forged_senders_foreign_routes_and_unknown_sessions_cost_a_hop_nothing(models):
-    """Issue 12 for serving: hop 0 serves only the client that sent the request (reply_to is the
+    """Hardening for serving: hop 0 serves only the client that sent the request (reply_to is the
     sender); a hop forwards only to a live member serving the next block, never to an address a
     request names; a session a hop does not hold takes no slot; one traversal per session at once."""
     from blocktrain.blocks.decode import one_traversal_spec

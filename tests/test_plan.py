@@ -1,4 +1,4 @@
-"""Named sizes and `bt-train --dry-run` (issue 32): what a job costs, before it runs."""
+"""Named sizes and `bt-train --dry-run`: what a job costs, before it runs."""
 
 import subprocess
 import sys

@@ -1,5 +1,5 @@
 """README's swarm walkthrough and shipped-model block run as printed (on a tiny model, with free
-ports), on a machine this test loads itself (issue 30: a user's machine is often busy)."""
+ports), on a machine this test loads itself (a user's machine is often busy)."""
 
 import contextlib
 import os
@@ -105,7 +105,7 @@ def test_readme_walkthrough_then_the_shipped_block_run_as_printed_on_a_loaded_ma
         logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("*.log")))
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
         assert "assembled model: test CE" in r.stdout and (tmp_path / "model" / "assembled.json").exists()
-        # issue 30, item 1: assemble waits for the last block's draft phase too (the next line kills the peers)
+        # assemble waits for the last block's draft phase too (the next line kills the peers)
         assert "draft step 4/4" in (tmp_path / "peer2.log").read_text()
         out = r.stdout.split("wrote model/assembled.json", 1)[1]
         assert len(out.strip("\n")) >= 16, "generate printed no continuation"  # a 6-step model: any bytes
@@ -114,7 +114,7 @@ def test_readme_walkthrough_then_the_shipped_block_run_as_printed_on_a_loaded_ma
 
 
 def test_readme_serves_the_shipped_model_as_printed_on_its_own_on_a_loaded_machine(tmp_path):
-    """A fresh clone, README's serving block as printed, on its own (issue 30, item 9: it assumed the
+    """A fresh clone, README's serving block as printed, on its own (it once assumed the
     walkthrough's swarm key), beside LOAD_PROCESSES spinning processes."""
     with _cpu_load():
         _shipped(tmp_path)

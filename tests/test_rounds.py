@@ -310,7 +310,7 @@ def test_the_fast_median_and_clipping_give_the_bytes_of_the_protocols_arithmetic
 
 @pytest.mark.parametrize("signal", [1.5, 2.0])
 def test_a_sign_flipped_on_the_wire_is_named_though_its_distance_is_an_honest_ones(signal):
-    """Issue 29, finding 11: a member that flips the sign of what it sends (and averages honestly
+    """A member that flips the sign of what it sends (and averages honestly
     itself) sits as far from the median as honest noise, so the distance rule never named it.
     Its update points against the median: the round reports it as opposed; honest ones never are
     (each is part of the median). The limit: it is seen once the members' common direction is
@@ -348,7 +348,7 @@ def _named_over_rounds(make, ids, rounds_, window=True, codec="sign"):
 
 
 def test_a_sign_flipped_once_the_updates_are_noisy_is_named_by_the_pair_window():
-    """Issue 29, finding 11, the late flipper (r6.20): in sign rounds where the members' common
+    """The late sign flipper (r6.20): in sign rounds where the members' common
     direction is half the noise per coordinate, the flipped update still agrees with the median
     (+0.19) and the median test never names it; against each honest member's update it points
     away (-0.13, the honest ones agreeing at +0.13), and over the window of rounds that is
@@ -468,7 +468,7 @@ def test_a_pair_cosine_counts_only_the_pieces_that_held_both_parts():
 
 
 def test_a_gossip_partner_that_reverses_its_update_is_opposed_measured_from_our_start():
-    """Issue 33 (one malicious member of 16, named): in a gossip round the parts are parameters and
+    """Gossip's attack target (one malicious member of 16, named): in a gossip round the parts are parameters and
     the partners' start points differ (by the consensus distance: 0.5 of an update's norm at the
     median in the simulator), so every part's cosine with the median is about 1 and a reversed
     update (start - update) was never opposed. Measured from our own start point (``origin``),

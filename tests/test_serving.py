@@ -51,7 +51,7 @@ def _refused(*args: str) -> str:
 
 
 def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path):
-    """The design card's `bt-bench wan --mode blocktrain|autoregressive` (issue 31): only the modes
+    """The design card's `bt-bench wan --mode blocktrain|autoregressive`: only the modes
     named run; the exact-mode targets (speedup, identity) are not judged without exact."""
     _, d = _wan("--mode", "autoregressive,blocktrain", "--mode", "blocktrain", "--bytes", "4", "--prompts", "1",
                 json_path=tmp_path / "wan.json")
@@ -65,7 +65,7 @@ def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path
 
 
 def test_bench_wan_clients_at_once_each_write_what_they_wrote_alone(tmp_path):
-    """`--clients N` (issue 31): N clients, each its own identity, run exact and autoregressive at
+    """`--clients N`: N clients, each its own identity, run exact and autoregressive at
     once after the modes ran alone; each client's output is the one it wrote alone, and its time
     and the aggregate rate stand beside its time alone."""
     out, d = _wan("--mode", "exact,autoregressive", "--clients", "3", "--bytes", "6", "--prompts", "3", "--batch", "3,1",

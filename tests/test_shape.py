@@ -1,4 +1,4 @@
-"""``bt-bench shape`` (issue 31, the paper's 75.8B logical shape): a projection from a measured
+"""``bt-bench shape`` (the paper's 75.8B logical shape): a projection from a measured
 ``bt-bench wan`` run. At the measured width it gives back the measured bytes and ``bt-bench wan``'s
 link bound; wider hidden states add exactly their bytes between hops; compute is the roofline of
 stated rates; a result without positions, of another chain length, or a shape that does not fit

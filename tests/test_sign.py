@@ -1,4 +1,4 @@
-"""The sign update codec (issue 28): round trip, error feedback, every bad shape, padding bit and
+"""The sign update codec: round trip, error feedback, every bad shape, padding bit and
 scale from a peer refused (the sender rejected), and sign rounds that end with the same bytes
 everywhere for about 1/32 of the bytes of raw parts."""
 

@@ -142,7 +142,7 @@ def _two_workers_in_process(sps, tc, H, overlap: bool):
 
 
 async def test_overlapped_rounds_apply_each_average_one_phase_late_and_end_identical(tmp_path):
-    """Issue 28: with overlap, round r is on the wire while phase r+1 computes; phase r+1 starts
+    """With overlap, round r is on the wire while phase r+1 computes; phase r+1 starts
     from the group's point minus our own phase r (an eager update), round r's average is applied
     to the group's point at the end of phase r+1, and the last round is waited for, so both
     members end byte-identical, equal to an in-process computation of the same rule."""
@@ -495,7 +495,7 @@ def test_relay_processes_survive_a_kill_at_a_block_change_a_restart_and_a_late_j
 
 
 def test_a_stopped_peer_rejoins_its_group_and_ends_in_step(tmp_path, procs):
-    """Issue 12, finding 7: a peer stopped (SIGSTOP) for longer than --dead-after, then resumed: the
+    """A peer stopped (SIGSTOP) for longer than --dead-after, then resumed: the
     others go on without it and say so; it rejoins (taking the group's state) instead of training
     apart for good; everyone ends with the same final blocks. It is resumed as soon as the others
     have said so: they declare it departed only after --dead-after seconds of its silence."""
@@ -542,9 +542,9 @@ def test_a_stopped_peer_rejoins_its_group_and_ends_in_step(tmp_path, procs):
 
 
 def test_a_whole_swarm_stopped_at_once_exits_quickly_with_its_reports(tmp_path, procs, monkeypatch):
-    """Issue 14, item 5: SIGTERM to every training peer at once: each says goodbye, writes its
+    """SIGTERM to every training peer at once: each says goodbye, writes its
     report and exits promptly (the figure is in the closing note; here, a generous bound).
-    Issue 32: the three train on a text file the test writes, each prepared from `--data FILE`
+    The three train on a text file the test writes, each prepared from `--data FILE`
     (started together: one prepares, the others wait for it), as one job."""
     from blocktrain.blocks.data import corpus_digest, resolve_data
     from blocktrain.p2p.identity import new_swarm_key
@@ -582,7 +582,7 @@ def test_a_whole_swarm_stopped_at_once_exits_quickly_with_its_reports(tmp_path, 
 
 
 def test_the_benchs_reference_trains_with_the_data_per_step_of_the_swarms_workers(tmp_path):
-    """Issue 10: the in-process sequential run the swarm is compared to sees, per step, the data of
+    """The in-process sequential run the swarm is compared to sees, per step, the data of
     K workers averaging their gradients (a batch K times a worker's), not one worker's."""
     from blocktrain.bench import swarm as bench_swarm
     ov = {"model.d_model": "32", "model.n_head": "2", "model.n_layer": "3", "model.n_blocks": "3",
@@ -696,7 +696,7 @@ def test_equal_total_runs_take_the_scaling_rule_they_are_told(tmp_path, monkeypa
 
 
 def test_bench_swarm_compare_sync_runs_every_step_beside_the_mode_and_states_the_ratio(tmp_path, monkeypatch):
-    """Issue 28: --compare sync runs every-step averaging and the chosen mode on the same settings
+    """--compare sync runs every-step averaging and the chosen mode on the same settings
     and seeds, and summarises bytes_ratio and ce_gap from what each run measured."""
     from blocktrain.bench import swarm as bench_swarm
 

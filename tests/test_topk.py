@@ -1,4 +1,4 @@
-"""The topk update codec (issue 28): round trip, error feedback, every bad index, count and scale
+"""The topk update codec: round trip, error feedback, every bad index, count and scale
 from a peer refused (the sender rejected), and sparse rounds that end with the same bytes everywhere."""
 
 import struct

@@ -157,7 +157,7 @@ def test_every_invalid_hello_has_a_vector():
 
 @pytest.mark.parametrize("name", RANGE_HELLOS)
 def test_the_out_of_range_block_hellos_are_canonical_so_the_range_check_refuses_them(name):
-    """Issue 29, finding 13: the u16 vector encoded -1 in a longer form than needed, so it was
+    """The u16 vector encoded -1 in a longer form than needed, so it was
     refused as non-canonical and never reached the range check."""
     from blocktrain.protocol import unpack_canonical
     assert unpack_canonical(INVALID_HELLOS[name])["info"]["blocks"][0] in (-1, 65536)

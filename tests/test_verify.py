@@ -1,4 +1,4 @@
-"""Issue 29, finding 9: served output is checked. ``--verify`` recomputes the output on other
+"""Served output is checked. ``--verify`` recomputes the output on other
 holders and names a hop whose answers differ; a hop that hands on a wrong shape is named and
 rerouted around. The search itself (verify.check_output) is tested without a network, the whole
 path with live serving peers, a liar among them."""

@@ -284,7 +284,7 @@ def test_random_windows_over_a_mapped_corpus_leave_the_rss_flat(tmp_path):
 
 
 def test_the_corpus_cache_lists_what_it_holds_and_prunes_only_stale_entries(tmp_path):
-    """Issue 32: text given to --data is prepared into a cache that kept every version for good;
+    """Text given to --data is prepared into a cache that kept every version for good;
     `bt-data cache` lists the entries, --prune removes those whose source changed or is gone (never
     used again) and keeps the current one, --clear removes the rest."""
     from click.testing import CliRunner

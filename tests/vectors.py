@@ -218,7 +218,7 @@ INVALID_R4 = {  # name in PROTOCOL.md's Invalid frames -> the frame
         {"n": "bits", "d": "uint8", "s": [1, 511], "c": "raw", "g": 1 << 20, "L": [511], "z": [False]},
         {"n": "scale", "d": "float32", "s": [1], "c": "raw", "g": 1 << 20, "L": [4], "z": [False]}], "meta": {}}),
         bytes(511) + b"\x00\x00\x80\x3e"),
-    # r6.22: the answers of r6.1 to issue 29's spec gaps (finding 13), as vectors
+    # r6.22: the answers of r6.1 to the spec-gap review, as vectors
     "tensor name of 257 characters": _result_with(n="b" * 257),
     "unknown update codec": raw_frame(0x20, _pk({"block": 0, "round": 1, "codec": "zz", "tensors": [
         {"n": "w", "d": "float32", "s": [1], "c": "raw", "g": 1 << 20, "L": [4], "z": [False]}], "meta": {}}),
