@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 32): on a machine with a GPU, from the repository root, after the set-up
+# The GPU check: on a machine with a GPU, from the repository root, after the set-up
 # command of README.md:
 #     scripts/gpu_check.sh                # DEVICE=cuda; DEVICE=cpu runs the same steps anywhere
 # 1. trains a tiny model a few steps on the device, bf16 where the device has it (bt-train);

@@ -1,4 +1,4 @@
-"""Issue 14, item 5: every peer of a training swarm stopped at once (SIGTERM to all three within a
+"""Every peer of a training swarm stopped at once (SIGTERM to all three within a
 millisecond), how long until each has said goodbye, written its report and exited.
 
     .venv/bin/python experiments/first_hour/stop_time.py --runs 5 --json results/first_hour/stop_time.json

@@ -1,4 +1,4 @@
-"""Naming a gossip partner that reverses its update (issue 33's attack target; PROTOCOL r6.15).
+"""Naming a gossip partner that reverses its update (gossip's attack target; PROTOCOL r6.15).
 
 Three measurements, each printed and written to --json:
 

@@ -1,4 +1,4 @@
-"""Gossip among real `bt-peer` processes with churn (issue 33): 12 peers on loopback, the tiny model
+"""Gossip among real `bt-peer` processes with churn: 12 peers on loopback, the tiny model
 and settings of results/gossip/r6.12/real12-gossip.json (relay: every peer trains block 0, then 1,
 then 2, and ends holding block i mod 3; params every 5 steps, gossip 4), 300 steps per block; in the churn run two peers are
 killed (SIGKILL) once every peer reported step 150 (of 900: block 0) and two new ones start once

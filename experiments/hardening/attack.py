@@ -1,4 +1,4 @@
-"""A malicious member in a 4-peer relay (issue 12, finding 4): its gradient sign-flipped and
+"""A malicious member in a 4-peer relay: its gradient sign-flipped and
 scaled (flip4: x -4) or scaled (scale8: x 8) every round. The honest peers' final valid CE along
 the chain, under robust averaging (the default) and under a plain mean, beside an honest run;
 and whether the honest peers name the attacker.

@@ -1,4 +1,5 @@
-"""Issue 12's targets 3 and 4, measured with live `bt-peer` processes on loopback.
+"""The hardening targets 3 and 4 (a stopped and a killed peer rejoining), measured with live
+`bt-peer` processes on loopback.
 
     .venv/bin/python experiments/hardening/fault_targets.py --json results/hardening/fault_targets.json
 

@@ -1,4 +1,4 @@
-"""Issue 29's live targets for key holders, measured against real `bt-peer` processes on loopback.
+"""The live targets for key holders, measured against real `bt-peer` processes on loopback.
 
     .venv/bin/python experiments/hardening/key_holders.py --json results/hardening/key_holders.json
 

@@ -1,4 +1,5 @@
-"""Issue 12's targets 1 and 5, measured with live `bt-peer` processes on loopback.
+"""The hardening targets 1 and 5 (handshake floods, idle sockets, a resumed fetch), measured with live
+`bt-peer` processes on loopback.
 
     .venv/bin/python experiments/hardening/live_targets.py --json results/hardening/live_targets.json
 

@@ -1,5 +1,5 @@
 """Exact mode's bytes per traversal on the shipped model, in process, greedy and sampled, with the
-draft chains the client asks for (issue 31's drafting targets).
+draft chains the client asks for (the drafting targets).
 
     .venv/bin/python experiments/serving/drafting.py --json results/serving/drafting.json
     [--arms greedy_client,client] [--bytes 256]
