@@ -2,9 +2,11 @@
 same budget, evaluate both, write ``results.json``, ``curves.png`` and the checkpoints.
 
 Rules:
-- Nothing here parses arguments or prints: progress goes to ``bar(desc, total)`` (a context
-  manager with ``update(n)`` and ``set_postfix_str(s)``) and text to ``log``; the CLI chooses how
-  they look (blocks/cli.py).
+- Nothing here parses arguments or prints: progress goes to ``bar(desc, total, work=...)`` (a
+  context manager with ``update(n)`` and ``set_postfix_str(s)``) and text to ``log``; the CLI
+  chooses how they look (blocks/cli.py). One bar covers the whole job (the blocks, the draft
+  phase, the reference and its draft phase), its steps weighted by their FLOPs (``job_work``) so
+  that the time left counts a reference step as what it costs beside a block's.
 - Checkpoints: ``OUT/checkpoints/block{k}.safetensors`` (BlockTrain) and
   ``OUT/reference/block{k}.safetensors`` (the end-to-end model split by the same layers).
 """
@@ -26,9 +28,9 @@ from .config import JobConfig
 from .data import DataError, load_split, prepared, resolve_data
 from .device import describe, pick_device, pick_precision, threads
 from .evaluate import load_chain
-from .model import Assembled, ModelConfig
+from .model import Assembled, ModelConfig, draft_flops_per_token, train_flops_per_token
 from .run import train_blocktrain, train_e2e
-from .schedule import make_plans
+from .schedule import BlockPlan, make_plans, work_segments
 from . import decode
 from .train import eval_chain, eval_continuation, eval_e2e
 
@@ -42,7 +44,7 @@ class _Quiet:
 
 
 @contextlib.contextmanager
-def no_bar(desc: str, total: int | None):
+def no_bar(desc: str, total: int | None, **kw):
     yield _Quiet()
 
 
@@ -96,9 +98,28 @@ def check_job(job: JobConfig):
                             else "raise it or lower train.seq_len"))
 
 
-def progress_for(bar, starts=None):
+def job_work(job: JobConfig, plans: list[BlockPlan]) -> list[tuple[int, float]]:
+    """The whole job's steps in the order they run, as (steps, estimated training FLOPs of each):
+    the blocks under the schedule, the last block's draft phase, then the end-to-end reference and
+    its own draft phase (none under --init). One progress bar counts them all."""
+    mc, tc = job.model, job.train
+    tokens = tc.batch_size * tc.seq_len
+    draft = tc.draft_steps if mc.draft_layers else 0
+    draft_cost = float(draft_flops_per_token(mc, tc.seq_len, tc.draft_unroll) * tokens)
+    costs = [float(train_flops_per_token(mc, k, tc.seq_len) * tokens) for k in range(mc.n_blocks)]
+    if job.processes:  # the K workers' steps are counted together, and they run at the same time
+        work = [(mc.n_blocks * tc.steps, sum(costs) / mc.n_blocks ** 2)]
+    else:
+        work = work_segments(plans, tc.steps, costs) + [(draft, draft_cost)]
+    if job.reference and job.init is None:
+        work += [(tc.steps, float(train_flops_per_token(mc, None, tc.seq_len) * tokens)), (draft, draft_cost)]
+    return [(n, c) for n, c in work if n > 0]
+
+
+def progress_for(bar, starts=None, phase=None):
     """The runner's progress callback for ``bar``: a step, and the valid CE of the heads whose
-    blocks had begun (``starts``: the step each block begins) when the latest point was taken."""
+    blocks had begun (``starts``: the step each block begins) when the latest point was taken;
+    ``phase(t)``, if given, names what step t trains (shown before the CE)."""
     point = {"ces": None, "step": 0}  # the latest curve point and the step it was measured at
 
     def cb(t, total, ces):
@@ -108,10 +129,27 @@ def progress_for(bar, starts=None):
         if ces:  # only heads measured after their block began training mean anything: a block
             # that just began shows its untrained CE until the next evaluation
             shown = [f"{c:.3f}" for k, c in enumerate(ces) if starts is None or point["step"] > starts[k]]
-            bar.set_postfix_str("valid CE " + " / ".join(shown))
+            text = "valid CE " + " / ".join(shown)
         else:
-            bar.set_postfix_str("valid CE at the first evaluation")
+            text = "valid CE at the first evaluation"
+        bar.set_postfix_str(f"{phase(t)}, {text}" if phase is not None else text)
     return cb
+
+
+def blocktrain_phase(plans: list[BlockPlan], steps: int):
+    """What wall step t (1-based, as the runner reports it) of the BlockTrain run trains, in words
+    (past the schedule: the last block's draft model)."""
+    wall = max(p.end(steps) for p in plans)
+
+    def name(t: int) -> str:
+        if t > wall:
+            return f"block {len(plans) - 1}'s draft model"
+        active = [k for k, p in enumerate(plans) if p.start < t <= p.end(steps)]
+        if len(active) == 1:
+            k = active[0]
+            return f"block {k}, step {t - plans[k].start}/{steps}"
+        return f"blocks {active[0]}-{active[-1]}, step {t}/{wall}"
+    return name
 
 
 def run_job(job: JobConfig, log=lambda s: None, bar=no_bar, command: str | None = None) -> dict:
@@ -130,6 +168,7 @@ def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | Non
     out = Path(job.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    corpus = job.data or "embedded WikiText-2"  # as the user named it, before it is prepared into a cache
     data = resolve_data(job.data, log)
     job = dataclasses.replace(job, data=data)  # the workers (--processes) read what was prepared
     train, valid, test = (load_split(sp, job.data) for sp in ("train", "valid", "test"))
@@ -153,59 +192,60 @@ def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | Non
         log(f"every block starts from {init_info['directory']} (--init {job.init})")
 
     plans = make_plans(job.schedule, mc.n_blocks, tc.steps, tc.decay_frac)
-    wall = max(p.end(tc.steps) for p in plans)
-
-    if job.processes:
-        bt = train_in_processes(job, out / "checkpoints", log, bar)
-    else:
-        draft = tc.draft_steps if mc.draft_layers else 0  # the last block's draft phase comes after
-        with bar(f"blocktrain ({job.schedule}{', then the draft model' if draft else ''})", wall + draft) as b:
-            bt = train_blocktrain(mc, tc, job.schedule, train, valid, progress_for(b, [p.start for p in plans]),
+    work = job_work(job, plans)
+    with bar("bt-train", sum(n for n, _ in work), work=work) as job_bar:  # one bar: blocks, drafts, reference
+        if job.processes:
+            bt = train_in_processes(job, out / "checkpoints", log, job_bar)
+        else:
+            phase = blocktrain_phase(plans, tc.steps)
+            bt = train_blocktrain(mc, tc, job.schedule, train, valid,
+                                  progress_for(job_bar, [p.start for p in plans], phase),
                                   device=device, precision=precision, init=init)
-    heads = eval_chain(bt.blocks, test, tc.seq_len, tw)  # on the device the blocks trained on
-    heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
-    bt.blocks = [b.cpu() for b in bt.blocks]  # checkpoints and the serving checks below: on the CPU
-    if not job.processes:
-        for k, b in enumerate(bt.blocks):
-            ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
-                                      extra={"schedule": job.schedule, "final": True,
-                                             **({"drafter_steps": tc.draft_steps} if b.drafter is not None else {})}),
-                      out / "checkpoints" / ckpt.block_file(k))
-    asm = Assembled(bt.blocks)
-    result = {
-        "job": {"model": mc.to_dict(), "train": tc.to_dict(), "schedule": job.schedule,
-                "test_windows": job.test_windows, "data": job.data or "embedded WikiText-2",
-                "device": str(device), "precision": precision, "init": init_info},
-        "blocktrain": {
-            "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
-            "curve": bt.curve, "train_seconds": bt.seconds, "train_flops": bt.train_flops,
-            "busy_fraction": bt.busy_fraction, "trainable_bytes_per_block": bt.trainable_bytes,
-            "workers_per_block": bt.workers_per_block, "starts": bt.starts,
-            "continuation_one_traversal": eval_continuation(asm, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=True),
-        },
-    }
-    if job.reference and init_info is not None:
-        log("end-to-end reference: not trained (--init: there is no end-to-end model to start from, and one "
-            "trained from scratch would not be a reference at the same settings)")
-        result["reference_skipped"] = "--init: no end-to-end model to start from"
-    elif job.reference:
-        ref_draft = tc.draft_steps if mc.draft_layers else 0  # its draft phase too (the progress went past the total)
-        with bar(f"end-to-end reference{', then the draft model' if ref_draft else ''}", tc.steps + ref_draft) as b:
-            e2e = train_e2e(mc, tc, train, valid, progress_for(b), device=device, precision=precision)
-        ce = eval_e2e(e2e.model, test, tc.seq_len, tw)
-        ce_raw = eval_e2e(e2e.model, test_raw, tc.seq_len, tw) if test_raw is not None else None
-        e2e.model = e2e.model.cpu()
-        for k, b in enumerate(e2e.model.blocks):  # the reference, split by the same layers, for serving
-            ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), extra={"model": "end-to-end"}),
-                      out / "reference" / ckpt.block_file(k))
-        fwd = lambda ids: e2e.model(ids)[0]  # noqa: E731
-        result["reference"] = {
-            "test_ce": ce, "test_raw_ce": ce_raw,
-            "curve": e2e.curve, "train_seconds": e2e.seconds, "train_flops": e2e.train_flops,
-            "trainable_bytes": e2e.trainable_bytes[0],
-            "continuation_teacher_forced": eval_continuation(fwd, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=False),
+        heads = eval_chain(bt.blocks, test, tc.seq_len, tw)  # on the device the blocks trained on
+        heads_raw = eval_chain(bt.blocks, test_raw, tc.seq_len, tw) if test_raw is not None else None
+        bt.blocks = [b.cpu() for b in bt.blocks]  # checkpoints and the serving checks below: on the CPU
+        if not job.processes:
+            for k, b in enumerate(bt.blocks):
+                ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), data_position=tc.steps,
+                                          extra={"schedule": job.schedule, "final": True,
+                                                 **({"drafter_steps": tc.draft_steps} if b.drafter is not None else {})}),
+                          out / "checkpoints" / ckpt.block_file(k))
+        asm = Assembled(bt.blocks)
+        result = {
+            "job": {"model": mc.to_dict(), "train": tc.to_dict(), "schedule": job.schedule,
+                    "test_windows": job.test_windows, "data": job.data or "embedded WikiText-2", "corpus": corpus,
+                    "device": str(device), "precision": precision, "init": init_info},
+            "blocktrain": {
+                "test_ce_heads": heads, "test_ce": heads[-1], "test_raw_ce_heads": heads_raw,
+                "curve": bt.curve, "train_seconds": bt.seconds, "train_flops": bt.train_flops,
+                "busy_fraction": bt.busy_fraction, "trainable_bytes_per_block": bt.trainable_bytes,
+                "workers_per_block": bt.workers_per_block, "starts": bt.starts,
+                "continuation_one_traversal": eval_continuation(asm, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=True),
+            },
         }
-        result["gap_ce"] = heads[-1] - ce
+        if job.reference and init_info is not None:
+            log("end-to-end reference: not trained (--init: there is no end-to-end model to start from, and one "
+                "trained from scratch would not be a reference at the same settings)")
+            result["reference_skipped"] = "--init: no end-to-end model to start from"
+        elif job.reference:
+            phase = lambda t: (f"end-to-end reference, step {t}/{tc.steps}" if t <= tc.steps  # noqa: E731
+                               else "the reference's draft model")
+            e2e = train_e2e(mc, tc, train, valid, progress_for(job_bar, phase=phase), device=device,
+                            precision=precision)
+            ce = eval_e2e(e2e.model, test, tc.seq_len, tw)
+            ce_raw = eval_e2e(e2e.model, test_raw, tc.seq_len, tw) if test_raw is not None else None
+            e2e.model = e2e.model.cpu()
+            for k, b in enumerate(e2e.model.blocks):  # the reference, split by the same layers, for serving
+                ckpt.save(ckpt.Checkpoint(mc.to_dict(), k, tc.steps, b.state_dict(), extra={"model": "end-to-end"}),
+                          out / "reference" / ckpt.block_file(k))
+            fwd = lambda ids: e2e.model(ids)[0]  # noqa: E731
+            result["reference"] = {
+                "test_ce": ce, "test_raw_ce": ce_raw,
+                "curve": e2e.curve, "train_seconds": e2e.seconds, "train_flops": e2e.train_flops,
+                "trainable_bytes": e2e.trainable_bytes[0],
+                "continuation_teacher_forced": eval_continuation(fwd, test, EVAL_PROMPT_BYTES, EVAL_CONTINUATION_BYTES, 64, one_traversal=False),
+            }
+            result["gap_ce"] = heads[-1] - ce
     prompt = test[:64].long()[None]
     exact, st = decode.generate(bt.blocks, prompt[0].tolist(), 64, draft_len=16,
                                 drafter=bt.blocks[-1].drafter is not None, slots=0 if bt.blocks[-1].drafter else 16)
@@ -228,8 +268,9 @@ def _run_checked_job(job: JobConfig, made_by: dict, log, bar, command: str | Non
     return result
 
 
-def train_in_processes(job: JobConfig, directory: Path, log, bar=no_bar):
-    """K worker processes (blocktrain.blocks.worker), one per block; progress from their files."""
+def train_in_processes(job: JobConfig, directory: Path, log, bar=_Quiet()):
+    """K worker processes (blocktrain.blocks.worker), one per block; progress (their steps, to
+    ``bar``, which the caller opened) from their files."""
     import subprocess
 
     from .model import Block
@@ -252,18 +293,18 @@ def train_in_processes(job: JobConfig, directory: Path, log, bar=no_bar):
                 cmd += ["--data", str(job.data)]
             cmd += ["--device", job.device, "--precision", job.precision]
             procs.append(subprocess.Popen(cmd))
-        with bar(f"blocktrain ({job.schedule}, {mc.n_blocks} processes)", mc.n_blocks * tc.steps) as b:
-            done = 0
-            while any(p.poll() is None for p in procs):
-                time.sleep(1.0)
-                steps = 0
-                for k in range(mc.n_blocks):
-                    try:
-                        steps += ckpt.load(block_path(directory, k)).step
-                    except ckpt.CheckpointError:
-                        pass  # not written yet, or being replaced
-                b.update(steps - done)
-                done = steps
+        done = 0
+        bar.set_postfix_str(f"blocktrain ({job.schedule}, {mc.n_blocks} processes)")
+        while any(p.poll() is None for p in procs):
+            time.sleep(1.0)
+            steps = 0
+            for k in range(mc.n_blocks):
+                try:
+                    steps += ckpt.load(block_path(directory, k)).step
+                except ckpt.CheckpointError:
+                    pass  # not written yet, or being replaced
+            bar.update(steps - done)
+            done = steps
         bad = [k for k, p in enumerate(procs) if p.returncode != 0]
         if bad:
             raise RuntimeError(f"block workers {bad} failed; their checkpoints in {directory} are kept")
@@ -301,13 +342,15 @@ def plot_curves(result: dict, path: Path):
     for k in range(len(curve[0][1]) if curve else 0):
         s = starts[k] if k < len(starts) else 0
         pts = [c for c in curve if c[0] > s]  # a block's head means nothing before it trains
-        ax.plot([c[0] for c in pts], [c[1][k] for c in pts], label=f"BlockTrain head of block {k + 1}")
+        ax.plot([c[0] for c in pts], [c[1][k] for c in pts], label=f"BlockTrain head of block {k}")
     if "reference" in result:
         ref = result["reference"]["curve"]
         ax.plot([c[0] for c in ref], [c[1][0] for c in ref], "k--", label="end-to-end reference")
-    ax.set_xlabel("wall step (one worker's optimizer steps)")
+    w, steps = result["blocktrain"].get("workers_per_block", 1), result["job"]["train"]["steps"]
+    ax.set_xlabel("wall time, in one worker's full-batch steps" + (
+        f" (each block's {steps} optimizer steps are shared by {w} workers: {steps / w:g} of these)" if w > 1 else ""))
     ax.set_ylabel("valid CE (nats/byte)")
-    ax.set_title(f"BlockTrain ({result['job']['schedule']}) vs end-to-end, WikiText-2 bytes")
+    ax.set_title(f"BlockTrain ({result['job']['schedule']}) vs end-to-end, {Path(_corpus(result)).name} bytes")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
@@ -316,11 +359,25 @@ def plot_curves(result: dict, path: Path):
     plt.close(fig)
 
 
+def _corpus(r: dict) -> str:
+    """The corpus the job trained and scored on, as the user named it (``--data``)."""
+    return r["job"].get("corpus") or r["job"].get("data") or "embedded WikiText-2"
+
+
+def _test_split(r: dict) -> str:
+    corpus = _corpus(r)
+    if corpus == "embedded WikiText-2":
+        return "WikiText-2 wiki.test.tokens, embedded"
+    if (Path(corpus) / "wiki.test.tokens").is_file():
+        return str(Path(corpus) / "wiki.test.tokens")
+    return f"the test split of {corpus}"
+
+
 def summary(r: dict) -> str:
     b = r["blocktrain"]
-    lines = ["", "test CE, nats/byte (WikiText-2 wiki.test.tokens):"]
-    for k, ce in enumerate(b["test_ce_heads"]):
-        lines.append(f"  BlockTrain head of block {k + 1:<2}      {ce:.4f}")
+    lines = ["", f"test CE, nats/byte ({_test_split(r)}):"]
+    for k, ce in enumerate(b["test_ce_heads"]):  # blocks numbered from 0, as bt-peer's --block
+        lines.append(f"  BlockTrain head of block {k:<2}      {ce:.4f}")
     if "reference" in r:
         lines.append(f"  end-to-end reference           {r['reference']['test_ce']:.4f}")
         lines.append(f"  gap (assembled - reference)    {r['gap_ce']:+.4f}")

@@ -53,3 +53,18 @@ def make_plans(name: str, n_blocks: int, steps: int, decay_frac: float) -> list[
                 raise ValueError(f"staggered: {n_blocks} decay windows of {D} steps do not fit in {steps}")
             plans.append(BlockPlan(0, end - D, end))
     return plans
+
+
+def work_segments(plans: list[BlockPlan], steps: int, block_costs: list[float]) -> list[tuple[int, float]]:
+    """The wall steps of ``plans`` as runs of equal cost, in order: (wall steps, the cost of each),
+    where a wall step costs the sum of ``block_costs`` over the blocks training at it."""
+    wall = max(p.end(steps) for p in plans)
+    edges = sorted({0, wall} | {p.start for p in plans} | {p.end(steps) for p in plans})
+    out: list[tuple[int, float]] = []
+    for a, b in zip(edges, edges[1:]):
+        cost = float(sum(c for p, c in zip(plans, block_costs) if p.start <= a < p.end(steps)))
+        if out and out[-1][1] == cost:
+            out[-1] = (out[-1][0] + b - a, cost)
+        else:
+            out.append((b - a, cost))
+    return out
