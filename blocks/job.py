@@ -348,7 +348,8 @@ def plot_curves(result: dict, path: Path):
         ax.plot([c[0] for c in ref], [c[1][0] for c in ref], "k--", label="end-to-end reference")
     w, steps = result["blocktrain"].get("workers_per_block", 1), result["job"]["train"]["steps"]
     ax.set_xlabel("wall time, in one worker's full-batch steps" + (
-        f" (each block's {steps} optimizer steps are shared by {w} workers: {steps / w:g} of these)" if w > 1 else ""))
+        f"\n(each block's {steps} optimizer steps are shared by {w} workers: {steps / w:.4g} on this axis)"
+        if w > 1 else ""))
     ax.set_ylabel("valid CE (nats/byte)")
     ax.set_title(f"BlockTrain ({result['job']['schedule']}) vs end-to-end, {Path(_corpus(result)).name} bytes")
     ax.grid(alpha=0.3)
