@@ -21,6 +21,14 @@ from pathlib import Path
 
 
 
+class NoSuchBlock(ValueError):
+    """A block number the model does not have (every command's --block: one check, one message)."""
+
+    def __init__(self, block: int, n_blocks: int):
+        super().__init__(f"the model has blocks 0..{n_blocks - 1}, no block {block}")
+        self.block, self.n_blocks = block, n_blocks
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     d_model: int = 128  # residual width (the default model trains in minutes on 2 cores)
@@ -48,6 +56,11 @@ class ModelConfig:
                              "layers: the top block could not start from the head below (identity_init)")
         if self.draft_layers < 0 or self.slot_offsets < 0:
             raise ValueError("draft_layers and slot_offsets must be >= 0")
+
+    def check_block(self, k: int) -> None:
+        """Raises NoSuchBlock unless the model has a block ``k`` (numbered from 0)."""
+        if not 0 <= k < self.n_blocks:
+            raise NoSuchBlock(k, self.n_blocks)
 
     @property
     def layers_per_block(self) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from blocktrain.blocks.config import SIZES
+from blocktrain.blocks.config import SIZES, NoSuchBlock
 
 from .identity import KeyError_, load_or_create_identity, load_swarm_key, new_swarm_key, peer_id
 from .link import LinkSpec, load_topology
@@ -229,8 +229,10 @@ def _training(o: dict):
     if o["every"] and not o["sync"] and job.swarm.sync == "grads":
         job = load(job, None, (), **{"swarm.sync": "params"})  # --every means DiLoCo rounds
     k = o["blocks"][0]
-    if k >= job.model.n_blocks:
-        raise click.BadParameter(f"the model has blocks 0..{job.model.n_blocks - 1}", param_hint="--block")
+    try:
+        job.model.check_block(k)
+    except NoSuchBlock as e:
+        raise click.BadParameter(str(e), param_hint="--block") from None
     shard = None
     if o["shard"]:
         i, sep, n = o["shard"].partition("/")
@@ -397,6 +399,8 @@ def serve(bootstrap, checkpoints, reference, batch, **o):
     torch.set_num_threads(1)  # exact output is byte-identical to autoregressive at one thread (model.MIN_ROWS)
     try:
         served = load_served(o["blocks"], checkpoints, reference)
+    except NoSuchBlock as e:  # as start and join say it
+        raise click.BadParameter(str(e), param_hint="--block") from None
     except ServeError as e:
         raise click.ClickException(str(e))
     served.batch = batch

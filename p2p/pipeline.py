@@ -381,7 +381,8 @@ class ServeError(Exception):
 
 def load_served(blocks, checkpoints: str | Path | None = None, reference: str | Path | None = None) -> ServedBlocks:
     """Blocks ``blocks`` of a trained model: BlockTrain blocks from ``checkpoints`` (blocktrain and
-    autoregressive modes) and, optionally, the end-to-end reference from ``reference``."""
+    autoregressive modes) and, optionally, the end-to-end reference from ``reference``. Raises
+    ServeError, or NoSuchBlock for a block the model does not have."""
     from blocktrain.blocks import checkpoint as ckpt
     from blocktrain.blocks.model import ModelConfig
 
@@ -395,6 +396,14 @@ def load_served(blocks, checkpoints: str | Path | None = None, reference: str | 
                                     (reference, served.reference, "reference")):
         if not directory:
             continue
+        files = ckpt.block_files(directory)
+        if files:  # a block the model does not have: the check and message of every --block (NoSuchBlock)
+            try:
+                model = ModelConfig.from_dict(ckpt.load(files[min(files)]).config)
+            except (ckpt.CheckpointError, ValueError) as e:
+                raise ServeError(f"{files[min(files)]}: {e}") from None
+            for k in blocks:
+                model.check_block(k)
         for k in blocks:
             path = ckpt.block_path(directory, k)
             if not path.exists():

@@ -72,3 +72,17 @@ def test_bad_arguments_are_refused_before_an_identity_is_created(tmp_path):
                                   "--identity", str(tmp_path / "id")])
     assert r.exit_code != 0 and "blocks 0..2" in r.output
     assert not (tmp_path / "id").exists() and "created identity" not in r.output
+
+
+@pytest.mark.parametrize("command", [["start"], ["join", "127.0.0.1:1"], ["serve"]])
+def test_a_block_the_model_does_not_have_gets_one_check_and_message_from_every_command(tmp_path, command):
+    """`serve --block 7` said a file was missing (exit 1) where `start --block 7` named the blocks (exit 2)."""
+    from click.testing import CliRunner
+
+    from blocktrain.p2p.identity import new_swarm_key
+    new_swarm_key(tmp_path / "k")
+    r = CliRunner().invoke(ROOTS["bt-peer"], [*command, "--block", "7", "--swarm-key", str(tmp_path / "k"),
+                                              "--identity", str(tmp_path / "id")])
+    assert r.exit_code == 2, r.output
+    assert "Invalid value for --block: the model has blocks 0..2, no block 7" in r.output
+    assert "Traceback" not in r.output and not (tmp_path / "id").exists()
