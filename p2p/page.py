@@ -1,8 +1,10 @@
 """The live swarm page: ``bt-peer start/join/serve --http 127.0.0.1:PORT``.
 
 Rules:
-- Read-only: GET ``/`` (one self-contained HTML page that polls the JSON) and GET
-  ``/status.json`` (the swarm as this peer sees it); anything else is 404, any other method 405.
+- Read-only: GET ``/`` (one self-contained HTML page that polls the JSON), GET ``/status.json``
+  (the swarm as this peer sees it) and GET ``/status.txt`` (a summary rendered here, for curl and
+  text browsers; the HTML page carries it too, for a browser without JavaScript); anything else
+  is 404, any other method 405. What members claim reaches the HTML escaped.
 - Nothing secret: no keys, no identities' private parts, no file paths outside the report.
 - Bounded: a request head of at most MAX_HEAD_BYTES read within HEAD_TIMEOUT_S, at most
   MAX_CONNECTIONS at once; bound to loopback unless the operator says otherwise.
@@ -15,6 +17,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import logging
 import math
@@ -22,6 +25,7 @@ import time
 
 from blocktrain.protocol import Status
 
+from .reports import status_lines
 from .services import PeerServices
 
 log = logging.getLogger("blocktrain.p2p")
@@ -171,6 +175,27 @@ class SwarmPage:
             "rejected_updates": tr.get("rejected_updates", []) if tr else [],
         }
 
+    def text(self) -> str:
+        """The page as plain text, rendered here: what ``bt-peer status`` prints of this peer, then
+        its training, the members' claims of their work and its serving counters."""
+        v = self.view()
+        lines = ["BlockTrain swarm, as this peer sees it (the live page at / refreshes itself with JavaScript; "
+                 "/status.json holds all of it)", *status_lines(self.peer.status())]
+        tr = v["training"]
+        if tr:
+            ce = _num(tr.get("ce_end"))
+            lines.append(f"training: block {tr.get('block')}, {tr.get('state')}, step {tr.get('step')}/{tr.get('steps')}"
+                         + (f", valid CE {ce:.4f}" if ce is not None else "")
+                         + f"; {v['failed_rounds']} failed rounds")
+        for pid, w in sorted(v["member_work"].items()):
+            lines.append(f"member {pid[:16]} says: {w.get('state')}, block {w.get('training_block')}, step "
+                         f"{w.get('step')}/{w.get('steps')}" + "".join(f"; doubted: {d}" for d in w.get("doubts", [])))
+        s = v["serving"]
+        if s:
+            lines.append(f"serving blocks {s.get('blocks')}: {s.get('requests')} requests served, "
+                         f"{s.get('sessions')} open sessions")
+        return "\n".join(lines) + "\n"
+
     # --- HTTP ------------------------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         if self._open >= MAX_CONNECTIONS:
@@ -187,8 +212,11 @@ class SwarmPage:
                 self._reply(writer, 405, "text/plain", b"read-only: GET / or /status.json\n")
             elif path.split("?")[0] == "/status.json":
                 self._reply(writer, 200, "application/json", json.dumps(self.view()).encode())
+            elif path.split("?")[0] == "/status.txt":
+                self._reply(writer, 200, "text/plain; charset=utf-8", self.text().encode())
             elif path.split("?")[0] == "/":
-                self._reply(writer, 200, "text/html; charset=utf-8", PAGE.encode())
+                page = PAGE.replace(TEXT_SUMMARY, f"<noscript><pre>{html.escape(self.text())}</pre></noscript>")
+                self._reply(writer, 200, "text/html; charset=utf-8", page.encode())
             else:
                 self._reply(writer, 404, "text/plain", b"not found: GET / or /status.json\n")
             await writer.drain()
@@ -206,6 +234,7 @@ class SwarmPage:
                      f"Cache-Control: no-store\r\nConnection: close\r\n\r\n".encode() + body)
 
 
+TEXT_SUMMARY = "<!-- the summary, rendered by the peer -->"  # where GET / puts SwarmPage.text()
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>BlockTrain swarm</title>
 <style>
@@ -217,6 +246,7 @@ th{background:#f0f0f0} .num{text-align:right;font-variant-numeric:tabular-nums}
 svg{background:#fff;border:1px solid #ddd}
 </style></head><body>
 <h1>BlockTrain swarm</h1><div id="me" class="muted">loading...</div><div id="err"></div>
+<!-- the summary, rendered by the peer -->
 <h2>Members</h2><table id="members"></table>
 <h2>Blocks</h2><table id="blocks"></table>
 <h2>Valid CE of each block's head while it trained</h2><svg id="curve" width="560" height="220"></svg>

@@ -64,6 +64,9 @@ async def test_page_serves_the_swarm_as_this_peer_sees_it_and_nothing_else(tmp_p
         assert "swarm_key" not in text and "private" not in text and str(tmp_path) not in text
         code, body = await _get(page.port, "/")
         assert code == 200 and b"<title>BlockTrain swarm</title>" in body
+        text = (await _get(page.port, "/status.txt"))[1].decode()  # the same, as text
+        assert "training: block 0, done, step 90/90, valid CE" in text, text
+        assert sum(line.startswith("member ") and "says: done" in line for line in text.splitlines()) == 2, text
         assert (await _get(page.port, "/etc/passwd"))[0] == 404
         assert (await _get(page.port, "/status.json", "POST"))[0] == 405
     finally:
@@ -247,3 +250,27 @@ def test_bt_peer_status_marks_what_members_announced_as_claimed():
     head = next(i for i, line in enumerate(lines) if line.startswith("peer  "))
     assert "blocks*" in lines[head] and "role*" in lines[head] and lines[head + 1].startswith("b" * 16)
     assert any(line.startswith("* claimed") for line in lines)
+
+
+async def test_the_page_carries_a_text_summary_for_curl_and_browsers_without_javascript(monkeypatch):
+    """The page was blank without JavaScript ("loading..."): GET / carries the summary rendered by
+    the peer (escaped: members' claims are never markup), and GET /status.txt is that text alone."""
+    from conftest import mesh as mesh_
+
+    peers = await mesh_(2, FAST, blocks=[(0,), (1,)])
+    page = await SwarmPage(peers[0]).start()
+    try:
+        code, body = await _get(page.port, "/status.txt")
+        text = body.decode()
+        assert code == 200 and text.startswith("BlockTrain swarm, as this peer sees it")
+        assert peers[0].id[:16] in text and peers[1].id[:16] in text and "bytes moved by this peer" in text
+        code, body = await _get(page.port, "/")
+        assert code == 200 and b"<noscript><pre>BlockTrain swarm, as this peer sees it" in body
+        assert peers[1].id[:16].encode() in body
+        monkeypatch.setattr(page, "text", lambda: "member says <script>alert(1)</script>\n")
+        body = (await _get(page.port, "/"))[1]
+        assert b"member says &lt;script&gt;alert(1)&lt;/script&gt;" in body and b"<script>alert" not in body
+    finally:
+        await page.stop()
+        for p in peers:
+            await p.stop()
