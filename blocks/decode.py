@@ -187,7 +187,7 @@ def step_together(traversals: list[Traversal]) -> list:
 def readout(block: Block, cache: BlockCache, h: torch.Tensor, spec: dict) -> dict:
     """The last hop's answer: logits at ``spec["logits"]``; drafts from the draft model
     (``spec["draft"]`` bytes per verified node) or else from the slot branches' argmax."""
-    logits = block.logits(h[:, spec["logits"]])
+    logits = block.logits(h[:, spec["logits"]], exact=bool(spec.get("invariant")))
     slots = spec.get("slots") or []
     n_tokens = len(spec["ids"]) - sum(len(s) for s in slots)  # slot tokens come last
     if block.drafter is not None:

@@ -24,8 +24,9 @@ Rules:
 - Batch-invariant decoding (``exact_rows``): the first ``exact_rows`` new tokens of a step get
   results bitwise independent of what else shares the step and of where their visible keys sit
   in the cache, so verifying many tokens per traversal reproduces one-token-per-step decoding
-  exactly. Their attention sums run sequentially over the keys (``_attend_sequential``), and a
-  step has at least ``MIN_ROWS`` rows (see there).
+  exactly. This holds by the computation's shape, not by a property of one machine's kernels
+  (``Block.tile_rows``, ``_tiled``, ``_attend_exact``; blocktrain.blocks.invariance checks it
+  where a model is served).
 """
 
 from __future__ import annotations
@@ -40,15 +41,21 @@ from .config import ModelConfig  # the config's home is config.py (imported from
 
 VOCAB_SIZE = 256  # bytes
 MASK_ID = 256  # the placeholder input id; never an output
-# Matrix products with fewer rows than this run another MKL kernel whose per-row sums differ in
-# the last bits (measured on the 2-core box, torch 2.13 / MKL 2024.2: rows of F.linear and of
-# batched q@k^T, p@v are bitwise identical for every M >= 4, and differ for M = 1, 2, 3). That is
-# at one torch thread, which `bt-peer serve` and `bt-bench wan` set: at 2 threads rows of F.linear
-# also differed for M = 5-7 and 9-11 (12-04), so exactness above one thread is not claimed.
-# Batch-invariant decoding pads a step to this many rows; tests/test_decode.py checks the claim
-# on the machine it runs on. (A batched p @ v also depends on where zero weights sit among the
-# keys, which is why exact rows sum sequentially instead.)
-MIN_ROWS = 4
+# Batch invariance by construction (exact rows). A math library picks its kernel, and with it the
+# order of a row's sums, by the shape of a call: MKL computed F.linear over 4 rows otherwise than
+# over more on an AVX-512/AMX Xeon, and over 1-3 rows otherwise than over 4 on an AMD EPYC. So in a
+# step with exact rows every position-wise op (LayerNorm, the linears, GELU, the head) runs on
+# fixed-shape tiles of ``Block.tile_rows`` rows, zero-padded: every call has one shape whatever the
+# step holds. Attention scores are elementwise products summed pairwise in a fixed order over the
+# head's width; the softmax runs over keys padded to a multiple of KEY_TILE (masked), so every
+# element of an elementwise kernel falls in its vector body, never in a scalar tail that computes
+# exp another way; the weighted sum over keys is sequential (cumsum), so masked keys add exact
+# zeros wherever they sit. The one thing no shape fixes is a kernel that computes a row by its
+# place within one call: ``invariance.check_block`` measures that where a model is served, and
+# ``tile_rows = 1`` (every row alone in its call) does without it. All of this at one torch
+# thread (bt-peer serve's, bt-bench wan's): threads split a call's work by its size.
+TILE_ROWS = 8  # rows per call: 1 row decodes at 8 rows' cost (small next to a step's Python), 64 x 16 in 128 calls
+KEY_TILE = 64  # keys padded to this multiple: a multiple of every CPU's float vector width (<= 16) x 2 unroll
 
 
 class Entries:
@@ -200,16 +207,14 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x, cache: KVCache | dict | None = None, mask: torch.Tensor | None = None,
-                exact_rows: int = 0):
+    def forward(self, x, cache: KVCache | dict | None = None, mask: torch.Tensor | None = None):
         """Causal self-attention, or ``mask`` (bool, True = may attend): (T, T) or (B, 1, T, T)
         without a cache, (T, past + T) over [cache + new] with one. A ``dict`` cache (older
-        callers) holds a ``KVCache`` under "kv". The first ``exact_rows`` queries are computed
-        batch-invariantly (``_attend_sequential``; the caller gives T >= MIN_ROWS)."""
+        callers) holds a ``KVCache`` under "kv"."""
         if isinstance(cache, dict):
             cache = cache.setdefault("kv", KVCache(self.max_seq_len))
         if cache is not None:
-            return self.forward_ragged(x, [x.shape[1]], [cache], [mask], [exact_rows])
+            return self.proj(self.attend_ragged(self.qkv(x), [x.shape[1]], [cache], [mask], [0]))
         B, T, C = x.shape
         q, k, v = self._heads(self.qkv(x))
         if mask is None:
@@ -218,30 +223,29 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
-    def forward_ragged(self, x, sizes: list[int], caches: list[KVCache], masks: list, exact_rows: list[int]):
-        """Decoding steps of several sessions at once: ``x`` (B, sum(sizes), C) holds each one's
-        new tokens in turn; the projections run over all rows together, attention over each
-        session's own cache (``forward``'s arguments, one per session). Rows of the projections
-        are bitwise those of each session alone (MIN_ROWS), so exact rows stay exact."""
-        B, _, C = x.shape
+    def attend_ragged(self, qkv, sizes: list[int], caches: list[KVCache], masks: list, exact_rows: list[int]):
+        """Decoding steps of several sessions at once, between the projections: ``qkv`` (B,
+        sum(sizes), 3C) holds each one's new tokens in turn; each attends over its own cache
+        (``forward``'s arguments, one per session); returns (B, sum(sizes), C) for ``proj``. The
+        first ``exact_rows`` tokens of a session are computed batch-invariantly (``_attend_exact``)."""
+        B, _, C3 = qkv.shape
         ys = []
-        for qkv, cache, mask, n in zip(self.qkv(x).split(sizes, dim=1), caches, masks, exact_rows):
-            T = qkv.shape[1]
-            q, k, v = self._heads(qkv)
+        for part, cache, mask, n in zip(qkv.split(sizes, dim=1), caches, masks, exact_rows):
+            T = part.shape[1]
+            q, k, v = self._heads(part)
             past = cache.length
             cache.write(k, v)
             if mask is None:  # new tokens see every cached key and the new keys up to themselves
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=qkv.device).tril(diagonal=past)
             assert mask.shape[-2:] == (T, past + T), f"mask {tuple(mask.shape)} for {T} new tokens after {past}"
             keys, values = cache.k[:, :, :past + T], cache.v[:, :, :past + T]
             if n:
-                assert T >= MIN_ROWS, f"exact rows need a step of >= {MIN_ROWS} rows, got {T}"
-                y_exact = _attend_sequential(q, keys, values, mask, n)
+                y_exact = _attend_exact(q, keys, values, mask, n)
             if n < T:
                 y_rest = F.scaled_dot_product_attention(q[:, :, n:], keys, values, attn_mask=mask[n:])
             y = y_exact if n == T else y_rest if n == 0 else torch.cat([y_exact, y_rest], dim=2)
-            ys.append(y.transpose(1, 2).contiguous().view(B, T, C))
-        return self.proj(ys[0] if len(ys) == 1 else torch.cat(ys, dim=1))
+            ys.append(y.transpose(1, 2).contiguous().view(B, T, C3 // 3))
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
     def _heads(self, qkv):
         """(B, T, 3C) -> q, k, v, each (B, nh, T, hs)."""
@@ -250,19 +254,54 @@ class Attention(nn.Module):
         return (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in qkv.split(C, dim=2))
 
 
-def _attend_sequential(q, keys, values, mask, n: int, chunk: int = 16):
-    """Attention of queries ``[0, n)``, each bitwise independent of the other queries and of
-    where its visible keys sit among masked ones: scores are per-element dot products (rows
-    >= MIN_ROWS), the softmax max is exact, and numerator and normaliser are sums accumulated in
-    key order by ``cumsum`` (a zero weight leaves a sequential sum unchanged)."""
-    m = max(n, MIN_ROWS)
-    s = (q[:, :, :m] @ keys.transpose(-2, -1))[:, :, :n] * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, n, L)
-    s = s.masked_fill(~mask[:n], float("-inf"))
-    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+def _tiled(fn, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``fn`` over the rows of ``x`` (..., C), called on fixed-shape tiles of ``rows`` rows
+    (the last zero-padded), each tile 64-byte aligned: what ``fn`` gives a row depends on the row
+    and its place in a tile, never on how many rows the step holds (the model's rules)."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    if n % rows:
+        flat = torch.cat([flat, flat.new_zeros(rows - n % rows, flat.shape[1])])
+    out = []
+    for t in flat.split(rows):
+        out.append(fn(t.clone() if t.data_ptr() % 64 else t))  # one alignment for every call
+    y = out[0] if len(out) == 1 else torch.cat(out)
+    return y[:n].view(*x.shape[:-1], y.shape[-1])
+
+
+def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in one fixed order: halves added elementwise (each add rounded
+    alone, the same in a vector lane or a scalar loop), zero-padded to a power of two."""
+    w = x.shape[-1]
+    if w & (w - 1):
+        x = F.pad(x, (0, (1 << w.bit_length()) - w))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def _attend_exact(q, keys, values, mask, n: int, chunk: int = 16):
+    """Attention of queries ``[0, n)``, each bitwise independent of the other queries, of how
+    many keys the cache holds and of where its visible keys sit among masked ones: scores are
+    products summed pairwise over the head's width (``_pairwise_sum``), the softmax's max is
+    exact and its exp runs over keys padded to a multiple of KEY_TILE (masked: exactly 0), and
+    numerator and normaliser are sums accumulated in key order (``cumsum``; a zero weight leaves
+    a sequential sum unchanged)."""
+    L = keys.shape[2]
+    pad = -L % KEY_TILE
+    if pad:
+        keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
+        mask = F.pad(mask[:n], (0, pad), value=False)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     vz = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # (B, nh, L, hs + 1): weights' sum last
     out = []
     for i in range(0, n, chunk):  # bounded memory: (B, nh, chunk, L, hs + 1)
-        acc = torch.cumsum(e[:, :, i:i + chunk, :, None] * vz[:, :, None], dim=3)[:, :, :, -1]
+        j = min(n, i + chunk)
+        s = _pairwise_sum(q[:, :, i:j, None, :] * keys[:, :, None]) * scale  # (B, nh, c, L)
+        s = s.masked_fill(~mask[i:j], float("-inf"))
+        e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+        acc = torch.cumsum(e[..., None] * vz[:, :, None], dim=3)[:, :, :, -1]
         out.append(acc[..., :-1] / acc[..., -1:])
     return torch.cat(out, dim=2)
 
@@ -278,15 +317,24 @@ class Layer(nn.Module):
         self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
         self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
-    def forward(self, x, cache: KVCache | dict | None = None, mask: torch.Tensor | None = None,
-                exact_rows: int = 0):
-        x = x + self.attn(self.ln1(x), cache, mask, exact_rows)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+    def forward(self, x, cache: KVCache | dict | None = None, mask: torch.Tensor | None = None):
+        x = x + self.attn(self.ln1(x), cache, mask)
+        return x + self.mlp(x)
 
-    def forward_ragged(self, x, sizes: list[int], caches: list[KVCache], masks: list, exact_rows: list[int]):
-        """Several sessions' decoding steps at once (``Attention.forward_ragged``)."""
-        x = x + self.attn.forward_ragged(self.ln1(x), sizes, caches, masks, exact_rows)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+    def mlp(self, x):
+        return self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def forward_ragged(self, x, sizes: list[int], caches: list[KVCache], masks: list, exact_rows: list[int],
+                       tile_rows: int = 0):
+        """Several sessions' decoding steps at once (``Attention.attend_ragged``); with
+        ``tile_rows``, every position-wise op on fixed-shape tiles of that many rows (``_tiled``)."""
+        if not tile_rows:
+            x = x + self.attn.proj(self.attn.attend_ragged(self.attn.qkv(self.ln1(x)), sizes, caches, masks,
+                                                           exact_rows))
+            return x + self.mlp(x)
+        qkv = _tiled(lambda t: self.attn.qkv(self.ln1(t)), x, tile_rows)
+        x = x + _tiled(self.attn.proj, self.attn.attend_ragged(qkv, sizes, caches, masks, exact_rows), tile_rows)
+        return x + _tiled(self.mlp, x, tile_rows)
 
     def zero_output(self):
         """Make the layer the identity map (its residual branches add zero)."""
@@ -351,6 +399,9 @@ class Block(nn.Module):
         top = index == cfg.n_blocks - 1
         self.head = LocalHead(cfg, 0 if top else cfg.head_layers) if with_head else None
         self.drafter = Drafter(cfg) if (top and with_head and cfg.draft_layers > 0) else None
+        # Rows per fixed-shape call in steps with exact rows (the model's rules): TILE_ROWS, or 1
+        # where invariance.check_block finds that this machine's kernels compute a row by its place.
+        self.tile_rows = TILE_ROWS
         self.apply(_init_weights)
         if index > 0 and cfg.identity_init:
             for layer in self.layers:
@@ -388,61 +439,42 @@ class Block(nn.Module):
             x = x + torch.where(is_slot[..., None], slot, torch.zeros_like(slot))
         return x
 
-    def trunk(self, x, caches: list | None = None, positions=None, mask: torch.Tensor | None = None,
-              exact_rows: int = 0, offsets=None):
+    def trunk(self, x, caches: list | None = None, positions=None, mask: torch.Tensor | None = None, offsets=None):
         """Input (ids for block 0, else a residual stream) -> this block's residual stream.
 
         ``caches``: one KV cache per layer (decoding); ``positions``, ``offsets``: of the input
-        tokens (``embed``); ``mask``: attention structure; ``exact_rows``: see ``Attention.forward``."""
+        tokens (``embed``); ``mask``: attention structure."""
         h = self.embed(x, positions, offsets) if self.is_first else x
         for i, layer in enumerate(self.layers):
-            h = layer(h, None if caches is None else caches[i], mask, exact_rows)
+            h = layer(h, None if caches is None else caches[i], mask)
         return h
 
     def extend(self, x, cache: BlockCache, positions, mask: torch.Tensor, exact_rows: int = 0, offsets=None):
         """Decoding step: new tokens (ids for block 0, else hidden (B, T, C)) at ``positions``
         through this block's layers, attending over [cache + new] under ``mask`` (T, past + T);
         their keys and values are appended to ``cache``. The first ``exact_rows`` tokens are
-        computed batch-invariantly (the step is padded to ``MIN_ROWS`` rows for them)."""
+        computed batch-invariantly (the model's rules)."""
         return self.extend_many([(x, cache, positions, mask, exact_rows, offsets)])[0]
 
     def extend_many(self, steps: list[tuple]) -> list[torch.Tensor]:
         """``extend`` for several sessions at once, each step ``(x, cache, positions, mask,
         exact_rows, offsets)`` with its own cache (the same batch size B for all): one forward
-        over the rows of all (``Layer.forward_ragged``); returns each step's output. Exact rows
-        are bitwise what ``extend`` gives the step alone."""
-        xs, sizes, masks, exact, pads = [], [], [], [], []
+        over the rows of all (``Layer.forward_ragged``), in fixed-shape tiles of ``tile_rows``
+        rows when any step has exact rows; returns each step's output. Exact rows are bitwise
+        what ``extend`` gives the step alone."""
+        xs, sizes, masks, exact = [], [], [], []
         for x, cache, positions, mask, exact_rows, offsets in steps:
             T = x.shape[1]
             assert 0 <= exact_rows <= T, f"exact_rows {exact_rows} of {T} tokens"
-            pad = max(0, MIN_ROWS - T) if exact_rows else 0
-            if pad:  # dummy rows that see only themselves; their cache entries are dropped below
-                positions = torch.as_tensor(positions, dtype=torch.long)
-                positions = torch.cat([positions, positions[-1:].expand(pad)])
-                if offsets is not None:
-                    offsets = torch.cat([torch.as_tensor(offsets, dtype=torch.long), torch.zeros(pad, dtype=torch.long)])
-                filler = torch.zeros(x.shape[0], pad, *x.shape[2:], dtype=x.dtype, device=x.device)
-                x = torch.cat([x, filler], dim=1)
-                past = mask.shape[1] - T
-                m = torch.zeros(T + pad, past + T + pad, dtype=torch.bool, device=mask.device)
-                m[:T, :past + T] = mask
-                m[T:, past + T:] = torch.eye(pad, dtype=torch.bool)
-                mask = m
             xs.append(self.embed(x, positions, offsets) if self.is_first else x)
-            sizes.append(T + pad)
+            sizes.append(T)
             masks.append(mask)
             exact.append(exact_rows)
-            pads.append(pad)
+        tiles = self.tile_rows if any(exact) else 0
         h = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
         for i, layer in enumerate(self.layers):
-            h = layer.forward_ragged(h, sizes, [s[1].layers[i] for s in steps], masks, exact)
-        outs = []
-        for (x, cache, *_), part, pad in zip(steps, h.split(sizes, dim=1), pads):
-            if pad:
-                for c in cache.layers:
-                    c.length -= pad
-            outs.append(part[:, :part.shape[1] - pad])
-        return outs
+            h = layer.forward_ragged(h, sizes, [s[1].layers[i] for s in steps], masks, exact, tiles)
+        return list(h.split(sizes, dim=1))
 
     def forward(self, x, targets=None, layout: dict | None = None, weights=None):
         """``(hidden, loss)``: loss is the local objective when targets are given: CE of the
@@ -455,9 +487,14 @@ class Block(nn.Module):
         assert self.head is not None, "this block has no local head"
         return h, local_loss(self.head(h), targets, weights)
 
-    def logits(self, h):
+    def logits(self, h, exact: bool = False):
+        """Next-byte logits of hidden states (B, T, C); ``exact``: each row's batch-invariantly
+        (fixed-shape tiles; a head without layers of its own, as the last block's)."""
         assert self.head is not None, "this block has no local head"
-        return self.head(h)
+        if not exact:
+            return self.head(h)
+        assert not self.head.layers, "rows are read out on their own only by a head without layers"
+        return _tiled(self.head, h, self.tile_rows)
 
     def param_count(self, include_head: bool = True) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if include_head or not n.startswith("head."))

@@ -396,13 +396,15 @@ def serve(bootstrap, checkpoints, reference, batch, **o):
     if not o["blocks"]:
         raise click.UsageError("serve needs --block K (repeatable)")
     import torch
-    torch.set_num_threads(1)  # exact output is byte-identical to autoregressive at one thread (model.MIN_ROWS)
+    torch.set_num_threads(1)  # exact rows are batch invariant at one thread (blocks/model.py's rules)
     try:
         served = load_served(o["blocks"], checkpoints, reference)
     except NoSuchBlock as e:  # as start and join say it
         raise click.BadParameter(str(e), param_hint="--block") from None
     except ServeError as e:
         raise click.ClickException(str(e))
+    for check in served.rows.values():
+        click.echo(f"block {check.block}: {check.describe()}", err=True)
     served.batch = batch
     _run(o, bootstrap, "serve", served=served)
 

@@ -332,7 +332,8 @@ async function refresh() {
     table($("peers"), ["remote peer", "address", "sent", "received"], Object.entries(s.by_peer).map(([p, t]) =>
       [p.slice(0, 12) + (t.client ? " (client)" : ""), esc(t.addr || "-"), mb(t.sent), mb(t.received)]));
     $("serving").textContent = s.serving ? ("blocks [" + s.serving.blocks + "], " + s.serving.requests + " requests served, " +
-      s.serving.sessions + " open sessions") : "not serving";
+      s.serving.sessions + " open sessions" + Object.entries(s.serving.exact || {}).map(([b, how]) =>
+      "; block " + b + ": " + how).join("")) : "not serving";
   } catch (e) { $("err").textContent = "cannot reach the peer: " + e; }
 }
 refresh(); setInterval(refresh, 2000);

@@ -52,6 +52,8 @@ from pathlib import Path
 import torch
 
 from blocktrain.blocks.decode import CHUNK, SessionMismatch, Traversal
+from blocktrain.blocks.device import threads
+from blocktrain.blocks.invariance import RowCheck, choose_tile_rows
 from blocktrain.blocks.model import Block, BlockCache
 from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
 
@@ -93,9 +95,29 @@ class ServedBlocks:
     blocktrain: dict = field(default_factory=dict)  # block index -> Block
     reference: dict = field(default_factory=dict)  # block index -> Block of the end-to-end model
     batch: int = COMPUTE_SLOTS  # traversals whose chunks the hop computes together (bt-peer serve --batch)
+    # What the start-up check found per block (blocks.invariance): the rows per call its exact
+    # rows are computed in, or that this machine cannot compute them batch-invariantly.
+    rows: dict = field(default_factory=dict)  # Block -> RowCheck
 
     def held(self, mode: str) -> dict:
         return self.reference if mode == "reference" else self.blocktrain
+
+    def check_rows(self) -> list[RowCheck]:
+        """Run the batch-invariance check on every block held (at one torch thread, as served)."""
+        with threads(1):
+            for held in (self.blocktrain, self.reference):
+                for b in held.values():
+                    self.rows[b] = choose_tile_rows(b)
+        return list(self.rows.values())
+
+    def exact_refused(self, b: Block) -> str | None:
+        """Why ``b``'s exact rows are not served here (None: they are, or were never checked)."""
+        check = self.rows.get(b)
+        return check.describe() if check is not None and check.tile_rows is None else None
+
+    def exact_report(self) -> dict:
+        """Per BlockTrain block: how its exact rows are computed here (status, the page)."""
+        return {str(k): self.rows[b].describe() for k, b in sorted(self.blocktrain.items()) if b in self.rows}
 
 
 class PipelineServer:
@@ -118,7 +140,8 @@ class PipelineServer:
                                                 "blocks": sorted(self.served.blocktrain),
                                                 "reference_blocks": sorted(self.served.reference),
                                                 "max_seq_len": self._cfg("max_seq_len"),
-                                                "n_blocks": self._cfg("n_blocks"), **self._batcher.report()})
+                                                "n_blocks": self._cfg("n_blocks"), "exact": self.served.exact_report(),
+                                                **self._batcher.report()})
 
     def set_batch(self, n: int):
         """Compute the chunks of up to ``n`` traversals together from now on (a benchmark comparing
@@ -234,6 +257,8 @@ class PipelineServer:
         """The plan's COMPUTE: this block's share of the traversal, then forward or answer."""
         b, key, spec, meta = plan.served, plan.key, plan.spec, plan.meta
         assert b is not None and key is not None and spec is not None, "a COMPUTE plan names block, session, spec"
+        if spec.get("invariant") and (why := self.served.exact_refused(b)):
+            raise PipelineError(f"block {b.index}: {why}", b.index)  # never unexact rows under the exact name
         x = _input(msg, b, spec)
         cache = self._cache(key, b, spec["start"])
         t0 = time.perf_counter()
@@ -425,4 +450,5 @@ def load_served(blocks, checkpoints: str | Path | None = None, reference: str | 
                 b.drafter = None  # never trained (its phase did not run): drafts come from the slots instead
             b.eval()
             target[k] = b
+    served.check_rows()
     return served

@@ -217,6 +217,8 @@ def status_lines(st: dict) -> list[str]:
         lines.append(f"  {w['state']}: holds block {w['holds']}" + (
             f", training block {w['training_block']}" if w.get("training_block") is not None else "")
             + f", step {w['step']}/{w['steps']}, round {w['round']}, group of {len(w['group'])}")
+    for block, how in sorted(((st.get("serving") or {}).get("exact") or {}).items()):
+        lines.append(f"  serving block {block}: {how}")
     lines.append(f"{'peer':<18} {'address':<22} {'blocks*':<10} {'role*':<10} {'state':<8} {'last heard':>10}")
     for m in st["members"]:
         lines.append(f"{m['peer_id'][:16]:<18} {m['addr']:<22} {str(m['blocks']):<10} {m['role']:<10} "

@@ -40,7 +40,8 @@ VERIFY_TOL = 0.02
 # flooded by 8 known identities was 7.28x slower than alone at batch 8 against 2.82x at 1 (it waits
 # for a whole batch and computes in one), while the flood got 15% more through
 # (results/hardening/key_holders_flood_batch{8,1}.json). Exact rows are bitwise the same at any
-# size (model.MIN_ROWS, tested up to 64 x 16 rows at one thread on CPU); serving runs on CPU only.
+# size (fixed-shape tiles, blocks/model.py's rules; checked at start by blocks.invariance, tested
+# up to 64 x 16 rows under other machines' kernels); serving runs on CPU only.
 COMPUTE_SLOTS = 1
 
 

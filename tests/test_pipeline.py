@@ -241,6 +241,25 @@ async def test_dead_hop_fails_within_timeout_naming_the_block(models):
         assert "block" in str(ei.value)
 
 
+async def test_a_hop_whose_machine_fails_the_invariance_check_refuses_exact_and_says_so(models, monkeypatch):
+    """A hop whose kernels no tile shape makes batch invariant (tests/kernels.py) answers exact
+    and autoregressive requests with a refusal naming its block and why, never with rows
+    computed otherwise under the exact name; its status says so; one-traversal mode still runs."""
+    import kernels
+    bt, e2e = models
+    async with served_chain(bt, e2e, timeout_s=5) as (peers, servers, client):
+        with monkeypatch.context() as m:
+            kernels.use(m, kernels.ByCall())
+            servers[1].served.check_rows()
+        assert servers[1].served.exact_refused(bt[1]) is not None
+        with pytest.raises(PipelineError, match="exact decoding refused") as ei:
+            await client.generate(b"hello", 3)
+        assert ei.value.block == 1
+        assert "refused" in peers[1].status()["serving"]["exact"]["1"]
+        out, _ = await client.generate(b"hello", 3, mode="blocktrain")
+        assert len(out) == 3
+
+
 async def test_wrong_block_is_a_clear_error(models):
     bt, e2e = models
     async with served_chain(bt, e2e, route=(0, 2, 2), blocks=(0, 1, 2), timeout_s=5) as (_, _, client):
