@@ -45,6 +45,9 @@ class LineProgress:
         if self.eta is not None:  # the time left by the work left, and how sure it is
             return (f"{self.desc}: {'done, ' if done else ''}{self.n}{of} {self.unit}s in {dt:.0f} s"
                     + ("" if done else f", {self.eta.text()}") + (f"; {self.postfix}" if self.postfix else ""))
+        if self.unit == "byte":  # counts and rates of bytes in MiB: 298.3 MiB/s, not 312802441.18 byte/s
+            return (f"{self.desc}: {'done, ' if done else ''}{_mib(self.n)}" + (f" of {_mib(self.total)}" if self.total else "")
+                    + f" in {dt:.0f} s ({_mib(rate)}/s{eta}){' ' + self.postfix if self.postfix else ''}")
         now_rate = f", now {recent:.2f}" if not done and abs(recent - rate) > 0.05 * max(rate, 1e-9) else ""
         busy = ""
         if self.threads == 0 and not done and window > 1.0:  # the work is in other processes
@@ -166,6 +169,10 @@ class Eta:
         return f"about {_duration(eta)} left, {_duration(lo)} to {_duration(hi)} ({why})"
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
 def _duration(s: float) -> str:
     s = round(s)
     if s < 120:
@@ -231,4 +238,5 @@ def bar(desc: str, total: int | None, unit: str = "step", threads: int | None = 
         return _TqdmWithEta(desc, total, unit, threads, work)
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+    scale = {"unit": "B", "unit_scale": True, "unit_divisor": 1024} if unit == "byte" else {"unit": unit}  # MiB/s
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, smoothing=0.1, **scale)

@@ -86,3 +86,14 @@ def test_the_report_names_the_corpus_it_scored_and_numbers_blocks_from_0(tmp_pat
     assert "WikiText" not in text and f"the test split of {notes}" in text
     assert "head of block 0 " in text and "head of block 2 " in text and "block 3" not in text
     assert "(WikiText-2 wiki.test.tokens, embedded)" in summary(_result(None))
+
+
+def test_a_byte_count_reads_in_mib_not_as_an_unrounded_rate():
+    """`bt-data prepare` printed '312802441.18 byte/s'."""
+    out = io.StringIO()
+    with LineProgress("bt-data prepare", 3 * 2**30, unit="byte", every_s=1e9, stream=out) as p:
+        p.t0 -= 2.0
+        p.update(600 * 2**20)
+    line = out.getvalue().strip()
+    assert line.startswith("bt-data prepare: done, 600.0 MiB of 3,072.0 MiB in 2 s (300.0 MiB/s")
+    assert "byte/s" not in line
