@@ -94,7 +94,8 @@ def _peer_options(f):
         click.option("--allow", multiple=True, help="Accept only these peer ids (repeatable; default: any key holder)."),
         click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
                      help="Write the transfer-volume report (JSON) here, every --report-every seconds and at exit."),
-        click.option("--report-every", type=click.FloatRange(0.5), default=10.0, show_default=True),
+        click.option("--report-every", type=click.FloatRange(0.5), default=10.0, show_default=True,
+                     help="Seconds between writes of the --report file while the peer runs (one more at exit)."),
         click.option("--links", type=click.Path(dir_okay=False, exists=True), default=None,
                      help="Topology JSON: per-peer link delay/jitter/rate/loss (see README)."),
         click.option("--link", "link_default", default=None,
@@ -485,7 +486,9 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
 @click.option("--no-eval", is_flag=True, help="Only fetch and verify.")
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=0.0, show_default=True,
               help=WAIT_HELP + "; then until the swarm has finished training (showing its progress).")
-@click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True)
+@click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True,
+              help="Seconds for a connection and its handshake, and for each chunk of a checkpoint: a holder "
+                   "silent for longer is left, and the fetch continues from another holder of that block.")
 def assemble(address, swarm_key, identity, out, data, test_windows, no_eval, wait_s, timeout):
     """Fetch every block's newest checkpoint from the swarm via ADDRESS, verify it, evaluate test CE.
 
