@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from blocktrain.p2p.serving import COMPUTE_SLOTS
+from blocktrain.p2p.serving.api import COMPUTE_SLOTS
 
 from .provenance import write_result
 

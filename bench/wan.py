@@ -34,11 +34,11 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.blocks.decode import CHUNK, Sampling, one_traversal_spec
-from blocktrain.p2p.client import PipelineClient
+from blocktrain.p2p.serving.client import PipelineClient
 from blocktrain.p2p.link import LinkSpec
 from blocktrain.p2p.node import Peer
-from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks, load_served
-from blocktrain.p2p.serving import COMPUTE_SLOTS
+from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks, load_served
+from blocktrain.p2p.serving.api import COMPUTE_SLOTS
 from blocktrain.p2p.transport import Timeouts
 
 PROMPT_LEN = 64
@@ -206,8 +206,8 @@ async def _together(n: int, route: list[str], psk: bytes, tmo: Timeouts, link: L
     res: dict = {"clients": n, "prompts": f"client j on prompt j (0..{n - 1}), its own identity and connections",
                  "batch": batch,
                  "note": f"each hop computes the chunks ({CHUNK} tokens) of up to {batch} traversals "
-                         "together, one forward over their rows (p2p/batching.py), the slots fair by client "
-                         "(p2p/fair.py)"}
+                         "together, one forward over their rows (p2p/serving/batching.py), the slots fair by client "
+                         "(p2p/serving/fair.py)"}
     try:
         failed = [e for e in await asyncio.gather(*(c.connect() for c in clients), return_exceptions=True)
                   if isinstance(e, BaseException)]

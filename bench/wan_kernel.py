@@ -117,7 +117,7 @@ def run_kernel(n_bytes: int = 256, rtt_ms: float = 50.0, rate_mbit: float = 100.
 
 async def _client(spec: dict) -> dict:
     from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key
-    from blocktrain.p2p.client import PipelineClient
+    from blocktrain.p2p.serving.client import PipelineClient
     from blocktrain.p2p.transport import Timeouts
 
     client = PipelineClient(load_or_create_identity(spec["identity"]), load_swarm_key(spec["key"]), spec["route"],

@@ -29,7 +29,7 @@ from .checkpoints import refuse_streams
 from .link import LinkSpec
 from .identity import peer_id
 from .node import JoinError, Peer
-from .pipeline import PipelineServer, ServedBlocks, refuse_requests
+from .serving.server import PipelineServer, ServedBlocks, refuse_requests
 from .swarm import PeerJob, SwarmError, SwarmTrainer, refuse_joins
 from .transport import Timeouts
 
@@ -98,7 +98,7 @@ def build_peer(o: PeerOptions) -> Peer:
 async def start_peer(peer: Peer, bootstrap: tuple[str, int] | None, join_timeout_s: float = 30.0,
                      on_line=lambda s: None):
     """Listen, then join through ``bootstrap``: if the first try fails (it may still be starting),
-    say so and keep trying for ``join_timeout_s``."""
+    say so and keep trying; the whole join attempt ends within ``join_timeout_s``."""
     try:
         await peer.start()
     except OSError as e:
@@ -107,14 +107,11 @@ async def start_peer(peer: Peer, bootstrap: tuple[str, int] | None, join_timeout
                                         f"(or :0 for any free one)") from None
         raise
     if bootstrap:
-        t0 = time.monotonic()
-        try:
-            try:
-                await peer.join(*bootstrap, timeout_s=0)  # one try
-            except JoinError:
-                on_line(f"bootstrap {bootstrap[0]}:{bootstrap[1]} not reachable yet; trying again for up to "
-                        f"{join_timeout_s:.0f} s (--join-timeout)")
-                await peer.join(*bootstrap, timeout_s=max(0.0, join_timeout_s - (time.monotonic() - t0)))
+        def retrying(why: str):
+            on_line(f"bootstrap {bootstrap[0]}:{bootstrap[1]} not reachable yet; trying again for up to "
+                    f"{join_timeout_s:.0f} s in all (--join-timeout)")
+        try:  # every try, and a dial still in progress, within join_timeout_s
+            await peer.join(*bootstrap, timeout_s=join_timeout_s, on_retry=retrying)
         except JoinError:
             await peer.stop("could not join")
             raise

@@ -20,7 +20,7 @@ from blocktrain.blocks.config import SIZES, NoSuchBlock
 
 from .identity import KeyError_, load_or_create_identity, load_swarm_key, new_swarm_key, peer_id
 from .link import LinkSpec, load_topology
-from .serving import COMPUTE_SLOTS, VERIFY_TOL
+from .serving.api import COMPUTE_SLOTS, VERIFY_TOL
 from .transport import Timeouts, install_uvloop
 
 DEFAULT_IDENTITY = Path.home() / ".blocktrain" / "identity"
@@ -105,7 +105,9 @@ def _peer_options(f):
         click.option("--heartbeat", type=click.FloatRange(0.05), default=None,
                      help=f"Seconds between pings (default {Timeouts.heartbeat_s})."),
         click.option("--join-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
-                     help="Seconds to keep trying the bootstrap while it starts."),
+                     help="Seconds the join through BOOTSTRAP may take, every try included (it may still be "
+                          "starting); counted once this peer is ready (a training peer loads its model and data "
+                          "first, and says so). 0: one try."),
         click.option("--insecure-no-seal", is_flag=True,
                      help="Trusted networks only: skip frame sealing after the authenticated handshake."),
         click.option("--http", default=None, metavar="[HOST:]PORT",
@@ -336,6 +338,17 @@ class _StepBar:
             self.bar.close()
 
 
+def _starting(o: dict, bootstrap: str | None, role: str):
+    """Said at once: a training peer loads torch, its model and its data before it listens or
+    joins (seconds, minutes on a busy machine), a serving peer its checkpoints."""
+    trains = role != "serve" and not o["no_train"] and len(o["blocks"]) == 1
+    what = (f"loading block {o['blocks'][0]}'s model and data, then " if trains
+            else f"loading block(s) {list(o['blocks'])}, then " if role == "serve" else "")
+    then = (f"joining through {bootstrap} within {o['join_timeout']:g} s of being ready (--join-timeout)" if bootstrap
+            else f"opening {o['listen']}")
+    _echo(f"starting: {what}{then}")
+
+
 def _announce(peer, role: str, o: dict, training):
     """Once listening and in the swarm: where we are and how others join (for the role that they
     would take)."""
@@ -354,6 +367,7 @@ def start(**o):
     """Start a new swarm (as its first member) and print how others join.
 
     With --block K the peer trains (as `join` does); --no-train makes a plain member."""
+    _starting(o, None, "start")
     _run(o, None, "bootstrap" if o["no_train"] or not o["blocks"] else "train", lambda: _training(o))
 
 
@@ -371,6 +385,7 @@ def join(bootstrap, **o):
     report (--report) holds bytes by peer, kind and direction, every round's coverage, rejected
     updates, busy time, peak memory and the CE improvement per GB moved. Ctrl-C (or SIGTERM)
     stops it cleanly."""
+    _starting(o, bootstrap, "join")
     _run(o, bootstrap, "bootstrap" if o["no_train"] or not o["blocks"] else "train", lambda: _training(o))
 
 
@@ -392,10 +407,11 @@ def join(bootstrap, **o):
                    "flooded client waited for whole batches (7.3x slower than alone, against 2.8x at 1).")
 def serve(bootstrap, checkpoints, reference, batch, **o):
     """Serve --block K of a trained model: start a swarm, or join one through BOOTSTRAP."""
-    from .pipeline import ServeError, load_served
+    from .serving.server import ServeError, load_served
 
     if not o["blocks"]:
         raise click.UsageError("serve needs --block K (repeatable)")
+    _starting(o, bootstrap, "serve")
     import torch
     torch.set_num_threads(1)  # exact rows are batch invariant at one thread (blocks/model.py's rules)
     try:
@@ -448,8 +464,8 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
     """Continue --prompt by N bytes through a chain of serving peers found via ADDRESS."""
     from blocktrain.blocks.decode import Sampling
 
-    from .client import generate as run_generate
-    from .pipeline import PipelineError
+    from .serving.client import generate as run_generate
+    from .serving.api import PipelineError
 
     install_uvloop()
     host, port = _addr(address)

@@ -51,13 +51,11 @@ from .mesh import MAX_EVENTS, Mesh
 from .redial import DIAL_COOLDOWN_S, MAX_FAILED_ADDRS, MAX_REDIALS, REDIAL_MAX_S, REDIAL_MIN_S, Redials
 from .services import MemberView, PeerServices, PeerUnreachable
 from .transport import PeerConnection, Timeouts
-from .view import NothingListens, query_status, status_when_listening  # noqa: F401 (the clients' queries: view.py)
 from .waiters import Waiters
 
 __all__ = ["DEPARTED_ROW", "DIAL_COOLDOWN_S", "MAX_CLIENTS", "MAX_DIALS", "MAX_EVENTS", "MAX_FAILED_ADDRS",
            "MAX_KNOWN_IDS", "MAX_MEMBERS", "MAX_PENDING_HANDSHAKES", "MAX_REDIALS", "MAX_TRAFFIC_ROWS", "MEMBER_ONLY",
-           "REDIAL_MAX_S", "REDIAL_MIN_S", "STALL_TICKS", "STATUS_SECTIONS", "JoinError", "NothingListens", "Peer",
-           "query_status", "status_when_listening"]
+           "REDIAL_MAX_S", "REDIAL_MIN_S", "STALL_TICKS", "STATUS_SECTIONS", "JoinError", "Peer"]
 
 log = logging.getLogger("blocktrain.p2p")
 
@@ -131,25 +129,36 @@ class Peer(PeerServices):
         self.notify()
         return self
 
-    async def join(self, host: str, port: int, timeout_s: float | None = None):
+    async def join(self, host: str, port: int, timeout_s: float | None = None, on_retry=None):
         """Connect to any member (retrying with backoff for ``timeout_s``, default the handshake
-        timeout); the rest of the swarm follows by gossip. Raises JoinError."""
+        timeout); the rest of the swarm follows by gossip. The whole attempt ends within
+        ``timeout_s``, a dial in progress included (a bootstrap that accepts and never answers
+        would otherwise hold it for the connect and handshake timeouts, each try).
+        ``timeout_s`` 0: one try. ``on_retry(why)``: called once, when the first try fails. Raises
+        JoinError."""
         addr = f"{host}:{port}"
-        deadline = time.monotonic() + (self.timeouts.handshake_s if timeout_s is None else timeout_s)
-        delay = 0.2
-        while True:
-            try:
-                await self.connection(addr)
-                return
-            except PeerUnreachable as e:
-                if time.monotonic() + delay > deadline:
-                    tried = self.timeouts.handshake_s if timeout_s is None else timeout_s
-                    raise JoinError(f"cannot join through {addr}: {e.why} (tried for {tried:.0f} s: check that a "
-                                    f"member listens there and uses this swarm key, or wait longer with "
-                                    f"--join-timeout)") from None
-                log.info("bootstrap %s not reachable yet (%s); retrying in %.1f s", addr, e.why, delay)
-                await asyncio.sleep(delay)  # backoff: the bootstrap may still be starting
-                delay = min(2 * delay, 5.0)
+        limit = self.timeouts.handshake_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        delay, why, tries = 0.2, "", 0
+        try:
+            async with asyncio.timeout(limit if limit > 0 else None):  # 0: one try; an outer cancel stays a cancel
+                while True:
+                    try:
+                        await self.connection(addr)
+                        return
+                    except PeerUnreachable as e:
+                        why, tries = e.why, tries + 1
+                        if tries == 1 and on_retry is not None:
+                            on_retry(why)
+                        if time.monotonic() + delay > deadline:
+                            break
+                        log.info("bootstrap %s not reachable yet (%s); retrying in %.1f s", addr, e.why, delay)
+                        await asyncio.sleep(delay)  # backoff: the bootstrap may still be starting
+                        delay = min(2 * delay, 5.0)
+        except TimeoutError:
+            why = f"{why}, then no answer in time" if tries else "no answer in time"
+        raise JoinError(f"cannot join through {addr}: {why} (tried for {limit:g} s: check that a member "
+                        f"listens there and uses this swarm key, or wait longer with --join-timeout)")
 
     async def stop(self, reason: str = "shutting down"):
         """Goodbye to everyone, flush the report, close."""

@@ -22,7 +22,6 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.protocol import ConnectionClosed, Role, Status
 
-from .serving import PipelineError
 from .transport import CLIENT_INFO, Timeouts, make_connection, open_connection
 
 MAX_ROUTE_BLOCKS = 256  # bound on a peer's word for how many blocks a model has
@@ -83,8 +82,12 @@ async def status_when_listening(host: str, port: int, identity: X25519PrivateKey
 
 
 
-class NoChain(PipelineError):
-    """The swarm has no live serving peer for some block."""
+class NoChain(Exception):
+    """The swarm has no live serving peer for ``block`` (None: for any block)."""
+
+    def __init__(self, msg: str, block: int | None = None):
+        super().__init__(msg)
+        self.block = block
 
 
 def status_members(st: dict) -> list[dict]:

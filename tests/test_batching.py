@@ -1,4 +1,4 @@
-"""Continuous batching at a serving hop (p2p/batching.py, decode.step_together): a session's
+"""Continuous batching at a serving hop (p2p/serving/batching.py, decode.step_together): a session's
 failure stays its own, a traversal cancelled while queued is skipped, and a batch's rows are
 what each session gets alone."""
 
@@ -12,7 +12,7 @@ import kernels
 from blocktrain.blocks.decode import CHUNK, SessionMismatch, Traversal, step_together
 from blocktrain.blocks.device import threads
 from blocktrain.blocks.model import Block, BlockCache, ModelConfig
-from blocktrain.p2p.batching import Batcher
+from blocktrain.p2p.serving.batching import Batcher
 
 CFG = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=96, head_layers=1)
 

@@ -219,7 +219,7 @@ def test_traversals_stepped_together_give_each_session_what_it_gets_alone():
     the rows of all) at one torch thread as a serving hop runs: each output is byte for byte what the
     session writes alone, and at least one step held several sessions' chunks."""
     from blocktrain.blocks.decode import Traversal, step_together
-    from blocktrain.p2p.pipeline import load_served
+    from blocktrain.p2p.serving.server import load_served
     served = load_served([0, 1, 2])
     blocks = [served.blocktrain[k] for k in range(3)]
     kinds = [{}, {"draft_len": 16, "drafter": True}, {"draft_len": 8, "drafter": True, "width": 3,
@@ -508,7 +508,7 @@ def test_the_shipped_model_is_served_by_default_and_decodes_exactly_in_few_trave
 
     from blocktrain.blocks.data import read_split
     from blocktrain.blocks.decode import generate
-    from blocktrain.p2p.pipeline import load_served
+    from blocktrain.p2p.serving.server import load_served
     served = load_served([0, 1, 2])
     blocks = [served.blocktrain[k] for k in range(3)]
     assert blocks[-1].drafter is not None

@@ -15,7 +15,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktrain.p2p.node import MAX_PENDING_HANDSHAKES, Peer, query_status
+from blocktrain.p2p.node import MAX_PENDING_HANDSHAKES, Peer
+
+from blocktrain.p2p.view import query_status
 from blocktrain.p2p.transport import Timeouts
 
 from conftest import mesh
@@ -321,7 +323,7 @@ async def test_a_peer_that_trains_and_serves_nothing_refuses_at_once(tmp_path):
     """Finding 11: streams, joins and pipeline requests sent to a plain member get an answer."""
     from blocktrain.p2p.app import Training  # noqa: F401  (the module wires the refusals)
     from blocktrain.p2p.checkpoints import CheckpointFetcher, FetchError, refuse_streams
-    from blocktrain.p2p.pipeline import refuse_requests
+    from blocktrain.p2p.serving.server import refuse_requests
     from blocktrain.p2p.swarm import refuse_joins
     from blocktrain.protocol import BlockUpdate, PipelineForward, PipelineResult
     a, b = await mesh(2, FAST)
@@ -400,6 +402,7 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
     r = subprocess.run(base + ["join", f"127.0.0.1:{nobody}", "--join-timeout", "1", "--identity",
                                str(tmp_path / "i0"), *keys], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot join" in r.stderr and "--join-timeout" in r.stderr, r.stderr
+    assert "] starting: joining through 127.0.0.1:" in r.stderr.splitlines()[0], r.stderr  # said first, at once
     assert "listening on" not in r.stderr and "others join with" not in r.stderr, r.stderr  # never got in
     boot = _free_port()
     joiner = subprocess.Popen(base + ["join", f"127.0.0.1:{boot}", "--join-timeout", "300", "--identity",
@@ -440,6 +443,27 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
             p.wait(10)
 
 
+async def test_the_join_timeout_bounds_the_whole_join_a_dial_that_hangs_included():
+    """`--join-timeout 5` took 110 s to fail: the bound covered the time between tries, not a try
+    whose connection or handshake hung (each had its own 10 s). A bootstrap that accepts TCP and
+    never answers the handshake now fails the join at the join timeout."""
+    from blocktrain.p2p.app import start_peer
+    from blocktrain.p2p.node import JoinError
+
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # accepts, never speaks
+    port = silent.sockets[0].getsockname()[1]
+    slow = Timeouts(connect_s=300, handshake_s=300, heartbeat_s=0.2, dead_after_s=30, close_s=1)
+    peer = Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=slow)
+    try:
+        with pytest.raises(JoinError, match="no answer in time") as e:
+            async with asyncio.timeout(120):  # a guard: the handshake timeout alone would take 300 s
+                await start_peer(peer, ("127.0.0.1", port), join_timeout_s=0.5)
+        assert "tried for 0.5 s" in str(e.value) and "--join-timeout" in str(e.value)
+    finally:
+        silent.close()
+        await peer.stop()
+
+
 def _until_line(path, text: str, proc, bound_s: float):
     """Until ``text`` is in the file ``proc`` writes its stderr to (read again every 0.1 s); fails if
     ``proc`` exits first, or after ``bound_s`` (generous: a Python start with torch under load)."""
@@ -453,9 +477,9 @@ def _until_line(path, text: str, proc, bound_s: float):
 def test_prompts_a_client_cannot_send_fail_with_the_fix_and_any_bytes_can_be_sent(tmp_path):
     """Finding 14: an empty prompt, or prompt + bytes past the model's positions, is refused before
     anything is sent; a prompt that is not UTF-8 is sent as its bytes (no traceback)."""
-    from blocktrain.p2p.client import check_request
+    from blocktrain.p2p.serving.client import check_request
     from blocktrain.p2p.identity import new_swarm_key
-    from blocktrain.p2p.pipeline import PipelineError
+    from blocktrain.p2p.serving.api import PipelineError
     with pytest.raises(PipelineError, match="empty"):
         check_request(b"", 8, "exact")
     with pytest.raises(PipelineError, match="at most 29 bytes") as e:

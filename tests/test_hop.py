@@ -1,12 +1,12 @@
-"""The plan of one hop (p2p/hop.py), with no sockets: a request and a hop's state in, a plan out;
+"""The plan of one hop (p2p/serving/hop.py), with no sockets: a request and a hop's state in, a plan out;
 every check in its order, each refusal with its fault."""
 
 from dataclasses import dataclass, field
 
 from blocktrain.blocks.decode import one_traversal_spec
 from blocktrain.blocks.model import Block, ModelConfig
-from blocktrain.p2p.hop import MAX_INFLIGHT_PER_CLIENT, Step, plan_hop, session_key
-from blocktrain.p2p.serving import PipelineError, refusal_meta
+from blocktrain.p2p.serving.hop import MAX_INFLIGHT_PER_CLIENT, Step, plan_hop, session_key
+from blocktrain.p2p.serving.api import PipelineError, refusal_meta
 from blocktrain.protocol import PipelineForward
 
 CFG = ModelConfig(d_model=16, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64, head_layers=1)

@@ -148,7 +148,7 @@ def served_peer(tmp_path):
     from blocktrain.blocks.data import as_tensor, read_split
     from blocktrain.blocks.model import Block, ModelConfig
     from blocktrain.blocks.train import TrainConfig
-    from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
+    from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks
     from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
 
     loop = asyncio.new_event_loop()
@@ -192,7 +192,7 @@ def test_no_message_of_any_shape_kills_a_handler(served_peer, msgs):
 async def test_a_handler_that_raises_closes_only_its_senders_connection():
     """Finding 2, through real sockets: a message a handler chokes on closes that connection with
     an Error frame; the peer goes on answering everyone else."""
-    from blocktrain.p2p.node import query_status
+    from blocktrain.p2p.view import query_status
     psk = os.urandom(32)
     a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
     b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
@@ -217,14 +217,14 @@ async def test_a_handler_that_raises_closes_only_its_senders_connection():
 async def test_a_forged_reply_to_reaches_nobody_but_its_sender():
     """Finding 7: a client that names another client in ``reply_to`` is refused on its own
     connection; the named client hears nothing (and its request ids cannot be guessed)."""
-    from blocktrain.p2p.client import _request_id
-    from blocktrain.p2p.pipeline import refuse_requests
+    from blocktrain.p2p.serving.client import _request_id
+    from blocktrain.p2p.serving.server import refuse_requests
     from blocktrain.p2p.transport import CLIENT_INFO
     psk = os.urandom(32)
     a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
     refuse_requests(a)
     from blocktrain.blocks.model import Block, ModelConfig
-    from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
+    from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks
     b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
     PipelineServer(b, ServedBlocks(blocktrain={0: Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2,
                                                                     max_seq_len=32), 0).eval()}))
@@ -310,7 +310,7 @@ async def test_compute_slots_go_fairly_by_client_and_a_flood_gives_way():
     flooder already holds the slot, so the other goes next, then the flood's; past
     ``max_waiting`` the flooding client's newest waiter gives way, and the flooder itself is
     refused at once."""
-    from blocktrain.p2p.fair import FairSlots, Saturated
+    from blocktrain.p2p.serving.fair import FairSlots, Saturated
     slots, order = FairSlots(1, max_waiting=4, newcomer_tokens=0), []
     await slots.acquire("flood")  # the one slot is busy
 
@@ -342,7 +342,7 @@ async def test_compute_slots_are_fair_over_tokens_not_traversals():
     of ~20-token traversals waited its turn behind every identity's (49x slower than alone). Fair
     over tokens, a client that comes back after a round trip goes next; clients asking alike
     still alternate."""
-    from blocktrain.p2p.fair import FairSlots
+    from blocktrain.p2p.serving.fair import FairSlots
     slots, order = FairSlots(1, max_waiting=64, newcomer_tokens=0), []
     await slots.acquire("legit", 20)  # the client's earlier traversal: the hop knows it
     slots.release("legit")
@@ -385,7 +385,7 @@ async def test_fresh_identities_share_one_flow_until_each_was_served_its_newcome
     of their chunks at a time (with a flow per identity it waited for up to 24). A newcomer becomes a
     flow of its own once served NEWCOMER_TOKENS, for its next request, not in the middle of one;
     what is kept of newcomers is bounded."""
-    from blocktrain.p2p import fair
+    from blocktrain.p2p.serving import fair
     slots, log = fair.FairSlots(1, max_waiting=64), []
     await _request(slots, "legit", fair.NEWCOMER_TOKENS // 16, [])  # served enough: a flow of its own
     assert slots.flow("legit") == "legit" and slots.flow("fresh0") == fair.NEWCOMERS
@@ -419,7 +419,7 @@ async def test_newcomers_take_turns_and_are_made_known_by_what_was_computed():
     (a request refused at its first chunk bought an identity its tokens); a slot taken with
     ``acquire`` was given back in the client's new flow once it was made known meanwhile (the
     newcomers' slot was lost); and a client just made known was the first the hop forgot."""
-    from blocktrain.p2p import fair
+    from blocktrain.p2p.serving import fair
     slots, log = fair.FairSlots(1, max_waiting=64), []
     long = asyncio.ensure_future(_request(slots, "long", 40, log))
     await asyncio.sleep(0)
@@ -464,7 +464,7 @@ async def test_a_newcomer_between_parts_keeps_its_place_and_turns_reach_every_ne
     taken for the newest waiter and refused when a known client needed room (its computed chunks
     lost); and a newcomer with two requests in flight kept the slot for the whole first one while
     another newcomer waited behind its second (151 parts)."""
-    from blocktrain.p2p import fair
+    from blocktrain.p2p.serving import fair
     slots = fair.FairSlots(1, max_waiting=3)
     await _request(slots, "K", fair.NEWCOMER_TOKENS // 16, [])  # known
     async with slots.hold("A", 16) as between:
@@ -498,7 +498,7 @@ async def test_a_long_traversal_hands_its_slot_on_between_chunks():
     """A 200-token traversal no longer holds its slot throughout: a client coming back takes it at
     the next chunk boundary and finishes its short traversal; then the long one goes on, before
     its own client's next traversal (a client's traversals finish in turn)."""
-    from blocktrain.p2p.fair import FairSlots
+    from blocktrain.p2p.serving.fair import FairSlots
     slots, log = FairSlots(1, max_waiting=64, newcomer_tokens=0), []
     await _request(slots, "legit", 1, [])  # its earlier traversal: the hop knows it
     long = asyncio.ensure_future(_request(slots, "flood", 13, log))
@@ -522,7 +522,7 @@ async def test_an_idle_client_banks_a_bounded_credit():
     earlier: with more chunks to do it goes first for IDLE_CREDIT / 16 of them, then alternates
     with the client that kept the hop busy. Without the bound it would bank its whole absence;
     a client the hop does not know (identities are free) banks nothing."""
-    from blocktrain.p2p.fair import IDLE_CREDIT, FairSlots
+    from blocktrain.p2p.serving.fair import IDLE_CREDIT, FairSlots
     slots, order = FairSlots(1, max_waiting=64, newcomer_tokens=0), []
     await slots.acquire("back", 16)  # known: served once, long ago
     slots.release("back")
@@ -555,7 +555,7 @@ async def test_fresh_identities_queue_at_the_hops_time_and_cannot_starve_anyone(
     before one of a known client's). And when tags would keep a waiter back for ever (here a
     hundred known clients, each back with a credit made boundless), it goes first after
     MAX_BYPASS parts."""
-    from blocktrain.p2p import fair
+    from blocktrain.p2p.serving import fair
     slots = fair.FairSlots(2, max_waiting=256, newcomer_tokens=0)
     await slots.acquire("hog", 16)  # one slot: held throughout
     await slots.acquire("big", 16)  # the other: big's first request; its next waits behind it
@@ -606,7 +606,7 @@ async def test_slots_survive_cancellation_and_refusal_at_every_wait():
     way (Saturated) that is cancelled at once hands on no slot it never held; and a known client
     makes room in a queue filled by fresh identities, one waiting each, while a fresh newcomer is
     refused."""
-    from blocktrain.p2p.fair import FairSlots, Saturated
+    from blocktrain.p2p.serving.fair import FairSlots, Saturated
     log = []
     slots = FairSlots(1, max_waiting=8, newcomer_tokens=0)
     first = asyncio.ensure_future(_request(slots, "a", 5, log))
@@ -630,7 +630,7 @@ async def test_slots_survive_cancellation_and_refusal_at_every_wait():
     await asyncio.wait_for(slots.acquire("c", 16), 1)  # the hop still serves
     slots.release("c")
 
-    from blocktrain.p2p import fair  # a client that hands its slot on between chunks may be forgotten meanwhile
+    from blocktrain.p2p.serving import fair  # a client that hands its slot on between chunks may be forgotten meanwhile
     slots, limit, fair.MAX_CLIENTS = FairSlots(1, max_waiting=8, newcomer_tokens=0), fair.MAX_CLIENTS, 1
     try:
         await _request(slots, "x", 1, [])  # x is known, then idle
@@ -691,7 +691,7 @@ async def test_a_queue_full_of_traversals_between_chunks_still_takes_a_client_ba
     and holds no slot. And what the hop forgets first, past MAX_CLIENTS, is the identities served
     the fewest parts, not the client it has served for long (it forgot the latest virtual time:
     a client that had just finished a long traversal)."""
-    from blocktrain.p2p import fair
+    from blocktrain.p2p.serving import fair
     slots, log = fair.FairSlots(1, max_waiting=2, newcomer_tokens=0), []
     await _request(slots, "known", 1, [])
     await slots.acquire("hog", 16)
@@ -728,9 +728,9 @@ async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_sess
     recent one of a client holding several goes, and if every client holds one, a new session
     is refused instead of pushing one out."""
     from blocktrain.blocks.model import Block, ModelConfig
-    from blocktrain.p2p import pipeline
-    from blocktrain.p2p.pipeline import (MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, PipelineError, PipelineServer,
-                                         ServedBlocks)
+    from blocktrain.p2p.serving import server as pipeline
+    from blocktrain.p2p.serving.api import PipelineError
+    from blocktrain.p2p.serving.server import MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, PipelineServer, ServedBlocks
     peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
     b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
     server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
@@ -765,8 +765,8 @@ async def test_a_flood_of_fresh_identities_with_traversals_running_keeps_a_clien
     the hop, a newcomer does not push out a client's session between its traversals (it did: the
     client rebuilt its caches); the hop holds more than MAX_SESSIONS meanwhile, those in use."""
     from blocktrain.blocks.model import Block, ModelConfig
-    from blocktrain.p2p import pipeline
-    from blocktrain.p2p.pipeline import MAX_SESSIONS, PipelineServer, ServedBlocks
+    from blocktrain.p2p.serving import server as pipeline
+    from blocktrain.p2p.serving.server import MAX_SESSIONS, PipelineServer, ServedBlocks
     peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
     b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
     server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
@@ -794,8 +794,9 @@ async def test_a_sessions_recent_time_starts_when_its_traversal_ends_and_a_refus
 
     from blocktrain.blocks.decode import Traversal
     from blocktrain.blocks.model import Block, ModelConfig
-    from blocktrain.p2p import fair
-    from blocktrain.p2p.pipeline import PipelineError, PipelineServer, ServedBlocks
+    from blocktrain.p2p.serving import fair
+    from blocktrain.p2p.serving.api import PipelineError
+    from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks
     peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
     b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
     server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
@@ -830,7 +831,7 @@ async def test_a_bad_hidden_state_codec_is_the_requests_fault_before_any_compute
     """Finding 12: an unknown ``codec`` is refused before compute, as the request's fault (it
     blamed the hop after computing)."""
     from blocktrain.blocks.model import Block, ModelConfig
-    from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
+    from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks
     from blocktrain.p2p.transport import CLIENT_INFO
     psk = os.urandom(32)
     peer = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()

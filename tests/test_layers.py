@@ -12,10 +12,22 @@ FORBIDDEN = {
     "blocktrain.blocks": ("asyncio", "socket", "blocktrain.p2p", "blocktrain.protocol", "blocktrain.bench"),
     "blocktrain.p2p": ("blocktrain.bench",),
 }
+# Within p2p/: the serving client side never imports the server side (Petals keeps client/ and
+# server/ apart), and the peer (node.py) imports no client module.
+SERVER = ("blocktrain.p2p.serving.server", "blocktrain.p2p.serving.hop", "blocktrain.p2p.serving.batching",
+          "blocktrain.p2p.serving.fair")
+FORBIDDEN_MODULES = {
+    "blocktrain.p2p.serving.client": SERVER,
+    "blocktrain.p2p.serving.verify": SERVER,
+    "blocktrain.p2p.serving.api": SERVER + ("blocktrain.p2p.serving.client", "blocktrain.p2p.serving.verify"),
+    "blocktrain.p2p.view": SERVER + ("blocktrain.p2p.serving.client",),
+    "blocktrain.p2p.node": ("blocktrain.p2p.view", "blocktrain.p2p.serving.client", "blocktrain.p2p.serving.verify"),
+}
 
 
 def imports(path: Path, package: str):
-    """(line, imported module, names) for every import in the file, relative ones resolved."""
+    """(line, imported module, names) for every import in the file, relative ones resolved
+    against ``package`` (the file's own package, at any depth)."""
     tree = ast.parse(path.read_text(), str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -32,17 +44,22 @@ def imports(path: Path, package: str):
 
 
 def modules():
+    """(path, its package, its module name) of every module of every layer, subpackages included."""
     for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            yield path, package, f"{package}.{path.stem}"
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            pkg = ".".join([package, *parts[:-1]])
+            yield path, pkg, pkg if parts[-1] == "__init__" else f"{pkg}.{parts[-1]}"
 
 
 def test_every_layer_imports_only_what_it_may():
     bad = []
-    for path, package, _ in modules():
-        for line, mod, _ in imports(path, package):
-            for f in FORBIDDEN.get(package, ()):
-                if mod == f or mod.startswith(f + "."):
+    for path, package, me in modules():
+        layer = ".".join(package.split(".")[:2])
+        for line, mod, names in imports(path, package):
+            targets = {mod} | {f"{mod}.{n}" for n in names}  # `from . import hop` imports a module too
+            for f in FORBIDDEN.get(layer, ()) + FORBIDDEN_MODULES.get(me, ()):
+                if any(t == f or t.startswith(f + ".") for t in targets):
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
     assert not bad, "layer violations:\n" + "\n".join(bad)
 
@@ -72,3 +89,13 @@ def test_the_checker_sees_violations():
     finally:
         src.unlink()
     assert found == {"blocktrain.p2p", "asyncio"}
+    deep = {name: pkg for path, pkg, name in modules()}
+    assert deep["blocktrain.p2p.serving.client"] == "blocktrain.p2p.serving"  # subpackages are walked
+    assert deep["blocktrain.p2p.averaging.round"] == "blocktrain.p2p.averaging"
+    probe = ROOT / "p2p" / "serving" / "_layer_probe.py"
+    probe.write_text("from .server import PipelineServer\nfrom ..view import holders\n")
+    try:
+        found = {m for _, m, _ in imports(probe, "blocktrain.p2p.serving")}
+    finally:
+        probe.unlink()
+    assert found == {"blocktrain.p2p.serving.server", "blocktrain.p2p.view"}

@@ -14,7 +14,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.p2p.link import LinkShaper, LinkSpec
-from blocktrain.p2p.node import Peer, query_status
+from blocktrain.p2p.node import Peer
+from blocktrain.p2p.view import query_status
 from blocktrain.p2p.transport import PeerConnection, Timeouts, open_connection
 from blocktrain.protocol import Connection, Ping, Pong, Role, Status, StreamChunk
 

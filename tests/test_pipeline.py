@@ -10,9 +10,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.blocks.model import Block, EndToEnd, ModelConfig
 from blocktrain.p2p.node import Peer
-from blocktrain.p2p.client import PipelineClient
-from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
-from blocktrain.p2p.serving import PipelineError
+from blocktrain.p2p.serving.client import PipelineClient
+from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks
+from blocktrain.p2p.serving.api import PipelineError
 
 from conftest import crash
 from blocktrain.p2p.transport import Timeouts
@@ -112,7 +112,7 @@ async def test_sessions_of_clients_at_once_are_batched_and_each_writes_what_it_w
     --batch 8 their chunks are computed together at each hop (one forward over the rows of all);
     each output is the one its session writes alone in one process, and the hops did batch."""
     from blocktrain.blocks.decode import Sampling
-    from blocktrain.p2p.client import DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN
+    from blocktrain.p2p.serving.client import DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN
     bt, e2e = models
     sampled = Sampling(temperature=1.0, top_k=0, seed=3)
     jobs = [(b"The history of ", "exact", Sampling()), (b"a", "exact", Sampling()),
@@ -193,7 +193,7 @@ async def test_sampled_exact_output_is_reproducible_and_matches_one_process(mode
     async with served_chain(bt, e2e, timeout_s=20) as (_, _, client):
         a, _ = await client.generate(b"sample ", 20, "exact", sampling)
         b, _ = await client.generate(b"sample ", 20, "exact", sampling)
-    from blocktrain.p2p.client import DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN  # the client's drafts when it samples
+    from blocktrain.p2p.serving.client import DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN  # the client's drafts when it samples
     assert a == b == in_process(bt, b"sample ", 20, draft_len=SAMPLED_DRAFT_LEN, sampling=sampling, width=DRAFT_WIDTH,
                                 lookup=LOOKUP)
 
@@ -269,7 +269,7 @@ async def test_wrong_block_is_a_clear_error(models):
 
 
 async def test_client_retries_through_another_holder_of_the_block(models):
-    from blocktrain.p2p.client import generate
+    from blocktrain.p2p.serving.client import generate
     from blocktrain.protocol import PipelineForward
     bt, e2e = models
     psk = os.urandom(32)

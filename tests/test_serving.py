@@ -1,4 +1,4 @@
-"""The serving API (p2p/serving.py) shared by the client and the hops: a refusal a hop writes reads
+"""The serving API (p2p/serving/api.py) shared by the client and the hops: a refusal a hop writes reads
 back as the same typed failure; a peer's word is bounded and checked."""
 
 import json
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from blocktrain.p2p.serving import MAX_ERROR_CHARS, PipelineError, block_at, refusal, refusal_meta
+from blocktrain.p2p.serving.api import MAX_ERROR_CHARS, PipelineError, block_at, refusal, refusal_meta
 
 
 def test_a_refusal_written_by_a_hop_reads_back_as_the_same_typed_failure():

@@ -11,11 +11,11 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.blocks.decode import Sampling, recompute_spec, row_gap
-from blocktrain.p2p.client import generate
+from blocktrain.p2p.serving.client import generate
 from blocktrain.p2p.identity import peer_id
 from blocktrain.p2p.node import Peer
-from blocktrain.p2p.pipeline import PipelineServer, ServedBlocks
-from blocktrain.p2p.verify import MAX_JUDGES, VerifyError, check_output
+from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks
+from blocktrain.p2p.serving.verify import MAX_JUDGES, VerifyError, check_output
 
 from test_pipeline import FAST, in_process, make_models
 

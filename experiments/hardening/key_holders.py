@@ -325,7 +325,7 @@ async def serving_flood(tmp: Path, n_ids: int, in_flight: int, runs: int, fresh:
     new connections). The flood runs in a process of its own (the attacker's machine; here it
     shares the cores). The last hop's RSS throughout. ``batch``: the hops' `bt-peer serve --batch`
     (None: its default)."""
-    from blocktrain.p2p.client import generate
+    from blocktrain.p2p.serving.client import generate
     psk, ident = keys(tmp)
     ports, procs = [free_port() for _ in range(3)], []
     for k, port in enumerate(ports):
@@ -405,8 +405,8 @@ async def flood_worker(cfg: dict):
     import secrets
 
     from blocktrain.blocks.decode import recompute_spec
-    from blocktrain.p2p.client import PipelineClient
-    from blocktrain.p2p.serving import PipelineError
+    from blocktrain.p2p.serving.client import PipelineClient
+    from blocktrain.p2p.serving.api import PipelineError
     psk = load_swarm_key(Path(cfg["key"]))
     text = (b"x" * 20 + cfg["prompt"].encode()) * 2
     spec = recompute_spec(text[:201], 200)  # 200 new positions, one logits row

@@ -255,7 +255,7 @@ def target1(tmp: Path):
     time.sleep(1.0)
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
     from blocktrain.p2p.identity import load_swarm_key
-    from blocktrain.p2p.node import query_status
+    from blocktrain.p2p.view import query_status
     key = load_swarm_key(str(tmp / "swarm.key"))
     cmd = [BT_PEER, "status", f"127.0.0.1:{port}", "--swarm-key", str(tmp / "swarm.key"), "--identity",
            str(tmp / "caller.id"), "--json"]

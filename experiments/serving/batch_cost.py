@@ -16,7 +16,7 @@ import time
 import torch
 
 from blocktrain.blocks.decode import CHUNK, Traversal, new_caches, step_together
-from blocktrain.p2p.pipeline import load_served
+from blocktrain.p2p.serving.server import load_served
 from blocktrain.provenance import code_version
 
 

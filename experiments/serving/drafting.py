@@ -28,7 +28,7 @@ from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks import decode
 from blocktrain.blocks.data import read_split
 from blocktrain.blocks.evaluate import load_chain
-from blocktrain.p2p.client import DRAFT_LEN, DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN
+from blocktrain.p2p.serving.client import DRAFT_LEN, DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN
 
 
 def no_runners_up(session_cls):

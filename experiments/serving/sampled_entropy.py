@@ -19,8 +19,8 @@ import torch
 
 from blocktrain.bench.wan import test_prompts
 from blocktrain.blocks.decode import Sampling, bf16_round, new_caches, run_chain
-from blocktrain.p2p.client import new_session
-from blocktrain.p2p.pipeline import load_served
+from blocktrain.p2p.serving.client import new_session
+from blocktrain.p2p.serving.server import load_served
 from blocktrain.provenance import code_version
 
 

@@ -1,7 +1,7 @@
 """Does a sliding attention window at serving time (each token sees the last W positions, as in
 training's 128-byte windows) keep exact mode's acceptance past the model's training length?
 
-In process (no network), one torch thread, the client's exact-mode settings (p2p/client.py
+In process (no network), one torch thread, the client's exact-mode settings (p2p/serving/client.py
 new_session), prompts from the validation split (bench/wan.py test_prompts): bytes per traversal,
 greedy and sampled, and the fraction of continuations repeating a 16-gram, with the window and
 without. The window is applied by masking keys older than W positions in each hop's mask (a
@@ -23,8 +23,8 @@ import torch
 from blocktrain.bench.wan import repeats_16gram, test_prompts
 from blocktrain.blocks import decode
 from blocktrain.blocks.decode import Sampling, bf16_round, drive, new_caches, run_chain
-from blocktrain.p2p.client import new_session
-from blocktrain.p2p.pipeline import load_served
+from blocktrain.p2p.serving.client import new_session
+from blocktrain.p2p.serving.server import load_served
 from blocktrain.provenance import code_version
 
 WINDOW: list[int | None] = [None]

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 from blocktrain.blocks.decode import BadSpec, check_spec
 from blocktrain.protocol import PipelineForward
 
-from .serving import DEFAULT_CODEC, FORWARDED, HIDDEN_CODECS, MODES, PipelineError, bad_request, block_at
+from .api import DEFAULT_CODEC, FORWARDED, HIDDEN_CODECS, MODES, PipelineError, bad_request, block_at
 
 if TYPE_CHECKING:
     from blocktrain.blocks.model import Block

@@ -57,13 +57,12 @@ from blocktrain.blocks.invariance import RowCheck, choose_tile_rows
 from blocktrain.blocks.model import Block, BlockCache
 from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
 
+from ..services import PeerServices, PeerUnreachable
+from ..tensors import from_wire, to_wire
+from .api import COMPUTE_SLOTS, DEFAULT_CODEC, PipelineError, bad_request, block_at, refusal, refusal_meta
 from .batching import Batcher
 from .fair import FairSlots, Saturated
 from .hop import HopPlan, Step, plan_hop
-# PipelineError lives in serving.py; cli.py and tests/test_hardening.py still import it from here.
-from .serving import COMPUTE_SLOTS, DEFAULT_CODEC, PipelineError, bad_request, block_at, refusal, refusal_meta
-from .services import PeerServices, PeerUnreachable
-from .tensors import from_wire, to_wire
 
 SESSION_IDLE_S = 60.0  # caches unused this long are freed
 # Sessions one hop holds at once (an idle one goes; up to twice as many while they are in use or

@@ -35,12 +35,12 @@ import torch
 from blocktrain.blocks.decode import MAX_TREE, Sampling, Session, one_traversal_spec, recompute_spec
 from blocktrain.protocol import ConnectionClosed, Ping, PipelineForward, PipelineResult, ProtocolError, Role
 
-from .identity import peer_id
-from .serving import DEFAULT_CODEC, MODES, PipelineError
-from .tensors import from_wire, to_wire
-from .transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
+from ..identity import peer_id
+from ..tensors import from_wire, to_wire
+from ..transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
+from ..view import NoChain, chain_when_ready, holders, status_members
+from .api import DEFAULT_CODEC, MODES, PipelineError
 from .verify import DEFAULT_TOL, CheckFailed, OutputRejected, check_output
-from .view import chain_when_ready, holders, status_members
 
 
 DRAFT_LEN = 16  # bytes drafted per traversal in exact mode, greedy
@@ -295,8 +295,11 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
     s: Session | None = None
     t0 = time.perf_counter()
     for attempt in range(attempts):
-        st, route = await chain_when_ready(host, port, ident, key, tmo, avoid,
-                                           timeout if wait_s is None else wait_s, log)
+        try:
+            st, route = await chain_when_ready(host, port, ident, key, tmo, avoid,
+                                               timeout if wait_s is None else wait_s, log)
+        except NoChain as e:  # the view's failure, as the client's: no chain to run it on
+            raise PipelineError(str(e), e.block) from None
         msl = (st.get("serving") or {}).get("max_seq_len")
         check_request(prompt, n, mode, msl, sampling, draft_len)
         client = PipelineClient(ident, key, route, list(range(len(route))), tmo, timeout_s=timeout)

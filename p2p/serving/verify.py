@@ -40,7 +40,7 @@ import torch
 
 from blocktrain.blocks.decode import row_gap
 
-from .serving import VERIFY_TOL, PipelineError
+from .api import VERIFY_TOL, PipelineError
 
 DEFAULT_TOL = VERIFY_TOL  # total-variation distance (serving.py: the client and the CLI share it)
 MAX_JUDGES = 3  # holders of a disputed block asked to recompute: the fewest that can outvote one liar
