@@ -40,6 +40,12 @@ Rules:
 - Rule 6: two groups that meet (a split: a stopped peer resumed, a race at start) merge: each
   member tells non-members its group's (size, sponsor); the group of lower rank (smaller, then the
   larger sponsor id) yields: its members leave it and join the other one (rule 2).
+- Rule 7: a member that left a group it trained in (it yielded: rule 6) is past the start: rule
+  3's ``min_group`` and rule 4's wait do not apply to it. Welcomed, it takes the group's state
+  (rule 2); otherwise (no welcome, or only redirects: the sponsor did not answer) it trains on
+  alone from its own state, and rule 6 makes it ask again: the larger group's STATUS makes it
+  yield and JOIN once more. A joiner waiting for the state of a group whose every member told it
+  LEAVE (they finished, or left) stops waiting (``all_left``).
 - Control messages are tensorless BLOCK_UPDATEs; ``meta["phase"]`` names them (PROTOCOL.md 7.2).
 """
 
@@ -270,13 +276,21 @@ class Group:
         if type(step) is int and isinstance(digest, str):
             self._starters[peer] = (step, digest)
 
+    def all_left(self, members) -> bool:
+        """Every member of a welcome but us told us LEAVE during this join attempt (rule 7): the
+        state it admitted us to will not come."""
+        others = set(members) - {self.me}
+        return bool(others) and others <= self._left
+
     def waiting_for(self) -> set:
         """Peers whose answer to our JOIN has not come (the driver times them out)."""
         return self._asked - set(self._replies)
 
-    def decide(self, min_group: int = 1) -> Decision:
-        """Rules 2-4, once every asked peer answered or the driver's timeout passed."""
-        d, enter = _decide(self._replies, self._starters, self.me, (self.step, self.digest), self.round, min_group)
+    def decide(self, min_group: int = 1, begun: bool = False) -> Decision:
+        """Rules 2-4, once every asked peer answered or the driver's timeout passed. ``begun``: we
+        left a group we trained in (rule 7): no start barrier, we train on alone unless welcomed."""
+        d, enter = _decide(self._replies, self._starters, self.me, (self.step, self.digest), self.round, min_group,
+                           begun)
         if enter is not None:
             self._enter(*enter)
         return d
@@ -514,9 +528,11 @@ def _neg(peer_id: str) -> tuple:
     return tuple(-ord(c) for c in peer_id)
 
 
-def _decide(replies: dict, starters: dict, me: str, start: tuple, rnd: int, min_group: int) -> tuple:
-    """Rules 2-4 for a joiner that starts from ``start`` = (step, digest) and asks in round ``rnd``:
-    the Decision, and the (at, members) it enters the group with now (None: not now)."""
+def _decide(replies: dict, starters: dict, me: str, start: tuple, rnd: int, min_group: int,
+            begun: bool = False) -> tuple:
+    """Rules 2-4 and 7 for a joiner that starts from ``start`` = (step, digest) and asks in round
+    ``rnd`` (``begun``: it left a group it trained in): the Decision, and the (at, members) it
+    enters the group with now (None: not now)."""
     welcome = [(p, r) for p, r in replies.items() if r.phase is Phase.WELCOME]
     if welcome:  # two groups' welcomes: join the larger (rule 6 merges the other)
         p, r = max(welcome, key=lambda w: (len(_members(w[1])), _neg(w[0])))
@@ -534,7 +550,12 @@ def _decide(replies: dict, starters: dict, me: str, start: tuple, rnd: int, min_
             return Decision("train", at, min(members), members, block,
                             "counted in by the others from the start; joining them as we stand"), (at, members)
         return Decision("fetch", at, p, members, block, f"the group's state after round {at}"), None
-    if any(r.phase is Phase.REDIRECT for r in replies.values()):
+    redirected = any(r.phase is Phase.REDIRECT for r in replies.values())
+    if begun:  # rule 7: past the start, never at its barrier; rule 6 (STATUS) makes us ask again
+        why = "a group is training but its sponsor did not answer" if redirected else "no group welcomed us"
+        return Decision("train", rnd - 1, me, (me,), None,
+                        f"not admitted ({why}): training on alone from our own state, asking again"), (rnd - 1, ())
+    if redirected:
         return Decision("retry", why="a group is training; its sponsor has not answered yet"), None
     same = sorted(p for p, sd in starters.items() if sd == start)
     if len(same) + 1 >= max(min_group, 2):  # rule 3: start together

@@ -215,6 +215,15 @@ class Averager(EarlyParts):
         if self._round is not None:
             self._feed(pid, why)
 
+    def leave_round(self, why: str) -> None:
+        """We left the group (yielding: group.py rule 6): the round in progress is ours alone now;
+        every other member departs it, not relayed (a member that yielded too never sends its
+        parts, and the round would wait out its deadline while the group we join trains on)."""
+        r = self._round
+        for pid in list(r.ids) if r is not None else ():
+            if pid != self.peer.id and self._round is r:
+                self._feed(pid, why, relay=False)
+
     # --- rounds --------------------------------------------------------------------------------
     async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "",
                       out: torch.Tensor | None = None, group=None,

@@ -16,10 +16,11 @@ The training peer is a few rooms, each with its rules in its docstring:
 - ``trainer.py``: ``SwarmTrainer``, the run loop that puts them together.
 """
 
-from .lower import SwarmError
+from .lower import CutOff, SwarmError
 from .membership import refuse_joins
 from .rounds import digest
 from .settings import SCHEDULES, SYNCS, PeerJob, SwarmConfig
 from .trainer import SwarmTrainer
 
-__all__ = ["SCHEDULES", "SYNCS", "PeerJob", "SwarmConfig", "SwarmError", "SwarmTrainer", "digest", "refuse_joins"]
+__all__ = ["SCHEDULES", "SYNCS", "CutOff", "PeerJob", "SwarmConfig", "SwarmError", "SwarmTrainer", "digest",
+           "refuse_joins"]

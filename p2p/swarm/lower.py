@@ -34,6 +34,15 @@ class SwarmError(Exception):
     """Training in the swarm cannot go on (a timeout waiting for blocks or a group)."""
 
 
+class CutOff(SwarmError):
+    """The run ended cut off from its group (report.py ``cut_off``): its parameters are its own."""
+
+    def __init__(self, block: int, why: str, report: dict):
+        super().__init__(f"cut off from the group: block {block} {why}; its parameters are this peer's own, "
+                         f"not the swarm's (report field cut_off; swarm.cut_off_ok=true accepts this)")
+        self.block, self.why, self.report = block, why, report
+
+
 class LowerFeed:
     def __init__(self, peer: PeerServices, k: int, fetcher: CheckpointFetcher, check: StateCheck,
                  refreshes: list, timeout_s: float, waiting: Callable[[], None]):

@@ -6,6 +6,12 @@ Rules:
   member we know. A peer id from a message (an ADMIT's joiner) is never dialled as an address.
 - Scope: relay peers form one group; parallel peers one group per block. A JOIN from another
   scope is answered ABSENT (we are not in its group).
+- A rejoin (we left a group we trained in: group.py rule 7) never waits at the start barrier:
+  not welcomed, it trains on alone from its own state and says so; rule 6's STATUS makes it ask
+  again. Yielding, every other member departs the round in progress (``Averager.leave_round``;
+  it is ours alone now: a member that yielded too never sends its parts, and the round would wait
+  out its timeout while the group we yield to trains on), and a round begun before the yield
+  departs them as it begins (``Rounds._gone``).
 - Joining (``join``): ask the candidates, then start alone or together, or take the group's state:
   wait for a READY for our admission round from a member of the group that admitted us, fetch
   that state (with, relay, the final blocks below), check it (checks.py) and install it. A state
@@ -212,6 +218,7 @@ class Membership:
         if leave is not None:
             self.say(f"another group is larger; leaving ours to join it ({len(leave)} member(s) told)")
             self.send(leave)
+            self.averager.leave_round("we left the group (yielding)")  # ours alone now: not waited for
             self.rejoin = True
             self._forget_group()
             self.peer.notify()
@@ -365,9 +372,11 @@ class Membership:
                     delay = min(2 * delay, 2.0)
                     continue
                 only_others_since = None
-                d = self.group.decide(min_group)
+                d = self.group.decide(min_group, begun=not first_join)
                 if d.action == "train":
                     self._joined(d, "own state")
+                    if not first_join and len(d.members) == 1:
+                        self.say(f"{d.why} (step {self.pos.gstep})")
                     return
                 if d.action == "fetch":
                     if await self._take_group_state(d, ready_timeout_s, install):
@@ -399,11 +408,12 @@ class Membership:
         self.averager.expect(d.at + 1)  # the group's parts for our first round may come early
         self.averager.expect_members(d.members)
         self.say(f"admitted by {d.sponsor[:12]} from round {d.at + 1}; waiting for the group's state")
-        ok = await self.peer.wait_for(lambda: self._told(d) is not None or self.peer.member(d.sponsor) is None,
-                                      timeout_s)
+        ok = await self.peer.wait_for(lambda: self._told(d) is not None or self.peer.member(d.sponsor) is None
+                                      or self.group.all_left(d.members), timeout_s)
         told = self._told(d)
         if not ok or told is None:
-            self.say("the group's state did not come; asking again")
+            gone = self.group.all_left(d.members)
+            self.say("the group's state did not come" + (" (its members left)" if gone else "") + "; asking again")
             self.send(self.group.give_up(d.at, d.members, "no state"))
             return False
         teller, name = told

@@ -8,6 +8,12 @@ Rules:
 - The busy fraction is training compute over wall time without the curve's evaluations; a figure
   that contention inflates (the report says nothing of the machine's load).
 - CE per GB: (start CE - end CE) over the bytes this peer moved, both directions, on the wire.
+- Cut off (``ended_cut_off``): a run whose last applied rounds were trained alone after it had
+  trained in a larger group, or whose final block had most of its rounds in a group smaller than
+  ``min_group``, ends with its parameters its own, not the swarm's: the report says so (field
+  ``cut_off``), the log says so, and the run ends with ``CutOff`` (bt-peer exits 1) unless
+  ``swarm.cut_off_ok`` is set. A member the others excluded is reported as such
+  (``excluded_by``), not as cut off.
 """
 
 from __future__ import annotations
@@ -45,9 +51,24 @@ class Stats:
     phases: list = field(default_factory=list)  # relay: which block when
     curve: list = field(default_factory=list)  # (global step, seconds since training began, head CEs)
     draft_curve: list = field(default_factory=list)  # (draft step, KL per drafted byte): the last block's draft phase
+    largest_group: int = 1  # the most members an applied round had (cut_off)
+    alone_tail: int = 0  # applied rounds trained alone since the last one in a group
+    alone_since: int | None = None  # the global step the alone tail's first round ended at (None: no tail)
+    block_sizes: dict = field(default_factory=dict)  # block -> [applied rounds, of them with fewer than min_group]
 
-    def record_round(self, entry: dict, rep, gstep: int, loss: float) -> None:
-        """An applied round: its entry (``rep``: the averaging's report, None if alone)."""
+    def record_round(self, entry: dict, rep, gstep: int, loss: float, size: int = 1, min_group: int = 1) -> None:
+        """An applied round: its entry (``rep``: the averaging's report, None if alone), ``size``: the
+        members of its group (us included)."""
+        self.largest_group = max(self.largest_group, size)
+        if size > 1:
+            self.alone_tail, self.alone_since = 0, None
+        else:
+            self.alone_tail += 1
+            if self.alone_since is None:
+                self.alone_since = gstep
+        tally = self.block_sizes.setdefault(entry["block"], [0, 0])
+        tally[0] += 1
+        tally[1] += size < min_group
         self.applied += 1
         if rep:
             self.coverage_min = min(self.coverage_min, rep.coverage)
@@ -61,6 +82,21 @@ class Stats:
                 self.rounds.pop(drop)
         if gstep % 10 == 0 or gstep < 10:
             self.losses.append((gstep, round(loss, 5)))
+
+
+def ended_cut_off(s: Stats, block: int, min_group: int) -> dict | None:
+    """Why a run that ends in ``block`` was cut off (None: it was not; see the rules above)."""
+    rounds, below = s.block_sizes.get(block, (0, 0))
+    out = {"block": block, "rounds_alone_at_end": s.alone_tail, "alone_since_step": s.alone_since,
+           "largest_group": s.largest_group, "block_rounds": rounds, "rounds_below_min_group": below,
+           "min_group": min_group}
+    if s.alone_tail and s.largest_group > 1:
+        return {**out, "why": f"trained its last {s.alone_tail} round(s) alone (the first ending at step "
+                              f"{s.alone_since}) after training in a group of {s.largest_group}"}
+    if min_group > 1 and 2 * below > rounds:
+        return {**out, "why": f"{below} of block {block}'s {rounds} rounds were in a group smaller than "
+                              f"min_group {min_group}"}
+    return None
 
 
 def round_entry(rnd: int, block: int, gstep: int, loss: float, rep, me: str, members: list, candidates: set,
@@ -100,7 +136,7 @@ def training_report(t) -> dict:
            "memory": {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                       **t.memory},
            "ce_start": t.ce.get("start"), "ce_start_step": t.ce.get("start_step"), "ce_end": t.ce.get("end"),
-           "head_ce": t.ce.get("heads"), "bytes_moved": moved}
+           "head_ce": t.ce.get("heads"), "bytes_moved": moved, "cut_off": t.cut_off}
     if "start" in t.ce and "end" in t.ce and moved:
         out["ce_improvement_per_gb"] = (t.ce["start"] - t.ce["end"]) / (moved / 1e9)
     return out

@@ -129,7 +129,9 @@ class Rounds:
         mismatch, which fails the round for us while the members that began it before the
         departure finish it without it, and the group's points part. Members a round departed
         (unreachable, another view) are not: they may still send their parts of this round."""
-        if self.group.state is not State.TRAINING or self.group.round != rnd:  # yielded meanwhile: not this group's
+        if self.group.state is not State.TRAINING:  # we yielded meanwhile (group.py rule 6):
+            return {m: "we left the group (yielding)" for m in members if m != self.peer.id}  # the round is ours alone
+        if self.group.round != rnd:
             return {}
         now = set(self.group.members(rnd))
         left = self.membership.left  # (a member back in the group is forgotten there: tell_outsiders)
@@ -302,5 +304,5 @@ class Rounds:
                 for pid in rep.departed:  # gone from the round: gone from the group (rule 5 of group.py),
                     if self.group.joined.get(pid, 0) <= rnd:  # unless it was admitted for a later round
                         self.group.depart(pid, rep.why.get(pid, "departed mid-round"))
-            self.stats.record_round(entry, rep, self.pos.gstep, loss)
+            self.stats.record_round(entry, rep, self.pos.gstep, loss, len(members), self.scfg.min_group)
         await self.membership.round_done(rnd, self.save_join_state)

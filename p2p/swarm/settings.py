@@ -45,6 +45,8 @@ class SwarmConfig:
     eval_every: int = -1  # steps between valid-CE points of the chain in work (the curve, time to a CE; 0: none;
     # -1: about EVAL_POINTS over the run, so the live page draws a curve for a run of any length)
     min_group: int = 1  # start only once this many peers (us included) start together or a group exists
+    cut_off_ok: bool = False  # a run cut off from its group at the end (report.py cut_off) ends with CutOff
+    #                           (bt-peer exits 1) unless this is set; either way its report and log say so
     margin: int = 2  # rounds between a joiner's admission and its first round
     gossip: int = 0  # params only: from 2 x gossip members on, average in small groups of gossip..2 x gossip - 1
     #                  that change every round (averaging/gossip.py, rule 10); 0: always all-to-all

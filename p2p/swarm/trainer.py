@@ -34,9 +34,9 @@ from ..group import Group
 from ..services import PeerServices
 from .checks import StateCheck
 from .draft import train_drafter
-from .lower import LowerFeed
+from .lower import CutOff, LowerFeed
 from .membership import Membership
-from .report import RunState, Stats, progress_line, training_report, work_status
+from .report import RunState, Stats, ended_cut_off, progress_line, training_report, work_status
 from .rounds import Rounds, digest
 from .schedule import Position, Schedule
 from .settings import PeerJob, SwarmConfig, job_digest
@@ -93,6 +93,7 @@ class SwarmTrainer:
         self.memory = {"grad_optimizer_bytes": 0}
         self._eval_mark = 0  # the CE period's multiple at the last curve point
         self._resumed: bool | None = None  # prepare(): None until the first trainer is built
+        self.cut_off: dict | None = None  # how the run ended cut off from its group (report.py), None if not
         peer.report_section("training", self.training_report)
         peer.report_section("work", lambda: work_status(self))
 
@@ -251,6 +252,11 @@ class SwarmTrainer:
             raise
         self.membership.send(self.group.finish())
         self.t_end = time.monotonic()
+        if not self.averager.shunned:  # excluded by the others: reported as such (excluded_by)
+            self.cut_off = ended_cut_off(self.stats, self.block, self.scfg.min_group)
+        if self.cut_off is not None:
+            self._say(f"cut off: block {self.block} {self.cut_off['why']}; these parameters are this peer's own, "
+                      f"not the swarm's")
         if self.relay and self.block != self.k:  # serve our own block
             self._restore_final_own()
         if self.k == self.mcfg.n_blocks - 1 and self.tcfg.draft_steps and self.tr.block.drafter is not None:
@@ -259,7 +265,10 @@ class SwarmTrainer:
         self.ce["end"], self.ce["heads"] = heads[-1], heads
         self.state = RunState.DONE
         self.peer.write_report()
-        return self.training_report()
+        rep = self.training_report()
+        if self.cut_off is not None and not self.scfg.cut_off_ok:
+            raise CutOff(self.cut_off["block"], self.cut_off["why"], rep)
+        return rep
 
     async def _start(self) -> None:
         """Prepared, members known, (parallel) lower blocks in, the start CE, in a group."""
