@@ -110,7 +110,7 @@ def one_group(sps) -> bool:
     return all(set(sp.group.members()) == ids for sp in sps)
 
 
-async def _partition_and_heal(tmp_path, monkeypatch, sides: list[list[int]], steps: int = 200):
+async def _partition_and_heal(tmp_path, monkeypatch, sides: list[list[int]], steps: int = 120):
     """Four trainers (``min_group`` 4) train as one group, are cut into ``sides`` until each side
     trained a few rounds apart, then healed. Returns (reports, trainers, seconds from heal to one group)."""
     monkeypatch.setattr(membership_module, "STATUS_EVERY_S", 1.0)
@@ -140,13 +140,16 @@ async def _partition_and_heal(tmp_path, monkeypatch, sides: list[list[int]], ste
             await p.stop()
 
 
-@pytest.mark.parametrize("sides", [[[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 1, 2], [3]], [[0], [1, 2, 3]]],
-                         ids=["2-2", "2-2-mixed", "3-1", "1-3-sponsor-alone"])
+@pytest.mark.parametrize("sides", [[[0, 1], [2, 3]], [[0, 1, 2], [3]], [[0], [1, 2, 3]]],
+                         ids=["2-2", "3-1", "1-3-sponsor-alone"])
 async def test_a_healed_partition_ends_in_one_group_with_identical_parameters(tmp_path, monkeypatch, sides):
+    """Issue 59's done-when, on in-memory peers: peer 0 has the smallest id (the group's sponsor, as
+    the bootstrap is the first peer): on the side that stays (2|2, 3|1) or alone on the side that
+    yields (1|3). Every member finishes its block with the same parameters; none is cut off."""
     reps, sps, healed_s = await _partition_and_heal(tmp_path, monkeypatch, sides)
     print(f"heal to one group: {healed_s:.2f} s ({sides})")
     for r in reps:
-        assert r["state"] == "done" and r["step"] == r["steps"]
+        assert r["state"] == "done" and r["step"] == r["steps"] and r["cut_off"] is None
     ends = [flatten(sp.params()) for sp in sps]
     assert all(torch.equal(ends[0], e) for e in ends[1:])
 
