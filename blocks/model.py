@@ -285,22 +285,19 @@ def _attend_exact(q, keys, values, mask, n: int, chunk: int = 16):
     """Attention of queries ``[0, n)``, each bitwise independent of the other queries, of how
     many keys the cache holds and of where its visible keys sit among masked ones: scores are
     products summed pairwise over the head's width (``_pairwise_sum``), the softmax's max is
-    exact and its exp runs over keys padded to a multiple of KEY_TILE (masked: exactly 0), and
-    numerator and normaliser are sums accumulated in key order (``cumsum``; a zero weight leaves
-    a sequential sum unchanged)."""
+    exact and its exp runs over scores padded to a multiple of KEY_TILE keys (exp(-inf) = 0),
+    and numerator and normaliser are sums accumulated in key order (``cumsum``; a zero weight
+    leaves a sequential sum unchanged)."""
     L = keys.shape[2]
     pad = -L % KEY_TILE
-    if pad:
-        keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
-        mask = F.pad(mask[:n], (0, pad), value=False)
     scale = 1.0 / math.sqrt(q.shape[-1])
     vz = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # (B, nh, L, hs + 1): weights' sum last
     out = []
     for i in range(0, n, chunk):  # bounded memory: (B, nh, chunk, L, hs + 1)
         j = min(n, i + chunk)
         s = _pairwise_sum(q[:, :, i:j, None, :] * keys[:, :, None]) * scale  # (B, nh, c, L)
-        s = s.masked_fill(~mask[i:j], float("-inf"))
-        e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+        s = F.pad(s.masked_fill(~mask[i:j], float("-inf")), (0, pad), value=float("-inf"))
+        e = torch.exp(s - s.amax(dim=-1, keepdim=True))[..., :L]
         acc = torch.cumsum(e[..., None] * vz[:, :, None], dim=3)[:, :, :, -1]
         out.append(acc[..., :-1] / acc[..., -1:])
     return torch.cat(out, dim=2)
