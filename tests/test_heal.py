@@ -1,4 +1,4 @@
-"""A partition that heals (issue 59): four trainers on block 0 on in-memory peers (tests/fakes.py),
+"""A partition that heals: four trainers on block 0 on in-memory peers (tests/fakes.py),
 the links between two sides dropped silently (no close, no departure: a switch's filter) and then
 restored. Every member must end in one group with identical parameters; a member that yields to
 the other side is admitted or trains on and asks again, never waiting at the start barrier; a
@@ -143,7 +143,7 @@ async def _partition_and_heal(tmp_path, monkeypatch, sides: list[list[int]], ste
 @pytest.mark.parametrize("sides", [[[0, 1], [2, 3]], [[0, 1, 2], [3]], [[0], [1, 2, 3]]],
                          ids=["2-2", "3-1", "1-3-sponsor-alone"])
 async def test_a_healed_partition_ends_in_one_group_with_identical_parameters(tmp_path, monkeypatch, sides):
-    """Issue 59's done-when, on in-memory peers: peer 0 has the smallest id (the group's sponsor, as
+    """The healed partition's acceptance test, on in-memory peers: peer 0 has the smallest id (the group's sponsor, as
     the bootstrap is the first peer): on the side that stays (2|2, 3|1) or alone on the side that
     yields (1|3). Every member finishes its block with the same parameters; none is cut off."""
     reps, sps, healed_s = await _partition_and_heal(tmp_path, monkeypatch, sides)
@@ -171,7 +171,7 @@ def _yielded(me: str, ours: dict, larger: dict, rnd: int = 37):
 
 
 def test_a_member_that_yielded_and_is_not_welcomed_trains_on_alone_never_at_the_start_barrier():
-    """Issue 59, defect 1 (group.py rule 7): d yields to the group of a and b, which finished (its
+    """The yield defect (group.py rule 7): d yields to the group of a and b, which finished (its
     JOIN is answered ABSENT); c, its old group's other member, is joining too (STARTING, same
     state). With min_group 4 a starting peer waits for 4 starters; d is past the start: it trains
     on alone from its own state. A first start still waits."""
@@ -209,7 +209,7 @@ def test_a_joiner_stops_waiting_for_a_state_once_every_member_of_its_welcome_lef
 
 
 async def test_a_member_that_yields_mid_round_leaves_that_round_at_once(tmp_path):
-    """Issue 59 (peer 1 of the incident): d yields while its round with c is in progress; c yielded
+    """The partition incident's peer 1: d yields while its round with c is in progress; c yielded
     too and will never send its part. d's round ends at once without c (round timeout 60 s), so d
     asks the larger group before it finishes. A round begun after the yield departs c as it begins."""
     from blocktrain.p2p.group import State
@@ -243,7 +243,7 @@ async def test_a_member_that_yields_mid_round_leaves_that_round_at_once(tmp_path
 
 async def test_a_member_that_yields_to_a_group_that_never_admits_it_trains_on_and_says_it_was_cut_off(
         tmp_path, monkeypatch):
-    """Issue 59, both defects, on trainers (min_group 2): a is cut off from b and c, then hears them
+    """Both partition defects, on trainers (min_group 2): a is cut off from b and c, then hears them
     again but its own messages do not reach them (its JOINs are lost) until they finished. a yields
     to their group every time it hears their STATUS and is never admitted: it trains on alone (never
     'ready to start together' once the block began), ends its block, says it was cut off and ends

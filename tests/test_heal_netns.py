@@ -1,4 +1,4 @@
-"""Issue 59 on a real network path: four bt-peer processes, one per network namespace, on one
+"""A partition that heals, on a real network path: four bt-peer processes, one per network namespace, on one
 switch (a bridge in its own namespace, bench/netns.py). A partition moves one side's switch ports
 to a second bridge: their packets vanish (no FIN, no RST), as behind a switch's filter; the heal
 moves them back. Every peer must finish its block with the same parameters, none cut off, and the
