@@ -21,8 +21,8 @@ def _pages() -> list[Path]:
             + sorted((ROOT / "results").rglob("*.md")))
 
 
-def _hits(text: str) -> list[str]:
-    return [f"{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if TRACKER.search(line)]
+def _hits(text: str, pattern: re.Pattern = TRACKER) -> list[str]:
+    return [f"{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
 
 
 def test_readme_is_a_front_door():
@@ -39,6 +39,17 @@ def test_readme_links_every_docs_page():
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_tracker_numbers_in_pages(page):
     assert _hits(page.read_text()) == []
+
+
+ISSUE = re.compile(r"\b[Ii]ssues? #?\d+")  # in code, "#" and a number is often a colour or an entity
+
+
+def test_no_tracker_numbers_in_source_comments_and_docstrings():
+    """The same rule for the code: comments, docstrings and messages name the claim."""
+    files = [f for d in ("protocol", "p2p", "blocks", "bench", "tests", "experiments", "scripts")
+             for f in sorted((ROOT / d).rglob("*")) if f.suffix in (".py", ".sh")]
+    found = {str(f.relative_to(ROOT)): _hits(f.read_text(), ISSUE) for f in files}
+    assert {k: v for k, v in found.items() if v} == {}
 
 
 def _helps(cmd: click.Command, name: str):
