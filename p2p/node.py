@@ -46,16 +46,13 @@ from .identity import peer_id
 from .ledger import DEPARTED_ROW, MAX_TRAFFIC_ROWS, TrafficLedger
 from .link import LinkSpec
 from .members import MAX_KNOWN_IDS, MAX_MEMBERS, MemberTable
-from .members import Member as _Member  # noqa: F401 - tests build members under this name
 from .mesh import MAX_EVENTS, Mesh
 from .redial import DIAL_COOLDOWN_S, MAX_FAILED_ADDRS, MAX_REDIALS, REDIAL_MAX_S, REDIAL_MIN_S, Redials
 from .services import MemberView, PeerServices, PeerUnreachable
 from .transport import PeerConnection, Timeouts
 from .waiters import Waiters
 
-__all__ = ["DEPARTED_ROW", "DIAL_COOLDOWN_S", "MAX_CLIENTS", "MAX_DIALS", "MAX_EVENTS", "MAX_FAILED_ADDRS",
-           "MAX_KNOWN_IDS", "MAX_MEMBERS", "MAX_PENDING_HANDSHAKES", "MAX_REDIALS", "MAX_TRAFFIC_ROWS", "MEMBER_ONLY",
-           "REDIAL_MAX_S", "REDIAL_MIN_S", "STALL_TICKS", "STATUS_SECTIONS", "JoinError", "Peer"]
+__all__ = ["STALL_TICKS", "STATUS_SECTIONS", "JoinError", "Peer"]
 
 log = logging.getLogger("blocktrain.p2p")
 

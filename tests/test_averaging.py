@@ -5,7 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from blocktrain.p2p.averaging import Averager, GroupMismatch, OuterOptimizer, RoundFailed, group_digest
+from blocktrain.p2p.averaging import Averager, GroupMismatch, OuterOptimizer, RoundFailed
+from blocktrain.p2p.averaging.round import group_digest
 from blocktrain.p2p.transport import Timeouts
 
 from conftest import crash, mesh
@@ -36,8 +37,8 @@ async def test_fp32_average_equals_the_true_mean():
 
 
 async def test_large_vector_travels_in_pieces(monkeypatch):
-    import blocktrain.p2p.averaging as av
-    monkeypatch.setattr(av, "PIECE_FLOATS", 1000)  # many pieces per member, as for a large block
+    from blocktrain.p2p.averaging import round as round_
+    monkeypatch.setattr(round_, "PIECE_FLOATS", 1000)  # many pieces per member, as for a large block
     peers, avgs, members = await group(2, timeout_s=10)
     try:
         xs = [torch.randn(10_001) for _ in peers]
@@ -57,9 +58,10 @@ async def test_a_member_a_round_ahead_loses_nothing_of_a_large_vector(monkeypatc
     They are held (the cap grows to what one round of the group sends us), so round 2 completes:
     before, they were dropped and round 2 waited for its timeout and failed. ``floats`` given up
     front covers the first round too; without it, the first round's size is learnt from it."""
-    import blocktrain.p2p.averaging as av
-    monkeypatch.setattr(av, "MAX_EARLY_BYTES", 1 << 20)
-    monkeypatch.setattr(av, "PIECE_FLOATS", 1 << 16)
+    from blocktrain.p2p.averaging import early
+    from blocktrain.p2p.averaging import round as round_
+    monkeypatch.setattr(early, "MAX_EARLY_BYTES", 1 << 20)
+    monkeypatch.setattr(round_, "PIECE_FLOATS", 1 << 16)
     peers, avgs, members = await group(2, timeout_s=5, **({"floats": floats} if floats else {}))
     try:
         xs = [torch.randn(600_000) for _ in peers]

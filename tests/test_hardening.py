@@ -15,7 +15,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktrain.p2p.node import MAX_PENDING_HANDSHAKES, Peer
+from blocktrain.p2p.connections import MAX_PENDING_HANDSHAKES
+from blocktrain.p2p.node import Peer
 
 from blocktrain.p2p.view import query_status
 from blocktrain.p2p.transport import Timeouts
@@ -249,6 +250,7 @@ async def test_near_round_parts_from_many_identities_share_one_bounded_pool(monk
     our last round get that each, and everyone else shares one pool of a quarter of the early
     buffer; the last round's member is still held in full."""
     import blocktrain.p2p.averaging as avm
+    from blocktrain.p2p.averaging import early
     from blocktrain.p2p.tensors import to_wire
     from blocktrain.protocol import BlockUpdate
     psk = os.urandom(32)
@@ -263,7 +265,7 @@ async def test_near_round_parts_from_many_identities_share_one_bounded_pool(monk
             for _ in range(2):
                 av._route(BlockUpdate(block=0, round=1, tensors=(part,), meta=meta), None, f"{i:064x}")
         per_sender, strangers = av._early_caps()
-        assert strangers == avm.MAX_EARLY_BYTES // 4
+        assert strangers == early.MAX_EARLY_BYTES // 4
         assert av._stranger_bytes <= strangers and av._early_bytes == av._stranger_bytes
         assert av._early_bytes <= strangers < 2 * 64 * part.stored_bytes  # half of what came was not held
         for _ in range(2):
@@ -575,7 +577,7 @@ async def test_a_member_serving_a_bad_state_is_named_and_not_asked_again(tmp_pat
 def test_a_dead_member_is_redialled_with_backoff_for_a_bounded_time():
     """Finding 7: after a member is dropped as dead it is redialled (so a peer that was only stopped
     and comes back is found again), 1, 2, 4, ... s apart up to 30 s, and not for ever."""
-    from blocktrain.p2p.node import REDIAL_MAX_S, REDIAL_MIN_S
+    from blocktrain.p2p.redial import REDIAL_MAX_S, REDIAL_MIN_S
     p = Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST, redial_for_s=300)
     dials, now = [], [0.0]
 
@@ -992,13 +994,14 @@ async def test_the_pair_window_judges_optimizer_steps_only(steps):
     optimizer steps (``steps``: sync params), and not where they are per-step gradients, whose
     cosines late in a deeper block are too noisy to judge by."""
     import blocktrain.p2p.averaging as avm
+    from blocktrain.p2p.averaging import driver, robust
     psk = os.urandom(32)
     a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
     av = avm.Averager(a, 0, codec="sign", steps=steps)
     try:
         ids = [a.id, "b" * 64, "c" * 64, "d" * 64]
         torch.manual_seed(4)
-        for rnd in range(1, avm.PAIR_MIN_ROUNDS + avm.SUSPECT_ROUNDS):
+        for rnd in range(1, robust.PAIR_MIN_ROUNDS + driver.SUSPECT_ROUNDS):
             g = 0.5 * torch.randn(20_000)
             xs = [g + torch.randn(20_000) for _ in range(3)] + [-(g + torch.randn(20_000))]
             rs = {p: avm.AveragingRound(p, 0, rnd, ids, x, aggregate="robust", codec="sign") for p, x in zip(ids, xs)}
@@ -1017,13 +1020,14 @@ async def test_a_member_whose_updates_point_against_the_median_is_excluded_after
     """The sign flipper, the driver: a member reported opposed SUSPECT_ROUNDS rounds in a row is
     excluded and named with the reason (before, only distance counted and it was never named)."""
     import blocktrain.p2p.averaging as avm
+    from blocktrain.p2p.averaging import driver
     psk = os.urandom(32)
     a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
     av = avm.Averager(a, 0)
     try:
         ids = [a.id, "b" * 64, "c" * 64, "d" * 64]
         torch.manual_seed(4)
-        for rnd in range(1, avm.SUSPECT_ROUNDS + 1):
+        for rnd in range(1, driver.SUSPECT_ROUNDS + 1):
             g = torch.randn(5000)
             xs = [g + 0.5 * torch.randn(5000) for _ in range(3)] + [-(g + 0.5 * torch.randn(5000))]
             rs = {p: avm.AveragingRound(p, 0, rnd, ids, x, aggregate="robust") for p, x in zip(ids, xs)}
@@ -1033,7 +1037,7 @@ async def test_a_member_whose_updates_point_against_the_median_is_excluded_after
                 queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
             assert "d" * 64 in rs[a.id].opposed() and not rs[a.id].suspects  # no distance outlier
             av._suspicions(rs[a.id], rnd)
-            assert ("d" * 64 in av.banned) == (rnd == avm.SUSPECT_ROUNDS)
+            assert ("d" * 64 in av.banned) == (rnd == driver.SUSPECT_ROUNDS)
         assert "pointing against the others' updates or their median" in av.banned["d" * 64]
         assert not {"b" * 64, "c" * 64} & set(av.banned)
     finally:

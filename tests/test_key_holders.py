@@ -12,7 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blocktrain.p2p import node as node_mod
-from blocktrain.p2p.node import Peer, _Member
+from blocktrain.p2p.ledger import DEPARTED_ROW
+from blocktrain.p2p.members import Member
+from blocktrain.p2p.node import Peer
 from blocktrain.p2p.tensors import to_wire
 from blocktrain.p2p.transport import Timeouts, make_connection, open_connection
 from blocktrain.protocol import (Announce, BlockUpdate, PeerInfo, PeerList, PipelineForward, PipelineResult, Ping,
@@ -58,7 +60,7 @@ async def test_churned_identities_leave_bounded_state_and_exact_totals(monkeypat
         # rows: the members still known (suspects, bounded above) and at most 16 others, folded past that
         assert len(a._traffic) <= 16 + len(a._members) + 1 and len(a._known) <= 50 and len(a._redial) <= 8
         rep = a.traffic_report()
-        assert rep["peers"][node_mod.DEPARTED_ROW]["departed_peers"] >= n - 24 - 16
+        assert rep["peers"][DEPARTED_ROW]["departed_peers"] >= n - 24 - 16
         # each identity sent at least its handshake messages, ANNOUNCE and PING: every one counted
         assert rep["totals"]["received"]["frames"] >= 3 * n
         assert set(a.status()) >= {"members", "traffic"}
@@ -160,7 +162,7 @@ def served_peer(tmp_path):
                  data, data)
     PipelineServer(peer, ServedBlocks(blocktrain={0: Block(mc, 0).eval()}))
     member = "ee" * 32
-    peer._members[member] = _Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
+    peer._members[member] = Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
     yield loop, peer, member
     loop.run_until_complete(peer.stop())
     loop.close()
@@ -857,10 +859,10 @@ async def test_a_bad_hidden_state_codec_is_the_requests_fault_before_any_compute
 async def test_a_peer_list_of_thousands_dials_at_most_a_few_and_not_again_soon():
     """Finding 4: a member's PEER_LIST of 4,096 records makes the peer dial at most MAX_DIALS at
     once; addresses that failed are not dialled again from gossip before the cool-down."""
-    from blocktrain.p2p.node import MAX_DIALS
+    from blocktrain.p2p.connections import MAX_DIALS
     peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
     member = "ee" * 32
-    peer._members[member] = _Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
+    peer._members[member] = Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
     closed = []
     for _ in range(3):  # ports nobody listens on: each dial fails at once
         import socket
@@ -890,7 +892,8 @@ async def test_what_is_kept_of_named_identities_and_stray_stream_messages_is_bou
     group events grew by one per identity; 1,024 bogus STREAM_RESETs filled the server's reset
     set for good (real resets were ignored after); a fetch took stream messages for its id from
     any connection (ids are predictable: another key holder could end or feed it)."""
-    from blocktrain.p2p.averaging import MAX_NAMED, Averager
+    from blocktrain.p2p.averaging import Averager
+    from blocktrain.p2p.averaging.driver import MAX_NAMED
     from blocktrain.p2p.checkpoints import CheckpointFetcher, CheckpointServer
     from blocktrain.p2p.group import MAX_EVENTS, Group
     from blocktrain.p2p.node import Peer

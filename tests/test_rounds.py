@@ -5,7 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import blocktrain.p2p.averaging as av
+from blocktrain.p2p.averaging import codec as codecs
+from blocktrain.p2p.averaging import driver, robust
+from blocktrain.p2p.averaging import round as round_
 from blocktrain.p2p.averaging import AveragingRound, Bounds, RoundFailed
 
 IDS = ["a", "b", "c"]
@@ -30,14 +32,14 @@ def run(rs, order=None, drop=lambda part, src: False, queue=()):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 10_000), max_size=200), st.integers(1, 5))
 def test_any_delivery_order_gives_the_same_exact_mean_everywhere(order, pieces):
-    av.PIECE_FLOATS, old = 7, av.PIECE_FLOATS
+    round_.PIECE_FLOATS, old = 7, round_.PIECE_FLOATS
     try:
         torch.manual_seed(pieces)
         xs = [torch.randn(7 * pieces + 2) for _ in IDS]
         rs = run(rounds(xs), order)
         outs = [r.result()[0] for r in rs.values()]
     finally:
-        av.PIECE_FLOATS = old
+        round_.PIECE_FLOATS = old
     assert all(torch.equal(outs[0], o) for o in outs)  # the same bytes at every member
     assert torch.allclose(outs[0], torch.stack(xs).mean(0), atol=1e-6)
 
@@ -108,7 +110,7 @@ def test_lossy_codec_gives_the_same_bytes_everywhere():
 
 
 def test_group_identity_covers_members_round_and_start_point():
-    g = av.group_digest
+    g = round_.group_digest
     assert g(IDS, 1, "s") == g(list(reversed(IDS)), 1, "s")
     assert len({g(IDS, 1, "s"), g(IDS, 2, "s"), g(IDS, 1, "t"), g(IDS[:2], 1, "s")}) == 4
 
@@ -246,7 +248,7 @@ def test_lent_lossy_buffers_give_the_bytes_of_fresh_ones_round_after_round(codec
     """Error feedback in the driver's buffers (lent every round, the residual written in place)
     equals the same rounds with fresh tensors; a non-finite int8 input raises before the lent
     residual is touched."""
-    scratch = {p: av.lossy_scratch(5000, codec) for p in IDS[:2]}
+    scratch = {p: codecs.lossy_scratch(5000, codec) for p in IDS[:2]}
     res_lent, res_fresh = {p: None for p in IDS[:2]}, {p: None for p in IDS[:2]}
     for rnd in range(1, 5):
         xs = [torch.randn(5000) * rnd for _ in IDS[:2]]
@@ -276,10 +278,10 @@ def _centred_clip_as_written(x, suspects, ids):
     if scale == 0.0:
         return x.mean(0)
     for i, p in enumerate(ids):
-        if float(dist[i]) / scale > av.SUSPECT_RADIUS:
+        if float(dist[i]) / scale > robust.SUSPECT_RADIUS:
             suspects[p] = max(suspects.get(p, 0.0), round(float(dist[i]) / scale, 2))
-    tau = av.CLIP_RADIUS * scale
-    for _ in range(av.CLIP_ITERS):
+    tau = robust.CLIP_RADIUS * scale
+    for _ in range(robust.CLIP_ITERS):
         d = x - v
         n = torch.linalg.vector_norm(d, dim=1, keepdim=True).clamp_min(1e-30)
         v = v + (d * torch.clamp(tau / n, max=1.0)).mean(0)
@@ -299,12 +301,12 @@ def test_the_fast_median_and_clipping_give_the_bytes_of_the_protocols_arithmetic
         x = torch.randint(-2, 3, (rows, n), generator=g).float() * (torch.rand(rows, n, generator=g) < 0.5).float().mul(-2).add(1)
     elif kind == "outlier":
         x[0] *= 1e4
-    assert torch.equal(av.coordinate_median(x), x.median(dim=0).values)
+    assert torch.equal(robust.coordinate_median(x), x.median(dim=0).values)
     if rows >= 3:
         ids = [f"m{i}" for i in range(rows)]
         s_fast, s_plain = {}, {}
         before = x.clone()
-        assert torch.equal(av.centred_clip(x, s_fast, ids), _centred_clip_as_written(x, s_plain, ids))
+        assert torch.equal(robust.centred_clip(x, s_fast, ids), _centred_clip_as_written(x, s_plain, ids))
         assert s_fast == s_plain and torch.equal(x, before)  # the parts are not written to
 
 
@@ -324,7 +326,7 @@ def test_a_sign_flipped_on_the_wire_is_named_though_its_distance_is_an_honest_on
     rs = run(rounds(honest + [flipped], IDS4, aggregate="robust"))
     for p in IDS4[:3]:
         rep = rs[p].result()[1]
-        assert "d" in rep.opposed and rep.opposed["d"] < -av.OPPOSED_COS
+        assert "d" in rep.opposed and rep.opposed["d"] < -robust.OPPOSED_COS
         assert set(rep.opposed) == {"d"}
     weak = 0.5 * torch.randn(n) / 2  # the stated limit: a direction a quarter of the noise hides the flip
     rs = run(rounds([weak + torch.randn(n) for _ in IDS4[:3]] + [-(weak + torch.randn(n))], IDS4, aggregate="robust"))
@@ -338,7 +340,7 @@ def _named_over_rounds(make, ids, rounds_, window=True, codec="sign"):
     judges sign rounds only) judged by the first member as the driver does (rule 6,
     ``outliers_in_a_row``): member -> the round it was named in."""
     from blocktrain.p2p.averaging.driver import outliers_in_a_row
-    streak, win, named = {}, av.PairWindow() if window else None, {}
+    streak, win, named = {}, robust.PairWindow() if window else None, {}
     for rnd in range(1, rounds_ + 1):
         rs = {p: AveragingRound(p, 0, rnd, ids, x, aggregate="robust", codec=codec) for p, x in zip(ids, make(rnd))}
         run(rs)
@@ -366,7 +368,7 @@ def test_a_sign_flipped_once_the_updates_are_noisy_is_named_by_the_pair_window()
     torch.manual_seed(3)
     assert _named_over_rounds(flipped(0.5), IDS4, 12, window=False) == {}  # the median alone misses it
     torch.manual_seed(3)
-    assert _named_over_rounds(flipped(0.5), IDS4, 12) == {"d": av.PAIR_MIN_ROUNDS + av.SUSPECT_ROUNDS - 1}
+    assert _named_over_rounds(flipped(0.5), IDS4, 12) == {"d": robust.PAIR_MIN_ROUNDS + driver.SUSPECT_ROUNDS - 1}
     torch.manual_seed(3)
     assert _named_over_rounds(flipped(0.25), IDS4, 12) == {}
     torch.manual_seed(3)
@@ -418,10 +420,10 @@ def test_an_attacker_cannot_make_an_honest_members_updates_look_opposed(members,
 def test_the_pair_window_keeps_only_the_latest_rounds_members_and_counts_a_pair_once_it_has_rounds():
     """Bounded: pairs with a member not in the latest round go (identities are free); a pair counts
     only once it holds PAIR_MIN_ROUNDS rounds (a new member is judged on more than one round)."""
-    w = av.PairWindow()
+    w = robust.PairWindow()
     w.add({("a", "b"): [1.0, 1.0, 1.0], ("a", "x"): [-1.0, 1.0, 1.0], ("b", "x"): [-1.0, 1.0, 1.0]}, ["a", "b", "x"])
     assert len(w.acc) == 3 and w.opposed({"a", "b", "x"}, "a") == {}  # one round: not yet
-    for _ in range(av.PAIR_MIN_ROUNDS):
+    for _ in range(robust.PAIR_MIN_ROUNDS):
         w.add({("a", "b"): [1.0, 1.0, 1.0], ("a", "x"): [-1.0, 1.0, 1.0], ("b", "x"): [-1.0, 1.0, 1.0]},
               ["a", "b", "x"])
     assert w.opposed({"a", "b", "x"}, "a") == {"x": -1.0}
@@ -436,7 +438,7 @@ def test_the_pair_and_median_sums_do_not_depend_on_the_order_parts_came_in():
     came in (before, the pieces a
     member had gathered before the rejection counted twice, and members could name differently
     from the same parts)."""
-    av.PIECE_FLOATS, old = 7, av.PIECE_FLOATS
+    round_.PIECE_FLOATS, old = 7, round_.PIECE_FLOATS
     try:
         torch.manual_seed(6)
         xs = [torch.randn(28) for _ in IDS4[:3]] + [torch.cat([torch.randn(21), 1e5 * torch.randn(7)])]
@@ -449,7 +451,7 @@ def test_the_pair_and_median_sums_do_not_depend_on_the_order_parts_came_in():
                 sums.append((r.pairs, r._agree, r.suspects, r.far))
         assert all(x == sums[0] for x in sums[1:])
     finally:
-        av.PIECE_FLOATS = old
+        round_.PIECE_FLOATS = old
 
 
 def test_a_pair_cosine_counts_only_the_pieces_that_held_both_parts():
@@ -459,12 +461,12 @@ def test_a_pair_cosine_counts_only_the_pieces_that_held_both_parts():
     torch.manual_seed(2)
     rows = torch.randn(3, 50)
     whole, cut = {}, {}
-    av.robust.accumulate_pairs(whole, rows[:, :25], ["a", "b", "c"])
-    av.robust.accumulate_pairs(cut, rows[:, :25], ["a", "b", "c"])
-    av.robust.accumulate_pairs(cut, rows[:2, 25:], ["a", "b"])  # c's part of the second piece missed it
-    assert av.robust.pair_cosines(cut, {"a", "b", "c"})["c"] == av.robust.pair_cosines(whole, {"a", "b", "c"})["c"]
+    robust.accumulate_pairs(whole, rows[:, :25], ["a", "b", "c"])
+    robust.accumulate_pairs(cut, rows[:, :25], ["a", "b", "c"])
+    robust.accumulate_pairs(cut, rows[:2, 25:], ["a", "b"])  # c's part of the second piece missed it
+    assert robust.pair_cosines(cut, {"a", "b", "c"})["c"] == robust.pair_cosines(whole, {"a", "b", "c"})["c"]
     assert cut[("a", "b")] != whole[("a", "b")]
-    assert set(av.robust.pair_cosines(cut, {"a", "b"})) == {"a", "b"}  # a member not live is left out
+    assert set(robust.pair_cosines(cut, {"a", "b"})) == {"a", "b"}  # a member not live is left out
 
 
 def test_a_gossip_partner_that_reverses_its_update_is_opposed_measured_from_our_start():
@@ -489,7 +491,7 @@ def test_a_gossip_partner_that_reverses_its_update_is_opposed_measured_from_our_
     measured, plain = gossip_round(0.5, True), gossip_round(0.5, False)  # start points 0.5 updates apart
     for p in IDS4[:3]:
         out, rep = measured[p].result()
-        assert set(rep.opposed) == {"d"} and rep.opposed["d"] < -av.OPPOSED_COS
+        assert set(rep.opposed) == {"d"} and rep.opposed["d"] < -robust.OPPOSED_COS
         assert not plain[p].result()[1].opposed  # points: all alike to the cosine
         assert torch.equal(out, plain[p].result()[0])
     far = gossip_round(1.0, True)  # the stated limit

@@ -45,44 +45,15 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
   round in the small groups of a partition every member computes alike (3 to 2k + 1 members,
   about k + 1 on average, new every round; a view one member apart changes one or two); a round's ``group`` digest names its small group and the gossip salt; members
   excluded stay in that digest and depart the round at once.
-
-Every name here was importable from the one module ``averaging.py`` this package replaces.
-Setting one on the package (``monkeypatch.setattr(averaging, "PIECE_FLOATS", ...)``) sets it in
-every module of the package that holds it, as it did then.
 """
 
-import sys
-import types
-
-from . import codec, driver, early, outer, robust
-from . import round as round_
-from .codec import COMPACT, SIGN, TOPK, UPDATE_CODECS, lossy_scratch
-from .driver import MAX_NAMED, SUSPECT_ROUNDS, Averager, remember
-from .early import AHEAD_ROUNDS, MAX_EARLY_BYTES
+from .codec import UPDATE_CODECS
+from .driver import Averager, remember
 from .outer import OuterOptimizer, flatten, unflatten_
-from .robust import (CLIP_ITERS, CLIP_RADIUS, OPPOSED_COS, PAIR_AGREE, PAIR_DECAY, PAIR_MIN_ROUNDS, RELATIVE_NORM,
-                     SUSPECT_RADIUS, Bounds, PairWindow, centred_clip, coordinate_median, validate_part)
-from .round import AGGREGATES, PIECE_FLOATS, AveragingRound, GroupMismatch, Part, RoundFailed, RoundReport, group_digest
+from .robust import Bounds, validate_part
+from .round import AveragingRound, GroupMismatch, Part, RoundFailed, RoundReport
 
-__all__ = [
-    "AGGREGATES", "COMPACT", "AHEAD_ROUNDS", "CLIP_ITERS", "CLIP_RADIUS", "MAX_EARLY_BYTES", "MAX_NAMED",
-    "OPPOSED_COS", "PAIR_AGREE", "PAIR_DECAY", "PAIR_MIN_ROUNDS", "PIECE_FLOATS", "RELATIVE_NORM", "SIGN",
-    "SUSPECT_RADIUS", "SUSPECT_ROUNDS", "TOPK", "UPDATE_CODECS", "Averager", "AveragingRound", "Bounds",
-    "GroupMismatch", "OuterOptimizer", "PairWindow", "Part", "RoundFailed", "RoundReport", "centred_clip",
-    "coordinate_median", "flatten", "group_digest", "lossy_scratch", "remember", "unflatten_", "validate_part",
-]
-
-_MODULES = (codec, robust, round_, early, driver, outer)
-
-
-class _Package(types.ModuleType):
-    """The package's module type: a name set on the package is set in its modules too."""
-
-    def __setattr__(self, name: str, value) -> None:
-        for mod in _MODULES:
-            if name in vars(mod):
-                setattr(mod, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# The package's public names, for the swarm and the benchmarks; a module's own names (its limits,
+# the robust aggregate's pieces) are imported from that module, and patched there.
+__all__ = ["UPDATE_CODECS", "Averager", "AveragingRound", "Bounds", "GroupMismatch", "OuterOptimizer", "Part",
+           "RoundFailed", "RoundReport", "flatten", "remember", "unflatten_", "validate_part"]
