@@ -457,8 +457,9 @@ def serve(bootstrap, checkpoints, reference, batch, **o):
                    "one serving peer stay unchecked (said so); nothing prints if it cannot be checked at all.")
 @click.option("--verify-tol", type=click.FloatRange(0.0, 1.0), default=VERIFY_TOL, show_default=True,
               help="--verify: the largest total-variation distance between two holders' next-byte distributions "
-                   "that still counts as the same answer (the same code on the same hardware differs by about 1e-8; "
-                   "across hardware it was not measured).")
+                   "that still counts as the same answer. Measured: two holders of each block of the shipped model "
+                   "on one machine gave 0 on 15 outputs (greedy and sampled, 3 at once); code before exact rows "
+                   "were batch invariant gave up to 1.8e-4; across hardware it was not measured.")
 def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, top_k, seed, draft_len, wait_s,
              timeout, verify, verify_tol):
     """Continue --prompt by N bytes through a chain of serving peers found via ADDRESS."""
