@@ -20,6 +20,7 @@ from blocktrain.p2p.node import Peer
 
 from blocktrain.p2p.view import query_status
 from blocktrain.p2p.transport import Timeouts
+from blocktrain.bench.ports import free_port
 
 from conftest import mesh
 
@@ -30,18 +31,12 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def peer_process(tmp_path):
     """A bt-peer process (a plain member) on loopback, stopped by pid at the end."""
     from blocktrain.p2p.identity import new_swarm_key
     new_swarm_key(tmp_path / "key")
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "blocktrain.p2p.cli", "start", "--no-train", "--quiet",
                           "--listen", f"127.0.0.1:{port}", "--swarm-key", str(tmp_path / "key"),
                           "--identity", str(tmp_path / "id")], stderr=subprocess.DEVNULL)
@@ -232,7 +227,7 @@ def test_every_client_waits_for_an_address_by_one_rule_and_says_so(tmp_path, com
     it waited; with --wait 0 it fails at once."""
     from blocktrain.p2p.identity import new_swarm_key
     new_swarm_key(str(tmp_path / "key"))
-    nobody = _free_port()
+    nobody = free_port()
     extra = [str(tmp_path / "out") if e == "OUT" else e for e in extra]
     r = subprocess.run([sys.executable, "-m", "blocktrain.p2p.cli", command, f"127.0.0.1:{nobody}", *extra,
                         "--swarm-key", str(tmp_path / "key"), "--identity", str(tmp_path / "c")],
@@ -400,13 +395,13 @@ def test_port_in_use_and_a_bootstrap_that_is_not_yet_listening(tmp_path):
     busy.close()
     assert r.returncode == 1 and "already in use" in r.stderr and "--http" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
-    nobody = _free_port()
+    nobody = free_port()
     r = subprocess.run(base + ["join", f"127.0.0.1:{nobody}", "--join-timeout", "1", "--identity",
                                str(tmp_path / "i0"), *keys], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot join" in r.stderr and "--join-timeout" in r.stderr, r.stderr
     assert "] starting: joining through 127.0.0.1:" in r.stderr.splitlines()[0], r.stderr  # said first, at once
     assert "listening on" not in r.stderr and "others join with" not in r.stderr, r.stderr  # never got in
-    boot = _free_port()
+    boot = free_port()
     joiner = subprocess.Popen(base + ["join", f"127.0.0.1:{boot}", "--join-timeout", "300", "--identity",
                                       str(tmp_path / "i1"), *keys], stderr=open(tmp_path / "joiner.log", "w"))
     status = subprocess.Popen(base[:3] + ["status", f"127.0.0.1:{boot}", "--wait", "300", "--swarm-key",
@@ -489,7 +484,7 @@ def test_prompts_a_client_cannot_send_fail_with_the_fix_and_any_bytes_can_be_sen
     assert e.value.fault == "request"
     check_request(b"\xff\xfe", 8, "exact", max_seq_len=128)
     new_swarm_key(tmp_path / "key")
-    nobody = _free_port()
+    nobody = free_port()
     base = [sys.executable, "-m", "blocktrain.p2p.cli", "generate", f"127.0.0.1:{nobody}", "--swarm-key",
             str(tmp_path / "key"), "--identity", str(tmp_path / "id"), "--timeout", "2", "--wait", "1"]
     r = subprocess.run([*base, "--prompt", ""], capture_output=True, text=True, timeout=60)

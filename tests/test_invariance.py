@@ -2,7 +2,6 @@
 tiles), checked where a model is served, under kernels unlike this machine's (tests/kernels.py)."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import kernels
 from blocktrain.blocks.decode import Session, generate, new_caches, run_chain
 from blocktrain.blocks.device import threads
 from blocktrain.blocks.invariance import check_block, choose_tile_rows
+from blocktrain.bench.ports import free_port
 from blocktrain.blocks.model import TILE_ROWS, Block, ModelConfig
 from test_decode import prompts, tiny_chain
 
@@ -141,12 +141,6 @@ def test_a_chain_whose_hops_run_different_kernels_decodes_exactly(monkeypatch):
         assert ex == ar, p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_chain_of_processes_on_other_math_kernels_serves_exact_output(tmp_path):
     """The shipped model served by three `bt-peer serve` processes, hop 1 on MKL's AVX2 kernels
     and hop 2 on its AVX-512 ones (what other CPUs get; on a CPU without them MKL falls back):
@@ -156,7 +150,7 @@ def test_a_chain_of_processes_on_other_math_kernels_serves_exact_output(tmp_path
     peer = str(bin_dir / "bt-peer")
     key = tmp_path / "swarm.key"
     subprocess.run([peer, "keygen", "--out", str(key)], check=True, capture_output=True, timeout=60)
-    port = _free_port()
+    port = free_port()
     common = ["--swarm-key", str(key)]
     procs = []
     try:

@@ -18,6 +18,7 @@ from blocktrain.p2p.node import Peer
 from blocktrain.p2p.view import query_status
 from blocktrain.p2p.transport import PeerConnection, Timeouts, open_connection
 from blocktrain.protocol import Connection, Ping, Pong, Role, Status, StreamChunk
+from blocktrain.bench.ports import free_port
 
 from conftest import crash
 
@@ -231,12 +232,6 @@ def procs():
             p.wait(timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _peer_cmd(tmp_path, i, port, block, bootstrap=None):
     cmd = [sys.executable, "-m", "blocktrain.p2p.cli", "join" if bootstrap else "start"]
     if bootstrap:
@@ -255,7 +250,7 @@ async def _status(tmp_path, port):
 async def test_processes_join_crash_leave_restart(tmp_path, procs):
     from blocktrain.p2p.identity import new_swarm_key
     new_swarm_key(tmp_path / "swarm.key")
-    ports = [_free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(4)]
     boot = f"127.0.0.1:{ports[0]}"
     procs.append(subprocess.Popen(_peer_cmd(tmp_path, 0, ports[0], 0), stderr=subprocess.PIPE, text=True))
 

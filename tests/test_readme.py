@@ -4,10 +4,11 @@ ports), on a machine this test loads itself (a user's machine is often busy)."""
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from blocktrain.bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # Appended to every training peer's command: the walkthrough's model, tiny, so the test takes a minute.
@@ -45,12 +46,6 @@ def _cpu_load():
             p.wait(10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_bash(script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """README's commands under ``bash -e``, output to files (background jobs inherit them: a pipe
     would keep us waiting on a job that outlived a failed command). Whatever way bash ends, the
@@ -74,7 +69,7 @@ def _run_bash(script: str, cwd: Path, timeout: float) -> subprocess.CompletedPro
 def _walkthrough_script() -> str:
     script = _walkthrough()
     for port in ("7000", "7100", "8000"):
-        script = script.replace(f"127.0.0.1:{port}", f"127.0.0.1:{_free_port()}")
+        script = script.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}")
     lines = []
     for line in script.splitlines():
         if line.startswith(("bt-peer start", "bt-peer join")):
@@ -87,7 +82,7 @@ def _walkthrough_script() -> str:
 def _shipped(tmp_path: Path):
     """README's shipped-model block as printed, in ``tmp_path``: three peers serve the model the
     package ships and generate prints text (exact mode)."""
-    script = _block("shipped").replace("127.0.0.1:7200", f"127.0.0.1:{_free_port()}")
+    script = _block("shipped").replace("127.0.0.1:7200", f"127.0.0.1:{free_port()}")
     r = _run_bash(script, tmp_path, 300)
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("t*.log")))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs

@@ -18,6 +18,7 @@ from blocktrain.blocks.train import BlockTrainer, TrainConfig
 from blocktrain.p2p.averaging import flatten
 from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
 from blocktrain.p2p.transport import Timeouts
+from blocktrain.bench.ports import free_ports
 
 from conftest import crash, mesh
 
@@ -409,16 +410,6 @@ def procs():
         p.wait(timeout=20)
 
 
-def _ports(n):
-    import socket
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(s.getsockname()[1])
-    return out
-
-
 def _spawn(tmp_path, i, cmd) -> subprocess.Popen:
     """Peer ``i``'s process, its stderr appended to ``log{i}`` (kept on the process: ``p.log``)."""
     p = subprocess.Popen(cmd, stderr=open(tmp_path / f"log{i}", "a"))
@@ -466,7 +457,7 @@ def test_relay_processes_survive_a_kill_at_a_block_change_a_restart_and_a_late_j
     with the same final blocks, and every report tells what happened."""
     from blocktrain.p2p.identity import new_swarm_key
     new_swarm_key(tmp_path / "swarm.key")
-    ports = _ports(3)
+    ports = free_ports(3)
     boot = f"127.0.0.1:{ports[0]}"
     deadline = time.monotonic() + RUN_BOUND_S
     link = ("--link", f"delay={LINK_DELAY_MS}")
@@ -501,7 +492,7 @@ def test_a_stopped_peer_rejoins_its_group_and_ends_in_step(tmp_path, procs):
     have said so: they declare it departed only after --dead-after seconds of its silence."""
     from blocktrain.p2p.identity import new_swarm_key
     new_swarm_key(tmp_path / "swarm.key")
-    ports = _ports(3)
+    ports = free_ports(3)
     boot = f"127.0.0.1:{ports[0]}"
     deadline = time.monotonic() + RUN_BOUND_S
     steps = 200  # per block: 500 rounds or more left when it is resumed, >= 25 s (see LINK_DELAY_MS)
@@ -554,7 +545,7 @@ def test_a_whole_swarm_stopped_at_once_exits_quickly_with_its_reports(tmp_path, 
     g = torch.Generator().manual_seed(3)
     words = ["a", "river", "stone", "of", "the", "north", "bridge", "was", "built", "in"]
     text.write_text(" ".join(words[i] for i in torch.randint(0, len(words), (30000,), generator=g).tolist()))
-    ports = _ports(3)
+    ports = free_ports(3)
     boot = f"127.0.0.1:{ports[0]}"
     for i in range(3):
         cmd = [c for c in _peer_cmd(tmp_path, i, ports[i], i, boot if i else None, steps=100000,
