@@ -723,79 +723,102 @@ async def test_a_queue_full_of_traversals_between_chunks_still_takes_a_client_ba
         fair.MAX_CLIENTS = limit
 
 
-async def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_session():
+class _Clock:
+    """A hop's clock, moved by hand (the session table reads time only from it)."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_flood_of_sessions_from_many_identities_keeps_a_clients_one_session():
     """Finding 8: when the hop holds more than MAX_SESSIONS, the session that goes is the least
     recently used of the client holding the most, never the one session of a quiet client; a
     session used within RECENT_S stays while the hop holds up to twice MAX_SESSIONS; past it a
     recent one of a client holding several goes, and if every client holds one, a new session
     is refused instead of pushing one out."""
-    from blocktrain.blocks.model import Block, ModelConfig
-    from blocktrain.p2p.serving import server as pipeline
-    from blocktrain.p2p.serving.api import PipelineError
-    from blocktrain.p2p.serving.server import MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, PipelineServer, ServedBlocks
-    peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
-    b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
-    server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
-    try:
-        server._cache(("me", 1, False, 0), b, 0)
-        for i in range(4 * MAX_SESSIONS):  # identities are free: 8 sessions each, round after round
-            server._cache((f"flood{i // MAX_SESSIONS_PER_CLIENT}", i, False, 0), b, 0)
-        assert ("me", 1, False, 0) in server.sessions and len(server.sessions) == 2 * MAX_SESSIONS  # all recent
-        for k in server._used:
-            server._used[k] -= pipeline.RECENT_S + 1
-        server._cache(("late", 0, False, 0), b, 0)
-        assert ("me", 1, False, 0) in server.sessions and len(server.sessions) == MAX_SESSIONS
+    from blocktrain.p2p.serving.sessions import (MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, RECENT_S, SessionsFull,
+                                                 SessionTable)
+    clock = _Clock()
+    table = SessionTable(clock)
+    table.get(("me", 1), object, 0)
+    for i in range(4 * MAX_SESSIONS):  # identities are free: 8 sessions each, round after round
+        table.get((f"flood{i // MAX_SESSIONS_PER_CLIENT}", i), object, 0)
+    assert ("me", 1) in table and len(table) == 2 * MAX_SESSIONS  # all recent
+    clock.t += RECENT_S + 1
+    table.get(("late", 0), object, 0)
+    assert ("me", 1) in table and len(table) == MAX_SESSIONS
 
-        server.sessions.clear()
-        server._used.clear()
-        server._cache(("me", 1, False, 0), b, 0)
-        server._cache(("two", 1, False, 0), b, 0)  # between traversals, while its other one runs here
-        server._cache(("two", 2, False, 0), b, 0)
-        server._busy.add(("two", 2, False, 0))
-        for i in range(2 * MAX_SESSIONS - 3):  # a fresh identity per session, all recent
-            server._cache((f"one{i}", i, False, 0), b, 0)
-        with pytest.raises(PipelineError, match="each a client's one") as refused:
-            server._cache(("one-more", 0, False, 0), b, 0)
-        assert refused.value.fault == "hop" and ("me", 1, False, 0) in server.sessions
-        assert ("two", 1, False, 0) in server.sessions and len(server.sessions) == 2 * MAX_SESSIONS
-    finally:
-        await peer.stop()
+    table = SessionTable(clock)
+    table.get(("me", 1), object, 0)
+    table.get(("two", 1), object, 0)  # between traversals, while its other one runs here
+    table.get(("two", 2), object, 0)
+    table.begin(("two", 2))
+    for i in range(2 * MAX_SESSIONS - 3):  # a fresh identity per session, all recent
+        table.get((f"one{i}", i), object, 0)
+    with pytest.raises(SessionsFull, match="each a client's one"):
+        table.get(("one-more", 0), object, 0)
+    assert ("me", 1) in table and ("two", 1) in table and len(table) == 2 * MAX_SESSIONS
+    assert ("one-more", 0) not in table
 
 
-async def test_a_flood_of_fresh_identities_with_traversals_running_keeps_a_clients_session():
+def test_a_flood_of_fresh_identities_with_traversals_running_keeps_a_clients_session():
     """Finding 8, a fresh identity per traversal: with every other session's traversal running at
     the hop, a newcomer does not push out a client's session between its traversals (it did: the
     client rebuilt its caches); the hop holds more than MAX_SESSIONS meanwhile, those in use."""
-    from blocktrain.blocks.model import Block, ModelConfig
-    from blocktrain.p2p.serving import server as pipeline
-    from blocktrain.p2p.serving.server import MAX_SESSIONS, PipelineServer, ServedBlocks
-    peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
-    b = Block(ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32), 0).eval()
-    server = PipelineServer(peer, ServedBlocks(blocktrain={0: b}))
-    try:
-        mine = ("me", 1, False, 0)
-        server._cache(mine, b, 0)  # between two traversals
-        for i in range(MAX_SESSIONS + 8):  # fresh identities, each with its traversal running here
-            server._cache((f"fresh{i}", i, False, 0), b, 0)
-            server._busy.add((f"fresh{i}", i, False, 0))
-        assert mine in server.sessions and len(server.sessions) == MAX_SESSIONS + 9
-        server._used[mine] -= pipeline.RECENT_S + 1  # the client went quiet: its session may go now
-        server._cache(("fresh-new", 0, False, 0), b, 0)
-        assert mine not in server.sessions
-    finally:
-        await peer.stop()
+    from blocktrain.p2p.serving.sessions import MAX_SESSIONS, RECENT_S, SessionTable
+    clock = _Clock()
+    table = SessionTable(clock)
+    mine = ("me", 1)
+    table.get(mine, object, 0)  # between two traversals
+    for i in range(MAX_SESSIONS + 8):  # fresh identities, each with its traversal running here
+        table.get((f"fresh{i}", i), object, 0)
+        table.begin((f"fresh{i}", i))
+    assert mine in table and len(table) == MAX_SESSIONS + 9
+    clock.t += RECENT_S + 1  # the client went quiet: its session may go now
+    table.get(("fresh-new", 0), object, 0)
+    assert mine not in table
 
 
-async def test_a_sessions_recent_time_starts_when_its_traversal_ends_and_a_refused_first_one_keeps_nothing():
+def test_a_sessions_recent_time_starts_when_its_traversal_ends_and_expiry_spares_one_in_use():
     """A review: a session's RECENT_S counted from when its traversal came, so one that waited long
-    in the queue was pushed out as soon as it ended; and a new session whose first traversal the
-    queue refused stayed in the table, empty (a flood of refused requests filled it at no compute)."""
+    in the queue was pushed out as soon as it ended. And a session idle past SESSION_IDLE_S goes,
+    unless a traversal of it is running; one that names no session held is refused at no cost."""
+    from blocktrain.p2p.serving.sessions import (MAX_SESSIONS, RECENT_S, SESSION_IDLE_S, SessionTable,
+                                                 UnknownSession)
+    clock = _Clock()
+    table = SessionTable(clock)
+    key = ("me", 1)
+    table.get(key, object, 0)
+    table.begin(key)
+    clock.t += 100  # its traversal came long ago, and waited
+    table.end(key)
+    for i in range(MAX_SESSIONS):  # others come just after it ended: it is recent, it stays
+        table.get((f"other{i}", i), object, 0)
+    assert key in table
+    table.begin(key)
+    clock.t += SESSION_IDLE_S + 1
+    table.expire()
+    assert key in table and len(table) == 1  # in use: kept; the others idle: gone
+    table.end(key)
+    clock.t += SESSION_IDLE_S + 1
+    table.expire()
+    assert not table
+    with pytest.raises(UnknownSession):
+        table.get(("lost", 3), object, 5)
+    assert not table and RECENT_S < SESSION_IDLE_S
+
+
+async def test_a_new_session_whose_first_traversal_the_queue_refuses_keeps_nothing():
+    """A review: a new session whose first traversal the queue refused stayed in the table, empty
+    (a flood of refused requests filled it at no compute)."""
     import contextlib
-    import time
     from types import SimpleNamespace
 
     from blocktrain.blocks.decode import Traversal
-    from blocktrain.blocks.model import Block, ModelConfig
+    from blocktrain.blocks.model import Block, BlockCache, ModelConfig
     from blocktrain.p2p.serving import fair
     from blocktrain.p2p.serving.api import PipelineError
     from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks
@@ -805,14 +828,12 @@ async def test_a_sessions_recent_time_starts_when_its_traversal_ends_and_a_refus
     msg = SimpleNamespace(hop=0)
     try:
         key = ("me", 1, False, 0)
-        server._cache(key, b, 0)
-        server._used[key] -= 100  # its traversal came long ago, and waited
         spec = {"base": 0, "keep": [], "start": 0, "ids": [97, 98], "positions": [0, 1], "parents": [-1, 0],
                 "logits": [1], "slots": [[]], "invariant": True}
+        cache = server.sessions.get(key, lambda: BlockCache(b), 0)
         plan = SimpleNamespace(client="me", block=0, spec=spec, meta={})
-        out = await server._run_block(msg, plan, key, Traversal(b, server.sessions[key], None, spec))
-        assert out.shape == (1, 2, 16)
-        assert time.monotonic() - server._used[key] < 5  # idle from when it ended
+        out = await server._run_block(msg, plan, key, Traversal(b, cache, None, spec))
+        assert out.shape == (1, 2, 16) and key in server.sessions and not server.sessions.is_busy(key)
 
         @contextlib.asynccontextmanager
         async def saturated(who, cost):
@@ -820,10 +841,10 @@ async def test_a_sessions_recent_time_starts_when_its_traversal_ends_and_a_refus
             yield
         server._compute.hold = saturated
         new = ("fresh", 2, False, 0)
-        server._cache(new, b, 0)
+        cache = server.sessions.get(new, lambda: BlockCache(b), 0)
         with pytest.raises(PipelineError):
             await server._run_block(msg, SimpleNamespace(client="fresh", block=0, spec={"ids": "ab", "start": 0},
-                                                          meta={}), new, Traversal(b, server.sessions[new], None, spec))
+                                                          meta={}), new, Traversal(b, cache, None, spec))
         assert new not in server.sessions and key in server.sessions
     finally:
         await peer.stop()

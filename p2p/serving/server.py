@@ -15,14 +15,9 @@ Rules:
 - The spec is checked (``decode.check_spec``: types and bounds) before any compute. A spec that
   does not fit this hop's cache (``SessionMismatch``: a new hop, an expired or evicted session)
   is answered with fault "session": the client rebuilds the caches from its committed bytes.
-- A session's caches are freed at its end, after SESSION_IDLE_S unused, or when the hop holds
-  more than MAX_SESSIONS: an idle session goes, the least recently used of the client holding
-  the most, of those unused for RECENT_S since their last traversal here; past twice
-  MAX_SESSIONS, with none such, a recent one of a client with several idle, and with none such
-  either a new session is refused (fault "hop"). A new session whose first traversal is refused
-  before any compute is not kept. Identities are free: a flood of sessions, from a few
-  identities or a fresh one per traversal, must not push out a client with one between its
-  traversals.
+- A session's caches live in the hop's ``SessionTable`` (sessions.py: its bounds and who goes
+  when it is full; a new session refused there is fault "hop"). A new session whose first
+  traversal is refused before any compute is not kept.
 - A traversal is computed in chunks of ``decode.CHUNK`` tokens (``decode.Traversal``) on the
   hop's ``batch`` compute slots (bt-peer serve --batch, serving.COMPUTE_SLOTS: 1 on CPU), each
   chunk charged its tokens by fair queuing over clients (every client the hop does not know yet
@@ -43,7 +38,6 @@ Rules:
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
@@ -63,23 +57,11 @@ from .api import COMPUTE_SLOTS, DEFAULT_CODEC, PipelineError, bad_request, block
 from .batching import Batcher
 from .fair import FairSlots, Saturated
 from .hop import HopPlan, Step, plan_hop
+from .sessions import SessionsFull, SessionTable, UnknownSession
 
-SESSION_IDLE_S = 60.0  # caches unused this long are freed
-# Sessions one hop holds at once (an idle one goes; up to twice as many while they are in use or
-# recent: RECENT_S), and per client. A session's
-# caches are at most (max_seq_len + 256) tokens per layer plus the draft model's drafting steps:
-# about 13 MiB for the d 128 model at the spec bounds, 1.5 MiB for 256 bytes of d 192.
-MAX_SESSIONS = 64
-MAX_SESSIONS_PER_CLIENT = 8
-# A session used this recently (since its last traversal here ended) is not pushed out by a new one
-# while the hop holds at most twice MAX_SESSIONS; past it, only a client's that holds several, else
-# the new session is refused. A client between two traversals (its round trip) so keeps its caches
-# however many new sessions come (identities are free: a flood of a fresh identity per traversal,
-# with every other session's traversal running here, pushed out the client's one idle session).
-RECENT_S = 5.0
 # Traversals waiting for a compute slot at one hop, in all, those between chunks included (fair.py:
 # past it room is made for a newcomer that would go before the last, or it is refused). 64: the
-# sessions a hop holds (MAX_SESSIONS), one traversal at a time each. Each holds its request's
+# sessions a hop holds (sessions.MAX_SESSIONS), one traversal at a time each. Each holds its request's
 # input: hidden states of at most max_seq_len + 256 positions (decoded: 0.6 MiB at d 192 and a
 # 512-byte context), usually a few KiB.
 MAX_WAITING = 64
@@ -124,9 +106,7 @@ class PipelineServer:
 
     def __init__(self, peer: PeerServices, served: ServedBlocks):
         self.peer, self.served = peer, served
-        self.sessions: collections.OrderedDict[tuple, BlockCache] = collections.OrderedDict()
-        self._used: dict[tuple, float] = {}
-        self._busy: set[tuple] = set()  # sessions with a traversal running here
+        self.sessions: SessionTable[BlockCache] = SessionTable()
         self._inflight: dict[str, int] = {}  # client -> requests being computed or waiting here
         self._compute = FairSlots(served.batch, MAX_WAITING)
         # The hop's own compute thread: a batch runs on it, never on a new thread of the loop's
@@ -169,7 +149,7 @@ class PipelineServer:
         return self._inflight.get(client, 0)
 
     def is_busy(self, key: tuple) -> bool:
-        return key in self._busy
+        return self.sessions.is_busy(key)
 
     def _cfg(self, key: str) -> int | None:
         """A setting of the served model (max_seq_len, n_blocks), for clients building a chain."""
@@ -179,48 +159,14 @@ class PipelineServer:
         return None
 
     def _cache(self, key: tuple, b: Block, start: int) -> BlockCache:
-        """The session's cache at this hop; a new one only for a session's first traversal
-        (``start`` 0), so a request naming an unknown session costs no slot."""
-        cache = self.sessions.pop(key, None)
-        if cache is None:
-            if start != 0:
-                raise PipelineError(f"block {b.index}: no caches for this session here (expired, evicted, or this "
-                                    f"hop restarted): send it again from the start", b.index, fault="session")
-            mine = [k for k in self.sessions if k[0] == key[0]]
-            if len(mine) >= MAX_SESSIONS_PER_CLIENT:  # a client's own oldest session goes first
-                self._drop(mine[0])
-            cache = BlockCache(b)
-        self.sessions[key] = cache  # most recently used last
-        self._used[key] = time.monotonic()
-        while len(self.sessions) > MAX_SESSIONS:
-            # An idle session goes (not this one, nor one with a traversal here), of those unused for
-            # RECENT_S: the least recently used of the client holding the most. While the hop holds
-            # at most twice MAX_SESSIONS, a recent one stays; past it, a recent one of a client with
-            # several idle, and with none such a new session is refused rather than push out a client's one
-            # (the table passes 2 x MAX_SESSIONS only by sessions in use).
-            now = time.monotonic()
-            held = collections.Counter(k[0] for k in self.sessions)
-            idle = [k for k in self.sessions if k != key and k not in self._busy and now - self._used[k] > RECENT_S]
-            if not idle and len(self.sessions) > 2 * MAX_SESSIONS:  # a recent one, of a client with several idle
-                held = collections.Counter(k[0] for k in self.sessions if k != key and k not in self._busy)
-                idle = [k for k in self.sessions if k != key and k not in self._busy and held[k[0]] > 1]
-                if not idle and start == 0:
-                    self._drop(key)
-                    raise PipelineError(f"block {b.index}: this hop holds {len(self.sessions)} sessions, in use or "
-                                        f"each a client's one, used in the last {RECENT_S:.0f} s", b.index)
-            if not idle:
-                break
-            self._drop(max(idle, key=lambda k: held[k[0]]))  # the first of the most: least recently used
-        return cache
-
-    def _drop(self, key: tuple):
-        self.sessions.pop(key, None)
-        self._used.pop(key, None)
-
-    def _expire(self):
-        now = time.monotonic()
-        for key in [key for key, t in self._used.items() if now - t > SESSION_IDLE_S and key not in self._busy]:
-            self._drop(key)
+        """The session's caches at this hop (sessions.py), its failures as the client reads them."""
+        try:
+            return self.sessions.get(key, lambda: BlockCache(b), start)
+        except UnknownSession:
+            raise PipelineError(f"block {b.index}: no caches for this session here (expired, evicted, or this "
+                                f"hop restarted): send it again from the start", b.index, fault="session") from None
+        except SessionsFull as e:
+            raise PipelineError(f"block {b.index}: {e}", b.index) from None
 
     async def handle(self, msg: PipelineForward, pc, pid):
         """Run the plan of ``msg`` (hop.py): relay an error, free a session, or compute, then
@@ -233,7 +179,7 @@ class PipelineServer:
             return
         try:
             if plan.served is not None:  # the request reached a block served here
-                self._expire()
+                self.sessions.expire()
             if plan.error is not None:
                 raise plan.error
             if plan.step is Step.END:
@@ -242,13 +188,13 @@ class PipelineServer:
                 await self._traverse(msg, plan)
         except Exception as e:  # noqa: BLE001 - every failure is answered; a hop's state stays consistent
             if plan.key is not None and not isinstance(e, PipelineError):
-                self._drop(plan.key)  # a cache half-way through a traversal is not trusted again
+                self.sessions.drop(plan.key)  # a cache half-way through a traversal is not trusted again
             await self._refuse(msg, pc, plan, refusal_meta(e, plan.block, msg.hop))
 
     async def _end(self, msg: PipelineForward, plan: HopPlan):
         """The plan's END: free the session's caches here, then at the next hop."""
         assert plan.key is not None, "an END plan names the session"
-        self._drop(plan.key)
+        self.sessions.drop(plan.key)
         if not plan.last:
             await self._forward(msg, plan.meta, None)
 
@@ -282,7 +228,7 @@ class PipelineServer:
         the slot. The session is busy meanwhile."""
         client, k = plan.client, plan.block
         assert plan.spec is not None, "a COMPUTE plan has a spec"
-        self._busy.add(key)
+        self.sessions.begin(key)
         self._inflight[client] = self._inflight.get(client, 0) + 1
         try:
             left = len(plan.spec["ids"])  # fair by tokens, a chunk at a time
@@ -295,20 +241,18 @@ class PipelineServer:
             # Refused midway (the caches hold part of a traversal), or before a new session's first
             # chunk (an empty session would take a place in the table at no compute).
             if left < len(plan.spec["ids"]) or plan.spec["start"] == 0:
-                self._drop(key)
+                self.sessions.drop(key)
             raise PipelineError(f"block {k} at {self.peer.addr}: {e}", k, msg.hop) from None
         except SessionMismatch as e:
-            self._drop(key)
+            self.sessions.drop(key)
             raise PipelineError(str(e), k, msg.hop, fault="session") from None
         finally:
-            self._busy.discard(key)
-            if key in self._used:
-                self._used[key] = time.monotonic()  # its idle time (RECENT_S) starts when the traversal ends here
+            self.sessions.end(key)  # its idle time starts when the traversal ends here
             self._inflight[client] -= 1
             if not self._inflight[client]:
                 del self._inflight[client]
             if plan.meta.get("end"):
-                self._drop(key)
+                self.sessions.drop(key)
 
     async def _refuse(self, msg: PipelineForward, pc, plan: HopPlan, err: dict):
         """Answer a failure: to the sender at hop 0, else on the client's connection if we hold
