@@ -89,6 +89,9 @@ def test_bt_train_trains_on_a_text_file(tmp_path, monkeypatch):
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["job"]["device"] == "cpu" and res["job"]["data"].startswith(str(tmp_path / "cache"))
     assert all(0 < ce < 6 for ce in res["blocktrain"]["test_ce_heads"])
+    report = r.output[r.output.index("test CE, nats/byte"):]  # it scored this text, not WikiText-2
+    assert report.startswith(f"test CE, nats/byte (the test split of {src}):") and "WikiText" not in report
+    assert res["job"]["corpus"] == str(src)
     from blocktrain.provenance import code_hash  # which code made it, and the command that asked
     assert res["code_version"]["code_hash"] == code_hash() and res["command"].startswith("bt-train")
 
