@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from blocktrain.blocks.data import load_split
-from blocktrain.p2p.averaging import AveragingRound, RoundFailed
+from blocktrain.p2p.averaging import AveragingRound, RoundFailed, RoundSpec
 from blocktrain.p2p.averaging.round import GroupMismatch
 from blocktrain.p2p.averaging.driver import MISMATCHED, mismatches_within_allowance, outliers_in_a_row
 from blocktrain.p2p.averaging.gossip import check_gossip_codec, gossip_groups, gossip_start
@@ -425,10 +425,10 @@ class Simulation:
         rounds: dict[str, AveragingRound] = {}
         for pid, group in groups_of.items():
             m = self.members[pid]
-            rounds[pid] = AveragingRound(pid, 0, rnd, group, self._vector(m, starts), codec=c.codec,
+            rounds[pid] = AveragingRound(pid, 0, rnd, group, self._vector(m, starts),
+                                         RoundSpec(codec=c.codec, aggregate=c.aggregate, min_coverage=1.0),
                                          start=gossip_start("sim") if c.mode == "gossip" else "all",
-                                         aggregate=c.aggregate, residual=m.residual, min_coverage=1.0,
-                                         origin=starts[pid])
+                                         residual=m.residual, origin=starts[pid])
         gone = set().union(*groups_of.values()) - set(rounds)  # in a small group, not running this round
         first: dict[str, list] = {pid: [] for pid in rounds}  # what each sends as its round begins
         for pid, r in rounds.items():  # a member we excluded departs our round at once; it hears that

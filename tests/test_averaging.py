@@ -413,12 +413,13 @@ async def test_a_member_stopped_while_it_sends_its_parts_hands_them_all_out(code
     any more) queues the rest at once: every member gets its part, or none does. A member that
     departs mid-round counts in what it sent before leaving, so members that had its part and
     members that never got it would end the round at different points."""
-    from blocktrain.p2p.averaging import AveragingRound
+    from blocktrain.p2p.averaging import AveragingRound, RoundSpec
     from fakes import FakeConnection, FakeNet
     net = FakeNet()
     a, b, c = (net.peer(i + 1, blocks=(1,)) for i in range(3))
     ids, x = [a.id, b.id, c.id], torch.randn(3000)
-    owed = {(p.peer, p.msg.meta["part"]) for p in AveragingRound(a.id, 1, 1, ids, x.clone(), codec=codec).start()}
+    owed = {(p.peer, p.msg.meta["part"])
+            for p in AveragingRound(a.id, 1, 1, ids, x.clone(), RoundSpec(codec=codec)).start()}
     assert len(owed) >= 2  # more than one send: the cancel lands between two
     sent = []
     send_nowait = FakeConnection.send_nowait
@@ -443,13 +444,13 @@ async def test_a_member_stopped_while_it_sends_its_parts_hands_them_all_out(code
 async def test_a_member_stopped_mid_send_hands_out_whole_pieces_only_within_its_bound(monkeypatch):
     """The hand-out is bounded (driver.HAND_OUT_BYTES); past the bound it stops at a piece's
     boundary: a piece reaches every member or, beyond the bound, no more of them do."""
-    from blocktrain.p2p.averaging import AveragingRound, driver
+    from blocktrain.p2p.averaging import AveragingRound, RoundSpec, driver
     from fakes import FakeConnection, FakeNet
     net = FakeNet()
     a, b, c = (net.peer(i + 1, blocks=(1,)) for i in range(3))
     ids, x = [a.id, b.id, c.id], torch.randn(3000)
     owed = {(p.peer, p.msg.meta["part"]): p.stored_bytes
-            for p in AveragingRound(a.id, 1, 1, ids, x.clone(), codec="sign").start()}
+            for p in AveragingRound(a.id, 1, 1, ids, x.clone(), RoundSpec(codec="sign")).start()}
     assert sorted({j for _, j in owed}) == [0, 1, 2]  # 3 pieces, each to b and c
     sent = []
     send_nowait = FakeConnection.send_nowait

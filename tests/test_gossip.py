@@ -201,7 +201,7 @@ def test_the_partition_vectors_of_protocol_md_both_ways():
     """Each row: the partition and the first small group's digest computed from the row's inputs;
     and the other way, each small group of the row is what every one of its members computes."""
     from vectors import VALID
-    from blocktrain.p2p.averaging import AveragingRound
+    from blocktrain.p2p.averaging import AveragingRound, RoundSpec
     from blocktrain.p2p.averaging.gossip import gossip_start
     rows = _partition_rows()
     assert len(rows) >= 3
@@ -209,8 +209,8 @@ def test_the_partition_vectors_of_protocol_md_both_ways():
         assert gossip_groups(ids.values(), rnd, k, salt) == groups
         for g in groups:
             assert all(gossip_group(ids.values(), me, rnd, k, salt) == g for me in g)
-        first = AveragingRound(groups[0][0], 0, rnd, groups[0], torch.zeros(8), start=gossip_start(salt),
-                               aggregate="robust")
+        first = AveragingRound(groups[0][0], 0, rnd, groups[0], torch.zeros(8), RoundSpec(aggregate="robust"),
+                               start=gossip_start(salt))
         assert first.group == digest
     assert VALID["block_update_gossip"].meta["group"] == rows[0][5] and VALID["block_update_gossip"].round == rows[0][0]
 

@@ -999,7 +999,8 @@ async def test_the_pair_window_judges_optimizer_steps_only(steps):
         for rnd in range(1, robust.PAIR_MIN_ROUNDS + driver.SUSPECT_ROUNDS):
             g = 0.5 * torch.randn(20_000)
             xs = [g + torch.randn(20_000) for _ in range(3)] + [-(g + torch.randn(20_000))]
-            rs = {p: avm.AveragingRound(p, 0, rnd, ids, x, aggregate="robust", codec="sign") for p, x in zip(ids, xs)}
+            spec = avm.RoundSpec(aggregate="robust", codec="sign")
+            rs = {p: avm.AveragingRound(p, 0, rnd, ids, x, spec) for p, x in zip(ids, xs)}
             queue = [(p, part) for p, r in rs.items() for part in r.start()]
             while queue:
                 src, part = queue.pop(0)
@@ -1025,7 +1026,7 @@ async def test_a_member_whose_updates_point_against_the_median_is_excluded_after
         for rnd in range(1, driver.SUSPECT_ROUNDS + 1):
             g = torch.randn(5000)
             xs = [g + 0.5 * torch.randn(5000) for _ in range(3)] + [-(g + 0.5 * torch.randn(5000))]
-            rs = {p: avm.AveragingRound(p, 0, rnd, ids, x, aggregate="robust") for p, x in zip(ids, xs)}
+            rs = {p: avm.AveragingRound(p, 0, rnd, ids, x, avm.RoundSpec(aggregate="robust")) for p, x in zip(ids, xs)}
             queue = [(p, part) for p, r in rs.items() for part in r.start()]
             while queue:
                 src, part = queue.pop(0)

@@ -8,13 +8,13 @@ from hypothesis import strategies as st
 from blocktrain.p2p.averaging import codec as codecs
 from blocktrain.p2p.averaging import driver, robust
 from blocktrain.p2p.averaging import round as round_
-from blocktrain.p2p.averaging import AveragingRound, Bounds, RoundFailed
+from blocktrain.p2p.averaging import AveragingRound, Bounds, Buffers, RoundFailed, RoundSpec
 
 IDS = ["a", "b", "c"]
 
 
 def rounds(xs, ids=IDS, **kw):
-    return {p: AveragingRound(p, 0, 1, ids, x, **kw) for p, x in zip(ids, xs)}
+    return {p: AveragingRound(p, 0, 1, ids, x, RoundSpec(**kw)) for p, x in zip(ids, xs)}
 
 
 def run(rs, order=None, drop=lambda part, src: False, queue=()):
@@ -252,9 +252,10 @@ def test_lent_lossy_buffers_give_the_bytes_of_fresh_ones_round_after_round(codec
     res_lent, res_fresh = {p: None for p in IDS[:2]}, {p: None for p in IDS[:2]}
     for rnd in range(1, 5):
         xs = [torch.randn(5000) * rnd for _ in IDS[:2]]
-        lent = run({p: AveragingRound(p, 0, rnd, IDS[:2], x, codec=codec, residual=res_lent[p], scratch=scratch[p])
+        lent = run({p: AveragingRound(p, 0, rnd, IDS[:2], x, RoundSpec(codec=codec), residual=res_lent[p],
+                                      lent=Buffers(scratch=scratch[p]))
                     for p, x in zip(IDS[:2], xs)})
-        fresh = run({p: AveragingRound(p, 0, rnd, IDS[:2], x, codec=codec, residual=res_fresh[p])
+        fresh = run({p: AveragingRound(p, 0, rnd, IDS[:2], x, RoundSpec(codec=codec), residual=res_fresh[p])
                      for p, x in zip(IDS[:2], xs)})
         for p in IDS[:2]:
             assert torch.equal(lent[p].result()[0], fresh[p].result()[0])
@@ -266,7 +267,8 @@ def test_lent_lossy_buffers_give_the_bytes_of_fresh_ones_round_after_round(codec
         x = torch.randn(5000)
         x[-1] = float("nan")  # in the last piece: the first would be encoded before it is met
         with pytest.raises(ValueError, match="non-finite"):
-            AveragingRound("a", 0, 9, IDS[:2], x, codec=codec, residual=res_lent["a"], scratch=scratch["a"])
+            AveragingRound("a", 0, 9, IDS[:2], x, RoundSpec(codec=codec), residual=res_lent["a"],
+                           lent=Buffers(scratch=scratch["a"]))
         assert torch.equal(scratch["a"]["residual"], before)
 
 
@@ -342,7 +344,8 @@ def _named_over_rounds(make, ids, rounds_, window=True, codec="sign"):
     from blocktrain.p2p.averaging.driver import outliers_in_a_row
     streak, win, named = {}, robust.PairWindow() if window else None, {}
     for rnd in range(1, rounds_ + 1):
-        rs = {p: AveragingRound(p, 0, rnd, ids, x, aggregate="robust", codec=codec) for p, x in zip(ids, make(rnd))}
+        spec = RoundSpec(aggregate="robust", codec=codec)
+        rs = {p: AveragingRound(p, 0, rnd, ids, x, spec) for p, x in zip(ids, make(rnd))}
         run(rs)
         for pid, _ in outliers_in_a_row(rs[ids[0]], ids[0], streak, win):
             named.setdefault(pid, rnd)
@@ -486,7 +489,7 @@ def test_a_gossip_partner_that_reverses_its_update_is_opposed_measured_from_our_
     def gossip_round(apart: float, origin: bool):
         starts = {p: base + apart * offsets[p] for p in IDS4}  # each member's own start point
         xs = {p: starts[p] + moved[p] for p in IDS4[:3]} | {"d": starts["d"] - moved["d"]}
-        return run({p: AveragingRound(p, 0, 1, IDS4, xs[p], aggregate="robust",
+        return run({p: AveragingRound(p, 0, 1, IDS4, xs[p], RoundSpec(aggregate="robust"),
                                       origin=starts[p] if origin else None) for p in IDS4})
     measured, plain = gossip_round(0.5, True), gossip_round(0.5, False)  # start points 0.5 updates apart
     for p in IDS4[:3]:
@@ -497,7 +500,7 @@ def test_a_gossip_partner_that_reverses_its_update_is_opposed_measured_from_our_
     far = gossip_round(1.0, True)  # the stated limit
     assert not any(far[p].result()[1].opposed for p in IDS4[:3])
     with pytest.raises(ValueError, match="origin"):
-        AveragingRound("a", 0, 1, IDS4, base, aggregate="robust", origin=torch.zeros(n - 1))
+        AveragingRound("a", 0, 1, IDS4, base, RoundSpec(aggregate="robust"), origin=torch.zeros(n - 1))
 
 
 @pytest.mark.parametrize("departed_first", [False, True])
@@ -549,7 +552,8 @@ def test_a_failed_round_gives_back_the_error_feedback_it_started_with(codec):
     the residual is what it was before the round (to float32 rounding)."""
     torch.manual_seed(1)
     before = torch.randn(300) * 0.01
-    r = AveragingRound("a", 0, 1, IDS, torch.randn(300), codec=codec, residual=before.clone(), min_coverage=1.0)
+    r = AveragingRound("a", 0, 1, IDS, torch.randn(300), RoundSpec(codec=codec, min_coverage=1.0),
+                       residual=before.clone())
     r.start()
     assert not torch.allclose(r.residual, before)  # the encoding wrote this round's error
     r.expire()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from blocktrain.p2p.averaging import AveragingRound, Bounds, Part, validate_part
+from blocktrain.p2p.averaging import AveragingRound, Bounds, Part, RoundSpec, validate_part
 from blocktrain.p2p.tensors import decode_sign, encode_sign
 from blocktrain.protocol import SIGN_BYTES, TOPK_CHUNK_ELEMS, BlockUpdate, LocalProtocolError, pack_tensor
 
@@ -45,7 +45,7 @@ def test_error_feedback_carries_what_was_not_sent():
     xs = [torch.randn(3 * C) + 0.5 for _ in range(8)]
     residual, sent = None, torch.zeros(3 * C)
     for i, x in enumerate(xs):
-        r = AveragingRound("a", 0, i + 1, ["a", "b"], x, codec="sign", residual=residual)
+        r = AveragingRound("a", 0, i + 1, ["a", "b"], x, RoundSpec(codec="sign"), residual=residual)
         sent += r.sent
         residual = r.residual.clone()
     total = torch.stack(xs).sum(0)
@@ -98,7 +98,7 @@ def test_sign_rounds_end_with_the_same_bytes_everywhere_for_a_32nd_of_the_bytes(
     torch.manual_seed(1)
     n = 12 * C  # whole chunks in every piece, for 2, 3 or 4 members
     xs = [torch.randn(n) for _ in ids]
-    rs = {p: AveragingRound(p, 0, 1, ids, x, codec="sign", aggregate=aggregate) for p, x in zip(ids, xs)}
+    rs = {p: AveragingRound(p, 0, 1, ids, x, RoundSpec(codec="sign", aggregate=aggregate)) for p, x in zip(ids, xs)}
     sent = run_rounds(rs)
     outs = [r.result()[0] for r in rs.values()]
     assert all(torch.equal(outs[0], o) for o in outs)
@@ -114,7 +114,7 @@ def test_a_gather_in_a_sign_round_rejects_its_sender():
     """Nobody's average is taken in a sign round: a member that sends one is rejected."""
     ids = ["a", "b", "c"]
     torch.manual_seed(2)
-    rs = {p: AveragingRound(p, 0, 1, ids, torch.randn(300), codec="sign", aggregate="mean") for p in ids}
+    rs = {p: AveragingRound(p, 0, 1, ids, torch.randn(300), RoundSpec(codec="sign", aggregate="mean")) for p in ids}
     part = next(m for m in rs["b"].start() if m.peer == "a")
     forged = BlockUpdate(block=0, round=1, codec="sign", tensors=part.msg.tensors,
                          meta={**part.msg.meta, "phase": "gather", "contributors": ids})
@@ -129,7 +129,7 @@ def test_a_bad_sign_part_rejects_its_sender_and_the_others_finish(forge):
     ids = ["a", "b", "c"]
     torch.manual_seed(3)
     n = 3 * 100  # three pieces of 100
-    rs = {p: AveragingRound(p, 0, 1, ids, torch.randn(n), codec="sign", aggregate="robust") for p in ids}
+    rs = {p: AveragingRound(p, 0, 1, ids, torch.randn(n), RoundSpec(codec="sign", aggregate="robust")) for p in ids}
     bad = {"nan scale": _part(bytes(SIGN_BYTES), (float("nan"),)),
            "padding bit": _part(bytes(SIGN_BYTES - 1) + bytes([1]), (0.5,)),
            "raw part": BlockUpdate(block=0, round=1, codec="raw", tensors=(
@@ -154,7 +154,8 @@ def test_a_departure_seen_by_one_member_leaves_the_parts_it_sent_counted_everywh
     c's parts, as b does, so both end with the same bytes."""
     ids = ["a", "b", "c"]
     torch.manual_seed(4)
-    rs = {p: AveragingRound(p, 0, 1, ids, torch.randn(3 * C), codec="sign", aggregate=aggregate) for p in ids}
+    spec = RoundSpec(codec="sign", aggregate=aggregate)
+    rs = {p: AveragingRound(p, 0, 1, ids, torch.randn(3 * C), spec) for p in ids}
     starts = {p: rs[p].start() for p in ids}
     for part in starts["c"]:
         rs[part.peer].receive("c", part.msg)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktrain.p2p.averaging import AveragingRound, Bounds, validate_part
+from blocktrain.p2p.averaging import AveragingRound, Bounds, RoundSpec, validate_part
 from blocktrain.p2p.tensors import decode_topk, encode_topk, topk_count
 from blocktrain.protocol import TOPK_CHUNK_ELEMS, BlockUpdate, LocalProtocolError, pack_tensor
 
@@ -44,7 +44,7 @@ def test_error_feedback_carries_what_was_not_sent():
     xs = [torch.randn(3 * C) for _ in range(6)]
     residual, sent = None, torch.zeros(3 * C)
     for i, x in enumerate(xs):
-        r = AveragingRound("a", 0, i + 1, ["a", "b"], x, codec="topk", density=0.02, residual=residual)
+        r = AveragingRound("a", 0, i + 1, ["a", "b"], x, RoundSpec(codec="topk", density=0.02), residual=residual)
         sent += r.sent
         residual = r.residual.clone()
     assert torch.allclose(sent + residual, torch.stack(xs).sum(0), atol=1e-4)
@@ -99,7 +99,8 @@ def test_sparse_rounds_end_with_the_same_bytes_everywhere_and_send_few(ids):
     torch.manual_seed(1)
     n = 5 * C
     xs = [torch.randn(n) for _ in ids]
-    rs = {p: AveragingRound(p, 0, 1, ids, x, codec="topk", density=0.01, aggregate="robust") for p, x in zip(ids, xs)}
+    spec = RoundSpec(codec="topk", density=0.01, aggregate="robust")
+    rs = {p: AveragingRound(p, 0, 1, ids, x, spec) for p, x in zip(ids, xs)}
     sent = run_rounds(rs)
     outs = [r.result()[0] for r in rs.values()]
     assert all(torch.equal(outs[0], o) for o in outs)

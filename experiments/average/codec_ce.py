@@ -17,12 +17,12 @@ import torch
 from blocktrain.blocks.data import as_tensor, read_split
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain
-from blocktrain.p2p.averaging import AveragingRound
+from blocktrain.p2p.averaging import AveragingRound, RoundSpec
 
 
 def average(ids, vectors, rnd, codec, residuals):
     """One round among len(ids) members, every message delivered in order; the members' results."""
-    rounds = [AveragingRound(me, 0, rnd, ids, v, codec=codec, residual=res)
+    rounds = [AveragingRound(me, 0, rnd, ids, v, RoundSpec(codec=codec), residual=res)
               for me, v, res in zip(ids, vectors, residuals)]
     by_id = dict(zip(ids, rounds))
     queue = [(me, p) for me, r in zip(ids, rounds) for p in r.start()]

@@ -27,7 +27,7 @@ import torch
 
 from blocktrain.bench import gossip as G
 from blocktrain.bench.provenance import code_version
-from blocktrain.p2p.averaging import AveragingRound
+from blocktrain.p2p.averaging import AveragingRound, RoundSpec
 from blocktrain.p2p.averaging.robust import coordinate_median
 
 IDS4 = ["a", "b", "c", "d"]
@@ -43,7 +43,8 @@ def synthetic(apart_values=(0.5, 0.7, 1.0), seeds=(0, 1, 2), n=20_000) -> dict:
             starts = {p: base + apart * torch.randn(n) for p in IDS4}
             moved = {p: g + torch.randn(n) for p in IDS4}
             xs = {p: starts[p] + moved[p] for p in IDS4[:3]} | {"d": starts["d"] - moved["d"]}
-            rs = {p: AveragingRound(p, 0, 1, IDS4, xs[p], aggregate="robust", origin=starts[p]) for p in IDS4}
+            rs = {p: AveragingRound(p, 0, 1, IDS4, xs[p], RoundSpec(aggregate="robust"), origin=starts[p])
+                  for p in IDS4}
             queue = [(p, part) for p, r in rs.items() for part in r.start()]
             while queue:
                 src, part = queue.pop(0)

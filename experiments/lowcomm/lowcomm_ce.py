@@ -37,7 +37,7 @@ import torch
 from blocktrain.blocks.data import as_tensor, read_split
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import BlockTrainer, TrainConfig, eval_chain
-from blocktrain.p2p.averaging import AveragingRound, OuterOptimizer, flatten
+from blocktrain.p2p.averaging import AveragingRound, OuterOptimizer, RoundSpec, flatten
 from blocktrain.p2p.averaging.driver import outliers_in_a_row
 from blocktrain.p2p.averaging.robust import PairWindow, pair_cosines
 
@@ -47,7 +47,8 @@ def average(ids, vectors, rnd, codec, density, residuals, named=None, judge=None
     ``named`` (member -> rounds): counts the rounds in which the first member's report named each
     other member (rejected, a suspect, or opposed to the median). ``judge(round)``: the first
     member's round, after it ended (the driver's rule 6)."""
-    rounds = [AveragingRound(me, 0, rnd, ids, v, codec=codec, residual=res, aggregate="robust", density=density)
+    spec = RoundSpec(codec=codec, aggregate="robust", density=density)
+    rounds = [AveragingRound(me, 0, rnd, ids, v, spec, residual=res)
               for me, v, res in zip(ids, vectors, residuals)]
     by_id = dict(zip(ids, rounds))
     sent = dict.fromkeys(ids, 0)

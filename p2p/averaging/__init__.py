@@ -3,7 +3,10 @@
 The package, by concern; each module opens with the rules it implements, numbered as here:
 
 - ``round.py``: ``AveragingRound``, one round (sans-IO): its pieces and their owners, departures,
-  coverage, ``RoundReport`` and ``RoundFailed``.
+  coverage, ``RoundReport`` and ``RoundFailed``; its settings (``RoundSpec``) and the memory a
+  driver lends it (``Buffers``).
+- ``pieces.py``: a round's pieces apart from its protocol: who is live and owns each piece
+  (``Roster``), the arena's slots, what the aggregate of each piece found (``PieceRecords``).
 - ``robust.py``: pure functions: what a part may be (``validate_part``), the robust aggregate
   (the norm test, centred clipping, the coordinate-wise median, the opposed-member test).
 - ``codec.py``: the update codecs, a lossy codec's encoding with error feedback and its scratch,
@@ -18,15 +21,15 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
 - Rule 1 (round.py): everything a round does happens in ``AveragingRound``: parts, departures and
   the deadline in; messages and, once done, a result with its coverage out. No socket, clock or
   task: the ``Averager`` feeds it and sends what it returns.
-- Rule 2 (round.py): the vector is cut into P >= R pieces of at most PIECE_FLOATS; piece j is owned
+- Rule 2 (round.py; pieces.py): the vector is cut into P >= R pieces of at most PIECE_FLOATS; piece j is owned
   by member j mod R; reduce to the owner, gather from it; ``group`` digests members, round number
   and start point.
 - Rule 3 (robust.py; round.py, driver.py): every incoming part is validated before use; a sender
   whose part fails is rejected, the round goes on without it, and the driver excludes it from
   later rounds and tells it.
-- Rule 4 (round.py): a member that departs mid-round is dropped; its pieces move to live members.
+- Rule 4 (round.py; pieces.py): a member that departs mid-round is dropped; its pieces move to live members.
 - Rule 5 (round.py): coverage; below ``min_coverage`` the result raises ``RoundFailed``.
-- Rule 6 (robust.py; round.py, driver.py): ``aggregate="robust"`` (3 or more members): every member
+- Rule 6 (robust.py; round.py, pieces.py, driver.py): ``aggregate="robust"`` (3 or more members): every member
   computes every piece, by norm test and centred clipping; suspects SUSPECT_ROUNDS rounds in a row
   are excluded (far from the median; a part's norm over 100x its piece's median, the part left
   out of that piece, r6.23; pointing against the median, or, in sign rounds of updates, against
@@ -51,9 +54,9 @@ from .codec import UPDATE_CODECS
 from .driver import Averager, remember
 from .outer import OuterOptimizer, flatten, unflatten_
 from .robust import Bounds, validate_part
-from .round import AveragingRound, GroupMismatch, Part, RoundFailed, RoundReport
+from .round import AveragingRound, Buffers, GroupMismatch, Part, RoundFailed, RoundReport, RoundSpec
 
 # The package's public names, for the swarm and the benchmarks; a module's own names (its limits,
 # the robust aggregate's pieces) are imported from that module, and patched there.
-__all__ = ["UPDATE_CODECS", "Averager", "AveragingRound", "Bounds", "GroupMismatch", "OuterOptimizer", "Part",
-           "RoundFailed", "RoundReport", "flatten", "remember", "unflatten_", "validate_part"]
+__all__ = ["UPDATE_CODECS", "Averager", "AveragingRound", "Bounds", "Buffers", "GroupMismatch", "OuterOptimizer",
+           "Part", "RoundFailed", "RoundReport", "RoundSpec", "flatten", "remember", "unflatten_", "validate_part"]

@@ -48,7 +48,7 @@ from ..services import PeerServices, PeerUnreachable
 from .codec import SIGN, UPDATE_CODECS, lossy_scratch
 from .early import AHEAD_ROUNDS, EarlyParts
 from .robust import Bounds, PairWindow
-from .round import AveragingRound, GroupMismatch, Part, RoundFailed, RoundReport
+from .round import AveragingRound, Buffers, GroupMismatch, Part, RoundFailed, RoundReport, RoundSpec
 
 if TYPE_CHECKING:
     from ..transport import PeerConnection
@@ -95,7 +95,7 @@ def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
     if not r.robust:
         return []
     opposed, suspects, far = r.opposed(), r.suspects, r.far
-    if window is not None and r.origin is None and r.update_codec == SIGN:
+    if window is not None and r.origin is None and r.spec.update_codec == SIGN:
         window.add(r.pairs, r.ids)
         opposed = {**window.opposed(r.live(), me), **opposed}
     out = []
@@ -136,15 +136,14 @@ class Averager(EarlyParts):
         ``steps``: the parts are members' optimizer steps (sync params), and rule 6's pair window
         judges their sign rounds; per-step gradients are too noisy late in a deeper block."""
         super().__init__(block, floats)
-        self.peer, self.aggregate = peer, aggregate
+        self.peer = peer
         self._suspect_streak: dict[str, int] = {}
         self._pair_window = PairWindow() if steps else None  # rule 6's pair test over the last rounds
         self._mismatch_state: dict = {}  # rule 9: mismatched rounds per member (mismatches_within_allowance)
         if codec not in UPDATE_CODECS:
             raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")
-        self.codec, self.density = codec, density
-        self.min_coverage, self.timeout_s = min_coverage, timeout_s
-        self.bounds = Bounds(max_norm)
+        self.spec = RoundSpec(codec, aggregate, Bounds(max_norm), min_coverage, density)  # every round's
+        self.timeout_s = timeout_s
         self.banned: dict[str, str] = {}  # peer id -> why (we rejected its update)
         self.shunned: dict[str, str] = {}  # peers that rejected ours -> their reason
         self.events: list[dict] = []
@@ -271,13 +270,11 @@ class Averager(EarlyParts):
         buffers lent to it; it becomes the round in progress."""
         ids = list(members) if self._gossip_group is not None else \
             [p for p in members if p not in self.banned and p not in self.shunned]
-        if self.codec != "raw" and (self._scratch is None or self._scratch["x"].numel() != vector.numel()):
+        if self.spec.codec != "raw" and (self._scratch is None or self._scratch["x"].numel() != vector.numel()):
             self._scratch = None
-            self._scratch = lossy_scratch(vector.numel(), self.codec)
-        r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, codec=self.codec, start=start,
-                           bounds=self.bounds, min_coverage=self.min_coverage, residual=self._residual,
-                           aggregate=self.aggregate, out=out, arena=self._lend_arena, scratch=self._scratch,
-                           density=self.density, origin=origin)
+            self._scratch = lossy_scratch(vector.numel(), self.spec.codec)
+        r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, self.spec, start=start, residual=self._residual,
+                           lent=Buffers(out, self._lend_arena, self._scratch), origin=origin)
         self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
         return r
 

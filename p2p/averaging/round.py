@@ -50,7 +50,8 @@ from blocktrain.protocol import BlockUpdate, Codec, WireTensor
 
 from ..tensors import encode_topk, from_wire, to_wire, topk_count
 from .codec import COMPACT, SIGN, TOPK, Wire, arena_views, encode_vector
-from .robust import Bounds, accumulate_pairs, centred_clip, norm_outliers, opposed_members, validate_part
+from .pieces import PieceRecords, Roster, arena_slots, largest, mean_into, summed
+from .robust import Bounds, opposed_members, validate_part
 
 # Floats per message: 1M float32 = 4 MiB, well inside a frame (MAX_FRAME_BYTES is 16 MiB).
 PIECE_FLOATS = 1 << 20
@@ -118,38 +119,53 @@ def group_digest(members, rnd: int, start: str) -> str:
     return hashlib.sha256(f"{','.join(sorted(members))}|{rnd}|{start}".encode()).hexdigest()[:16]
 
 
-def _largest(records: dict[int, dict]) -> dict[str, float]:
-    """Per-piece records (piece -> member -> a float): each member's largest, over the pieces."""
-    out: dict[str, float] = {}
-    for j in sorted(records):
-        for p, v in records[j].items():
-            out[p] = max(out.get(p, 0.0), v)
-    return out
+@dataclass(frozen=True)
+class RoundSpec:
+    """A round's settings, one for all the rounds of a driver (validated here)."""
+    codec: Codec | str = Codec.RAW  # the update codec: a tensor codec, or topk / sign (rule 7)
+    aggregate: str = "mean"  # "robust" (rule 6, with 3 or more members) or "mean"
+    bounds: Bounds = Bounds()  # what an incoming part may be (rule 3)
+    min_coverage: float = 1.0  # below it the result raises RoundFailed (rule 5)
+    density: float = 0.01  # the fraction of each chunk a topk round sends
+
+    def __post_init__(self):
+        if self.codec not in COMPACT:
+            object.__setattr__(self, "codec", Codec(self.codec))
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate {self.aggregate!r}: expected one of {AGGREGATES}")
+
+    @property
+    def compact(self) -> str | None:
+        """topk or sign: a part of several raw tensors; None for a tensor codec."""
+        return self.codec if self.codec in COMPACT else None
+
+    @property
+    def tensor_codec(self) -> Codec:
+        """The codec of a part's tensors (a compact codec's are raw)."""
+        return Codec.RAW if self.compact else Codec(self.codec)
+
+    @property
+    def update_codec(self) -> str:
+        """What the parts' BlockUpdate says: topk, sign or the tensor codec's name."""
+        return self.compact or self.tensor_codec.value
+
+    @property
+    def k(self) -> int:
+        """topk: the values sent per chunk."""
+        return topk_count(self.density) if self.codec == TOPK else 0
 
 
-def _summed(records: dict[int, dict]) -> dict:
-    """Per-piece records (piece -> key -> a float or a list of floats) summed key by key, in piece
-    order: the same float sums at every member whatever order its pieces were computed in."""
-    out: dict = {}
-    for j in sorted(records):
-        for k, v in records[j].items():
-            if isinstance(v, float):
-                out[k] = out.get(k, 0.0) + v
-            else:
-                acc = out.setdefault(k, [0.0] * len(v))
-                for i, x in enumerate(v):
-                    acc[i] += x
-    return out
-
-
-def _mean_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """The plain mean of ``parts`` (in member order) into ``out``: the first copied, the others added
-    one by one, then divided by their count, in float32 (PROTOCOL.md 7.1: members must get the same
-    bytes, so the order of the additions is part of the rule)."""
-    out.copy_(parts[0])
-    for v in parts[1:]:
-        out.add_(v)
-    out.div_(len(parts))
+@dataclass(frozen=True)
+class Buffers:
+    """The memory a driver lends a round (rule 8), kept from round to round so that a round touches
+    no fresh memory; fresh tensors where None. ``out``: where the result goes (n float32).
+    ``arena``: where the other members' parts are decoded (float32: R - 1 slots of the pieces we
+    compute, i.e. every piece in a robust or sign round, those we own in a mean round; or a
+    function that returns one of the size it is asked; fresh for pieces that move to us mid-round).
+    ``scratch``: a lossy codec's buffers (``lossy_scratch``)."""
+    out: torch.Tensor | None = None
+    arena: torch.Tensor | Callable[[int], torch.Tensor] | None = None
+    scratch: dict | None = None
 
 
 def _result_buffer(out: torch.Tensor | None, vector: torch.Tensor, n: int) -> torch.Tensor:
@@ -165,44 +181,22 @@ def _result_buffer(out: torch.Tensor | None, vector: torch.Tensor, n: int) -> to
 class AveragingRound:
     """One round of reduce-scatter + all-gather, as seen by member ``me`` (sans-IO)."""
 
-    def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, *,
-                 codec: Codec | str = Codec.RAW, start: str = "", bounds: Bounds = Bounds(),
-                 min_coverage: float = 1.0, residual: torch.Tensor | None = None, aggregate: str = "mean",
-                 out: torch.Tensor | None = None,
-                 arena: torch.Tensor | Callable[[int], torch.Tensor] | None = None, scratch: dict | None = None,
-                 density: float = 0.01, origin: torch.Tensor | None = None):
-        """``out``: where the result goes (n float32; a fresh tensor if None). ``arena``: where the
-        other members' parts are decoded (float32: R - 1 slots of the pieces we compute, i.e. every
-        piece in a robust or sign round, those we own in a mean round; or a function that returns
-        one of the size it is asked), reused across rounds by the driver so that a round touches no
-        fresh memory; fresh tensors if None (and for pieces that move to us mid-round).
-        ``scratch``: a lossy codec's buffers (``lossy_scratch``), lent the same way; ``residual``
-        may be its "residual". ``density``: the fraction of each chunk a topk round sends.
-        ``origin``: where the vector is a point (a gossip round's parameters), our own start point
-        of the steps it took; a robust round measures the members' updates from it to find one
-        opposed to the median's (rule 6, ``opposed_members``). None: the vector is an update itself."""
-        if codec not in COMPACT:
-            codec = Codec(codec)
-        if aggregate not in AGGREGATES:
-            raise ValueError(f"aggregate {aggregate!r}: expected one of {AGGREGATES}")
-        self.me, self.block, self.round = me, block, rnd
-        self.ids = sorted(set(members) | {me})
-        self.compact = codec if codec in COMPACT else None  # topk or sign: parts of several raw tensors
-        self.sparse = codec == TOPK
-        self.k = topk_count(density) if self.sparse else 0
-        self.codec = Codec.RAW if self.compact else Codec(codec)  # a compact codec's tensors are raw
-        self.update_codec = self.compact or self.codec.value
-        self.bounds, self.min_coverage = bounds, min_coverage
-        self.robust = aggregate == "robust" and len(self.ids) >= 3
-        self.everyone = self.robust or codec == SIGN  # every member computes every piece (rule 6)
-        # robust, per piece (a piece computed again replaces its record, so what a member names does
-        # not depend on the order parts came in): suspects, member -> distance in median distances;
-        # member -> [u . m, |u|^2], None -> |m|^2 (robust.py); in sign rounds of updates, (p, q) ->
-        # [u_p . u_q, |u_p|^2, |u_q|^2] (``accumulate_pairs``, for the driver's ``PairWindow``)
-        self._piece_suspects: dict[int, dict] = {}
-        self._piece_far: dict[int, dict] = {}  # member -> its part's norm over the median's (left out)
-        self._piece_agree: dict[int, dict] = {}
-        self._piece_pairs: dict[int, dict] = {}
+    def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, spec: RoundSpec = RoundSpec(),
+                 *, start: str = "", residual: torch.Tensor | None = None, lent: Buffers = Buffers(),
+                 origin: torch.Tensor | None = None):
+        """``spec``: the round's settings; ``start``: the digest of its start point (rule 2).
+        ``residual``: the last round's error feedback (rule 7; may be ``lent.scratch``'s "residual").
+        ``lent``: the driver's buffers (``Buffers``). ``origin``: where the vector is a point (a
+        gossip round's parameters), our own start point of the steps it took; a robust round
+        measures the members' updates from it to find one opposed to the median's (rule 6,
+        ``opposed_members``). None: the vector is an update itself."""
+        self.me, self.block, self.round, self.spec = me, block, rnd, spec
+        self.roster = roster = Roster(me, members)
+        self.ids, self.departed, self.rejected, self.mismatched = (roster.ids, roster.departed, roster.rejected,
+                                                                   roster.mismatched)  # the roster's own, shared
+        self.robust = spec.aggregate == "robust" and len(self.ids) >= 3
+        self.everyone = self.robust or spec.codec == SIGN  # every member computes every piece (rule 6)
+        self.records = PieceRecords()
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
         self.n = n = vector.numel()
         self.P = max(len(self.ids), -(-n // PIECE_FLOATS))
@@ -212,62 +206,31 @@ class AveragingRound:
         if self.origin is not None and self.origin.numel() != n:
             raise ValueError(f"origin of {self.origin.numel()} floats for a vector of {n}")
         # error feedback (rule 7), in the driver's buffers when it lends them
-        enc = encode_vector(self.vector, self.spans(), self.update_codec, self.k, residual, scratch)
+        enc = encode_vector(self.vector, self.spans(), spec.update_codec, spec.k, residual, lent.scratch)
         self.x, self.wires, self.residual, self.sent = enc.x, enc.wires, enc.residual, enc.sent
-        self.out = _result_buffer(out, vector, n)
-        self._lay_out_arena(arena)
-        self.departed: dict[str, str] = {}
-        self._live_key: tuple | None = None  # (departed, rejected) counts the cache of ``_live`` is for
-        self._live_cache: tuple[list[str], set[str]] = ([], set())
-        self._owners: list[str] = []  # piece -> its owner now (kept with the cache)
-        self.mismatched: set[str] = set()  # members that began the round with another view of the group (rule 4)
-        self._private: set[str] = set()  # departed, not relayed in meta ``departed`` (``depart``)
-        self.rejected: list[dict] = []  # {"peer", "reason"}, in order
+        self.out = _result_buffer(lent.out, vector, n)
+        # each other member's slot in the arena: the places of the pieces we compute
+        self._slot, size = arena_slots(self.spans(), [self.everyone or self.ids[j % len(self.ids)] == me
+                                                      for j in range(self.P)])
+        self._arena = arena_views(lent.arena, [p for p in self.ids if p != me], size)
         self._received: dict[int, dict[str, torch.Tensor]] = {j: {} for j in range(self.P)}
         self._sent_to: dict[int, str | set[str]] = {}  # piece -> owner (mean) or the members it went to (robust)
         self._gather_sent: set[int] = set()
         self.gathered: dict[int, list] = {}  # piece -> contributors, once its average is in ``out``
         self.finished = False
 
-    def _lay_out_arena(self, arena: torch.Tensor | Callable[[int], torch.Tensor] | None) -> None:
-        """Each other member's slot in the arena: the places of the pieces we compute (robust or
-        sign: every piece; mean: the pieces we own), the same in every slot."""
-        R = len(self.ids)
-        self._slot: dict[int, tuple[int, int]] = {}  # piece -> its place in each member's arena slot
-        at = 0
-        for j, (a, b) in enumerate(self.spans()):
-            if self.everyone or self.ids[j % R] == self.me:
-                self._slot[j] = (at, at + b - a)
-                at += b - a
-        self._arena = arena_views(arena, [p for p in self.ids if p != self.me], at)
-
     def spans(self):
         return [(self.bounds_[j], self.bounds_[j + 1]) for j in range(self.P)]
 
-    # --- who -----------------------------------------------------------------------------------
+    # --- who (pieces.py's ``Roster``) -----------------------------------------------------------
     def rejected_ids(self) -> set[str]:
-        return {r["peer"] for r in self.rejected}
+        return self.roster.rejected_ids()
 
     def live(self) -> list[str]:
-        return list(self._live()[0])
-
-    def _live(self) -> tuple[list[str], set[str]]:
-        """The live members, as a list and a set: kept until a member departs or is rejected (both
-        only grow), since every part asks who owns every piece."""
-        key = (len(self.departed), len(self.rejected))
-        if self._live_key != key:
-            bad = self.rejected_ids()
-            live = [p for p in self.ids if p not in self.departed and p not in bad]
-            alive, R = set(live), len(self.ids)
-            owners = [self.ids[j % R] for j in range(self.P)]  # a piece of a gone owner moves to a live
-            self._owners = [o if o in alive or not live else live[j % len(live)]  # member, the same for
-                            for j, o in enumerate(owners)]                     # all (rule 4)
-            self._live_cache, self._live_key = (live, alive), key
-        return self._live_cache
+        return list(self.roster.live()[0])
 
     def owner(self, j: int) -> str:
-        self._live()
-        return self._owners[j]
+        return self.roster.owner(j)
 
     @property
     def done(self) -> bool:
@@ -280,7 +243,7 @@ class AveragingRound:
     def receive(self, pid: str, msg: BlockUpdate) -> list[Part]:
         """A part from ``pid``; returns what to send next. A part that fails validation rejects
         its sender (see ``rejected``)."""
-        if self.done or pid not in self._live()[1]:
+        if self.done or pid not in self.roster.live()[1]:
             return []
         phase, j = msg.meta.get("phase"), msg.meta.get("part")
         if type(j) is not int or not 0 <= j < self.P or phase not in ("reduce", "gather"):
@@ -290,14 +253,7 @@ class AveragingRound:
             return self._reject(pid, "malformed 'departed'")
         if not isinstance(other, list) or len(other) > len(self.ids):
             return self._reject(pid, "malformed 'mismatched'")
-        for d in other:  # before ``departed`` lists them: a relayed mismatch is one
-            if isinstance(d, str) and d != self.me and d != pid and d in self.ids:
-                self.mismatched.add(d)
-                if d in self._live()[1]:
-                    self.departed[d] = f"another view of the group, said {pid[:12]}"
-        for d in gone:
-            if isinstance(d, str) and d != self.me and d != pid and d in self._live()[1]:
-                self.departed[d] = f"departed at {pid[:12]}"
+        self.roster.relayed(pid, gone, other)
         a, b = self.bounds_[j], self.bounds_[j + 1]
         if self.everyone and phase != "reduce":
             return self._reject(pid, "sent an average in a round where every member computes every piece")
@@ -308,7 +264,7 @@ class AveragingRound:
         elif phase == "reduce" and self._arena is not None and pid not in self._received[j] and j in self._slot:
             into = self._arena[pid][slice(*self._slot[j])]  # this member's place for the piece in the arena
         try:
-            t = validate_part(msg, b - a, self.bounds, into, self.compact)
+            t = validate_part(msg, b - a, self.spec.bounds, into, self.spec.compact)
         except ValueError as e:
             return self._reject(pid, str(e))
         if phase == "reduce":
@@ -323,11 +279,11 @@ class AveragingRound:
         the others depart it too; not for a matter between the two of us (a gossip round's
         exclusion, rule 10 of the package: relayed, it would let an excluded member have its
         excluder departed by everyone who hears of it first)."""
-        if pid not in self._live()[1] or pid == self.me or self.done:
+        if pid not in self.roster.live()[1] or pid == self.me or self.done:
             return []
         self.departed[pid] = why
         if not relay:
-            self._private.add(pid)
+            self.roster.private.add(pid)
         return self._progress(final=False)
 
     def mismatch(self, pid: str, why: str) -> list[Part]:
@@ -353,29 +309,23 @@ class AveragingRound:
         return out
 
     def _reject(self, pid: str, why: str) -> list[Part]:
-        if pid != self.me and all(r["peer"] != pid for r in self.rejected):
-            self.rejected.append({"peer": pid, "reason": why})
+        self.roster.reject(pid, why)
         return self._progress(final=False)
 
     # --- the protocol ----------------------------------------------------------------------------
     def _own(self, j: int) -> torch.Tensor:
         """Our part of piece j as the others decode it."""
         a, b = self.bounds_[j], self.bounds_[j + 1]
-        if self.compact:
+        if self.spec.compact:
             assert self.sent is not None, "a topk or sign round keeps what the others decode"
             return self.sent[a:b]
         w = self.wires[j]
         assert isinstance(w, WireTensor), "a dense round's part is one tensor"
-        return from_wire(w) if self.codec.lossy else self.x[a:b]
+        return from_wire(w) if self.spec.tensor_codec.lossy else self.x[a:b]
 
     def _msg(self, phase: str, j: int, wire: Wire, **meta) -> BlockUpdate:
-        relayed = sorted(p for p in self.departed if p not in self._private)
-        if relayed:
-            meta["departed"] = relayed
-        if self.mismatched:
-            meta["mismatched"] = sorted(self.mismatched)
-        return BlockUpdate(block=self.block, round=self.round, codec=self.update_codec, tensors=_tensors(wire),
-                           meta={"phase": phase, "part": j, "group": self.group, **meta})
+        return BlockUpdate(block=self.block, round=self.round, codec=self.spec.update_codec, tensors=_tensors(wire),
+                           meta={"phase": phase, "part": j, "group": self.group, **meta, **self.roster.meta()})
 
     def _progress(self, final: bool) -> list[Part]:
         if self.everyone:
@@ -405,13 +355,13 @@ class AveragingRound:
         """A mean round: piece j (ours) averaged from ``got`` into the result, sent to the others."""
         avg = self.out[self.bounds_[j]:self.bounds_[j + 1]]
         contributors = sorted(got)
-        _mean_into(avg, [got[p] for p in contributors])
+        mean_into(avg, [got[p] for p in contributors])
         w: Wire
-        if self.sparse:  # the average of R sparse parts has at most R x k values per chunk
-            w = encode_topk(avg, self.k * len(self.ids), avg)  # avg becomes what the others decode
+        if self.spec.compact == TOPK:  # the average of R sparse parts has at most R x k values per chunk
+            w = encode_topk(avg, self.spec.k * len(self.ids), avg)  # avg becomes what the others decode
         else:
-            w = dense = to_wire("part", avg, self.codec, "never")
-            if self.codec.lossy:
+            w = dense = to_wire("part", avg, self.spec.tensor_codec, "never")
+            if self.spec.tensor_codec.lossy:
                 from_wire(dense, out=avg)  # what the others will decode (rule 6)
         self._gather_sent.add(j)
         self.gathered[j] = contributors
@@ -429,7 +379,7 @@ class AveragingRound:
             if self.me not in sent:
                 sent.add(self.me)
                 self._received[j][self.me] = self._own(j)
-            for p in self._live()[0]:
+            for p in self.roster.live()[0]:
                 if p not in sent:
                     sent.add(p)
                     out.append(Part(p, self._msg("reduce", j, self.wires[j]), _stored(self.wires[j])))
@@ -448,53 +398,35 @@ class AveragingRound:
         return out
 
     def _robust_piece(self, j: int, got: dict) -> None:
+        """Piece j computed here (``PieceRecords.aggregate``), its contributors every member of ``got``
+        (a far part is weighed, at nothing, as a clipped one)."""
         a, b = self.bounds_[j], self.bounds_[j + 1]
-        ids = sorted(got)
-        for rec in (self._piece_suspects, self._piece_far, self._piece_agree, self._piece_pairs):
-            rec.pop(j, None)
-        considered = ids  # the piece's contributors: a far part is weighed (at nothing), as a clipped one
-        if self.robust and len(ids) >= 3:
-            far = norm_outliers(got)  # left out of this piece (ours too): suspects, not rejected
-            if far:
-                self._piece_far[j] = far
-                ids = [p for p in ids if p not in far]
-        avg = self.out[a:b]
-        pairs_wanted = self.robust and self.update_codec == SIGN and self.origin is None and len(ids) >= 2
-        x = torch.stack([got[p] for p in ids]) if pairs_wanted or (self.robust and len(ids) >= 3) else None
-        if pairs_wanted and x is not None:  # every piece of two parts or more: a member that
-            pairs: dict = {}  # withholds a part cannot choose where an honest pair is measured
-            accumulate_pairs(pairs, x, ids)
-            self._piece_pairs[j] = pairs
-        if x is not None and len(ids) >= 3:
-            suspects: dict[str, float] = {}
-            agree: dict = {}
-            self._piece_suspects[j], self._piece_agree[j] = suspects, agree
-            avg.copy_(centred_clip(x, suspects, ids, agree, None if self.origin is None else self.origin[a:b]))
-        else:
-            _mean_into(avg, [got[p] for p in ids])
-        self.gathered[j] = considered
+        pairs = self.robust and self.spec.update_codec == SIGN and self.origin is None
+        self.records.aggregate(j, got, self.out[a:b], self.robust, pairs,
+                               None if self.origin is None else self.origin[a:b])
+        self.gathered[j] = sorted(got)
 
     @property
     def far(self) -> dict[str, float]:
         """Robust: member -> its largest part norm over the piece's median norm, where a part was
         left out of its piece for it (``norm_outliers``)."""
-        return _largest(self._piece_far)
+        return largest(self.records.far)
 
     @property
     def suspects(self) -> dict[str, float]:
         """Robust: member -> its largest distance over the pieces, in median distances."""
-        return _largest(self._piece_suspects)
+        return largest(self.records.suspects)
 
     @property
     def _agree(self) -> dict:
         """Robust: member -> [u . m, |u|^2] summed over the pieces, None -> |m|^2 (robust.py)."""
-        return _summed(self._piece_agree)
+        return summed(self.records.agree)
 
     @property
     def pairs(self) -> dict:
         """Robust, parts that are updates: (p, q) -> [u_p . u_q, |u_p|^2, |u_q|^2] summed over the
         pieces that held both (``PairWindow`` takes them in)."""
-        return _summed(self._piece_pairs)
+        return summed(self.records.pairs)
 
     def result(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector and the round's report; RoundFailed below ``min_coverage``."""
@@ -513,9 +445,9 @@ class AveragingRound:
                           departed=sorted(self.departed),
                           why={**self.departed, **{r["peer"]: r["reason"] for r in self.rejected}},
                           robust=self.robust, suspects=dict(self.suspects), far=self.far, opposed=self.opposed())
-        if rep.coverage < self.min_coverage:
+        if rep.coverage < self.spec.min_coverage:
             raise RoundFailed(self.block, self.round, rep.coverage, sum(not p["ok"] for p in parts), self.P,
-                              self.min_coverage, frozenset(self.silent()))
+                              self.spec.min_coverage, frozenset(self.silent()))
         return self.out, rep
 
     def opposed(self) -> dict:
