@@ -241,17 +241,20 @@ async def test_a_member_that_yields_mid_round_leaves_that_round_at_once(tmp_path
             await p.stop()
 
 
+@pytest.mark.parametrize("ok", [False, True], ids=["cut-off-fails", "cut-off-ok"])
 async def test_a_member_that_yields_to_a_group_that_never_admits_it_trains_on_and_says_it_was_cut_off(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, ok):
     """Both partition defects, on trainers (min_group 2): a is cut off from b and c, then hears them
     again but its own messages do not reach them (its JOINs are lost) until they finished. a yields
     to their group every time it hears their STATUS and is never admitted: it trains on alone (never
     'ready to start together' once the block began), ends its block, says it was cut off and ends
-    with CutOff (bt-peer: exit 1). Before r6.24 it waited at the start barrier for good."""
+    with CutOff (bt-peer: exit 1), or, with swarm.cut_off_ok, returns its report, which says so.
+    Before r6.24 it waited at the start barrier for good."""
     monkeypatch.setattr(membership_module, "STATUS_EVERY_S", 0.5)
     net = CutNet()
     peers = [net.peer(i + 1, blocks=(0,)) for i in range(3)]
-    sc = SwarmConfig(schedule="parallel", round_timeout_s=60, join_timeout_s=0.5, eval_windows=2, min_group=2)
+    sc = SwarmConfig(schedule="parallel", round_timeout_s=60, join_timeout_s=0.5, eval_windows=2, min_group=2,
+                     cut_off_ok=ok)
     tc = TrainConfig(steps=90, batch_size=2, seq_len=16, warmup=1, draft_frac=0)
     lines: list[str] = []
     sps = [slowed(SwarmTrainer(p, 0, MC, tc, sc, tmp_path / f"w{i}", DATA, DATA,
@@ -274,8 +277,14 @@ async def test_a_member_that_yields_to_a_group_that_never_admits_it_trains_on_an
         assert any(x.startswith("not admitted") for x in lines[started:]) and any("cut off" in x for x in lines)
         from blocktrain.p2p.swarm import CutOff
         e = tasks[0].exception()
-        assert isinstance(e, CutOff) and e.block == 0 and e.report["cut_off"]["largest_group"] == 3
-        assert e.report["step"] == e.report["steps"] and e.report["state"] == "done"
+        if ok:
+            assert e is None
+            rep = tasks[0].result()
+        else:
+            assert isinstance(e, CutOff) and e.block == 0
+            rep = e.report
+        assert rep["cut_off"]["largest_group"] == 3 and rep["cut_off"]["block"] == 0
+        assert rep["step"] == rep["steps"] and rep["state"] == "done"
     finally:
         for t in tasks:
             t.cancel()

@@ -54,12 +54,16 @@ def _move(lab, hosts, bridge):
         _switch(lab, "ip", "link", "set", f"{lab.prefix}b{i}", "master", bridge)
 
 
+def _said(p) -> str:
+    """What a peer's log says, without its progress lines."""
+    return "\n".join(x for x in p.log.read_text().splitlines() if "/" + str(STEPS) + " (block" not in x)[-3000:]
+
+
 def _until(cond, what, deadline, procs):
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         for i, p in enumerate(procs):
-            assert p.poll() is None, f"peer {i} exited (code {p.returncode}) while waiting for {what}: " \
-                                     f"{p.log.read_text()[-2000:]}"
+            assert p.poll() is None, f"peer {i} exited (code {p.returncode}) while waiting for {what}: {_said(p)}"
         time.sleep(0.1)
 
 
@@ -102,8 +106,8 @@ def test_a_partition_in_namespaces_heals_into_one_group_with_identical_parameter
         t_cut = time.monotonic()
         _until(lambda: all(len(r.get("group", [])) < 4 for r in reps()), "the split", deadline, procs)
         applied = [r["rounds_applied"] for r in reps()]
-        _until(lambda: all(r["rounds_applied"] >= a + 20 for r, a in zip(reps(), applied)), "rounds apart",
-               deadline, procs)
+        _until(lambda: all(r["rounds_applied"] >= a + 5 for r, a in zip(reps(), applied)), "rounds apart",
+               deadline, procs)  # (a side alone trains a round in milliseconds: it must not finish apart)
         _move(lab, moved, "br0")
         t_heal = time.monotonic()
         _until(one, "one group after the heal", deadline, procs)
@@ -111,10 +115,10 @@ def test_a_partition_in_namespaces_heals_into_one_group_with_identical_parameter
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
         print(f"{case}: cut {t_heal - t_cut:.1f} s, heal to one group {healed_s:.2f} s, "
-              f"steps at the heal {[a for a in applied]}")
+              f"rounds applied at the split {applied}")
         ends = [_report(tmp_path, i) for i in range(4)]
         for i, (p, r) in enumerate(zip(procs, ends)):
-            assert p.returncode == 0, f"peer {i}: {p.log.read_text()[-2000:]}"
+            assert p.returncode == 0, f"peer {i}: {_said(p)}"
             assert r["state"] == "done" and r["step"] == r["steps"] and r.get("cut_off") is None
         from blocktrain.blocks import checkpoint as ckpt
         import torch
