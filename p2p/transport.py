@@ -2,8 +2,8 @@
 
 Rules:
 - One ``asyncio.Protocol`` per TCP connection feeds bytes to the sans-IO ``Connection`` and
-  queues its events for one reader (``recv``). Above ``HIGH_WATER_EVENTS`` queued events reading
-  pauses; below ``LOW_WATER_EVENTS`` it resumes.
+  queues its events for one reader (``recv``, from an ``Inbox``). Above ``HIGH_WATER_EVENTS``
+  queued events reading pauses; below ``LOW_WATER_EVENTS`` it resumes.
 - One writer task per connection takes frames from two queues (``SendQueue``, flow.py), control
   (stream 0) first, then bulk (chunked streams), so a transfer never delays a heartbeat by more
   than one frame. Each frame is sealed as it is taken and written whole; a writer that cannot
@@ -92,6 +92,55 @@ def _shared_read_buffer() -> memoryview:
     return buf
 
 
+class Inbox:
+    """The events a connection parsed, waiting for its one reader; reading from the transport
+    pauses at HIGH_WATER_EVENTS of them and resumes at LOW_WATER_EVENTS."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.events: collections.deque = collections.deque()
+        self.paused = False  # reading from the transport is paused
+        self._waiter: asyncio.Future | None = None
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def push(self, ev, transport: asyncio.Transport | None) -> None:
+        self.events.append(ev)
+        if len(self.events) >= HIGH_WATER_EVENTS and not self.paused and transport:
+            self.pause(transport)
+        self.wake()
+
+    def pop(self, transport: asyncio.Transport | None):
+        ev = self.events.popleft()
+        if self.paused and len(self.events) <= LOW_WATER_EVENTS and transport:
+            self.resume(transport)
+        return ev
+
+    def pause(self, transport: asyncio.Transport) -> None:
+        self.paused = True
+        transport.pause_reading()
+
+    def resume(self, transport: asyncio.Transport) -> None:
+        self.paused = False
+        transport.resume_reading()
+
+    async def wait(self) -> None:
+        """Until an event is pushed or ``wake`` is called (the connection closed)."""
+        self._waiter = self.loop.create_future()
+        await self._waiter
+
+    def wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+def owned_frames(frames: list, sealed: bool) -> list:
+    """Frames that view no caller's memory: sealed ones are (the seal wrote them into our pool);
+    unsealed views of a message's buffers are copied."""
+    return frames if sealed else [bytes(f) if isinstance(f, memoryview) else f for f in frames]
+
+
 class PeerConnection(asyncio.BufferedProtocol):
     def __init__(self, conn: Connection, timeouts: Timeouts = Timeouts(), link: LinkSpec | None = None,
                  name: str = ""):
@@ -102,9 +151,7 @@ class PeerConnection(asyncio.BufferedProtocol):
         self.loop = asyncio.get_running_loop()
         self.established: asyncio.Future = self.loop.create_future()
         self.closed: asyncio.Future = self.loop.create_future()
-        self._events: collections.deque = collections.deque()
-        self._event_waiter: asyncio.Future | None = None
-        self._paused_reading = False
+        self.inbox = Inbox(self.loop)  # what ``recv`` returns next
         self._sendq = SendQueue(self.loop, self.closed)
         self._writer: asyncio.Task | None = None
         self.shaper = LinkShaper(link) if link is not None and link.shaped else None
@@ -174,7 +221,7 @@ class PeerConnection(asyncio.BufferedProtocol):
                     except ConnectionError:
                         return
                     continue
-                self._push(ev)
+                self.inbox.push(ev, self.transport)
                 if isinstance(ev, ConnectionClosed):
                     cause = (CloseCause.DUPLICATE if ev.code == 0 and ev.reason == DUPLICATE_REASON
                              else CloseCause.GOODBYE if ev.code == 0 else CloseCause.PEER_ERROR)
@@ -206,29 +253,16 @@ class PeerConnection(asyncio.BufferedProtocol):
         self._sendq.resume()
 
     # --- events --------------------------------------------------------------------------------
-    def _push(self, ev):
-        self._events.append(ev)
-        if len(self._events) >= HIGH_WATER_EVENTS and not self._paused_reading and self.transport:
-            self._paused_reading = True
-            self.transport.pause_reading()
-        if self._event_waiter is not None and not self._event_waiter.done():
-            self._event_waiter.set_result(None)
-
     async def recv(self):
         """The next message; ``ConnectionClosed`` once the peer closes; raises after a failure."""
-        while not self._events:
+        while not self.inbox:
             if self.closed.done():
                 exc = self.closed.result()
                 if isinstance(exc, BaseException):
                     raise exc
                 return ConnectionClosed(0, self.close_reason or "closed")
-            self._event_waiter = self.loop.create_future()  # _push and _shutdown resolve it
-            await self._event_waiter
-        ev = self._events.popleft()
-        if self._paused_reading and len(self._events) <= LOW_WATER_EVENTS and self.transport:
-            self._paused_reading = False
-            self.transport.resume_reading()
-        return ev
+            await self.inbox.wait()  # a pushed event and _shutdown end the wait
+        return self.inbox.pop(self.transport)
 
     # --- sending -------------------------------------------------------------------------------
     def send_nowait(self, msg: Message, bulk: bool = False):
@@ -272,7 +306,7 @@ class PeerConnection(asyncio.BufferedProtocol):
                     if self.closed.done() or self._sendq.empty():
                         continue
                 msg = self._sendq.pop()
-                frames = self._owned(self.conn.send_buffers(msg))  # from here the frame must go out whole
+                frames = owned_frames(self.conn.send_buffers(msg), self.conn.sealed_session)  # must go out whole
                 if self.shaper is not None:
                     self._link().put(self.shaper, frames)  # frames in flight on the link: they pipeline
                     if isinstance(msg, Goodbye):
@@ -292,13 +326,6 @@ class PeerConnection(asyncio.BufferedProtocol):
         if self._shaped is None:
             self._shaped = ShapedLink(self.loop, self.closed, self._write, self._shutdown, self.name)
         return self._shaped
-
-    def _owned(self, frames: list) -> list:
-        """Frames that view no caller's memory: sealed ones are (the seal wrote them into our
-        pool); unsealed views of a message's buffers are copied."""
-        if self.conn.sealed_session:
-            return frames
-        return [bytes(f) if isinstance(f, memoryview) else f for f in frames]
 
     def release_queued(self, msgs) -> int:
         """Queued messages among ``msgs`` (compared by identity) are replaced by copies that own
@@ -326,8 +353,7 @@ class PeerConnection(asyncio.BufferedProtocol):
         if not self.established.done():
             self.established.set_exception(exc or ConnectionError(reason))
             self.established.exception()  # mark retrieved: the caller may have given up waiting
-        if self._event_waiter is not None and not self._event_waiter.done():
-            self._event_waiter.set_result(None)
+        self.inbox.wake()
         self._sendq.close()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
@@ -376,9 +402,8 @@ class PeerConnection(asyncio.BufferedProtocol):
             transport.write_eof()  # a shaped link's frames are out: the writer flushed them before it ended
         except OSError:  # the peer's reset came first: nothing left to read
             return
-        if self._paused_reading:
-            self._paused_reading = False
-            transport.resume_reading()
+        if self.inbox.paused:
+            self.inbox.resume(transport)
         await asyncio.shield(self.closed)
 
     async def wait_closed(self):

@@ -66,7 +66,7 @@ async def test_messages_cross_a_real_socket(psk):
         assert await asyncio.wait_for(b.recv(), 5) == Status(status={"hello": 1})
         a.send_nowait(Ping(nonce=7))  # answered by b's driver, never queued for b's reader
         assert await asyncio.wait_for(a.recv(), 5) == Pong(nonce=7)
-        assert not b._events
+        assert not b.inbox
     finally:
         await a.close()
         await b.close()
@@ -344,8 +344,7 @@ async def test_goodbye_reaches_a_busy_peer_that_was_still_sending_to_us(psk):
     server, a, b = await _pair(psk)
     try:
         for pc in (a, b):  # neither reads: the one stopping, nor the busy peer
-            pc.transport.pause_reading()
-            pc._paused_reading = True
+            pc.inbox.pause(pc.transport)
         for r in range(40):
             b.send_nowait(BlockUpdate(block=0, round=r, meta={"phase": "reduce", "part": 0}), bulk=True)
         for k in range(16):  # a -> b: more than b's socket takes while it does not read
@@ -353,8 +352,7 @@ async def test_goodbye_reaches_a_busy_peer_that_was_still_sending_to_us(psk):
         await asyncio.sleep(0.3)
         await a.close("stopping")
         assert a.close_cause is CloseCause.LOCAL
-        b.transport.resume_reading()
-        b._paused_reading = False
+        b.inbox.resume(b.transport)
         while not isinstance(m := await asyncio.wait_for(b.recv(), 5), ConnectionClosed):
             pass
         assert m.reason == "stopping" and b.close_cause is CloseCause.GOODBYE
