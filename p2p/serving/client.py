@@ -305,32 +305,12 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
         client = PipelineClient(ident, key, route, list(range(len(route))), tmo, timeout_s=timeout)
         try:
             await client.connect()
-            if mode == "blocktrain":
-                out, stats = await client.generate_blocktrain(prompt, n, sampling)
-                assert client.last_rows is not None  # generate_blocktrain sets it
-                rows = client.last_rows
-            else:
-                if s is None or verify:  # a checked output that failed is made again from the prompt
-                    s = new_session(prompt, n, mode, sampling, draft_len, msl)
-                else:
-                    s.reset_caches()  # a new chain: its hops hold nothing of this session
-                stats = await client.run(s, mode)
-                out, stats["traversals"], rows = s.output, s.stats.traversals, torch.stack(s.rows)
+            # a checked output that failed is made again from the prompt
+            out, stats, rows, s = await _run_on(client, prompt, n, mode, sampling, s, verify, draft_len, msl)
             stats["route"], stats["attempts"] = route, attempt + 1
             if verify:
-                members = status_members(st)
-                others = {b: [h for h in holders(members, b, "serve") if h not in avoid] for b in range(len(route))}
-                check = await check_output(rows, route, others, functools.partial(_recompute, ident, key, tmo, timeout,
-                                                                                 prompt + out, len(prompt), mode),
-                                           verify_tol)
-                stats["verify"] = check.as_dict()
-                if check.named:
-                    log(f"--verify named {check.named}: their answers differ from the other holders of their block")
-                if check.suspects:
-                    log(f"--verify avoids {check.suspects} (suspects, not named: {check.why or 'unresolved'})")
-                if not check.ok:
-                    raise OutputRejected(f"the output through {route} failed its check: {check.why}",
-                                         check.named + check.suspects)
+                recompute = functools.partial(_recompute, ident, key, tmo, timeout, prompt + out, len(prompt), mode)
+                stats["verify"] = await _verified(rows, route, status_members(st), avoid, recompute, verify_tol, log)
             stats["seconds"] = time.perf_counter() - t0
             return out, stats
         except (PipelineError, ConnectionError) as e:
@@ -338,18 +318,57 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
                 raise  # no other chain would serve it either (VerifyError: nothing can be checked)
             last = e
             log(f"attempt {attempt + 1} through {route} failed: {e}")
-            hop = getattr(e, "hop", None)
-            if isinstance(e, OutputRejected):
-                avoid.update(e.avoid)
-            elif isinstance(e, CheckFailed) and e.addr is not None:
-                avoid.add(e.addr)
-            elif isinstance(hop, int) and 0 <= hop < len(route):
-                avoid.add(route[hop])
-            else:  # no answer: let the swarm notice the silent peer
-                await asyncio.sleep(tmo.dead_after_s)  # the swarm's liveness timeout is the behaviour here
+            await _avoid_after(e, route, avoid, tmo)
         finally:
             await client.close()
     raise PipelineError(f"gave up after {attempts} attempts: {last}")
+
+
+async def _run_on(client: PipelineClient, prompt: bytes, n: int, mode: str, sampling: Sampling, s: Session | None,
+                  fresh: bool, draft_len: int | None, msl) -> tuple[bytes, dict, torch.Tensor, Session | None]:
+    """The request run through ``client``'s chain: the output, its stats, the rows it was decoded
+    from, and the session, which goes on where it was on a new chain (unless ``fresh``)."""
+    if mode == "blocktrain":
+        out, stats = await client.generate_blocktrain(prompt, n, sampling)
+        assert client.last_rows is not None  # generate_blocktrain sets it
+        return out, stats, client.last_rows, s
+    if s is None or fresh:
+        s = new_session(prompt, n, mode, sampling, draft_len, msl)
+    else:
+        s.reset_caches()  # a new chain: its hops hold nothing of this session
+    stats = await client.run(s, mode)
+    stats["traversals"] = s.stats.traversals
+    return s.output, stats, torch.stack(s.rows), s
+
+
+async def _verified(rows: torch.Tensor, route: list[str], members, avoid: set[str], recompute, tol: float,
+                    log) -> dict:
+    """``--verify``: the output's rows checked on the other holders of each block (verify.py), as
+    ``stats["verify"]``; ``OutputRejected`` when a hop of its chain was named or is a suspect."""
+    others = {b: [h for h in holders(members, b, "serve") if h not in avoid] for b in range(len(route))}
+    check = await check_output(rows, route, others, recompute, tol)
+    if check.named:
+        log(f"--verify named {check.named}: their answers differ from the other holders of their block")
+    if check.suspects:
+        log(f"--verify avoids {check.suspects} (suspects, not named: {check.why or 'unresolved'})")
+    if not check.ok:
+        raise OutputRejected(f"the output through {route} failed its check: {check.why}", check.named + check.suspects)
+    return check.as_dict()
+
+
+async def _avoid_after(e: Exception, route: list[str], avoid: set[str], tmo: Timeouts) -> None:
+    """A failed attempt through ``route``: the hops it blames are avoided next (a rejected output's
+    named and suspect hops, a recomputing chain's failed hop, the hop that failed); with none to
+    blame, wait until the swarm notices a silent peer."""
+    hop = getattr(e, "hop", None)
+    if isinstance(e, OutputRejected):
+        avoid.update(e.avoid)
+    elif isinstance(e, CheckFailed) and e.addr is not None:
+        avoid.add(e.addr)
+    elif isinstance(hop, int) and 0 <= hop < len(route):
+        avoid.add(route[hop])
+    else:  # no answer: let the swarm notice the silent peer
+        await asyncio.sleep(tmo.dead_after_s)  # the swarm's liveness timeout is the behaviour here
 
 
 async def _recompute(ident, key, tmo: Timeouts, timeout: float, tokens: bytes, n_prompt: int, mode: str,

@@ -97,6 +97,36 @@ def _minority(answers: dict[str, torch.Tensor], tol: float) -> list[str] | None:
     return None if len(agree[best]) < 2 else [h for h in judges if h not in agree[best]]
 
 
+async def _judge(b: int, chains: tuple[list[str], list[str]], answered: tuple[torch.Tensor, torch.Tensor],
+                 holders: dict[int, list[str]], rows: Callable[[list[str]], Awaitable[torch.Tensor]],
+                 tol: float) -> tuple[list[str], list[str], int]:
+    """Disputed block b: up to MAX_JUDGES of its holders recompute beside either chain's other hops
+    (``answered``: what each chain answered as it is). Returns the holders named, the suspects, and
+    the traversals it took; ``VerifyError`` where no two of them agree."""
+    first, second = chains
+    judges = list(dict.fromkeys([first[b], second[b], *holders.get(b, [])]))[:MAX_JUDGES]
+    minorities, n = [], 0
+    for chain, ans in zip(chains, answered):  # each judge beside either chain's other hops
+        answers = {}
+        for h in judges:
+            if h == chain[b]:
+                answers[h] = ans
+            else:
+                answers[h] = await rows(chain[:b] + [h] + chain[b + 1:])
+                n += 1
+        m = _minority(answers, tol)
+        if m is None:
+            raise VerifyError(f"block {b}: holders {judges} disagree and no two agree: cannot tell which is "
+                              f"wrong (start a third holder, or --allow only peers you trust)", judges)
+        minorities.append(m)
+    # named: wrong beside both chains, when no peer sits in both chains' other hops (a hop that
+    # sees the route may lie only beside a peer it wants avoided; one peer may serve several
+    # blocks, or a block may have one holder); else only avoided
+    independent = not set(first[:b] + first[b + 1:]) & set(second[:b] + second[b + 1:])
+    both = [h for h in minorities[0] if h in minorities[1]] if independent else []
+    return both, [h for h in dict.fromkeys(minorities[0] + minorities[1]) if h not in both], n
+
+
 async def check_output(decoded: torch.Tensor, first: list[str], holders: dict[int, list[str]],
                        rows: Callable[[list[str]], Awaitable[torch.Tensor]], tol: float = DEFAULT_TOL) -> Check:
     """Check ``decoded`` (what chain ``first`` answered) against other ``holders`` of each block
@@ -130,28 +160,8 @@ async def check_output(decoded: torch.Tensor, first: list[str], holders: dict[in
     named: list[str] = []
     suspects: list[str] = []
     for b in disputed:
-        judges = list(dict.fromkeys([first[b], second[b], *holders.get(b, [])]))[:MAX_JUDGES]
-        minorities = []
-        for chain, answered in ((first, again), (second, ref)):  # each judge beside either chain's other hops
-            answers = {}
-            for h in judges:
-                if h == chain[b]:
-                    answers[h] = answered
-                else:
-                    answers[h] = await rows(chain[:b] + [h] + chain[b + 1:])
-                    n += 1
-            m = _minority(answers, tol)
-            if m is None:
-                raise VerifyError(f"block {b}: holders {judges} disagree and no two agree: cannot tell which is "
-                                  f"wrong (start a third holder, or --allow only peers you trust)", judges)
-            minorities.append(m)
-        # named: wrong beside both chains, when no peer sits in both chains' other hops (a hop that
-        # sees the route may lie only beside a peer it wants avoided; one peer may serve several
-        # blocks, or a block may have one holder); else only avoided
-        independent = not set(first[:b] + first[b + 1:]) & set(second[:b] + second[b + 1:])
-        both = [h for h in minorities[0] if h in minorities[1]] if independent else []
-        named += both
-        suspects += [h for h in dict.fromkeys(minorities[0] + minorities[1]) if h not in both]
+        wrong, suspect, k = await _judge(b, (first, second), (again, ref), holders, rows, tol)
+        named, suspects, n = named + wrong, suspects + suspect, n + k
     if row_gap(decoded, again) > tol:  # and the first chain answered otherwise while it decoded
         suspects += [first[b] for b in checked]
     avoided = set(named) | set(suspects)
