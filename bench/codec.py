@@ -16,6 +16,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from blocktrain.p2p.transport import make_connection
 from blocktrain.protocol import NEED_DATA, Ping, Role, StreamChunk
 
+from .report import verdict
+
 
 def _pair(seal: bool):
     psk = os.urandom(32)
@@ -42,9 +44,10 @@ def _median_time(fn, repeats: int, inner: int) -> float:
     return statistics.median(times)
 
 
-def run(chunk_bytes: int = 4 * 1024 * 1024, repeats: int = 7, inner: int = 10, small_frames: int = 20000,
-        progress=None) -> dict:
-    data = os.urandom(chunk_bytes)
+def _large_payload_arms(data: bytes, pairs: dict) -> dict:
+    """The four arms on one large payload, each a function moving it once: memcpy, plaintext and
+    sealed encode+decode through ``pairs``' two Connections, raw AES-256-GCM encrypt+decrypt."""
+    chunk_bytes = len(data)
     dst_view = memoryview(bytearray(chunk_bytes))
 
     def memcpy():
@@ -59,8 +62,6 @@ def run(chunk_bytes: int = 4 * 1024 * 1024, repeats: int = 7, inner: int = 10, s
         key.encrypt_into(nonce, data, b"h" * 18, ct_buf)
         key.decrypt_into(nonce, ct_buf, b"h" * 18, pt_buf)
 
-    pairs = {"plain": _pair(False), "sealed": _pair(True)}
-
     def codec(kind):
         a, b = pairs[kind]
 
@@ -71,9 +72,13 @@ def run(chunk_bytes: int = 4 * 1024 * 1024, repeats: int = 7, inner: int = 10, s
             assert len(m.data) == chunk_bytes
         return go
 
-    # interleave the measurements so that load on the machine hits all of them alike
-    results = {k: [] for k in ("memcpy", "plain", "raw_aes", "sealed")}
-    fns = {"memcpy": memcpy, "plain": codec("plain"), "raw_aes": raw_aes, "sealed": codec("sealed")}
+    return {"memcpy": memcpy, "plain": codec("plain"), "raw_aes": raw_aes, "sealed": codec("sealed")}
+
+
+def _interleaved_medians(fns: dict, repeats: int, inner: int, progress=None) -> dict:
+    """Each arm's median seconds, the arms measured in turn every repeat, so that load on the
+    machine hits all of them alike."""
+    results: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()  # warm up
     for r in range(repeats):
@@ -81,24 +86,31 @@ def run(chunk_bytes: int = 4 * 1024 * 1024, repeats: int = 7, inner: int = 10, s
             results[k].append(_median_time(fn, 1, inner))
         if progress:
             progress(r + 1, repeats)
-    med = {k: statistics.median(v) for k, v in results.items()}
+    return {k: statistics.median(v) for k, v in results.items()}
+
+
+def _small_frames_per_s(a, b, repeats: int, small_frames: int) -> float:
+    """Median rate of Ping frames encoded by ``a`` and decoded by ``b``."""
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        wire = b"".join(a.send(Ping(nonce=i)) for i in range(small_frames))
+        b.receive_data(wire)
+        n = 0
+        while b.next_event() is not NEED_DATA:
+            n += 1
+        rates.append(small_frames / (time.perf_counter() - t0))
+        assert n == small_frames
+    return statistics.median(rates)
+
+
+def run(chunk_bytes: int = 4 * 1024 * 1024, repeats: int = 7, inner: int = 10, small_frames: int = 20000,
+        progress=None) -> dict:
+    data = os.urandom(chunk_bytes)
+    pairs = {"plain": _pair(False), "sealed": _pair(True)}
+    med = _interleaved_medians(_large_payload_arms(data, pairs), repeats, inner, progress)
     gbps = {k: chunk_bytes / v / 1e9 for k, v in med.items()}
-
-    small = {}
-    for kind in ("plain", "sealed"):
-        a, b = pairs[kind]
-        rates = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            wire = b"".join(a.send(Ping(nonce=i)) for i in range(small_frames))
-            b.receive_data(wire)
-            n = 0
-            while b.next_event() is not NEED_DATA:
-                n += 1
-            rates.append(small_frames / (time.perf_counter() - t0))
-            assert n == small_frames
-        small[kind] = statistics.median(rates)
-
+    small = {kind: _small_frames_per_s(*pairs[kind], repeats, small_frames) for kind in ("plain", "sealed")}
     return {
         "benchmark": "codec",
         "what": ("encode+decode of one StreamChunk message of chunk_bytes random bytes through two in-process "
@@ -123,3 +135,18 @@ def run(chunk_bytes: int = 4 * 1024 * 1024, repeats: int = 7, inner: int = 10, s
             "small_frames_sealed": small["sealed"] >= 100_000,
         },
     }
+
+
+def rows(r: dict) -> list[tuple[str, str]]:
+    """``bt-bench codec``'s report of ``run``'s result: (figure, value) rows."""
+    g, q, s, met = r["throughput_gbps"], r["ratios"], r["small_frames_per_s"], r["met"]
+    return [
+        ("memcpy", f"{g['memcpy']:.2f} GB/s"),
+        ("plaintext encode+decode", f"{g['plain']:.2f} GB/s  ({q['plain_vs_memcpy']:.0%} of memcpy, target 50%: "
+                                    f"{verdict(met['plain_vs_memcpy'])})"),
+        ("raw AES-256-GCM enc+dec", f"{g['raw_aes']:.2f} GB/s"),
+        ("sealed encode+decode", f"{g['sealed']:.2f} GB/s  ({q['sealed_vs_raw_aes_gcm']:.0%} of raw AES-GCM, "
+                                 f"target 60%: {verdict(met['sealed_vs_raw_aes_gcm'])})"),
+        ("small frames, plaintext", f"{s['plain']:,.0f} /s  (target 100,000: {verdict(met['small_frames_plain'])})"),
+        ("small frames, sealed", f"{s['sealed']:,.0f} /s  (target 100,000: {verdict(met['small_frames_sealed'])})"),
+    ]

@@ -65,6 +65,8 @@ from blocktrain.p2p.averaging.round import GroupMismatch
 from blocktrain.p2p.averaging.driver import MISMATCHED, mismatches_within_allowance, outliers_in_a_row
 from blocktrain.p2p.averaging.gossip import check_gossip_codec, gossip_groups, gossip_start
 
+from .options import BadOption
+
 CONTEXT = 4  # previous bytes the model sees
 EMBED = 16
 HIDDEN = 128
@@ -241,6 +243,40 @@ def _components(groups_of: dict) -> list[dict]:
 
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
     return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+class _Deliveries:
+    """The messages of one exchange in virtual time: each sender's uplink (a part leaves once the
+    ones before it are serialized at its rate), the bytes each sent, and a heap of deliveries
+    (time, order queued, receiver, sender, message)."""
+
+    def __init__(self, members: dict, rounds: dict, gone: set):
+        self.members, self.rounds, self.gone = members, rounds, gone
+        self.uplink = {pid: members[pid].ready for pid in rounds}
+        self.nbytes = dict.fromkeys(rounds, 0)
+        self.told: set[tuple[str, str]] = set()  # (receiver, sender): told absent once a round
+        self.heap: list = []
+        self.seq = 0
+
+    def push(self, at: float, dst: str, src: str, msg) -> None:
+        heapq.heappush(self.heap, (at, self.seq, dst, src, msg))
+        self.seq += 1
+
+    def send(self, src: str, parts, now: float) -> None:
+        for p in parts:
+            if p.peer not in self.rounds and p.peer not in self.gone:
+                continue
+            start = max(now, self.uplink[src])
+            self.uplink[src] = start + p.stored_bytes / self.members[src].rate_bps
+            self.nbytes[src] += p.stored_bytes
+            if p.peer in self.rounds:  # a member that is gone: what is sent to it goes nowhere
+                self.push(self.uplink[src] + self.members[src].latency_s + self.members[p.peer].latency_s, p.peer,
+                          src, p.msg)
+
+    def tell_absent(self, dst: str, src: str, now: float) -> None:
+        if (dst, src) not in self.told:
+            self.told.add((dst, src))
+            self.push(now + self.members[dst].latency_s + self.members[src].latency_s, src, dst, "absent")
 
 
 class Simulation:
@@ -421,6 +457,15 @@ class Simulation:
         answered ``absent`` (rule 9). Returns, per member: (its round's end, bytes it sent, how long
         a silent partner held it past its live partners' readiness, 1 if its round failed, 1 if it
         saw another view of the group)."""
+        rounds = self._open_rounds(groups_of, rnd, starts)
+        gone = set().union(*groups_of.values()) - set(rounds)  # in a small group, not running this round
+        net = _Deliveries(self.members, rounds, gone)
+        end = self._start_rounds(net, self._exclusions(rounds))
+        self._deliver(net, end)
+        return self._close_rounds(rounds, net.nbytes, end, views)
+
+    def _open_rounds(self, groups_of: dict, rnd: int, starts: dict) -> dict[str, AveragingRound]:
+        """The sans-IO round of every member running this round, on its small group."""
         c = self.cfg
         rounds: dict[str, AveragingRound] = {}
         for pid, group in groups_of.items():
@@ -429,57 +474,46 @@ class Simulation:
                                          RoundSpec(codec=c.codec, aggregate=c.aggregate, min_coverage=1.0),
                                          start=gossip_start("sim") if c.mode == "gossip" else "all",
                                          residual=m.residual, origin=starts[pid])
-        gone = set().union(*groups_of.values()) - set(rounds)  # in a small group, not running this round
-        first: dict[str, list] = {pid: [] for pid in rounds}  # what each sends as its round begins
-        for pid, r in rounds.items():  # a member we excluded departs our round at once; it hears that
-            for other in self.banned.get(pid, set()) & set(rounds) & set(r.ids):  # it is excluded and stops
-                first[pid] += r.depart(other, "excluded", relay=False)  # waiting for us (as the driver's
-                if pid in rounds[other].ids:  # _feed: the parts it returns are sent)
-                    first[other] += rounds[other].depart(pid, "excluded us", relay=False)
-        uplink = {pid: self.members[pid].ready for pid in rounds}
-        nbytes = dict.fromkeys(rounds, 0)
-        end = {pid: math.inf for pid in rounds}
-        told: set[tuple[str, str]] = set()  # (receiver, sender): told absent once a round
-        heap: list = []
-        seq = 0
+        return rounds
 
-        def push(at: float, dst: str, src: str, msg):
-            nonlocal seq
-            heapq.heappush(heap, (at, seq, dst, src, msg))
-            seq += 1
-
-        def send(src: str, parts, now: float):
-            for p in parts:
-                if p.peer not in rounds and p.peer not in gone:
-                    continue
-                start = max(now, uplink[src])
-                uplink[src] = start + p.stored_bytes / self.members[src].rate_bps
-                nbytes[src] += p.stored_bytes
-                if p.peer in rounds:  # a member that is gone: what is sent to it goes nowhere
-                    push(uplink[src] + self.members[src].latency_s + self.members[p.peer].latency_s, p.peer, src,
-                         p.msg)
-
+    def _exclusions(self, rounds: dict[str, AveragingRound]) -> dict[str, list]:
+        """What each member sends as its round begins: a member we excluded departs our round at
+        once, and hears that it is excluded and stops waiting for us (as the driver's _feed: the
+        parts it returns are sent)."""
+        first: dict[str, list] = {pid: [] for pid in rounds}
         for pid, r in rounds.items():
-            send(pid, first[pid] + r.start(), self.members[pid].ready)
-            for s in gone & set(r.ids):  # the heartbeat timeout departs it
-                push(self.members[pid].ready + c.timeout_s, pid, s, None)
-            push(self.members[pid].ready + c.round_timeout_s, pid, "", None)  # its deadline
-            if r.done:
-                end[pid] = self.members[pid].ready
-        def tell_absent(dst: str, src: str, now: float):
-            if (dst, src) not in told:
-                told.add((dst, src))
-                push(now + self.members[dst].latency_s + self.members[src].latency_s, src, dst, "absent")
+            for other in self.banned.get(pid, set()) & set(rounds) & set(r.ids):
+                first[pid] += r.depart(other, "excluded", relay=False)
+                if pid in rounds[other].ids:
+                    first[other] += rounds[other].depart(pid, "excluded us", relay=False)
+        return first
 
-        while heap:
-            now, _, dst, src, msg = heapq.heappop(heap)
-            r = rounds[dst]
+    def _start_rounds(self, net: _Deliveries, first: dict[str, list]) -> dict[str, float]:
+        """Every round's first parts sent as its member is ready, the heartbeat timeout of each
+        silent partner and the round's deadline queued; each round's end (inf: not yet)."""
+        end = {pid: math.inf for pid in net.rounds}
+        for pid, r in net.rounds.items():
+            ready = self.members[pid].ready
+            net.send(pid, first[pid] + r.start(), ready)
+            for s in net.gone & set(r.ids):  # the heartbeat timeout departs it
+                net.push(ready + self.cfg.timeout_s, pid, s, None)
+            net.push(ready + self.cfg.round_timeout_s, pid, "", None)  # its deadline
+            if r.done:
+                end[pid] = ready
+        return end
+
+    def _deliver(self, net: _Deliveries, end: dict[str, float]) -> None:
+        """Every queued message in time order, into its receiver's round; what the round answers
+        is sent on; ``end`` records when each round finished."""
+        while net.heap:
+            now, _, dst, src, msg = heapq.heappop(net.heap)
+            r = net.rounds[dst]
             if r.done:  # a part of another view after our round ended: we are not in its round (driver.py)
                 if msg is not None and not isinstance(msg, str) and msg.meta.get("group") != r.group:
-                    tell_absent(dst, src, now)
+                    net.tell_absent(dst, src, now)
                 continue
             if msg is None and not src:  # the round's deadline (the driver's round_timeout_s): what came
-                send(dst, r.expire(), now)  # is averaged, the coverage says what is missing
+                net.send(dst, r.expire(), now)  # is averaged, the coverage says what is missing
                 end[dst] = now
                 continue
             if msg is None:
@@ -488,12 +522,17 @@ class Simulation:
                 out = r.mismatch(src, MISMATCHED[1])
             elif msg.meta.get("group") != r.group:  # the driver's check (rule 9): another view of the group
                 out = r.mismatch(src, MISMATCHED[0])
-                tell_absent(dst, src, now)
+                net.tell_absent(dst, src, now)
             else:
                 out = r.receive(src, msg)
-            send(dst, out, now)
+            net.send(dst, out, now)
             if r.done:
                 end[dst] = now
+
+    def _close_rounds(self, rounds: dict[str, AveragingRound], nbytes: dict[str, int], end: dict[str, float],
+                      views: dict) -> dict:
+        """Each finished round applied as the driver does (rejections, suspicions, rule 9, then the
+        average or, failed, the feedback undone): per member, what ``_exchange`` returns."""
         out = {}
         for pid, r in rounds.items():
             m = self.members[pid]
@@ -639,6 +678,31 @@ def bench(sizes: list[int], all_sizes: list[int], base: SimConfig, target_loss: 
     b = [s["bytes_per_member_per_round"] for s in out["sizes"]]
     out["bytes_spread"] = max(b) / min(b) if b else None
     return out
+
+
+def check_sizes(sizes: list[int], members: str) -> None:
+    """``bt-bench gossip``'s sizes (``members`` as given): each 4..1024 members. Raises BadOption."""
+    if not sizes or any(not 4 <= w <= 1024 for w in sizes):
+        raise BadOption(f"{members!r}: sizes of 4..1024 members", "--members")
+
+
+def check_attackers(attackers: int, sizes: list[int]) -> None:
+    """Fewer attackers than the members of the smallest size. Raises BadOption."""
+    if attackers and attackers >= min(sizes):
+        raise BadOption(f"{attackers} attackers need more members than that", "--attackers")
+
+
+def report(result: dict) -> list[str]:
+    """``bt-bench gossip``'s report of ``bench``'s result: a row per run of every size, then the
+    spread of the bytes a member sends."""
+    lines = [f"{'members':>7} {'run':<11} {'kB/member/round':>15} {'consensus':>9} {'CE':>7} {'to target':>9} "
+             f"{'time s':>8} {'blocked s':>9}"]
+    for s in result["sizes"]:
+        for name, run in [("gossip", s), *((k, s[k]) for k in ("all_to_all", "honest") if k in s)]:
+            lines.append(f"{s['members']:>7} {name:<11} {run['bytes_per_member_per_round'] / 1e3:>15,.1f} "
+                         f"{run['consensus_distance']:>9.4f} {run['loss']:>7.4f} {str(run['rounds_to_target']):>9} "
+                         f"{run['time_s']:>8.1f} {run['max_blocked_s']:>9.2f}")
+    return lines + [f"per-member bytes, largest / smallest size: {result['bytes_spread']:.2f}x"]
 
 
 def plot(result: dict, path) -> None:

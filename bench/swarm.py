@@ -70,17 +70,40 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
         timeout_s: float = 4 * 3600.0, progress=None, log=lambda s: None) -> dict:
     """One swarm of ``workers`` processes, ``steps`` local steps per block each."""
     from blocktrain.blocks.config import apply_overrides
-    from blocktrain.blocks.data import as_tensor, read_split
-    from blocktrain.blocks.evaluate import evaluate
-    from blocktrain.p2p.assemble import assemble_from_swarm
     from blocktrain.p2p.swarm.settings import PeerJob
-    from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key, new_swarm_key, write_identity
 
     swarm = dict(swarm or {})
     sets = {**overrides, "train.steps": steps, "train.seed": seed, "swarm.eval_every": eval_every,
             **{f"swarm.{k}": v for k, v in swarm.items()}}
     job = apply_overrides(PeerJob(), sets)
     K = job.model.n_blocks
+    key = _prepare_dir(out, resume, workers, seed)
+    ports = free_ports(workers)
+    set_args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    procs: list = []
+    logs: list = []
+    t0 = time.monotonic()
+    total = steps * (K if job.swarm.schedule == "relay" else 1)
+    try:
+        for i in range(workers):
+            f = open(out / f"peer{i}.log", "w")
+            logs.append(f)
+            procs.append(subprocess.Popen(_peer_command(i, ports, K, key, out, workers, set_args, link),
+                                          stdout=f, stderr=subprocess.STDOUT))
+        final_reps = _wait_done(procs, out, workers * total, t0, timeout_s, progress)
+        train_s = time.monotonic() - t0
+        log("all workers done; assembling the model from the swarm")
+        assembled = _assemble(out, ports[0], key)
+    finally:
+        stop_peers(procs, logs)
+    return _run_result(job, final_reps, assembled, workers, steps, seed, link, test_windows, train_s, out)
+
+
+def _prepare_dir(out: Path, resume: bool, workers: int, seed: int) -> Path:
+    """The run's work directory (fresh unless ``resume``) with the swarm key and every worker's
+    identity; the key's path."""
+    from blocktrain.p2p.identity import new_swarm_key, write_identity
+
     if not resume and out.exists():
         shutil.rmtree(out)  # a fresh run: nothing resumed from an earlier one
     out.mkdir(parents=True, exist_ok=True)
@@ -90,58 +113,71 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
     for i in range(workers):
         if not (out / f"id{i}").exists():
             write_identity(out / f"id{i}", worker_identity(seed, i))
-    ports = free_ports(workers)
-    set_args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
-    procs, logs = [], []
-    t0 = time.monotonic()
+    return key
 
-    def cmd(i):
-        c = [sys.executable, "-m", "blocktrain.p2p.cli", "join" if i else "start"]
-        if i:
-            c.append(f"127.0.0.1:{ports[0]}")
-        c += ["--block", str(i % K), "--listen", f"127.0.0.1:{ports[i]}", "--swarm-key", str(key),
-              "--identity", str(out / f"id{i}"), "--report", str(out / f"report{i}.json"), "--report-every", "2",
-              "--work-dir", str(out / f"work{i}"), "--threads", "1", "--quiet", "--heartbeat", "1",
-              "--dead-after", "60", "--min-group", str(workers), "--set", "swarm.round_timeout_s=600",
-              "--set", "swarm.join_timeout_s=30", *set_args]
-        if link:
-            c += ["--link", link]
-        return c
 
-    def reports():
-        got = []
-        for i in range(workers):
-            try:
-                got.append(json.loads((out / f"report{i}.json").read_text()))
-            except (OSError, ValueError):
-                got.append({})
-        return got
+def _peer_command(i: int, ports: list[int], K: int, key: Path, out: Path, workers: int, set_args: list[str],
+                  link: str | None) -> list[str]:
+    """Worker ``i``'s ``bt-peer`` command: the first starts the swarm, the others join it."""
+    c = [sys.executable, "-m", "blocktrain.p2p.cli", "join" if i else "start"]
+    if i:
+        c.append(f"127.0.0.1:{ports[0]}")
+    c += ["--block", str(i % K), "--listen", f"127.0.0.1:{ports[i]}", "--swarm-key", str(key),
+          "--identity", str(out / f"id{i}"), "--report", str(out / f"report{i}.json"), "--report-every", "2",
+          "--work-dir", str(out / f"work{i}"), "--threads", "1", "--quiet", "--heartbeat", "1",
+          "--dead-after", "60", "--min-group", str(workers), "--set", "swarm.round_timeout_s=600",
+          "--set", "swarm.join_timeout_s=30", *set_args]
+    if link:
+        c += ["--link", link]
+    return c
 
-    total = steps * (K if job.swarm.schedule == "relay" else 1)
-    try:
-        for i in range(workers):
-            f = open(out / f"peer{i}.log", "w")
-            logs.append(f)
-            procs.append(subprocess.Popen(cmd(i), stdout=f, stderr=subprocess.STDOUT))
-        while True:
-            reps = reports()
-            if progress:
-                progress(sum(r.get("training", {}).get("step", 0) for r in reps), workers * total)
-            if all(r.get("training", {}).get("state") == "done" for r in reps):
-                final_reps = reps  # the training's bytes, before the assembly moves its own
-                break
-            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
-            if dead:
-                raise RuntimeError(f"worker(s) {dead} exited (code {procs[dead[0]].returncode}); see {out}/peer{dead[0]}.log")
-            if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"workers not done after {timeout_s:.0f} s; see {out}/peer*.log")
-            time.sleep(1.0)
-        train_s = time.monotonic() - t0
-        log("all workers done; assembling the model from the swarm")
-        res = asyncio.run(assemble_from_swarm("127.0.0.1", ports[0], load_or_create_identity(out / "id-assembler"),
-                                              load_swarm_key(str(key)), out / "assembled"))
-    finally:
-        stop_peers(procs, logs)
+
+def _reports(out: Path, workers: int) -> list[dict]:
+    """Every worker's last report (empty where none is readable yet)."""
+    got = []
+    for i in range(workers):
+        try:
+            got.append(json.loads((out / f"report{i}.json").read_text()))
+        except (OSError, ValueError):
+            got.append({})
+    return got
+
+
+def _wait_done(procs: list, out: Path, total: int, t0: float, timeout_s: float, progress) -> list[dict]:
+    """The workers' reports once every one is ``done`` (the training's bytes, before the assembly
+    moves its own); ``progress(steps, total)`` each second. Raises RuntimeError when a worker
+    exits first, TimeoutError past ``timeout_s`` from ``t0``."""
+    while True:
+        reps = _reports(out, len(procs))
+        if progress:
+            progress(sum(r.get("training", {}).get("step", 0) for r in reps), total)
+        if all(r.get("training", {}).get("state") == "done" for r in reps):
+            return reps
+        dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"worker(s) {dead} exited (code {procs[dead[0]].returncode}); see {out}/peer{dead[0]}.log")
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"workers not done after {timeout_s:.0f} s; see {out}/peer*.log")
+        time.sleep(1.0)
+
+
+def _assemble(out: Path, port: int, key: Path) -> dict:
+    """The model assembled from the swarm (``bt-peer assemble``'s code) into ``out``/assembled."""
+    from blocktrain.p2p.assemble import assemble_from_swarm
+    from blocktrain.p2p.identity import load_or_create_identity, load_swarm_key
+
+    return asyncio.run(assemble_from_swarm("127.0.0.1", port, load_or_create_identity(out / "id-assembler"),
+                                           load_swarm_key(str(key)), out / "assembled"))
+
+
+def _run_result(job, final_reps: list[dict], assembled: dict, workers: int, steps: int, seed: int, link: str | None,
+                test_windows: int, train_s: float, out: Path) -> dict:
+    """One run's figures: the assembled model's CE per head, the workers' busy fractions, bytes by
+    kind, memory, rounds and curves."""
+    from blocktrain.blocks.data import as_tensor, read_split
+    from blocktrain.blocks.evaluate import evaluate
+
+    K = job.model.n_blocks
     ev = evaluate(out / "assembled", None, test_windows)
     test = as_tensor(read_split("test"))
     init = _initial_ce(job.model.to_dict(), seed, job.train.seq_len, test_windows, test)
@@ -173,7 +209,7 @@ def run(workers: int, steps: int, overrides: dict, out: Path, test_windows: int 
         "comm_fraction": {"per_worker": [1 - b for b in busy], "min": 1 - max(busy), "max": 1 - min(busy)},
         "rounds_applied": [t["rounds_applied"] for t in trs], "rounds_failed": [len(t["failed_rounds"]) for t in trs],
         "curves": [t["curve"] for t in trs],
-        "assembled_from": {str(k): v for k, v in res["blocks"].items()}, "out": str(out),
+        "assembled_from": {str(k): v for k, v in assembled["blocks"].items()}, "out": str(out),
     }
 
 
@@ -457,6 +493,69 @@ class Bench:
         if "sync" in self.compare:
             out["sync_comparison"] = compare_sync(summary, self.swarm)
         return out
+
+
+def swarm_settings(schedule: str | None = None, sync: str | None = None, every: int | None = None,
+                   codec: str | None = None, density: float | None = None, outer_lr: float | None = None,
+                   overlap: bool | None = None) -> dict:
+    """A Bench's ``swarm`` settings from ``bt-bench swarm``'s options: those given; ``every`` or
+    ``overlap`` without ``sync`` mean sync params."""
+    sw = {k: v for k, v in (("schedule", schedule), ("sync", sync), ("every", every), ("codec", codec),
+                            ("density", density), ("outer_lr", outer_lr), ("overlap", overlap or None)) if v is not None}
+    if (every or overlap) and not sync:
+        sw["sync"] = "params"
+    return sw
+
+
+def with_plot(bench: Bench, result: dict, save=None) -> dict:
+    """``result`` with, when the bench compared sync modes, its PNG of test CE against GB sent
+    for every run (``plot``: its path, beside the runs), ``save``d again."""
+    if "sync" in bench.compare:  # test CE against GB sent, for every run
+        result["plot"] = str(bench.out / "ce_vs_gb.png")
+        plot_ce_vs_gb(result, Path(result["plot"]))
+        if save:
+            save(result)
+    return result
+
+
+def table(result: dict, K: int) -> list[str]:
+    """``bt-bench swarm``'s report of a Bench's result: a row per comparison and worker count, the
+    in-process reference, the sync comparison and the time to the target CE."""
+    lines = [f"{'run':<18} {'seeds':>5} " + " ".join(f"{'head ' + str(k):>14}" for k in range(K))
+             + f" {'busy min':>8} {'wall s':>8} {'MB/worker':>9}"]
+    for key, s in result["summary"].items():
+        lines.append(f"{key:<18} {len(s['seeds']):>5} " + " ".join(
+            f"{m:>7.4f}+-{sd:<5.3f}" for m, sd in zip(s["head_test_ce"], s["head_test_ce_sd"]))
+            + f" {s['busy_fraction']['min']:>8.0%} {s['train_seconds']['mean']:>8.0f} "
+            f"{s['bytes_per_worker']['mean'] / 1e6:>9.1f}")
+    return lines + _reference_lines(result) + _sync_lines(result) + _target_lines(result)
+
+
+def _reference_lines(result: dict) -> list[str]:
+    if "in_process_sequential" not in result:
+        return []
+    ref = result["in_process_sequential"]
+    return [f"{'in-process seq.':<18} {len(result['seeds']):>5} " + " ".join(
+                f"{c:>14.4f}" for c in ref["head_test_ce"]) + f"  (batch {ref['batch_size']})",
+            f"one worker per block against it: top head {ref['one_per_block_gap']:+.4f} "
+            f"({'within' if ref['one_per_block_within_0_02'] else 'not within'} 0.02)"]
+
+
+def _sync_lines(result: dict) -> list[str]:
+    return [f"{w} workers, {c['mode']} against every-step averaging: "
+            + (f"{c['bytes_ratio']:.0f}x fewer bytes per worker" if c["bytes_ratio"] else "no bytes")
+            + f", top-head test CE {c['ce_gap']:+.4f}"
+            for w, c in (result.get("sync_comparison") or {}).items()]
+
+
+def _target_lines(result: dict) -> list[str]:
+    if result["target_ce"] is None:
+        return []
+    lines = [f"to valid CE {result['target_ce']:g} (training seconds / global step, per seed; '-': not reached):"]
+    for key, s in result["summary"].items():
+        lines.append(f"  {key:<16} " + ", ".join(
+            "-" if t is None else f"{t:.0f} s / step {n}" for t, n in zip(s["time_to_target_s"], s["steps_to_target"])))
+    return lines
 
 
 def _display(stack: contextlib.ExitStack, bar, name: str):
