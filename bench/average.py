@@ -20,6 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from .options import BadOption
+from .report import verdict
+
 
 def free_ports(n: int) -> list[int]:
     socks, ports = [], []
@@ -193,6 +196,76 @@ def run(peers: int, floats: int, rounds: int = 4, against=("gloo",), codec: str 
         res["gloo_target"] = gloo_target(peers)
         res["within_gloo_target"] = res["vs_gloo"] <= res["gloo_target"]
     return res
+
+
+BASELINES = ("gloo", "hivemind")
+
+
+def baselines(against: str) -> tuple[str, ...]:
+    """``--against``: gloo, hivemind, both (comma-separated) or none. Raises BadOption."""
+    chosen = tuple(b for b in against.split(",") if b and b != "none")
+    unknown = set(chosen) - set(BASELINES)
+    if unknown:
+        raise BadOption(f"unknown baseline(s) {sorted(unknown)}", "--against")
+    return chosen
+
+
+def group_sizes(peers: str) -> list[int]:
+    """``--peers``: comma-separated group sizes of at least 2. Raises BadOption."""
+    try:
+        sizes = [int(x) for x in peers.split(",")]
+    except ValueError:
+        raise BadOption(f"{peers!r}: expected comma-separated group sizes, e.g. 2,4", "--peers") from None
+    if any(n < 2 for n in sizes):
+        raise BadOption("a group has at least 2 peers", "--peers")
+    return sizes
+
+
+def run_repeats(sizes: list[int], floats: int, rounds: int, against: tuple[str, ...], codec: str,
+                hivemind_python: str, repeats: int, on_run=lambda r: None) -> list[dict]:
+    """``repeats`` runs of the whole comparison, every group size in each; ``on_run(r)`` as each
+    ends (``r["repeat"]``: which run). Raises RuntimeError when a run's processes fail."""
+    results = []
+    for rep in range(repeats):
+        for n in sizes:
+            r = run(n, floats, rounds, against, codec, hivemind_python=hivemind_python)
+            r["repeat"] = rep + 1
+            results.append(r)
+            on_run(r)
+    return results
+
+
+def result(runs: list[dict], summary: dict, argv: list[str]) -> dict:
+    """``bt-bench average``'s JSON: every run, their summary by group size, the command's args."""
+    return {"benchmark": "average", "argv": argv, "runs": runs, "summary": summary}
+
+
+def run_line(r: dict, repeats: int) -> str:
+    """``bt-bench average``'s report of one run: its time, coverage, and each baseline's ratio."""
+    line = (f"run {r['repeat']}/{repeats}: {r['peers']} peers, {r['floats']:,} floats ({r['codec']}): "
+            f"{r['blocktrain_s']:.3f} s, coverage {r['coverage']:.0%}")
+    if "gloo_s" in r:
+        line += (f"; gloo {r['gloo_s']:.3f} s: {r['vs_gloo']:.2f}x gloo (target <= {r['gloo_target']:g}x: "
+                 f"{verdict(r['within_gloo_target'])})")
+    if "hivemind_s" in r:
+        line += (f"; hivemind {r['hivemind_s']:.3f} s: {r['vs_hivemind']:.1f}x faster (target >= 5x: "
+                 f"{verdict(r['faster_than_hivemind_target'])})")
+    return line
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """``bt-bench average``'s report over several runs: a line per group size."""
+    lines = []
+    for n, s in summary.items():
+        line = f"{n} peers over {s['runs']} runs: median {s['median_blocktrain_s']:.3f} s"
+        if "vs_gloo" in s:
+            every = "yes" if s["every_run_within_gloo_target"] else "NO"
+            line += (f", vs gloo median {s['median_vs_gloo']:.2f}x, worst {s['worst_vs_gloo']:.2f}x "
+                     f"(every run within {s['gloo_target']:g}x: {every})")
+        if "vs_hivemind" in s:
+            line += f", vs hivemind worst {s['worst_vs_hivemind']:.1f}x faster"
+        lines.append(line)
+    return lines
 
 
 def main(argv):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import click
 
 from blocktrain.p2p.serving.api import COMPUTE_SLOTS
 
+from .options import BadOption, OptionError
 from .provenance import write_result
 
 
@@ -17,9 +19,40 @@ def _emit(result: dict, json_path: str | None, rows: list[tuple]):
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         click.echo(f"  {name:<{width}}  {value}")
+    _write(json_path, result)
+
+
+def _echo(lines: list[str]) -> None:
+    for line in lines:
+        click.echo(line)
+
+
+def _write(json_path: str | None, result: dict) -> None:
+    """The result as JSON at ``json_path`` (if given), said on stdout."""
     if json_path:
         write_result(json_path, result)
         click.echo(f"wrote {json_path}")
+
+
+@contextlib.contextmanager
+def _usage_errors():
+    """A bench module's option error as click's usage error, with its message."""
+    try:
+        yield
+    except BadOption as e:
+        raise click.BadParameter(str(e), param_hint=e.param_hint) from None
+    except OptionError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _moves(bar):
+    """``progress(done, total)`` that moves a click progress ``bar`` to ``done``."""
+    last = [0]
+
+    def progress(done, total):
+        bar.update(done - last[0])
+        last[0] = done
+    return progress
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,28 +78,11 @@ def codec(json_path, repeats, chunk_mib, small_frames):
     encoded and decoded per second. Targets: plaintext >= 50% of memcpy, sealed >= 60% of raw
     AES-GCM, >= 100,000 small frames/s.
     """
-    from .codec import run
+    from . import codec as bench_codec
 
     with click.progressbar(length=repeats, label="codec", file=sys.stderr) as bar:
-        last = [0]
-
-        def progress(done, total):
-            bar.update(done - last[0])
-            last[0] = done
-
-        r = run(chunk_mib * 1024 * 1024, repeats, small_frames=small_frames, progress=progress)
-    g, q, s, met = r["throughput_gbps"], r["ratios"], r["small_frames_per_s"], r["met"]
-    ok = lambda b: "met" if b else "MISSED"  # noqa: E731
-    _emit(r, json_path, [
-        ("memcpy", f"{g['memcpy']:.2f} GB/s"),
-        ("plaintext encode+decode", f"{g['plain']:.2f} GB/s  ({q['plain_vs_memcpy']:.0%} of memcpy, target 50%: "
-                                    f"{ok(met['plain_vs_memcpy'])})"),
-        ("raw AES-256-GCM enc+dec", f"{g['raw_aes']:.2f} GB/s"),
-        ("sealed encode+decode", f"{g['sealed']:.2f} GB/s  ({q['sealed_vs_raw_aes_gcm']:.0%} of raw AES-GCM, "
-                                 f"target 60%: {ok(met['sealed_vs_raw_aes_gcm'])})"),
-        ("small frames, plaintext", f"{s['plain']:,.0f} /s  (target 100,000: {ok(met['small_frames_plain'])})"),
-        ("small frames, sealed", f"{s['sealed']:,.0f} /s  (target 100,000: {ok(met['small_frames_sealed'])})"),
-    ])
+        r = bench_codec.run(chunk_mib * 1024 * 1024, repeats, small_frames=small_frames, progress=_moves(bar))
+    _emit(r, json_path, bench_codec.rows(r))
 
 
 @main.command()
@@ -84,26 +100,11 @@ def transport(json_path, mib, repeats, pings):
     measured in one run, interleaved. Targets: unsealed >= 60% and sealed >= 40% of the raw
     socket; Ping/Pong <= 2x the raw ping-pong.
     """
-    from .transport import run
+    from . import transport as bench_transport
 
     with click.progressbar(length=repeats, label="transport", file=sys.stderr) as bar:
-        last = [0]
-
-        def progress(done, total):
-            bar.update(done - last[0])
-            last[0] = done
-
-        r = run(mib << 20, repeats, pings, progress)
-    g, q, m, met = r["throughput_gbps"], r["ratios"], r["median"], r["met"]
-    ok = lambda b: "met" if b else "MISSED"  # noqa: E731
-    _emit(r, json_path, [
-        ("raw socket", f"{g['raw']:.2f} GB/s"),
-        ("peers, unsealed", f"{g['plain']:.2f} GB/s ({q['plain_vs_raw']:.0%} of raw, target 60%: {ok(met['plain_vs_raw'])})"),
-        ("peers, sealed", f"{g['sealed']:.2f} GB/s ({q['sealed_vs_raw']:.0%} of raw, target 40%: {ok(met['sealed_vs_raw'])})"),
-        ("raw asyncio ping-pong", f"{m['raw_pingpong_us']:.0f} us"),
-        ("peers' Ping/Pong", f"{m['peer_ping_us']:.0f} us ({q['peer_ping_vs_raw_pingpong']:.1f}x raw, target <= 2x: "
-                             f"{ok(met['peer_ping'])})"),
-    ])
+        r = bench_transport.run(mib << 20, repeats, pings, _moves(bar))
+    _emit(r, json_path, bench_transport.rows(r))
 
 
 @main.command()
@@ -154,65 +155,15 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
     kernel has no netem). Targets: exact >= 3x faster than autoregressive at identical
     output; every mode within 1.25x of its bound.
     """
-    from pathlib import Path
-
-    from .wan import MODES, compare
+    from . import wan as bench_wan
 
     log = lambda s: click.echo(s, err=True)  # noqa: E731
-    given = bool(modes)
-    modes = tuple(m.strip() for v in modes for m in v.split(",") if m.strip())
-    if given and not modes:
-        raise click.BadParameter("name at least one mode: blocktrain, exact or autoregressive", param_hint="--mode")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise click.BadParameter(f"{', '.join(unknown)}: expected blocktrain, exact or autoregressive", param_hint="--mode")
-    if (kernel or sweep) and modes:
-        raise click.UsageError("--mode selects the modes of a plain run, not of --kernel (blocktrain and "
-                               "autoregressive) or --sweep (all three)")
-    modes = tuple(m for m in MODES if m in modes) or MODES  # the order of MODES, whatever the order given
-    if kernel and split != "test":
-        raise click.UsageError("--split applies to the plain run and --sweep; --kernel has prompts of its own")
-    if (kernel or sweep) and temperature:
-        raise click.UsageError("--temperature applies to the plain run only")
-    if (kernel or sweep) and clients > 1:
-        raise click.UsageError("--clients applies to the plain run only")
-    if clients > 1 and set(modes) <= {"blocktrain"}:
-        raise click.UsageError("--clients runs exact and autoregressive at once: name one of them with --mode")
-    if clients > prompts:
-        raise click.BadParameter(f"{clients} clients need --prompts {clients} or more: each client's time alone is "
-                                 "measured on its own prompt first", param_hint="--clients")
-    try:
-        sizes = tuple(int(b) for b in batches.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{batches!r}: expected sizes such as 8 or 8,1", param_hint="--batch") from None
-    if not all(1 <= b <= 64 for b in sizes) or len(set(sizes)) != len(sizes):
-        raise click.BadParameter(f"{batches!r}: distinct sizes in 1..64", param_hint="--batch")
-    if batches != str(COMPUTE_SLOTS) and clients < 2:
-        raise click.UsageError("--batch applies to --clients (one client's traversals are a batch of one)")
+    with _usage_errors():
+        modes, sizes = bench_wan.check_options(modes, kernel, sweep, split, temperature, clients, prompts, batches)
     if kernel:
-        from .netns import available
-        from .wan_kernel import run_kernel
-        why = available()
-        if why:
-            raise click.ClickException(f"--kernel: {why}")
-        result = run_kernel(n_bytes, rtt_ms, rate_mbit, 3, 192, 2, repeats, None, log=log)
-        for m in ("blocktrain", "autoregressive"):
-            r = result[m]
-            click.echo(f"{m + ':':<16}{r['seconds']:.3f} s, {r['traversals']:.0f} traversal(s), bound {r['bound_s']:.3f} s "
-                       f"({r['vs_bound']:.2f}x){' (extrapolated)' if r['extrapolated'] else ''}")
+        result = _wan_kernel(n_bytes, rtt_ms, rate_mbit, repeats, log)
     elif sweep:
-        rows = []
-        for rtt in (0.0, 50.0, 200.0):
-            for n in (16, 64, 256):
-                r = compare(checkpoints, n, rtt, rate_mbit, prompts, 1, ar_bytes=32, split=split)
-                rows.append(r)
-                log(f"N {n:4d} RTT {rtt:4.0f} ms: exact {r['exact']['seconds']:.2f} s "
-                    f"({r['exact']['bytes_per_traversal']:.1f} B/traversal), autoregressive "
-                    f"{r['autoregressive']['seconds']:.2f} s{' (extrapolated)' if r['autoregressive']['extrapolated'] else ''}, "
-                    f"exact speedup {r['speedup_exact_vs_autoregressive']:.1f}x")
-        Path(out).mkdir(parents=True, exist_ok=True)
-        _plot_sweep(rows, Path(out) / "sweep.png")
-        result = {"benchmark": "wan-sweep", "rate_mbit": rate_mbit, "rows": rows, "plot": str(Path(out) / "sweep.png")}
+        result = bench_wan.sweep(checkpoints, rate_mbit, prompts, split, out, log=log)
     else:
         from blocktrain.blocks.progress import bar as progress_bar
 
@@ -223,54 +174,25 @@ def wan(checkpoints, rtt_ms, rate_mbit, n_bytes, prompts, repeats, modes, split,
                 pbar.set_postfix_str(what)
                 pbar.update(1)
 
-            result = {"benchmark": "wan", **compare(checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats,
-                                                    log=log, progress=progress, modes=modes, split=split,
-                                                    temperature=temperature, clients=clients, batches=sizes)}
-        for m in (m for m in ("exact", "autoregressive", "blocktrain") if m in modes):
-            r = result[m]
-            extra = ""
-            if m == "exact":
-                extra = f", {r['bytes_per_traversal']:.1f} bytes/traversal" + (
-                    f", identical to autoregressive: {r['identical_prompts']}" if "identical_prompts" in r else "")
-            if m == "blocktrain":
-                q = r["quality"]["ce_per_offset"]
-                extra = ("; NOT the same output: CE of the true text per offset "
-                         + ", ".join(f"{o}: {v:.2f}" for o, v in q.items()) + " nats/byte")
-            click.echo(f"{m + ':':<16}{r['seconds']:.3f} s, {r['traversals']:.0f} traversal(s), "
-                       f"{r['bytes_moved']:,.0f} B, bound {r['bound_s']:.3f} s ({r['vs_bound']:.2f}x){extra}")
-        if "speedup_exact_vs_autoregressive" in result:
-            per = result["speedup_per_prompt"]
-            spread = f" (per prompt: median {per['median']:.1f}x, {per['min']:.1f}x-{per['max']:.1f}x)"
-            if temperature == 0:
-                click.echo(f"exact vs autoregressive at identical output: {result['speedup_exact_vs_autoregressive']:.1f}x"
-                           f"{spread} (target >= 3: "
-                           f"{'met' if result['targets']['speedup_exact_vs_autoregressive >= 3'] else 'MISSED'})")
-            else:
-                met = result["targets"]["speedup_exact_vs_autoregressive >= 2 (sampled)"]
-                click.echo(f"exact vs autoregressive, both sampled at T {temperature}: "
-                           f"{result['speedup_exact_vs_autoregressive']:.1f}x{spread} (target >= 2: "
-                           f"{'met' if met else 'MISSED'})")
-            click.echo("continuations repeating a 16-gram: " + ", ".join(
-                f"{m} {result[m]['continuations_repeating_a_16gram']}" for m in modes if m != "blocktrain"))
-        if "speedup_blocktrain_vs_autoregressive" in result:
-            click.echo(f"blocktrain vs autoregressive (not the same output): "
-                       f"{result['speedup_blocktrain_vs_autoregressive']:.1f}x")
-        for clients_run in result.get("clients_by_batch", {"": result.get("clients", {})}).values():
-            at = f", batch {clients_run['batch']}" if "clients_by_batch" in result else ""
-            if "error" in clients_run:
-                click.echo(f"{clients} clients at once{at}: {clients_run['error']}")
-            for m, c in ((m, c) for m, c in clients_run.items() if isinstance(c, dict)):
-                if "error" in c:
-                    click.echo(f"{clients} clients at once{at}, {m}: {c['error']}")
-                    continue
-                click.echo(f"{clients} clients at once{at}, {m}: {c['aggregate_bytes_per_s']:.1f} B/s in all, "
-                           f"{c['aggregate_vs_one_client']:.1f}x one client's; each client's time "
-                           f"{c['slowdown']['median']:.2f}x its time alone (median), {c['slowdown']['max']:.2f}x "
-                           f"(worst); output as alone: {c['outputs_identical_to_alone']}")
-        click.echo(f"links: {result['links']}")
-    if json_path:
-        write_result(json_path, result)
-        click.echo(f"wrote {json_path}")
+            result = {"benchmark": "wan", **bench_wan.compare(
+                checkpoints, n_bytes, rtt_ms, rate_mbit, prompts, repeats, log=log, progress=progress, modes=modes,
+                split=split, temperature=temperature, clients=clients, batches=sizes)}
+        _echo(bench_wan.report(result, modes, temperature, clients))
+    _write(json_path, result)
+
+
+def _wan_kernel(n_bytes: int, rtt_ms: float, rate_mbit: float, repeats: int, log) -> dict:
+    """``bt-bench wan --kernel``: peers as processes in network namespaces; refused where the
+    kernel or the user cannot make them."""
+    from .netns import available
+    from .wan_kernel import report, run_kernel
+
+    why = available()
+    if why:
+        raise click.ClickException(f"--kernel: {why}")
+    result = run_kernel(n_bytes, rtt_ms, rate_mbit, 3, 192, 2, repeats, None, log=log)
+    _echo(report(result))
+    return result
 
 
 @main.command()
@@ -298,53 +220,15 @@ def shape(measured_path, params, hidden, hops, rtt_ms, rate_mbit, json_path):
     rate; compute is each hop's pass at the H200's spec-sheet peak (weights read from memory, or
     FLOPs, whichever is longer: a lower bound). bench/shape.py says what is not counted.
     """
-    from .shape import Device, Shape, load_measured, project
+    from .shape import Device, Shape, load_measured, project, report
 
     try:
         result = project(load_measured(measured_path), Shape(params=params, hidden=hidden, hops=hops), Device(),
                          rtt_ms, rate_mbit, source=str(measured_path))
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    sh, ln = result["shape"], result["links"]
-    click.echo(f"PROJECTION (no model of this shape was run): {sh['params'] / 1e9:.2f}B parameters, hidden "
-               f"{sh['hidden']} (assumed), {sh['hops']} hops of {sh['hop_params'] / 1e9:.2f}B on "
-               f"{result['device']['name']} peak rates; links {ln['rtt_ms']:g} ms RTT, {ln['rate_mbit']:g} Mbit/s; "
-               f"from {measured_path} (d {result['measured']['d_model']}, T {result['measured']['temperature']})")
-    for m in (m for m in ("exact", "autoregressive", "blocktrain") if m in result):
-        r = result[m]
-        click.echo(f"{m + ':':<16}{r['seconds']:8.2f} s = links {r['latency_s']:.2f} s + serialization "
-                   f"{r['serialization_s']:.2f} s + compute {r['compute_s']:.2f} s ({r['hop_pass_bound_by']}-bound); "
-                   f"{r['traversals']:.1f} traversals, {r['bytes_moved'] / 1e6:.1f} MB")
-    for k, what in (("speedup_exact_vs_autoregressive", "exact vs autoregressive"),
-                    ("speedup_blocktrain_vs_autoregressive", "blocktrain vs autoregressive (not the same output)")):
-        if k in result:
-            click.echo(f"{what}: {result[k]:.1f}x")
-    if json_path:
-        write_result(json_path, result)
-        click.echo(f"wrote {json_path}")
-
-
-def _plot_sweep(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for rtt in sorted({r["rtt_ms"] for r in rows}):
-        sel = [r for r in rows if r["rtt_ms"] == rtt]
-        ax.plot([r["n_bytes"] for r in sel], [r["speedup_exact_vs_autoregressive"] for r in sel], "o-",
-                label=f"exact, RTT {rtt:.0f} ms")
-    ax.axhline(3, color="k", ls="--", label="3x (target at N=256, RTT 50 ms)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("output bytes N")
-    ax.set_ylabel("autoregressive time / exact time")
-    ax.set_title("Exact mode (identical output) vs one traversal per byte")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _echo(report(result))
+    _write(json_path, result)
 
 
 @main.command()
@@ -408,10 +292,7 @@ def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, 
 
     from . import swarm as bench_swarm
 
-    sw = {k: v for k, v in (("schedule", schedule), ("sync", sync), ("every", every), ("codec", codec),
-                            ("density", density), ("outer_lr", outer_lr), ("overlap", overlap or None)) if v is not None}
-    if (every or overlap) and not sync:
-        sw["sync"] = "params"
+    sw = bench_swarm.swarm_settings(schedule, sync, every, codec, density, outer_lr, overlap)
     try:
         bench = bench_swarm.Bench(
             workers=[int(w) for w in workers.split(",")], steps=steps, seeds=[int(x) for x in seeds.split(",")],
@@ -420,31 +301,18 @@ def swarm(workers, steps, seeds, compare, equal_total_lr, reference, target_ce, 
             resume=resume, target_ce=target_ce, reference=reference, equal_total_lr=equal_total_lr)
     except (ConfigError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--set/--workers/--seeds/--compare")
+    save = (lambda r: write_result(json_path, r)) if json_path else None
     try:
-        result = bench.execute(save=(lambda r: _write_json(json_path, r)) if json_path else None,
-                               bar=functools.partial(progress_bar, threads=0),  # the work runs in bt-peer processes
+        result = bench.execute(save=save, bar=functools.partial(progress_bar, threads=0),  # the work runs in bt-peer processes
                                log=lambda s: click.echo(s, err=True))
     except bench_swarm.BenchError as e:
         raise click.ClickException(str(e))
-    if "sync" in bench.compare:  # test CE against GB sent, for every run
-        result["plot"] = str(Path(out) / "ce_vs_gb.png")
-        bench_swarm.plot_ce_vs_gb(result, Path(result["plot"]))
-        if json_path:
-            _write_json(json_path, result)
-    for line in _swarm_table(result, bench.K):
-        click.echo(line)
+    result = bench_swarm.with_plot(bench, result, save)
+    _echo(bench_swarm.table(result, bench.K))
     if "plot" in result:
         click.echo(f"wrote {result['plot']}")
     if json_path:
         click.echo(f"wrote {json_path}")
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: expected comma-separated integers", param_hint=name) from None
-    return vals
 
 
 @main.command()
@@ -502,24 +370,17 @@ def gossip(members, all_sizes, size, rounds, local_steps, lr, codec, aggregate, 
     """
     from blocktrain.bench import gossip as sim
 
-    sizes, alls = _ints(members, "--members"), _ints(all_sizes, "--all-to-all")
-    if not sizes or any(not 4 <= w <= 1024 for w in sizes):
-        raise click.BadParameter(f"{members!r}: sizes of 4..1024 members", param_hint="--members")
-    ranges = {}
-    for name, text in (("--rtt-ms", rtt_ms), ("--rate-mbit", rate_mbit)):
-        try:
-            lo, hi = (float(x) for x in text.split(","))
-        except ValueError:
-            raise click.BadParameter(f"{text!r}: expected LO,HI", param_hint=name) from None
-        if not 0 < lo <= hi:
-            raise click.BadParameter(f"{text!r}: expected 0 < LO <= HI", param_hint=name)
-        ranges[name] = (lo, hi)
-    if attackers and attackers >= min(sizes):
-        raise click.BadParameter(f"{attackers} attackers need more members than that", param_hint="--attackers")
+    from .options import ints, lo_hi
+
+    with _usage_errors():
+        sizes, alls = ints(members, "--members"), ints(all_sizes, "--all-to-all")
+        sim.check_sizes(sizes, members)
+        rtt, rate = lo_hi(rtt_ms, "--rtt-ms"), lo_hi(rate_mbit, "--rate-mbit")
+        sim.check_attackers(attackers, sizes)
     base = sim.SimConfig(size=size, rounds=rounds, local_steps=local_steps, lr=lr, codec=codec, aggregate=aggregate,
                          churn=churn, timeout_s=timeout_s, views=views, heartbeat_s=heartbeat_s, step_ms=step_ms,
-                         rtt_ms=ranges["--rtt-ms"], rate_mbit=ranges["--rate-mbit"], attackers=attackers,
-                         attack=attack, eval_every=eval_every, seed=seed)
+                         rtt_ms=rtt, rate_mbit=rate, attackers=attackers, attack=attack, eval_every=eval_every,
+                         seed=seed)
 
     def progress(w, name, st):
         if st.loss is not None:
@@ -527,50 +388,11 @@ def gossip(members, all_sizes, size, rounds, local_steps, lr, codec, aggregate, 
                        f"{st.bytes_per_member / 1e3:,.0f} kB/member  t {st.time_s:,.1f} s", err=True)
 
     result = sim.bench(sizes, alls, base, target_loss, progress)
-    click.echo(f"{'members':>7} {'run':<11} {'kB/member/round':>15} {'consensus':>9} {'CE':>7} {'to target':>9} "
-               f"{'time s':>8} {'blocked s':>9}")
-    for s in result["sizes"]:
-        for name, run in [("gossip", s), *((k, s[k]) for k in ("all_to_all", "honest") if k in s)]:
-            click.echo(f"{s['members']:>7} {name:<11} {run['bytes_per_member_per_round'] / 1e3:>15,.1f} "
-                       f"{run['consensus_distance']:>9.4f} {run['loss']:>7.4f} {str(run['rounds_to_target']):>9} "
-                       f"{run['time_s']:>8.1f} {run['max_blocked_s']:>9.2f}")
-    click.echo(f"per-member bytes, largest / smallest size: {result['bytes_spread']:.2f}x")
+    _echo(sim.report(result))
     if png_path:
         sim.plot(result, png_path)
         click.echo(f"wrote {png_path}")
-    if json_path:
-        write_result(json_path, result)
-        click.echo(f"wrote {json_path}")
-
-
-def _write_json(path, result: dict) -> None:
-    write_result(path, result)
-
-
-def _swarm_table(result: dict, K: int) -> list[str]:
-    lines = [f"{'run':<18} {'seeds':>5} " + " ".join(f"{'head ' + str(k):>14}" for k in range(K))
-             + f" {'busy min':>8} {'wall s':>8} {'MB/worker':>9}"]
-    for key, s in result["summary"].items():
-        lines.append(f"{key:<18} {len(s['seeds']):>5} " + " ".join(
-            f"{m:>7.4f}+-{sd:<5.3f}" for m, sd in zip(s["head_test_ce"], s["head_test_ce_sd"]))
-            + f" {s['busy_fraction']['min']:>8.0%} {s['train_seconds']['mean']:>8.0f} "
-            f"{s['bytes_per_worker']['mean'] / 1e6:>9.1f}")
-    if "in_process_sequential" in result:
-        ref = result["in_process_sequential"]
-        lines.append(f"{'in-process seq.':<18} {len(result['seeds']):>5} " + " ".join(
-            f"{c:>14.4f}" for c in ref["head_test_ce"]) + f"  (batch {ref['batch_size']})")
-        lines.append(f"one worker per block against it: top head {ref['one_per_block_gap']:+.4f} "
-                     f"({'within' if ref['one_per_block_within_0_02'] else 'not within'} 0.02)")
-    for w, c in (result.get("sync_comparison") or {}).items():
-        lines.append(f"{w} workers, {c['mode']} against every-step averaging: "
-                     + (f"{c['bytes_ratio']:.0f}x fewer bytes per worker" if c["bytes_ratio"] else "no bytes")
-                     + f", top-head test CE {c['ce_gap']:+.4f}")
-    if result["target_ce"] is not None:
-        lines.append(f"to valid CE {result['target_ce']:g} (training seconds / global step, per seed; '-': not reached):")
-        for key, s in result["summary"].items():
-            lines.append(f"  {key:<16} " + ", ".join(
-                "-" if t is None else f"{t:.0f} s / step {n}" for t, n in zip(s["time_to_target_s"], s["steps_to_target"])))
-    return lines
+    _write(json_path, result)
 
 
 @main.command()
@@ -597,54 +419,25 @@ def average(peers, floats, rounds, repeats, codec, against, hivemind_python, jso
     Targets: at most 1.5x gloo for 2 peers and 2x for more, in every run; at least 5x faster than
     hivemind.
     """
-    from .average import hivemind_missing, run, summarize
+    from . import average as bench_average
 
-    baselines = tuple(b for b in against.split(",") if b and b != "none")
-    unknown = set(baselines) - {"gloo", "hivemind"}
-    if unknown:
-        raise click.BadParameter(f"unknown baseline(s) {sorted(unknown)}", param_hint="--against")
-    if "hivemind" in baselines:
-        why = hivemind_missing(hivemind_python)
+    with _usage_errors():
+        chosen = bench_average.baselines(against)
+    if "hivemind" in chosen:
+        why = bench_average.hivemind_missing(hivemind_python)
         if why:
             raise click.ClickException(why)
+    with _usage_errors():
+        sizes = bench_average.group_sizes(peers)
     try:
-        sizes = [int(x) for x in peers.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"{peers!r}: expected comma-separated group sizes, e.g. 2,4", param_hint="--peers")
-    if any(n < 2 for n in sizes):
-        raise click.BadParameter("a group has at least 2 peers", param_hint="--peers")
-    results = []
-    for rep in range(repeats):
-        for n in sizes:
-            try:
-                r = run(n, floats, rounds, baselines, codec, hivemind_python=hivemind_python)
-            except RuntimeError as e:
-                raise click.ClickException(str(e))
-            r["repeat"] = rep + 1
-            results.append(r)
-            line = (f"run {rep + 1}/{repeats}: {n} peers, {floats:,} floats ({codec}): {r['blocktrain_s']:.3f} s, "
-                    f"coverage {r['coverage']:.0%}")
-            if "gloo_s" in r:
-                line += (f"; gloo {r['gloo_s']:.3f} s: {r['vs_gloo']:.2f}x gloo (target <= {r['gloo_target']:g}x: "
-                         f"{'met' if r['within_gloo_target'] else 'MISSED'})")
-            if "hivemind_s" in r:
-                line += (f"; hivemind {r['hivemind_s']:.3f} s: {r['vs_hivemind']:.1f}x faster (target >= 5x: "
-                         f"{'met' if r['faster_than_hivemind_target'] else 'MISSED'})")
-            click.echo(line)
-    summary = summarize(results)
+        results = bench_average.run_repeats(sizes, floats, rounds, chosen, codec, hivemind_python, repeats,
+                                            on_run=lambda r: click.echo(bench_average.run_line(r, repeats)))
+    except RuntimeError as e:
+        raise click.ClickException(str(e))
+    summary = bench_average.summarize(results)
     if repeats > 1:
-        for n, s in summary.items():
-            line = f"{n} peers over {s['runs']} runs: median {s['median_blocktrain_s']:.3f} s"
-            if "vs_gloo" in s:
-                every = "yes" if s["every_run_within_gloo_target"] else "NO"
-                line += (f", vs gloo median {s['median_vs_gloo']:.2f}x, worst {s['worst_vs_gloo']:.2f}x "
-                         f"(every run within {s['gloo_target']:g}x: {every})")
-            if "vs_hivemind" in s:
-                line += f", vs hivemind worst {s['worst_vs_hivemind']:.1f}x faster"
-            click.echo(line)
-    if json_path:
-        write_result(json_path, {"benchmark": "average", "argv": sys.argv[1:], "runs": results, "summary": summary})
-        click.echo(f"wrote {json_path}")
+        _echo(bench_average.summary_lines(summary))
+    _write(json_path, bench_average.result(results, summary, sys.argv[1:]))
 
 
 @main.command()
@@ -671,41 +464,25 @@ def train(json_path, steps, d_model, n_head, variants, jobs, results_dir, test_w
     reference trainer, and N-byte continuations in one traversal vs byte-by-byte decoding.
     At the default budget this takes tens of minutes per variant: run it in the background.
     """
-    from pathlib import Path
-
-    from .train import default_variants, measure_memory, plot, run_variants, summarize, table
-
-    if quick:
-        steps, d_model, n_head, test_windows = 60, 64, 2, test_windows or 50
-    base_model = {"d_model": d_model, "n_head": n_head}
-    base_train = {"steps": steps, "decay_frac": 0.2, "warmup": max(5, min(50, steps // 10)),
-                  "eval_every": max(10, steps // 10)}
-    vs = default_variants(base_model)
-    if variants:
-        want = [v.strip() for v in variants.split(",")]
-        unknown = set(want) - {v.name for v in vs}
-        if unknown:
-            raise click.BadParameter(f"unknown variants {sorted(unknown)}; known: {[v.name for v in vs]}")
-        vs = [v for v in vs if v.name in want]
-    out = Path(results_dir)
     from blocktrain.blocks.progress import bar as progress_bar
 
+    from . import train as bench_train
+
+    log = lambda s: click.echo(s, err=True)  # noqa: E731
+    steps, base_model, base_train, test_windows = bench_train.settings(steps, d_model, n_head, test_windows, quick)
+    with _usage_errors():
+        vs = bench_train.select(bench_train.default_variants(base_model), variants)
+    out = Path(results_dir)
     with progress_bar("bt-bench train", len(vs), unit="variant", threads=0) as pbar:  # variants run in child processes
         def progress(done, total, running):
             pbar.update(done - pbar.n)
             pbar.set_postfix_str(", ".join(f"{name} {at} steps" for name, at in running.items()))
 
-        results = run_variants(vs, steps, base_train, out, jobs, test_windows or None,
-                               log=lambda s: click.echo(s, err=True), progress=progress)
-    click.echo("measuring memory of each trainer alone...", err=True)
-    memory = measure_memory({**base_model, "head_layers": 1}, {**base_train, "steps": 5})
-    summary = summarize(results, memory, steps, vs)
-    plot(results, out / "curves.png")
-    summary["plot"] = str(out / "curves.png")
-    click.echo(table(summary))
-    if json_path:
-        write_result(json_path, summary)
-        click.echo(f"wrote {json_path}")
+        results = bench_train.run_variants(vs, steps, base_train, out, jobs, test_windows or None, log=log,
+                                           progress=progress)
+    summary = bench_train.finish(results, base_model, base_train, steps, vs, out, log=log)
+    click.echo(bench_train.table(summary))
+    _write(json_path, summary)
 
 
 @main.command()
@@ -741,7 +518,7 @@ def step(sizes, device, precision, batch, seq, steps, threads, overrides, json_p
     from blocktrain.blocks.config import ConfigError
     from blocktrain.blocks.device import DeviceError, pick_device, pick_precision
 
-    from .step import configs, run
+    from .step import configs, report, run
 
     try:
         dev = pick_device(device)
@@ -753,25 +530,8 @@ def step(sizes, device, precision, batch, seq, steps, threads, overrides, json_p
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="--sizes/--set")
     result = run(plan, dev, prec, steps, threads, log=lambda s: click.echo(s, err=True))
-    click.echo(f"{result['device']}, {threads} thread(s), median of {steps} timed step(s) per arm")
-    click.echo(f"{'size':<6} {'arm':<8} {'GFLOP/step':>10} {'s/step':>8} {'GFLOP/s':>8} {'bytes/s':>9} "
-               f"{'ratio':>6} {'grad+optim MB':>13} {'budget MB':>9}")
-    for s in result["sizes"]:
-        p = s["plain"]
-        click.echo(f"{s['size']:<6} {'plain':<8} {p['flops_per_step'] / 1e9:>10.2f} {p['seconds_per_step']:>8.3f} "
-                   f"{p['flops_per_s'] / 1e9:>8.2f} {p['bytes_per_s']:>9,.0f} {'':>6} "
-                   f"{p['grad_optim_bytes'] / 1e6:>13.1f}")
-        for b in s["blocks"]:
-            click.echo(f"{s['size']:<6} {'block ' + str(b['block']):<8} {b['flops_per_step'] / 1e9:>10.2f} "
-                       f"{b['seconds_per_step']:>8.3f} {b['flops_per_s'] / 1e9:>8.2f} {b['bytes_per_s']:>9,.0f} "
-                       f"{b['ratio']:>6.3f} {b['grad_optim_bytes'] / 1e6:>13.1f} "
-                       f"{b['grad_optim_budget_bytes'] / 1e6:>9.1f}{'' if b['within_budget'] else ' OVER'}")
-    ok = lambda b: "met" if b else "MISSED"  # noqa: E731
-    for name, met in result["targets"].items():
-        click.echo(f"target {name}: {ok(met)}")
-    if json_path:
-        write_result(json_path, result)
-        click.echo(f"wrote {json_path}")
+    _echo(report(result))
+    _write(json_path, result)
 
 
 if __name__ == "__main__":

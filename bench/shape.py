@@ -137,3 +137,24 @@ def load_measured(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a `bt-bench wan` result")
     return data
+
+
+def report(result: dict) -> list[str]:
+    """``bt-bench shape``'s report of ``project``'s result: what was projected from what, a line
+    per mode and the speedups."""
+    sh, ln = result["shape"], result["links"]
+    lines = [f"PROJECTION (no model of this shape was run): {sh['params'] / 1e9:.2f}B parameters, hidden "
+             f"{sh['hidden']} (assumed), {sh['hops']} hops of {sh['hop_params'] / 1e9:.2f}B on "
+             f"{result['device']['name']} peak rates; links {ln['rtt_ms']:g} ms RTT, {ln['rate_mbit']:g} Mbit/s; "
+             f"from {result['measured']['file']} (d {result['measured']['d_model']}, "
+             f"T {result['measured']['temperature']})"]
+    for m in (m for m in ("exact", "autoregressive", "blocktrain") if m in result):
+        r = result[m]
+        lines.append(f"{m + ':':<16}{r['seconds']:8.2f} s = links {r['latency_s']:.2f} s + serialization "
+                     f"{r['serialization_s']:.2f} s + compute {r['compute_s']:.2f} s ({r['hop_pass_bound_by']}-bound); "
+                     f"{r['traversals']:.1f} traversals, {r['bytes_moved'] / 1e6:.1f} MB")
+    for k, what in (("speedup_exact_vs_autoregressive", "exact vs autoregressive"),
+                    ("speedup_blocktrain_vs_autoregressive", "blocktrain vs autoregressive (not the same output)")):
+        if k in result:
+            lines.append(f"{what}: {result[k]:.1f}x")
+    return lines

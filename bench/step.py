@@ -36,6 +36,8 @@ from blocktrain.blocks.device import threads as torch_threads
 from blocktrain.blocks.model import Block, EndToEnd
 from blocktrain.blocks.train import BlockTrainer, slot_batch
 
+from .report import verdict
+
 # Untimed steps per arm before the timed ones (after the counted one): the first steps allocate
 # the optimizer state and warm the allocator; two more keep them out of the medians.
 WARMUP_STEPS = 2
@@ -237,3 +239,22 @@ def run(sizes: list[tuple[str, ModelConfig, TrainConfig]], device: torch.device,
                         "grad+optim within end-to-end/K + head": all(b["within_budget"]
                                                                      for s in results for b in s["blocks"])},
             "note": NOTE}
+
+
+def report(result: dict) -> list[str]:
+    """``bt-bench step``'s report of ``run``'s result: a row per arm of every size, then each
+    target's verdict."""
+    lines = [f"{result['device']}, {result['threads']} thread(s), median of {result['steps']} timed step(s) per arm",
+             f"{'size':<6} {'arm':<8} {'GFLOP/step':>10} {'s/step':>8} {'GFLOP/s':>8} {'bytes/s':>9} "
+             f"{'ratio':>6} {'grad+optim MB':>13} {'budget MB':>9}"]
+    for s in result["sizes"]:
+        p = s["plain"]
+        lines.append(f"{s['size']:<6} {'plain':<8} {p['flops_per_step'] / 1e9:>10.2f} {p['seconds_per_step']:>8.3f} "
+                     f"{p['flops_per_s'] / 1e9:>8.2f} {p['bytes_per_s']:>9,.0f} {'':>6} "
+                     f"{p['grad_optim_bytes'] / 1e6:>13.1f}")
+        for b in s["blocks"]:
+            lines.append(f"{s['size']:<6} {'block ' + str(b['block']):<8} {b['flops_per_step'] / 1e9:>10.2f} "
+                         f"{b['seconds_per_step']:>8.3f} {b['flops_per_s'] / 1e9:>8.2f} {b['bytes_per_s']:>9,.0f} "
+                         f"{b['ratio']:>6.3f} {b['grad_optim_bytes'] / 1e6:>13.1f} "
+                         f"{b['grad_optim_budget_bytes'] / 1e6:>9.1f}{'' if b['within_budget'] else ' OVER'}")
+    return lines + [f"target {name}: {verdict(met)}" for name, met in result["targets"].items()]

@@ -21,6 +21,8 @@ from pathlib import Path
 from blocktrain.blocks.model import ModelConfig, train_flops_per_token
 from blocktrain.blocks.train import TrainConfig
 
+from .options import BadOption
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -56,6 +58,40 @@ def default_variants(base_model: dict) -> list[Variant]:
                 what=f"end-to-end reference trained {ratio:.2f}x the steps: equal total training FLOPs "
                      "(its draft model, which only serving uses and which leaves the CE as it is, not trained)"),
     ]
+
+
+def settings(steps: int, d_model: int, n_head: int, test_windows: int, quick: bool) -> tuple[int, dict, dict, int]:
+    """(steps, base model, base training settings, test windows) of ``bt-bench train``'s options;
+    ``quick``: a minutes-long check (60 steps, d_model 64, 50 test windows unless given)."""
+    if quick:
+        steps, d_model, n_head, test_windows = 60, 64, 2, test_windows or 50
+    base_model = {"d_model": d_model, "n_head": n_head}
+    base_train = {"steps": steps, "decay_frac": 0.2, "warmup": max(5, min(50, steps // 10)),
+                  "eval_every": max(10, steps // 10)}
+    return steps, base_model, base_train, test_windows
+
+
+def select(variants: list[Variant], names: str | None) -> list[Variant]:
+    """The variants that ``names`` (comma-separated) name, all when none. Raises BadOption."""
+    if not names:
+        return variants
+    want = [v.strip() for v in names.split(",")]
+    unknown = set(want) - {v.name for v in variants}
+    if unknown:
+        raise BadOption(f"unknown variants {sorted(unknown)}; known: {[v.name for v in variants]}")
+    return [v for v in variants if v.name in want]
+
+
+def finish(results: dict[str, dict], base_model: dict, base_train: dict, steps: int, variants: list[Variant],
+           out: Path, log=lambda s: None) -> dict:
+    """The summary of trained variants: with each trainer's memory measured alone and the
+    variants' curves plotted in ``out`` (``plot``: its path)."""
+    log("measuring memory of each trainer alone...")
+    memory = measure_memory({**base_model, "head_layers": 1}, {**base_train, "steps": 5})
+    summary = summarize(results, memory, steps, variants)
+    plot(results, out / "curves.png")
+    summary["plot"] = str(out / "curves.png")
+    return summary
 
 
 # The end-to-end reference must beat block 1 alone by at least this (nats/byte) for a budget to count.

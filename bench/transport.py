@@ -17,6 +17,8 @@ import time
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from .report import verdict
+
 CHUNK = 4 * 1024 * 1024
 
 
@@ -245,6 +247,21 @@ def run(total_bytes: int = 1 << 30, repeats: int = 3, pings: int = 2000, progres
         "met": {"plain_vs_raw": ratios["plain_vs_raw"] >= 0.6, "sealed_vs_raw": ratios["sealed_vs_raw"] >= 0.4,
                 "peer_ping": ratios["peer_ping_vs_raw_pingpong"] <= 2.0},
     }
+
+
+def rows(r: dict) -> list[tuple[str, str]]:
+    """``bt-bench transport``'s report of ``run``'s result: (figure, value) rows."""
+    g, q, m, met = r["throughput_gbps"], r["ratios"], r["median"], r["met"]
+    return [
+        ("raw socket", f"{g['raw']:.2f} GB/s"),
+        ("peers, unsealed", f"{g['plain']:.2f} GB/s ({q['plain_vs_raw']:.0%} of raw, target 60%: "
+                            f"{verdict(met['plain_vs_raw'])})"),
+        ("peers, sealed", f"{g['sealed']:.2f} GB/s ({q['sealed_vs_raw']:.0%} of raw, target 40%: "
+                          f"{verdict(met['sealed_vs_raw'])})"),
+        ("raw asyncio ping-pong", f"{m['raw_pingpong_us']:.0f} us"),
+        ("peers' Ping/Pong", f"{m['peer_ping_us']:.0f} us ({q['peer_ping_vs_raw_pingpong']:.1f}x raw, target <= 2x: "
+                             f"{verdict(met['peer_ping'])})"),
+    ]
 
 
 if __name__ == "__main__":

@@ -154,3 +154,10 @@ if __name__ == "__main__":
     else:
         print("usage: python -m blocktrain.bench.wan_kernel client SPEC_JSON", file=sys.stderr)
         sys.exit(2)
+
+
+def report(result: dict) -> list[str]:
+    """``bt-bench wan --kernel``'s report of ``run_kernel``'s result: a line per mode."""
+    return [f"{m + ':':<16}{r['seconds']:.3f} s, {r['traversals']:.0f} traversal(s), bound {r['bound_s']:.3f} s "
+            f"({r['vs_bound']:.2f}x){' (extrapolated)' if r['extrapolated'] else ''}"
+            for m, r in ((m, result[m]) for m in ("blocktrain", "autoregressive"))]
