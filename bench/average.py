@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,20 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from .ports import free_ports
 from .options import BadOption
 from .report import verdict
 
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 async def _peer_child(i: int, n: int, ports: list[int], floats: int, rounds: int, key_hex: str, out: str,

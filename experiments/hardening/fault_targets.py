@@ -62,7 +62,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -71,6 +70,7 @@ from pathlib import Path
 
 import torch
 
+from blocktrain.bench.ports import free_ports
 from blocktrain.blocks import checkpoint as ckpt
 from _live import BT_PEER, RESULTS, STARTED, TINY, finish, out, provenance, stop
 from blocktrain.p2p.transport import Timeouts
@@ -93,17 +93,6 @@ def machine_load() -> dict:
             others.append(f"{cpu}% {args[:80]}")
     return {"loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()], "other_processes_over_10pct_cpu": others}
 
-
-def free_ports(n) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 # --- a swarm and what its reports say ------------------------------------------------------------

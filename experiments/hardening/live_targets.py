@@ -43,6 +43,7 @@ import zlib
 from pathlib import Path
 
 from _live import BT_PEER, RESULTS, STARTED, TINY, finish, out, provenance, stop
+from blocktrain.bench.ports import free_port
 from blocktrain.p2p.transport import Timeouts
 from blocktrain.protocol.frames import HEADER_BYTES, MAX_FRAME_BYTES, MessageType
 
@@ -69,11 +70,6 @@ def hwm_mib(pid) -> float:
 def fds(pid) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def header(mtype, flags, stream_id, length) -> bytes:
