@@ -47,15 +47,15 @@ MASK_ID = 256  # the placeholder input id; never an output
 # step with exact rows every position-wise op (LayerNorm, the linears, GELU, the head) runs on
 # fixed-shape tiles of ``Block.tile_rows`` rows, zero-padded: every call has one shape whatever the
 # step holds. Attention scores are elementwise products summed pairwise in a fixed order over the
-# head's width; the softmax runs over keys padded to a multiple of KEY_TILE (masked), so every
-# element of an elementwise kernel falls in its vector body, never in a scalar tail that computes
-# exp another way; the weighted sum over keys is sequential (cumsum), so masked keys add exact
+# head's width; the softmax's exp runs over scores padded with -inf to a multiple of KEY_TILE
+# keys, so every element of an elementwise kernel falls in its vector body, never in a scalar tail
+# that computes exp another way; the weighted sum over keys is sequential (cumsum), so masked keys add exact
 # zeros wherever they sit. The one thing no shape fixes is a kernel that computes a row by its
 # place within one call: ``invariance.check_block`` measures that where a model is served, and
 # ``tile_rows = 1`` (every row alone in its call) does without it. All of this at one torch
 # thread (bt-peer serve's, bt-bench wan's): threads split a call's work by its size.
 TILE_ROWS = 8  # rows per call: 1 row decodes at 8 rows' cost (small next to a step's Python), 64 x 16 in 128 calls
-KEY_TILE = 64  # keys padded to this multiple: a multiple of every CPU's float vector width (<= 16) x 2 unroll
+KEY_TILE = 64  # scores padded to this many keys' multiple: every CPU's float vector width (<= 16) x 2 unroll divides it
 
 
 class Entries:
