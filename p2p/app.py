@@ -30,7 +30,7 @@ from .link import LinkSpec
 from .identity import peer_id
 from .node import JoinError, Peer
 from .serving.server import PipelineServer, ServedBlocks, refuse_requests
-from .swarm import PeerJob, SwarmError, SwarmTrainer, refuse_joins
+from .swarm import PeerJob, SwarmError, SwarmTrainer, TrainerSpec, refuse_joins
 from .transport import Timeouts
 
 if TYPE_CHECKING:
@@ -165,12 +165,10 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
 
 
 async def _prepared_trainer(peer: Peer, training: Training, on_line, on_step) -> SwarmTrainer:
-    j = training.job
     assert training.work_dir is not None  # a default is chosen before any peer runs (with_work_dir)
-    trainer = SwarmTrainer(peer, training.block, j.model, j.train, j.swarm, training.work_dir,
-                           training.train_data, training.valid_data, training.shard, progress=on_line,
-                           on_step=on_step, device=training.device, precision=training.precision,
-                           corpus=training.corpus)
+    spec = TrainerSpec(training.block, training.job, training.work_dir, training.shard, training.device,
+                       training.precision, training.corpus)
+    trainer = SwarmTrainer(peer, spec, training.train_data, training.valid_data, progress=on_line, on_step=on_step)
     try:  # before listening: seconds of CPU that would keep the event loop from answering anyone
         await asyncio.to_thread(trainer.prepare)
     except Exception as e:  # e.g. a damaged own checkpoint: the operator must see it

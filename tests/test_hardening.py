@@ -117,7 +117,7 @@ def test_a_crafted_group_state_is_not_adopted(tmp_path):
     from blocktrain.blocks.data import as_tensor, read_split
     from blocktrain.blocks.model import Block, ModelConfig
     from blocktrain.blocks.train import TrainConfig
-    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+    from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
 
     class _Peer:  # the trainer's checks need no network
         id = "a" * 64
@@ -128,7 +128,7 @@ def test_a_crafted_group_state_is_not_adopted(tmp_path):
     mc = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
     tc = TrainConfig(steps=10, batch_size=4, seq_len=32)
     data = as_tensor(read_split("valid"))
-    sp = SwarmTrainer(_Peer(), 1, mc, tc, SwarmConfig(), tmp_path, data, data)
+    sp = SwarmTrainer(_Peer(), TrainerSpec(1, PeerJob(mc, tc, SwarmConfig()), tmp_path), data, data)
     good = ckpt.Checkpoint(mc.to_dict(), 0, 5, Block(mc, 0).state_dict(), extra={"gstep": 5})
     sp.check.state(good, {})
     nan = {k: torch.full_like(v, float("nan")) for k, v in good.tensors.items()}
@@ -517,13 +517,14 @@ async def test_a_member_serving_a_bad_state_is_named_and_not_asked_again(tmp_pat
     from blocktrain.blocks.data import as_tensor, read_split
     from blocktrain.blocks.model import ModelConfig
     from blocktrain.blocks.train import TrainConfig
-    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+    from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
     mc = ModelConfig(d_model=32, n_head=2, n_layer=3, n_blocks=3, max_seq_len=64)
     tc = TrainConfig(steps=1000, batch_size=4, seq_len=32, warmup=2)  # long: the test ends it once it has seen
     sc = SwarmConfig(round_timeout_s=20, join_timeout_s=3, eval_windows=2, min_group=2)  # the refusal
     data = as_tensor(read_split("valid"))
     peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
-    sps = [SwarmTrainer(p, i, mc, tc, sc, tmp_path / f"w{i}", data, data) for i, p in enumerate(peers)]
+    sps = [SwarmTrainer(p, TrainerSpec(i, PeerJob(mc, tc, sc), tmp_path / f"w{i}"), data, data)
+           for i, p in enumerate(peers)]
     def poisoned(rnd, sp):  # what a member gone bad serves to joiners
         c = sp._checkpoint(False)
         c.tensors = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in c.tensors.items()}
@@ -620,12 +621,12 @@ def _swarm_trainer(node, tmp_path):
     from blocktrain.blocks.data import as_tensor, read_split
     from blocktrain.blocks.model import ModelConfig
     from blocktrain.blocks.train import TrainConfig
-    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+    from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
 
     mc = ModelConfig(d_model=32, n_head=2, n_layer=2, n_blocks=2, max_seq_len=64)
     data = as_tensor(read_split("valid"))
-    return SwarmTrainer(node, 0, mc, TrainConfig(steps=10, batch_size=4, seq_len=32), SwarmConfig(),
-                        tmp_path / node.id[:4], data, data)
+    job = PeerJob(mc, TrainConfig(steps=10, batch_size=4, seq_len=32), SwarmConfig())
+    return SwarmTrainer(node, TrainerSpec(0, job, tmp_path / node.id[:4]), data, data)
 
 
 def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_round(tmp_path):

@@ -14,7 +14,7 @@ from blocktrain.blocks.data import as_tensor, read_split
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import TrainConfig
 from blocktrain.p2p.averaging import flatten
-from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
 from blocktrain.p2p.services import Change
 from blocktrain.p2p.swarm import membership as membership_module
 
@@ -119,7 +119,8 @@ async def _partition_and_heal(tmp_path, monkeypatch, sides: list[list[int]], ste
     sc = SwarmConfig(schedule="parallel", round_timeout_s=60, join_timeout_s=1, ready_timeout_s=10, eval_windows=2,
                      min_group=4)
     tc = TrainConfig(steps=steps, batch_size=2, seq_len=16, warmup=1, draft_frac=0)
-    sps = [slowed(SwarmTrainer(p, 0, MC, tc, sc, tmp_path / f"w{i}", DATA, DATA)) for i, p in enumerate(peers)]
+    sps = [slowed(SwarmTrainer(p, TrainerSpec(0, PeerJob(MC, tc, sc), tmp_path / f"w{i}"), DATA, DATA))
+           for i, p in enumerate(peers)]
     tasks = [asyncio.ensure_future(sp.run()) for sp in sps]
     try:
         await until(lambda: one_group(sps) and all(sp.stats.applied >= 3 for sp in sps), "group of 4", 30, tasks)
@@ -218,7 +219,7 @@ async def test_a_member_that_yields_mid_round_leaves_that_round_at_once(tmp_path
     peers = [net.peer(i + 1, blocks=(0,)) for i in range(4)]
     sc = SwarmConfig(schedule="parallel", round_timeout_s=60, eval_windows=2)
     tc = TrainConfig(steps=8, batch_size=2, seq_len=16, warmup=1, draft_frac=0)
-    sp = SwarmTrainer(peers[3], 0, MC, tc, sc, tmp_path / "d", DATA, DATA)
+    sp = SwarmTrainer(peers[3], TrainerSpec(0, PeerJob(MC, tc, sc), tmp_path / "d"), DATA, DATA)
     sp.prepare()
     me, c = peers[3].id, peers[2].id
     sp.group.state, sp.group.round, sp.group.joined = State.TRAINING, 5, {c: 1}
@@ -257,7 +258,7 @@ async def test_a_member_that_yields_to_a_group_that_never_admits_it_trains_on_an
                      cut_off_ok=ok)
     tc = TrainConfig(steps=90, batch_size=2, seq_len=16, warmup=1, draft_frac=0)
     lines: list[str] = []
-    sps = [slowed(SwarmTrainer(p, 0, MC, tc, sc, tmp_path / f"w{i}", DATA, DATA,
+    sps = [slowed(SwarmTrainer(p, TrainerSpec(0, PeerJob(MC, tc, sc), tmp_path / f"w{i}"), DATA, DATA,
                                progress=lines.append if i == 0 else None)) for i, p in enumerate(peers)]
     tasks = [asyncio.ensure_future(sp.run()) for sp in sps]
     a, others = peers[0].id, {peers[1].id, peers[2].id}

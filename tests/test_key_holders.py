@@ -151,15 +151,15 @@ def served_peer(tmp_path):
     from blocktrain.blocks.model import Block, ModelConfig
     from blocktrain.blocks.train import TrainConfig
     from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks
-    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+    from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
 
     loop = asyncio.new_event_loop()
     peer = loop.run_until_complete(Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, blocks=(0,),
                                         timeouts=FAST).start())
     mc = ModelConfig(d_model=16, n_head=2, n_layer=2, n_blocks=2, max_seq_len=32)
     data = as_tensor(read_split("valid"))[:4096]
-    SwarmTrainer(peer, 0, mc, TrainConfig(steps=4, batch_size=2, seq_len=16, warmup=1), SwarmConfig(), tmp_path / "w",
-                 data, data)
+    job = PeerJob(mc, TrainConfig(steps=4, batch_size=2, seq_len=16, warmup=1), SwarmConfig())
+    SwarmTrainer(peer, TrainerSpec(0, job, tmp_path / "w"), data, data)
     PipelineServer(peer, ServedBlocks(blocktrain={0: Block(mc, 0).eval()}))
     member = "ee" * 32
     peer._members[member] = Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)

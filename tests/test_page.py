@@ -12,7 +12,7 @@ from blocktrain.blocks.data import as_tensor, read_split
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import TrainConfig
 from blocktrain.p2p.page import SwarmPage
-from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
 from blocktrain.p2p.transport import Timeouts
 
 from conftest import mesh
@@ -39,7 +39,8 @@ async def _swarm_with_page(tmp_path):
     tc = TrainConfig(steps=30, batch_size=4, seq_len=32, warmup=2)
     sc = SwarmConfig(round_timeout_s=20, join_timeout_s=3, eval_windows=2, min_group=3)  # eval_every: its default
     data = as_tensor(read_split("valid"))
-    sps = [SwarmTrainer(p, i, mc, tc, sc, tmp_path / f"w{i}", data, data) for i, p in enumerate(peers)]
+    sps = [SwarmTrainer(p, TrainerSpec(i, PeerJob(mc, tc, sc), tmp_path / f"w{i}"), data, data)
+           for i, p in enumerate(peers)]
     page = await SwarmPage(peers[0]).start()
     await asyncio.gather(*(sp.run() for sp in sps))
     await asyncio.sleep(3.5)  # one poll of the members' work sections (page.POLL_S)

@@ -14,7 +14,7 @@ from blocktrain.blocks.train import TrainConfig
 from blocktrain.p2p.averaging import flatten
 from blocktrain.p2p.node import Peer
 from blocktrain.p2p.services import PeerServices
-from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
 
 from fakes import FakeNet, FakePeer
 
@@ -45,7 +45,8 @@ async def test_a_swarm_trains_and_takes_a_joiner_on_the_interface_alone(tmp_path
     net = FakeNet()
     peers = [net.peer(i + 1, blocks=(i % 2,)) for i in range(3)]
     sc = SwarmConfig(round_timeout_s=20, join_timeout_s=1, eval_windows=2, min_group=2)
-    sps = [SwarmTrainer(p, i % 2, MC, TC, sc, tmp_path / f"w{i}", DATA, DATA) for i, p in enumerate(peers)]
+    sps = [SwarmTrainer(p, TrainerSpec(i % 2, PeerJob(MC, TC, sc), tmp_path / f"w{i}"), DATA, DATA)
+           for i, p in enumerate(peers)]
     try:
         first = [asyncio.ensure_future(sp.run()) for sp in sps[:2]]
         deadline = time.monotonic() + 60
@@ -72,11 +73,11 @@ async def test_a_joiner_that_takes_the_state_at_a_blocks_end_makes_it_final_and_
     test_a_swarm_trains_and_takes_a_joiner_on_the_interface_alone on a clean CI run). It makes the
     block final itself, with the group's parameters, and builds block 1 on them."""
     net = FakeNet()
-    donor = SwarmTrainer(net.peer(1, blocks=(0,)), 0, MC, TC, SwarmConfig(), tmp_path / "donor", DATA, DATA)
+    donor = SwarmTrainer(net.peer(1, blocks=(0,)), TrainerSpec(0, PeerJob(MC, TC), tmp_path / "donor"), DATA, DATA)
     donor.prepare()
     donor.pos.gstep = donor.schedule.S  # the group's state after block 0's last round
     state = donor._checkpoint(False)
-    sp = SwarmTrainer(net.peer(2, blocks=(1,)), 1, MC, TC, SwarmConfig(), tmp_path / "joiner", DATA, DATA)
+    sp = SwarmTrainer(net.peer(2, blocks=(1,)), TrainerSpec(1, PeerJob(MC, TC), tmp_path / "joiner"), DATA, DATA)
     sp.prepare()
     sp._take_group_state(state, {}, "the group")
     assert sp.gstep == sp.schedule.S and sp.block == 0 and 0 not in sp.finals
@@ -93,7 +94,7 @@ async def test_the_curve_evaluation_draws_no_random_number(tmp_path):
     swarm failed 1 run in 8)."""
     from blocktrain.blocks.model import Block
     net = FakeNet()
-    sp = SwarmTrainer(net.peer(1, blocks=(1,)), 1, MC, TC, SwarmConfig(), tmp_path, DATA, DATA)
+    sp = SwarmTrainer(net.peer(1, blocks=(1,)), TrainerSpec(1, PeerJob(MC, TC, SwarmConfig()), tmp_path), DATA, DATA)
     sp.prepare()
     sp.finals[0] = Block(MC, 0).state_dict()
     sp._new_trainer(1)

@@ -16,7 +16,7 @@ from blocktrain.blocks.data import as_tensor, read_split
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import BlockTrainer, TrainConfig
 from blocktrain.p2p.averaging import flatten
-from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
 from blocktrain.p2p.transport import Timeouts
 from blocktrain.bench.ports import free_ports
 
@@ -33,7 +33,7 @@ DATA = as_tensor(read_split("valid"))
 def trainers(peers, tmp_path, sc=SC, tc=TC, mc=MC, blocks=None, **kw):
     """One trainer per peer; peer i holds block ``blocks[i]`` (default: i mod K)."""
     blocks = blocks or [i % mc.n_blocks for i in range(len(peers))]
-    return [SwarmTrainer(p, k, mc, tc, sc, tmp_path / f"w{i}", DATA, DATA, **kw)
+    return [SwarmTrainer(p, TrainerSpec(k, PeerJob(mc, tc, sc), tmp_path / f"w{i}"), DATA, DATA, **kw)
             for i, (p, k) in enumerate(zip(peers, blocks))]
 
 
@@ -253,7 +253,7 @@ async def test_a_member_restarted_under_overlapped_sign_rounds_rejoins_and_ends_
         assert await peers[2].wait_for(lambda: len(peers[2].members()) == 2, 60.0)
         # only the restarted member's trainer: another SwarmTrainer on peers 0 and 1 would register a
         # second (idle) membership there, whose ABSENT answers the JOIN beside the group's welcome
-        again = slowed(SwarmTrainer(peers[2], 2, MC, tc, sc, tmp_path / "w2", DATA, DATA), 0.01)
+        again = slowed(SwarmTrainer(peers[2], TrainerSpec(2, PeerJob(MC, tc, sc), tmp_path / "w2"), DATA, DATA), 0.01)
         assert await asyncio.to_thread(again.prepare)
         rep = await asyncio.wait_for(again.run(), 240)
         reps = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 240)

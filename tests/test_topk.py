@@ -120,7 +120,7 @@ async def test_a_compact_params_swarm_ends_in_step_with_every_block_identical(tm
     from blocktrain.blocks.data import as_tensor, read_split
     from blocktrain.blocks.model import Block, ModelConfig
     from blocktrain.blocks.train import TrainConfig
-    from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+    from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
     from blocktrain.p2p.transport import Timeouts
 
     from conftest import mesh
@@ -132,7 +132,8 @@ async def test_a_compact_params_swarm_ends_in_step_with_every_block_identical(tm
     data = as_tensor(read_split("valid"))
     peers = await mesh(3, fast, blocks=[(0,), (1,), (2,)])
     try:
-        sps = [SwarmTrainer(p, i, mc, tc, sc, tmp_path / f"w{i}", data, data) for i, p in enumerate(peers)]
+        sps = [SwarmTrainer(p, TrainerSpec(i, PeerJob(mc, tc, sc), tmp_path / f"w{i}"), data, data)
+               for i, p in enumerate(peers)]
         reps = await asyncio.wait_for(asyncio.gather(*(sp.run() for sp in sps)), 120)
         finals = [[sp.finals[j] for j in range(3)] for sp in sps]
         for j in range(3):

@@ -16,7 +16,7 @@ from blocktrain.blocks.data import (DataError, as_tensor, corpus_digest, load_sp
 from blocktrain.blocks.device import DeviceError, pick_device, pick_precision, threads
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import BlockTrainer, EndToEndTrainer
-from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer
+from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
 from blocktrain.p2p.swarm.membership import JobMismatch
 from blocktrain.p2p.swarm.settings import job_difference, job_digest
 
@@ -247,7 +247,7 @@ async def test_a_peer_of_another_corpus_is_never_grouped_and_stops_when_it_meets
     sc = SwarmConfig(**{**SC.__dict__, "min_group": 2})
     a, b = "aa" * 8, "bb" * 8
     try:
-        sps = [SwarmTrainer(p, i, MC, TC, sc, tmp_path / f"w{i}", DATA, DATA, corpus=c)
+        sps = [SwarmTrainer(p, TrainerSpec(i, PeerJob(MC, TC, sc), tmp_path / f"w{i}", corpus=c), DATA, DATA)
                for i, (p, c) in enumerate(zip(peers, (a, a, b)))]
         said = []
         sps[2]._say = said.append

@@ -12,7 +12,7 @@ from pathlib import Path
 from blocktrain.blocks.data import as_tensor, read_split
 from blocktrain.blocks.model import ModelConfig
 from blocktrain.blocks.train import TrainConfig
-from blocktrain.p2p.swarm import SwarmConfig, SwarmTrainer
+from blocktrain.p2p.swarm import PeerJob, SwarmConfig, SwarmTrainer, TrainerSpec
 from blocktrain.p2p.transport import Timeouts
 from blocktrain.provenance import code_version
 torch.set_num_threads(1)
@@ -26,7 +26,8 @@ async def one(attack: str, aggregate: str, out: Path, n=4):
     import shutil; shutil.rmtree(out, ignore_errors=True)
     peers = await mesh(n, T, blocks=[(i % 3,) for i in range(n)])
     sc = SwarmConfig(min_group=n, eval_windows=32, round_timeout_s=60, join_timeout_s=10, aggregate=aggregate)
-    sps = [SwarmTrainer(p, i % 3, MC, TC, sc, out / f"w{i}", DATA, VALID) for i, p in enumerate(peers)]
+    sps = [SwarmTrainer(p, TrainerSpec(i % 3, PeerJob(MC, TC, sc), out / f"w{i}"), DATA, VALID)
+           for i, p in enumerate(peers)]
     bad = sps[-1]
     if attack != "none":
         scale = {"flip": -1.0, "flip4": -4.0, "scale8": 8.0}[attack]

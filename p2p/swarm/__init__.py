@@ -19,8 +19,8 @@ The training peer is a few rooms, each with its rules in its docstring:
 from .lower import CutOff, SwarmError
 from .membership import refuse_joins
 from .rounds import digest
-from .settings import SCHEDULES, SYNCS, PeerJob, SwarmConfig
+from .settings import SCHEDULES, SYNCS, PeerJob, SwarmConfig, TrainerSpec
 from .trainer import SwarmTrainer
 
-__all__ = ["SCHEDULES", "SYNCS", "CutOff", "PeerJob", "SwarmConfig", "SwarmError", "SwarmTrainer", "digest",
-           "refuse_joins"]
+__all__ = ["SCHEDULES", "SYNCS", "CutOff", "PeerJob", "SwarmConfig", "SwarmError", "SwarmTrainer", "TrainerSpec",
+           "digest", "refuse_joins"]

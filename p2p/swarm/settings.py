@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from blocktrain.blocks.config import ModelConfig, TrainConfig
 
@@ -107,6 +108,19 @@ class PeerJob:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What one training peer runs (``SwarmTrainer``): the block it holds, the job, where it keeps
+    its checkpoints, which data it reads and where the block trains."""
+    block: int  # the block this peer holds, serves and reports (relay: it trains every block in turn)
+    job: PeerJob
+    work_dir: str | Path  # its checkpoints: served, its own, the group's state for joiners (store.py)
+    shard: tuple[int, int] | None = None  # (shard, shards) of the data; None: random windows over all of it
+    device: str = "cpu"  # where the block trains (blocks/device.py)
+    precision: str = "fp32"  # fp32 or bf16 (autocast)
+    corpus: str = ""  # blocks/data.corpus_digest of the data (compared at join; "": not compared)
 
 
 # What the peers of one swarm must share, beside the corpus: the model, how a block trains (not the

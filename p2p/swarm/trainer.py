@@ -39,7 +39,7 @@ from .membership import Membership
 from .report import RunState, Stats, ended_cut_off, progress_line, training_report, work_status
 from .rounds import Rounds, digest
 from .schedule import Position, Schedule
-from .settings import PeerJob, SwarmConfig, job_digest
+from .settings import TrainerSpec, job_digest
 from .store import OUTER_MOMENTUM, CheckpointStore, Found
 
 if TYPE_CHECKING:
@@ -52,16 +52,18 @@ class SwarmTrainer:
     """Everything a training peer runs beside its peer: the block trainer of the block in work,
     its group and averaging, checkpoints served and fetched, and the training report."""
 
-    def __init__(self, peer: PeerServices, k: int, mcfg, tcfg, scfg: SwarmConfig, workdir: str | Path,
-                 data: torch.Tensor, valid: torch.Tensor, shard: tuple[int, int] | None = None, progress=None,
-                 on_step=None, device: torch.device | str = "cpu", precision: str = "fp32", corpus: str = ""):
-        self.peer, self.k, self.mcfg, self.tcfg, self.scfg = peer, k, mcfg, tcfg, scfg
-        self.device, self.precision = torch.device(device), precision  # where the block trains (blocks/device.py)
+    def __init__(self, peer: PeerServices, spec: TrainerSpec, data: torch.Tensor, valid: torch.Tensor,
+                 progress=None, on_step=None):
+        """``spec``: what this peer runs; ``data``, ``valid``: the corpus's splits (uint8);
+        ``progress``: where events go, as lines; ``on_step``: called after every step (rounds.py)."""
+        k, mcfg, tcfg, scfg = spec.block, spec.job.model, spec.job.train, spec.job.swarm
+        self.peer, self.spec, self.k, self.mcfg, self.tcfg, self.scfg = peer, spec, k, mcfg, tcfg, scfg
+        self.device, self.precision = torch.device(spec.device), spec.precision  # where the block trains
         self.relay = scfg.schedule == "relay"
         self.schedule = Schedule(k, mcfg.n_blocks, tcfg.steps, scfg.steps_per_round, self.relay,
                                  scfg.eval_every, tcfg.refresh_every)
-        self.dir = Path(workdir)
-        self.data, self.valid, self.shard = data, valid, shard
+        self.dir = Path(spec.work_dir)
+        self.data, self.valid, self.shard = data, valid, spec.shard
         self.progress = progress or (lambda s: None)  # events, as lines
         self.scope = "relay" if self.relay else f"block:{k}"
         self.pos = Position(self.schedule.plan[0])
@@ -75,7 +77,7 @@ class SwarmTrainer:
         self.stats = Stats()
         self.check = StateCheck(mcfg, self.schedule, valid, tcfg.seq_len)
         self.store = CheckpointStore(self.server, self.dir, mcfg, tcfg, scfg, self.schedule)
-        self.job = job_digest(PeerJob(mcfg, tcfg, scfg), corpus) if corpus else ""  # compared at join
+        self.job = job_digest(spec.job, spec.corpus) if spec.corpus else ""  # compared at join
         self.membership = Membership(peer, self.group, self.averager, self.pos, self.scope,
                                      None if self.relay else k, self.fetcher, self.check, self.stats.joins, self._say,
                                      self.job)
@@ -137,15 +139,9 @@ class SwarmTrainer:
 
     # --- trainers --------------------------------------------------------------------------------
     def _new_trainer(self, b: int) -> None:
-        from blocktrain.blocks.data import ByteBatches
-        from blocktrain.blocks.train import BlockTrainer
-
         old = self.trainer
         self.trainer = None  # one block's optimizer at a time: the old one goes first
-        tr = BlockTrainer(self.mcfg, self.tcfg, b, self.data, shard=self.shard[0] if self.shard else 0,
-                          num_shards=self.shard[1] if self.shard else 1, device=self.device, precision=self.precision)
-        if self.shard is None:  # this peer's own stream of random windows over all the data
-            tr.batches = ByteBatches(self.data, self.tcfg.batch_size, self.tcfg.seq_len, seed=_seed(self.peer.id, b))
+        tr = _block_trainer(self.spec, b, self.data, self.device, self.peer.id)
         if b > 0 and self.relay:
             tr.set_lower([self.finals[j] for j in range(b)], [self.schedule.S] * b)
             if old is not None and old.k == b - 1:
@@ -382,6 +378,21 @@ class SwarmTrainer:
 
 def _seed(peer_id: str, block: int) -> int:
     return (int(peer_id[:8], 16) * 1_000_003 + block) % (1 << 62)
+
+
+def _block_trainer(spec: TrainerSpec, b: int, data: torch.Tensor, device: torch.device,
+                   peer_id: str) -> BlockTrainer:
+    """Block ``b``'s trainer on ``data``: on the spec's shard of it, or, with none, on this peer's
+    own stream of random windows over all of it."""
+    from blocktrain.blocks.data import ByteBatches
+    from blocktrain.blocks.train import BlockTrainer
+
+    mcfg, tcfg, shard = spec.job.model, spec.job.train, spec.shard
+    tr = BlockTrainer(mcfg, tcfg, b, data, shard=shard[0] if shard else 0, num_shards=shard[1] if shard else 1,
+                      device=device, precision=spec.precision)
+    if shard is None:
+        tr.batches = ByteBatches(data, tcfg.batch_size, tcfg.seq_len, seed=_seed(peer_id, b))
+    return tr
 
 
 def _largest_block(mcfg, plan) -> int:
