@@ -442,9 +442,9 @@ async def test_a_member_stopped_while_it_sends_its_parts_hands_them_all_out(code
 
 
 async def test_a_member_stopped_mid_send_hands_out_whole_pieces_only_within_its_bound(monkeypatch):
-    """The hand-out is bounded (driver.HAND_OUT_BYTES); past the bound it stops at a piece's
+    """The hand-out is bounded (outbox.HAND_OUT_BYTES); past the bound it stops at a piece's
     boundary: a piece reaches every member or, beyond the bound, no more of them do."""
-    from blocktrain.p2p.averaging import AveragingRound, RoundSpec, driver
+    from blocktrain.p2p.averaging import AveragingRound, RoundSpec, outbox
     from fakes import FakeConnection, FakeNet
     net = FakeNet()
     a, b, c = (net.peer(i + 1, blocks=(1,)) for i in range(3))
@@ -464,7 +464,7 @@ async def test_a_member_stopped_mid_send_hands_out_whole_pieces_only_within_its_
     await asyncio.sleep(0)
     assert sent == [(b.id, 0)]
     # room for piece 0's rest and half of piece 1: piece 1 is not begun
-    monkeypatch.setattr(driver, "HAND_OUT_BYTES", owed[(c.id, 0)] + owed[(b.id, 1)])
+    monkeypatch.setattr(outbox, "HAND_OUT_BYTES", owed[(c.id, 0)] + owed[(b.id, 1)])
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

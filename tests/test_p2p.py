@@ -431,8 +431,8 @@ async def test_a_second_close_waits_for_the_first_and_a_cancelled_close_still_cl
 
 
 async def test_goodbye_goes_after_the_frames_queued_before_it(psk):
-    """A stopping member's last parts of a round are queued as bulk frames (averaging/driver.py,
-    ``_hand_out``): its Goodbye follows them, so the receiver gets every one before the close."""
+    """A stopping member's last parts of a round are queued as bulk frames (averaging/outbox.py,
+    ``Outbox.hand_out``): its Goodbye follows them, so the receiver gets every one before the close."""
     from blocktrain.protocol import BlockUpdate, ConnectionClosed
     server, a, b = await _pair(psk)
     try:

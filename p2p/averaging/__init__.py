@@ -12,6 +12,7 @@ The package, by concern; each module opens with the rules it implements, numbere
 - ``codec.py``: the update codecs, a lossy codec's encoding with error feedback and its scratch,
   the arena's slots.
 - ``early.py``: parts held for rounds not begun yet, within bounds.
+- ``outbox.py``: what the round in progress has to send, sent in order, or handed out when it stops.
 - ``driver.py``: ``Averager``, the thin asyncio driver: it sends, feeds the round as parts come,
   excludes members and lends the round its buffers.
 - ``outer.py``: ``OuterOptimizer`` (the outer step), ``flatten`` and ``unflatten_``.
@@ -37,7 +38,7 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
   every aggregate (a plain mean in member order below 3 members or with ``mean``).
 - Rule 7 (codec.py; round.py): lossy codecs keep their rounding error for the next round (error
   feedback); every member ends the round with the same bytes.
-- Rule 8 (driver.py; codec.py): parts are fed to the round as they arrive and decoded where they
+- Rule 8 (driver.py; outbox.py, codec.py): parts are fed to the round as they arrive and decoded where they
   belong (the result, or an arena kept from round to round); queued messages are released when
   ``average`` returns.
 - Rule 9 (driver.py; round.py): a member that began the round with another view of the group

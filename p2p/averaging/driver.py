@@ -11,7 +11,8 @@ Rules (numbered as in the package's index, ``__init__.py``):
   (codec.py). A round so touches no fresh memory and no frame waits in a queue holding its
   receive buffer. When ``average`` returns, the round's messages still queued on a connection are
   released (copied), so nothing it sent views the buffers the next round writes. Parts for a
-  round not begun yet are held within bounds (early.py).
+  round not begun yet are held within bounds (early.py); what the round has to send goes out
+  in order from an ``Outbox`` (outbox.py).
 - Rule 9 (here): a member that began the round with another view of the group (its parts carry
   another ``group`` digest, it answers that it is not in our round's group, or a member relays
   that in meta ``mismatched``: round.py, rule 4) fails the round for us (``GroupMismatch``):
@@ -48,7 +49,8 @@ from ..services import PeerServices, PeerUnreachable
 from .codec import SIGN, UPDATE_CODECS, lossy_scratch
 from .early import AHEAD_ROUNDS, EarlyParts
 from .robust import Bounds, PairWindow
-from .round import AveragingRound, Buffers, GroupMismatch, Part, RoundFailed, RoundReport, RoundSpec
+from .outbox import Outbox
+from .round import AveragingRound, Buffers, GroupMismatch, RoundFailed, RoundReport, RoundSpec
 
 if TYPE_CHECKING:
     from ..transport import PeerConnection
@@ -67,9 +69,6 @@ MAX_NAMED = 1024
 # begins, or, under overlap, the one after.
 MISMATCH_ROUNDS = 2
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
-# Bytes of parts a round stopped mid-send still queues (``_hand_out``): past it the rest is dropped,
-# since the queued copies (and, on a slow link, the Goodbye behind them) must stay small.
-HAND_OUT_BYTES = 8 << 20
 
 
 def mismatches_within_allowance(r: AveragingRound, ids, state: dict) -> list[str]:
@@ -151,7 +150,7 @@ class Averager(EarlyParts):
         self._arena = torch.empty(0)  # members' parts of a round are decoded here (AveragingRound)
         self._scratch: dict | None = None  # a lossy codec's buffers, lent to every round
         self._round: AveragingRound | None = None
-        self._outbox: list[Part] = []  # what the round in progress has to send next
+        self.outbox = Outbox(peer)  # what the round in progress has to send next
         self._wake: asyncio.Event | None = None  # set when the outbox has parts or the round is done
         self._failure: BaseException | None = None  # a bug met while feeding the round (raised by average)
         self._absent_told: set = set()
@@ -250,7 +249,7 @@ class Averager(EarlyParts):
         try:
             bytes_sent = await self._run(r, early, conns, sent, deadline, gone or {})
         finally:
-            self._round, self._outbox, self._wake, self._failure = None, [], None, None
+            self._round, self.outbox.parts, self._wake, self._failure = None, [], None, None
             for pc in conns.values():  # what is still queued stops viewing our buffers (reused next round)
                 pc.release_queued(sent)
         self._residual = r.residual
@@ -275,7 +274,7 @@ class Averager(EarlyParts):
             self._scratch = lossy_scratch(vector.numel(), self.spec.codec)
         r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, self.spec, start=start, residual=self._residual,
                            lent=Buffers(out, self._lend_arena, self._scratch), origin=origin)
-        self._round, self._outbox, self._wake, self.current = r, [], asyncio.Event(), rnd
+        self._round, self.outbox.parts, self._wake, self.current = r, [], asyncio.Event(), rnd
         return r
 
     async def _run(self, r: AveragingRound, early: list, conns: dict, sent: list, deadline: float,
@@ -287,7 +286,7 @@ class Averager(EarlyParts):
         for pid in r.ids:
             if pid in self.banned or pid in self.shunned:  # a gossip round's (rule 10; else not in ids)
                 self._feed(pid, "excluded" if pid in self.banned else "excluded us", relay=False)
-        self._outbox += r.start()
+        self.outbox.parts += r.start()
         for pid, msg in early:
             self._feed(pid, msg)
         for pid in r.ids:  # after their early parts: what a member sent before it left counts here as
@@ -298,7 +297,7 @@ class Averager(EarlyParts):
             elif self.peer.member(pid) is None:
                 self._feed(pid, "not a member")
         while True:
-            bytes_sent += await self._send_outbox(r.round, conns, sent)
+            bytes_sent += await self.outbox.send(r, conns, sent, self._feed)
             if self._failure is not None:
                 raise self._failure
             if r.done:
@@ -306,7 +305,7 @@ class Averager(EarlyParts):
             left = deadline - time.monotonic()
             if left <= 0:
                 before = len(r.rejected)
-                self._outbox += r.expire()
+                self.outbox.parts += r.expire()
                 for rej in r.rejected[before:]:  # parts validated now (a piece's last) can reject a member
                     self._reject(rej["peer"], rej["reason"], r.round)
                 continue
@@ -317,67 +316,6 @@ class Averager(EarlyParts):
                     await self._wake.wait()
             except TimeoutError:
                 pass
-
-    async def _send_outbox(self, rnd: int, conns: dict, sent: list) -> int:
-        """Sends the outbox's parts in order (what comes meanwhile is fed in as it comes); a member
-        we cannot reach departs. Returns the payload bytes sent."""
-        bytes_sent = 0
-        r = self._round
-        while self._outbox:
-            p = self._outbox.pop(0)
-            if r is not None and p.peer in r.departed:  # queued before it departed: not waited for
-                continue
-            queued = False
-            try:
-                if p.peer not in conns:
-                    conns[p.peer] = await self.peer.connection(p.peer)
-                sent.append(p.msg)
-                queued = True
-                await conns[p.peer].send(p.msg, bulk=True)
-                bytes_sent += p.stored_bytes
-            except (ConnectionError, ProtocolError) as e:
-                log.info("round %d: sending to %s failed: %s", rnd, p.peer[:12], e)
-                self._feed(p.peer, f"unreachable: {e}")
-            except asyncio.CancelledError:
-                if not queued:
-                    self._outbox.insert(0, p)
-                self._hand_out(conns, sent)
-                raise
-        return bytes_sent
-
-    def _hand_out(self, conns: dict, sent: list) -> None:
-        """We stop in the middle of a round (cancelled: the peer stops, or the round is not ours
-        any more): the parts it has ready are queued on the connections we hold, without waiting,
-        so that every member receives all of them (a member that departs mid-round counts in what
-        it sent before leaving, rule 4, at every member that received it: where some members had a
-        part that others never got, their results, and their points, would part). Best effort:
-        whole pieces (every member's part of one, or none) up to HAND_OUT_BYTES, and only where
-        a live connection is at hand."""
-        r = self._round
-        parts = [p for p in self._outbox if r is None or p.peer not in r.departed]
-        size: dict = {}
-        for p in parts:
-            j = p.msg.meta.get("part")
-            size[j] = size.get(j, 0) + p.stored_bytes
-        pieces, total = set(), 0
-        for j, n in size.items():  # in the outbox's order: the pieces it began first
-            total += n
-            if total > HAND_OUT_BYTES:
-                break
-            pieces.add(j)
-        for p in parts:
-            if p.msg.meta.get("part") not in pieces:
-                continue
-            pc = conns.get(p.peer) or self.peer.live_connection(p.peer)
-            if pc is None:
-                continue
-            try:
-                pc.send_nowait(p.msg, bulk=True)
-            except (ConnectionError, ProtocolError):
-                continue
-            conns[p.peer] = pc
-            sent.append(p.msg)  # released (copied) by ``average`` as it returns, like the others
-        self._outbox = []
 
     def _feed(self, pid: str, msg, relay: bool = True) -> None:
         """Everything for the round in progress goes in here as it comes, in the connections'
@@ -403,7 +341,7 @@ class Averager(EarlyParts):
             out = []
         for rej in r.rejected[before:]:
             self._reject(rej["peer"], rej["reason"], r.round)
-        self._outbox += out
+        self.outbox.parts += out
         self._wake.set()
 
     def _lend_arena(self, floats: int) -> torch.Tensor:
