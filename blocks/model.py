@@ -329,9 +329,16 @@ class Layer(nn.Module):
             x = x + self.attn.proj(self.attn.attend_ragged(self.attn.qkv(self.ln1(x)), sizes, caches, masks,
                                                            exact_rows))
             return x + self.mlp(x)
-        qkv = _tiled(lambda t: self.attn.qkv(self.ln1(t)), x, tile_rows)
-        x = x + _tiled(self.attn.proj, self.attn.attend_ragged(qkv, sizes, caches, masks, exact_rows), tile_rows)
-        return x + _tiled(self.mlp, x, tile_rows)
+        # the same ops as the modules' forwards, called directly: a tile is a few dozen rows, and a
+        # module call's Python costs about what such an op computes
+        ln1, ln2, qkv_, proj, fc, out = self.ln1, self.ln2, self.attn.qkv, self.attn.proj, self.fc, self.out
+        qkv = _tiled(lambda t: F.linear(F.layer_norm(t, ln1.normalized_shape, ln1.weight, ln1.bias, ln1.eps),
+                                        qkv_.weight, qkv_.bias), x, tile_rows)
+        y = self.attn.attend_ragged(qkv, sizes, caches, masks, exact_rows)
+        x = x + _tiled(lambda t: F.linear(t, proj.weight, proj.bias), y, tile_rows)
+        return x + _tiled(lambda t: F.linear(F.gelu(F.linear(F.layer_norm(t, ln2.normalized_shape, ln2.weight,
+                                                                          ln2.bias, ln2.eps), fc.weight, fc.bias)),
+                                             out.weight, out.bias), x, tile_rows)
 
     def zero_output(self):
         """Make the layer the identity map (its residual branches add zero)."""
