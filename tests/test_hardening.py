@@ -666,7 +666,7 @@ def test_a_lower_ranked_group_hears_our_status_at_once_so_a_split_heals_in_a_rou
     b.membership.send([b.group.status_for(a.peer.id)])
     deliver(b, a)
     assert not a.sent
-    a.membership._status_replied.clear()  # a STATUS of equal rank, a size no group here can have, or from an
+    a.membership.outsiders.status_replied.clear()  # a STATUS of equal rank, a size no group here can have, or from an
     for meta in ({"size": 1, "sponsor": "a" * 64}, {"size": 10**6, "sponsor": "0" * 64}):  # excluded peer: no answer
         a.membership.on_control(BlockUpdate(block=0, round=1, meta={"phase": "status", "scope": a.scope, **meta}), None, b.peer.id)
         assert not a.sent and a.group.state is State.TRAINING
@@ -718,7 +718,7 @@ def test_a_member_that_just_left_our_group_hears_our_status_at_once(tmp_path):
     sp.group.joined[b] = 1
     sp.membership.tell_outsiders()  # c is outside: told; b is a member: not
     assert [s.peer for s in _statuses(sp)] == [c]
-    sp.membership._status_sent[b] = time.monotonic()  # told in an earlier split, a moment ago
+    sp.membership.outsiders.status_sent[b] = time.monotonic()  # told in an earlier split, a moment ago
     sp.membership.tell_outsiders()
     assert not _statuses(sp)  # c was told a moment ago
     sp.group.depart(b, "sees another group")  # split again
@@ -728,14 +728,14 @@ def test_a_member_that_just_left_our_group_hears_our_status_at_once(tmp_path):
     sp.membership.tell_outsiders()  # once: then every STATUS_EVERY_S again
     assert not _statuses(sp)
     for i in range(4 * STATUS_KEPT):  # when we told peers no longer in scope is not kept for ever
-        sp.membership._status_sent[f"{i:064x}"] = 0.0
+        sp.membership.outsiders.status_sent[f"{i:064x}"] = 0.0
     sp.membership.tell_outsiders()
-    assert set(sp.membership._status_sent) == {b, c}
+    assert set(sp.membership.outsiders.status_sent) == {b, c}
 
     sp = _status_trainer(tmp_path, a, (a, b, c))  # b leaves while it is no live candidate (dead a while)
     sp.group.joined[b] = 1
     sp.membership.tell_outsiders()
-    sp.membership._status_sent[b] = time.monotonic()
+    sp.membership.outsiders.status_sent[b] = time.monotonic()
     _statuses(sp)
     sp.peer.known = (a, c)
     sp.group.depart(b, "silent in round 466")

@@ -10,7 +10,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = (("p2p", 300, 60), ("bench", None, 80))
 # Rooms over their bound today, "path:Qualified.name" -> its lines then: still to be split.
 OVER: dict[str, int] = {
-    "p2p/swarm/membership.py:Membership": 351,
     "p2p/swarm/trainer.py:SwarmTrainer": 326,
 }
 

@@ -100,26 +100,99 @@ class JobMismatch(SwarmError):
     """Every peer in scope trains another job (corpus or shared settings) than ours."""
 
 
+class OtherJobs:
+    """Peers of another job than ours (peer -> its job, ``jobs``: MAX_OTHER_JOBS kept), each named
+    once (``say``), at most OTHER_JOB_LINES lines a minute."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, str] = {}
+        self._said_at: list[float] = []  # when peers of another job were named
+
+    def name(self, pid: str, theirs, ours: str, say: Callable[[str], None]) -> None:
+        if pid in self.jobs:
+            return
+        job = theirs if isinstance(theirs, str) and JOB_FORM.fullmatch(theirs) else "malformed"
+        self.jobs[pid] = job
+        while len(self.jobs) > MAX_OTHER_JOBS:
+            del self.jobs[next(iter(self.jobs))]
+        now = time.monotonic()
+        self._said_at = [t for t in self._said_at if now - t < 60.0]
+        if len(self._said_at) < OTHER_JOB_LINES:
+            self._said_at.append(now)
+            say(f"peer {pid[:12]} trains {job_difference(ours, job)}; not grouping with it")
+
+
+class Outsiders:
+    """Rule 6 of group.py's bookkeeping: when each peer outside our group was last told our status
+    (``status_sent``, STATUS_EVERY_S) or answered (``status_replied``, STATUS_REPLY_S); our group's
+    members and pending joiners (``insiders``) and members (``trained_with``) at the last
+    ``tell_outsiders``; the members that left us alone alive (``split_from``: ``after_split`` waits
+    for their status)."""
+
+    def __init__(self, me: str):
+        self.me = me
+        self.status_sent: dict[str, float] = {}
+        self.status_replied: dict[str, float] = {}
+        self.insiders: set[str] = set()
+        self.trained_with: set[str] = set()
+        self.split_from: set[str] = set()
+
+    def forget_group(self) -> None:
+        """We left our group (yielding, or idle): its members are no split of ours."""
+        self.insiders, self.trained_with, self.split_from = set(), set(), set()
+
+    def regroup(self, members: set[str], trained_with: set[str], left, out) -> None:
+        """Our group now: members that left it since are owed our status (their last time dropped);
+        alone, those that trained with us, did not leave (``left``) and are not excluded either way
+        (``out``) are a split."""
+        gone = self.insiders - members
+        for pid in gone:
+            self.status_sent.pop(pid, None)
+        if members == {self.me}:  # alone: a LEAVE, Goodbye or death is no split; a joiner never trained with
+            # us; a member we excluded (or that excluded us) will not tell us where it stands
+            self.split_from |= {p for p in gone & self.trained_with if p not in left and p not in out}
+        else:
+            self.split_from = set()
+        self.insiders, self.trained_with = members, trained_with
+
+    def due(self, candidates: list[str]) -> list[str]:
+        """The candidates outside our group not told our status for STATUS_EVERY_S, marked told now;
+        what is kept of peers no longer live is pruned past a bound."""
+        now, out = time.monotonic(), []
+        for pid in candidates:
+            if pid not in self.insiders and now - self.status_sent.get(pid, 0.0) > STATUS_EVERY_S:
+                self.status_sent[pid] = now
+                out.append(pid)
+        if len(self.status_sent) + len(self.status_replied) > 2 * len(candidates) + STATUS_KEPT:
+            live = set(candidates)  # identities are free: only live peers' are kept
+            self.status_sent = {p: t for p, t in self.status_sent.items() if p in live}
+            self.status_replied = {p: t for p, t in self.status_replied.items() if p in live}
+        return out
+
+    def reply_due(self, pid: str) -> bool:
+        """``pid``'s STATUS may be answered now (STATUS_REPLY_S apart): marked answered if so."""
+        if time.monotonic() - self.status_replied.get(pid, 0.0) > STATUS_REPLY_S:
+            self.status_replied[pid] = time.monotonic()  # apart from status_sent: a STATUS we sent it
+            return True  # at a split, just before it dropped us, is no answer
+        return False
+
+
 class Membership:
     def __init__(self, peer: PeerServices, group: Group, averager: Averager, pos: Position, scope: str,
                  block_filter: int | None, fetcher: CheckpointFetcher, check: StateCheck, joins: list,
                  say: Callable[[str], None], job: str = ""):
         self.peer, self.group, self.averager, self.pos = peer, group, averager, pos
         self.job = job  # settings.job_digest ("": not checked)
-        self.other_jobs: dict[str, str] = {}  # peer -> its job, for peers of another job (MAX_OTHER_JOBS)
+        self.others = OtherJobs()
+        self.other_jobs = self.others.jobs  # peer -> its job, for peers of another job (MAX_OTHER_JOBS)
         self._other_now: set[str] = set()  # answers to the join attempt in progress that carried another job
         self._asked_now: set[str] = set()  # whom the join attempt in progress asked
-        self._said_at: list[float] = []  # when peers of another job were named (OTHER_JOB_LINES)
         self.scope, self.block_filter = scope, block_filter  # parallel: our block; relay: None
         self.fetcher, self.check, self.joins, self.say = fetcher, check, joins, say
         self.joining = False
         self.rejoin = False  # a larger group exists: leave ours and join it before the next round
         self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
-        self._status_sent: dict[str, float] = {}  # peer -> when it was last told our status (STATUS_EVERY_S)
-        self._status_replied: dict[str, float] = {}  # peer -> when its STATUS was last answered (STATUS_REPLY_S)
-        self._insiders: set[str] = set()  # our group's members and pending joiners at the last tell_outsiders
-        self._trained_with: set[str] = set()  # our group's members (not joiners) at the last tell_outsiders
-        self._split_from: set[str] = set()  # members that left us alone alive (after_split waits for their status)
+        self.outsiders = Outsiders(peer.id)  # rule 6's STATUS to peers outside our group; splits
         # members that left the group by a LEAVE or as the swarm saw them leave (Goodbye) or die (not
         # a closed connection, which is redialled; nor those a round departed), newest last: Rounds
         # departs them from a round begun before (its ``gone``); one back in our group is forgotten
@@ -153,12 +226,13 @@ class Membership:
                 # answers of its own scope only; in ours it waited its join timeout for us)
                 self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value, "scope": theirs})])
             return
-        if pid in self._split_from and phase in SETTLES_SPLIT:  # it told us where it stands (after_split)
-            self._split_from.discard(pid)
+        if pid in self.outsiders.split_from and phase in SETTLES_SPLIT:  # it told us where it stands
+            self.outsiders.split_from.discard(pid)
             self.peer.notify()
         theirs = meta.get("job", self.job)  # absent: an older peer, not checked
         if self.job and theirs != self.job and phase is not Phase.LEAVE:  # not of our group, whatever it says
-            self._other_job(pid, theirs)  # (a LEAVE removes only its sender: honoured whatever its job)
+            # (a LEAVE removes only its sender: honoured whatever its job)
+            self.others.name(pid, theirs, self.job, self.say)
             if phase is Phase.JOIN:
                 self.send([Send(pid, msg.round, {"phase": Phase.ABSENT.value})])
             elif phase in (Phase.WELCOME, Phase.REDIRECT, Phase.STARTING, Phase.ABSENT):
@@ -184,20 +258,6 @@ class Membership:
             self._on_status(pid, meta)
         self.peer.notify()
 
-    def _other_job(self, pid: str, theirs) -> None:
-        """Name ``pid`` once (whatever it sends next), at most OTHER_JOB_LINES lines a minute."""
-        if pid in self.other_jobs:
-            return
-        job = theirs if isinstance(theirs, str) and JOB_FORM.fullmatch(theirs) else "malformed"
-        self.other_jobs[pid] = job
-        while len(self.other_jobs) > MAX_OTHER_JOBS:
-            del self.other_jobs[next(iter(self.other_jobs))]
-        now = time.monotonic()
-        self._said_at = [t for t in self._said_at if now - t < 60.0]
-        if len(self._said_at) < OTHER_JOB_LINES:
-            self._said_at.append(now)
-            self.say(f"peer {pid[:12]} trains {job_difference(self.job, job)}; not grouping with it")
-
     def _on_ready(self, pid: str, meta: dict) -> None:
         """Every member's READY, kept while we join: the newest rounds, names bounded."""
         at, name = meta.get("at"), meta.get("name")
@@ -220,19 +280,18 @@ class Membership:
             self.send(leave)
             self.averager.leave_round("we left the group (yielding)")  # ours alone now: not waited for
             self.rejoin = True
-            self._forget_group()
+            self.outsiders.forget_group()
             self.peer.notify()
         elif self.group.state is State.TRAINING and pid not in self.group.joined and self.group.outranks(meta) \
-                and time.monotonic() - self._status_replied.get(pid, 0.0) > STATUS_REPLY_S:
+                and self.outsiders.reply_due(pid):
             # ours ranks higher: say so now. Two members that dropped a dead third at different
             # rounds each see the other outside; the first one's STATUS reached the other while
             # it still counted the first in, and without this reply the split lasted STATUS_EVERY_S.
-            self._status_replied[pid] = time.monotonic()  # apart from _status_sent: a STATUS we sent it
-            self.send([self.group.status_for(pid)])  # at a split, just before it dropped us, is no answer
+            self.send([self.group.status_for(pid)])
 
     def _membership(self, ev) -> None:
-        if ev.departed and ev.change is not Change.SUSPECT and ev.peer_id in self._split_from:
-            self._split_from.discard(ev.peer_id)  # gone: nothing to wait for (after_split)
+        if ev.departed and ev.change is not Change.SUSPECT:
+            self.outsiders.split_from.discard(ev.peer_id)  # gone: nothing to wait for (after_split)
         if ev.departed and self.group.depart(ev.peer_id, ev.change.value):
             if ev.change is not Change.SUSPECT:  # a closed connection, redialled: it may be in the round still
                 self._left(ev.peer_id, f"left the group ({ev.change.value})")
@@ -288,46 +347,26 @@ class Membership:
         ``after_split`` waits to hear from. A member of our group is forgotten as having left
         (``left``), whatever kind of round we train (gossip too)."""
         if self.group.state is not State.TRAINING:  # we left our group: no status for a group we have not
-            self._forget_group()
+            self.outsiders.forget_group()
             return
-        now = time.monotonic()
         trained_with = set(self.group.members())
         for pid in trained_with & self.left.keys():  # back in our group: a later departure is judged anew
             del self.left[pid]  # (Rounds._gone; and a later split from it is waited for: after_split)
-        members = trained_with | set(self.group.joined)
-        gone = self._insiders - members
-        for pid in gone:
-            self._status_sent.pop(pid, None)
-        if members == {self.peer.id}:  # alone: a LEAVE, Goodbye or death is no split; a joiner never trained with
-            # us; a member we excluded (or that excluded us) will not tell us where it stands
-            out = self.averager.banned.keys() | self.averager.shunned.keys()
-            self._split_from |= {p for p in gone & self._trained_with if p not in self.left and p not in out}
-        else:
-            self._split_from = set()
-        self._insiders, self._trained_with = members, trained_with
-        candidates = self.candidates()
-        for pid in candidates:
-            if pid not in members and now - self._status_sent.get(pid, 0.0) > STATUS_EVERY_S:
-                self._status_sent[pid] = now
-                self.send([self.group.status_for(pid)])
-        if len(self._status_sent) + len(self._status_replied) > 2 * len(candidates) + STATUS_KEPT:
-            live = set(candidates)  # identities are free: only live peers' are kept
-            self._status_sent = {p: t for p, t in self._status_sent.items() if p in live}
-            self._status_replied = {p: t for p, t in self._status_replied.items() if p in live}
-
-    def _forget_group(self) -> None:
-        """We left our group (yielding, or idle): its members are no split of ours."""
-        self._insiders, self._trained_with, self._split_from = set(), set(), set()
+        out = self.averager.banned.keys() | self.averager.shunned.keys()
+        self.outsiders.regroup(trained_with | set(self.group.joined), trained_with, self.left, out)
+        for pid in self.outsiders.due(self.candidates()):
+            self.send([self.group.status_for(pid)])
 
     def split_pending(self) -> bool:
         """Alone (no member, no joiner pending) after a split, and a member that left us is still
         in the swarm's table (alive, or its connection being redialled) and has not told us where
         it stands since; nor have we yielded."""
-        if not self._split_from or self.rejoin or self.group.state is not State.TRAINING \
+        if not self.outsiders.split_from or self.rejoin or self.group.state is not State.TRAINING \
                 or set(self.group.members()) | set(self.group.joined) != {self.peer.id}:
             return False
         present = {m.peer_id for m in self.peer.members(role="train", block=self.block_filter, alive=False)}
-        return not self._split_from.isdisjoint(present - self.averager.banned.keys() - self.averager.shunned.keys())
+        out = self.averager.banned.keys() | self.averager.shunned.keys()
+        return not self.outsiders.split_from.isdisjoint(present - out)
 
     async def after_split(self) -> None:
         """Before a round alone after a split: wait, SPLIT_WAIT_S at most, until every member that
@@ -336,7 +375,7 @@ class Membership:
         self.tell_outsiders()  # a departure since the last round's end: a split now, not a round later
         if not self.split_pending():
             return
-        self.say(f"split from {len(self._split_from)} member(s) still in the swarm: waiting for them")
+        self.say(f"split from {len(self.outsiders.split_from)} member(s) still in the swarm: waiting for them")
         deadline = time.monotonic() + SPLIT_WAIT_S
         while self.split_pending() and time.monotonic() < deadline:
             self.tell_outsiders()  # the owed STATUS to each that is live now
@@ -344,7 +383,7 @@ class Membership:
             if not await self.peer.wait_for(lambda: not self.split_pending() or set(self.candidates()) != live,
                                             deadline - time.monotonic()):
                 break  # the deadline, or the peer stops (wait_for then returns at once)
-        self._split_from = set()
+        self.outsiders.split_from = set()
 
     # --- joining -----------------------------------------------------------------------------------
     async def join(self, start_digest: Callable[[], str], min_group: int, join_timeout_s: float,
@@ -419,7 +458,8 @@ class Membership:
         teller, name = told
         by: list = []  # whose version of the state we got (not always the sponsor's)
         try:
-            c, lowers, nbytes = await self._fetch_state(self._sources(d, teller), name, by)
+            sources = state_sources(self.peer, d.members, teller)
+            c, lowers, nbytes = await fetch_state(self.fetcher, self.check.schedule.relay, sources, name, by)
             self.check.state(c, lowers)
         except (FetchError, ckpt.CheckpointError, ValueError) as e:
             if not isinstance(e, FetchError) and len(set(by)) == 1:  # one peer's bytes, not a state of ours:
@@ -435,22 +475,28 @@ class Membership:
         self._joined(d, "fetched the group's state", nbytes)
         return True
 
-    def _sources(self, d: Decision, teller: str) -> list[str]:
-        others = [m.addr for m in (self.peer.member(p) for p in d.members) if m is not None and m.peer_id != teller]
-        return [a for a in [getattr(self.peer.member(teller), "addr", None)] + others if a]
 
-    async def _fetch_state(self, sources: list[str], name: str, by: list) -> tuple:
-        blob = await self.fetcher.fetch(sources, CHECKPOINT, name, source=by)
-        c = ckpt.decode(blob, f"the group's state {name}")
-        if c.block is None:  # checked before it counts the lower blocks to fetch
-            raise ValueError(f"{name} is an end-to-end checkpoint, not a block's state")
-        lowers, nbytes = {}, len(blob)
-        if self.check.schedule.relay:
-            for j in range(c.block):
-                lb = await self.fetcher.fetch(sources, LOWER, ckpt.block_name(j), source=by)
-                lowers[j] = ckpt.decode(lb, f"lower block {j}").tensors
-                nbytes += len(lb)
-        return c, lowers, nbytes
+def state_sources(peer: PeerServices, members, teller: str) -> list[str]:
+    """Where the group's state is fetched from: the member that told us its name first, then the
+    others of the group (addresses of members we know)."""
+    others = [m.addr for m in (peer.member(p) for p in members) if m is not None and m.peer_id != teller]
+    return [a for a in [getattr(peer.member(teller), "addr", None)] + others if a]
+
+
+async def fetch_state(fetcher: CheckpointFetcher, relay: bool, sources: list[str], name: str, by: list) -> tuple:
+    """The group's state ``name`` and (``relay``) the final blocks below it, from ``sources``
+    (``by``: whose bytes came): (the checkpoint, block -> its tensors, the bytes fetched)."""
+    blob = await fetcher.fetch(sources, CHECKPOINT, name, source=by)
+    c = ckpt.decode(blob, f"the group's state {name}")
+    if c.block is None:  # checked before it counts the lower blocks to fetch
+        raise ValueError(f"{name} is an end-to-end checkpoint, not a block's state")
+    lowers, nbytes = {}, len(blob)
+    if relay:
+        for j in range(c.block):
+            lb = await fetcher.fetch(sources, LOWER, ckpt.block_name(j), source=by)
+            lowers[j] = ckpt.decode(lb, f"lower block {j}").tensors
+            nbytes += len(lb)
+    return c, lowers, nbytes
 
 
 def refuse_joins(peer: PeerServices) -> None:
