@@ -88,8 +88,9 @@ async def test_a_joiner_that_takes_the_state_at_a_blocks_end_makes_it_final_and_
 
 
 async def test_the_curve_evaluation_draws_no_random_number(tmp_path):
-    """eval_heads runs in a worker thread. Where it built fresh lower blocks it drew from torch's
-    global generator while another peer of the process had seeded it to build its next block:
+    """The curve's evaluation (Evaluation.heads) runs in a worker thread. Where it built fresh
+    lower blocks it drew from torch's global generator while another peer of the process had
+    seeded it to build its next block:
     that peer's block then started elsewhere and the in-process swarm split (test_topk's sparse
     swarm failed 1 run in 8)."""
     from blocktrain.blocks.model import Block
@@ -99,5 +100,5 @@ async def test_the_curve_evaluation_draws_no_random_number(tmp_path):
     sp.finals[0] = Block(MC, 0).state_dict()
     sp._new_trainer(1)
     before = torch.random.get_rng_state()
-    heads = await asyncio.to_thread(sp.eval_heads)
+    heads = await asyncio.to_thread(sp.eval.heads, sp.tr)
     assert len(heads) == 2 and torch.equal(torch.random.get_rng_state(), before)

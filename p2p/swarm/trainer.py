@@ -34,6 +34,7 @@ from ..group import Group
 from ..services import PeerServices
 from .checks import StateCheck
 from .draft import train_drafter
+from .evaluation import Evaluation
 from .lower import CutOff, LowerFeed
 from .membership import Membership
 from .report import RunState, Stats, ended_cut_off, progress_line, training_report, work_status
@@ -87,13 +88,11 @@ class SwarmTrainer:
         self.feed = None if self.relay else LowerFeed(peer, k, self.fetcher, self.check, self.stats.lower,
                                                       scfg.lower_timeout_s, self._waiting_for_lower)
         self.state = RunState.STARTING
-        self.ce: dict = {}
-        self.eval_s = 0.0  # time spent on the curve's evaluations (not training, not waiting)
+        self.eval = Evaluation(self.schedule, valid, tcfg.seq_len, scfg.eval_windows, self.stats.curve)
         self.draft_seconds = 0.0  # the last block's draft phase (after the schedule; not in the busy fraction)
         self.t_start: float | None = None
         self.t_end: float | None = None
         self.memory = {"grad_optimizer_bytes": 0}
-        self._eval_mark = 0  # the CE period's multiple at the last curve point
         self._resumed: bool | None = None  # prepare(): None until the first trainer is built
         self.cut_off: dict | None = None  # how the run ended cut off from its group (report.py), None if not
         peer.report_section("training", self.training_report)
@@ -104,6 +103,7 @@ class SwarmTrainer:
     gstep = property(lambda self: self.pos.gstep)
     rnd = property(lambda self: self.pos.rnd)
     H = property(lambda self: self.schedule.H)
+    ce = property(lambda self: self.eval.ce)
     total_steps = property(lambda self: self.schedule.total_steps)
 
     @property
@@ -127,7 +127,7 @@ class SwarmTrainer:
 
     def wall_seconds(self) -> float:
         """Since training began, without the curve's evaluations."""
-        return ((self.t_end or time.monotonic()) - self.t_start - self.eval_s) if self.t_start else 0.0
+        return ((self.t_end or time.monotonic()) - self.t_start - self.eval.seconds) if self.t_start else 0.0
 
     def _say(self, text: str) -> None:
         self.progress(text)
@@ -210,15 +210,6 @@ class SwarmTrainer:
         log.info("resumed with blocks %s final (global step %d)", sorted(finals), self.gstep)
 
     # --- the whole run -----------------------------------------------------------------------------
-    def eval_heads(self) -> list[float]:
-        """Valid CE of every head along the chain this peer holds (relay: up to the block in work).
-        The trainer's frozen lower blocks are the chain (relay: the final ones): this runs in a
-        worker thread, where building fresh blocks would draw from torch's global generator while
-        another peer of the process seeds it to build its next block (in-process swarms split on
-        the start point of a block, a test seen failing 1 in 8)."""
-        from blocktrain.blocks.train import eval_chain
-        return eval_chain(list(self.tr.lower) + [self.tr.block], self.valid, self.tcfg.seq_len, self.scfg.eval_windows)
-
     def prepare(self) -> bool:
         """The first block's trainer, resumed from our own checkpoint if we have one (True then).
         Seconds of CPU the first time in a process (the first optimizer imports much of torch),
@@ -257,8 +248,7 @@ class SwarmTrainer:
             self._restore_final_own()
         if self.k == self.mcfg.n_blocks - 1 and self.tcfg.draft_steps and self.tr.block.drafter is not None:
             await self._draft_phase()
-        heads = await asyncio.to_thread(self.eval_heads)
-        self.ce["end"], self.ce["heads"] = heads[-1], heads
+        await self.eval.end(self.tr)
         self.state = RunState.DONE
         self.peer.write_report()
         rep = self.training_report()
@@ -275,14 +265,13 @@ class SwarmTrainer:
                                  self.scfg.lower_timeout_s)
         if self.feed is not None:
             await self.feed.refresh(self.tr, wait=True)
-        self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]  # before training began: not in eval_s
-        self.ce["start_step"] = self.gstep
+        await self.eval.start(self.tr, self.gstep, timed=False)  # before training began: not evaluation time
         if resumed:
             self._say(f"resumed at global step {self.gstep} (block {self.block})")
         self.t_start = time.monotonic()
         await self._join()
         if self.stats.joins and self.stats.joins[-1]["how"] == "fetched the group's state":
-            await self._start_ce()  # we start from the group's state, not our own
+            await self.eval.start(self.tr, self.gstep, timed=True)  # we start from the group's state, not ours
         self._say(f"training block {self.block} from step {self.gstep} of {self.total_steps}, group of "
                   f"{len(self.group.members())}, rounds of {self.H} step(s) ({self.scfg.sync})")
         if not self.stats.phases or self.stats.phases[-1]["block"] != self.block:
@@ -320,7 +309,7 @@ class SwarmTrainer:
         if self.feed is not None and self.schedule.refresh_due(self.gstep):
             await self.feed.refresh(self.tr, wait=False)
         await self.rounds.step()
-        await self._curve_point()
+        await self.eval.point(self.tr, self.gstep, self.wall_seconds)
 
     async def _enter_block(self, b: int) -> None:
         """Relay: train block ``b`` on the final blocks below it. The block in work is final already
@@ -333,15 +322,6 @@ class SwarmTrainer:
         self.stats.phases.append({"block": b, "start_step": self.gstep, "started": time.time()})
         self._say(f"block {b - 1} is final; training block {b} (holding block {self.k})")
 
-    async def _curve_point(self) -> None:
-        mark = self.schedule.eval_mark(self.gstep)
-        if mark is not None and mark != self._eval_mark:
-            self._eval_mark = mark
-            t = time.monotonic()
-            heads = await asyncio.to_thread(self.eval_heads)
-            self.eval_s += time.monotonic() - t
-            self.stats.curve.append((self.gstep, round(self.wall_seconds(), 3), heads))
-
     async def _finish_block(self) -> None:
         """Relay: the block in work is final; keep its parameters, drop its optimizer."""
         self.finals[self.block] = host_state(self.tr.block)
@@ -349,13 +329,6 @@ class SwarmTrainer:
         if self.stats.phases:
             self.stats.phases[-1]["end_step"] = self.gstep
             self.stats.phases[-1]["ended"] = time.time()
-
-    async def _start_ce(self) -> None:
-        """The CE we start from, on a few windows (so the group's next round waits on us a moment at most)."""
-        t = time.monotonic()
-        self.ce["start"] = (await asyncio.to_thread(self.eval_heads))[-1]
-        self.ce["start_step"] = self.gstep
-        self.eval_s += time.monotonic() - t
 
     async def _draft_phase(self) -> None:
         """The last block's draft model (draft.py); its checkpoint says so."""
