@@ -70,7 +70,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     a = ap.parse_args()
-    res = {"cpu": cpu(), "clients8": clients8(), "avx2": avx2()}
+    from blocktrain.provenance import code_version
+    res = {"code_version": code_version(), "command": "python results/exact-any-cpu/summarize.py"
+           + (f" --json {a.json}" if a.json else ""), "cpu": cpu(), "clients8": clients8(), "avx2": avx2()}
     print(json.dumps(res, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
