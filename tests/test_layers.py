@@ -80,22 +80,19 @@ def test_nothing_imports_a_cli_module_or_a_private_name_of_another_module():
     assert not bad, "\n".join(bad)
 
 
-def test_the_checker_sees_violations():
-    """The walk above must find imports inside functions and resolve relative ones."""
-    src = ROOT / "tests" / "_layer_probe.py"
-    src.write_text("def f():\n    from ..p2p import node\n    import asyncio\n")
-    try:
-        found = {m for _, m, _ in imports(src, "blocktrain.blocks")}
-    finally:
-        src.unlink()
-    assert found == {"blocktrain.p2p", "asyncio"}
+def _found(tmp_path: Path, text: str, package: str) -> set[str]:
+    """The modules a file of ``package`` holding ``text`` imports, as the checks above read them."""
+    src = tmp_path / "_layer_probe.py"
+    src.write_text(text)
+    return {m for _, m, _ in imports(src, package)}
+
+
+def test_the_checker_sees_violations(tmp_path):
+    """The walk above must find imports inside functions and resolve relative ones, at any depth."""
+    assert _found(tmp_path, "def f():\n    from ..p2p import node\n    import asyncio\n",
+                  "blocktrain.blocks") == {"blocktrain.p2p", "asyncio"}
     deep = {name: pkg for path, pkg, name in modules()}
     assert deep["blocktrain.p2p.serving.client"] == "blocktrain.p2p.serving"  # subpackages are walked
     assert deep["blocktrain.p2p.averaging.round"] == "blocktrain.p2p.averaging"
-    probe = ROOT / "p2p" / "serving" / "_layer_probe.py"
-    probe.write_text("from .server import PipelineServer\nfrom ..view import holders\n")
-    try:
-        found = {m for _, m, _ in imports(probe, "blocktrain.p2p.serving")}
-    finally:
-        probe.unlink()
-    assert found == {"blocktrain.p2p.serving.server", "blocktrain.p2p.view"}
+    assert _found(tmp_path, "from .server import PipelineServer\nfrom ..view import holders\n",
+                  "blocktrain.p2p.serving") == {"blocktrain.p2p.serving.server", "blocktrain.p2p.view"}
