@@ -85,7 +85,7 @@ class _Chain:
 
 def _load_model(checkpoints: str | Path | None, n_bytes: int) -> tuple[ServedBlocks, ModelConfig]:
     """Every block of the model, and its config; refused when the prompt and output overrun it."""
-    served = load_served([0], checkpoints)  # the model's shape
+    served = load_served([0], checkpoints, check_rows=False)  # the model's shape
     cfg = next(iter(served.blocktrain.values())).cfg
     served = load_served(list(range(cfg.n_blocks)), checkpoints)
     if PROMPT_LEN + n_bytes - 1 > cfg.max_seq_len:
@@ -103,7 +103,8 @@ async def _start_chain(served: ServedBlocks, cfg: ModelConfig, link: LinkSpec, b
                        timeouts=chain.tmo, links={"default": link, "links": {}}).start()
         if chain.peers:
             await p.join("127.0.0.1", chain.peers[0].port)
-        chain.servers.append(PipelineServer(p, ServedBlocks({k: served.blocktrain[k]}, batch=batch)))
+        b = served.blocktrain[k]
+        chain.servers.append(PipelineServer(p, ServedBlocks({k: b}, batch=batch, rows={b: served.rows[b]})))
         chain.peers.append(p)
     chain.client = PipelineClient(X25519PrivateKey.generate(), chain.psk, [p.addr for p in chain.peers],
                                   list(range(chain.hops)), chain.tmo, link, codec="bf16", timeout_s=600)

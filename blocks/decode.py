@@ -574,10 +574,8 @@ def bf16_round(h: torch.Tensor) -> torch.Tensor:
 
 # New tokens a hop computes at a time (hop_chunks): a serving hop's compute slot changes hands
 # between chunks; and a chunk's batch-invariant rows attend over the keys so far, not over the
-# whole traversal's, so chunks cost no more than one long step. At least 12: rows of q @ k^T over
-# 11 keys or fewer differ in the last bits from rows over more on the development machine, and a
-# first chunk of 12 or more never makes such a step where the whole traversal would not
-# (tests/test_decode.py).
+# whole traversal's, so chunks cost no more than one long step. Any size gives the same exact
+# rows (model.py's rules; tests/test_decode.py runs chunks of 1 to 25 tokens).
 CHUNK = 16
 MAX_TREE = 256  # new tokens of one traversal beyond max_seq_len (draft tree and slot branches)
 MAX_VERIFY = 65  # verified nodes (logits rows) per traversal: the root and two draft branches of 32

@@ -34,7 +34,8 @@ class RowCheck:
 
     def describe(self) -> str:
         if self.tile_rows is None:
-            return f"exact decoding refused: rows differ by what is computed beside them ({self.finding})"
+            return (f"exact and autoregressive decoding refused: rows differ by what is computed beside them "
+                    f"({self.finding})")
         if self.tile_rows == TILE_ROWS:
             return f"exact: batch invariant in tiles of {TILE_ROWS} rows (checked at start, {self.seconds * 1e3:.0f} ms)"
         return (f"exact: row by row, slower ({self.finding}; checked at start, "
@@ -47,8 +48,10 @@ def _causal(past: int, T: int) -> torch.Tensor:
 
 @torch.no_grad()
 def check_block(block: Block, rows: int, seed: int = 0) -> str | None:
-    """None if ``block`` computes every exact row bitwise alike whatever shares its step, at
-    ``rows`` rows per call; else the first difference found, in words."""
+    """None if ``block``, at ``rows`` rows per call, computes every exact row bitwise alike at
+    every place of a tile (alone in a step, among its own session's rows, behind another
+    session's): what the tiles cannot fix by their shape (model.py's rules; the number of keys
+    and where masked keys sit are left to the construction); else the first difference found."""
     saved = block.tile_rows
     block.tile_rows = rows
     try:
@@ -59,7 +62,8 @@ def check_block(block: Block, rows: int, seed: int = 0) -> str | None:
 
 def _differences(block: Block, rows: int, seed: int) -> str | None:
     g = torch.Generator().manual_seed(seed)
-    n = 2 * rows + 3  # every place of a tile, and a partial tile
+    n = min(2 * rows + 3, block.cfg.max_seq_len)  # every place of a tile and a partial one, as the context allows
+    behind = min(rows + 1, block.cfg.max_seq_len)  # another session's rows before ours: ours at other places
     C = block.cfg.d_model
 
     def tokens(k: int) -> torch.Tensor:
@@ -79,7 +83,9 @@ def _differences(block: Block, rows: int, seed: int) -> str | None:
         return torch.cat(outs, dim=1), cache
 
     want, want_cache = run([1] * n, 0)
-    for splits, lead in (([n], 0), ([rows + 1, n - rows - 1], 0), ([n], 3), ([2, n - 2], rows + 1)):
+    cut, two = min(rows + 1, n - 1), min(2, n - 1)
+    for splits, lead in (([n], 0), ([cut, n - cut], 0), ([n], min(3, behind)), ([two, n - two], behind)):
+        splits = [s for s in splits if s > 0]
         got, cache = run(splits, lead)
         where = f"{n} tokens in steps of {splits}" + (f" behind {lead} rows of another session" if lead else "")
         if not torch.equal(got, want):

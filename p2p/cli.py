@@ -420,8 +420,9 @@ def serve(bootstrap, checkpoints, reference, batch, **o):
         raise click.BadParameter(str(e), param_hint="--block") from None
     except ServeError as e:
         raise click.ClickException(str(e))
-    for check in served.rows.values():
-        click.echo(f"block {check.block}: {check.describe()}", err=True)
+    for b, check in served.rows.items():
+        kind = "reference" if b in served.reference.values() else "blocktrain"
+        click.echo(f"block {check.block} ({kind}): {check.describe()}", err=True)
     served.batch = batch
     _run(o, bootstrap, "serve", served=served)
 

@@ -252,7 +252,7 @@ async def test_a_hop_whose_machine_fails_the_invariance_check_refuses_exact_and_
             kernels.use(m, kernels.ByCall())
             servers[1].served.check_rows()
         assert servers[1].served.exact_refused(bt[1]) is not None
-        with pytest.raises(PipelineError, match="exact decoding refused") as ei:
+        with pytest.raises(PipelineError, match="exact and autoregressive decoding refused") as ei:
             await client.generate(b"hello", 3)
         assert ei.value.block == 1
         assert "refused" in peers[1].status()["serving"]["exact"]["1"]

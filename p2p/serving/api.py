@@ -3,7 +3,7 @@
 Rules:
 - This module is the one home of the request's vocabulary: the modes, the meta keys a hop reads
   and passes on, the hidden-state codecs, and the faults. The client (client.py) and the server
-  (pipeline.py) import it; it imports neither, and no socket or task lives here.
+  (server.py) import it; it imports neither, and no socket or task lives here.
 - A refusal travels as PipelineResult(meta {"error", "hop", "block", "fault"}); ``refusal_meta``
   writes it from a failure, ``PipelineError.from_meta`` reads it back. ``fault`` says whose the
   failure is (FAULTS): "hop" (retry through another holder), "request" (the request itself is

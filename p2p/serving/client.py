@@ -19,7 +19,7 @@ Rules:
   live serving peer per block, smallest peer id first, avoiding peers that failed); on a failure
   that names a block it avoids that hop the next time; a request that gets no answer lets the
   swarm notice the silent peer (``dead_after_s``) before asking again.
-- The request's vocabulary (modes, faults, refusals) is serving.py's, shared with the hops; the
+- The request's vocabulary (modes, faults, refusals) is api.py's, shared with the hops; the
   client imports no server module.
 """
 

@@ -4,7 +4,7 @@ pure function of the request and the served state (no I/O, no clock, no task).
 Rules:
 - ``plan_hop(msg, sender, state)`` reads a PipelineForward and the hop's state (``HopState``: the
   blocks this peer serves, who is a member, which live member serves which block, the requests
-  in flight and the sessions running here) and returns a ``HopPlan``; pipeline.py runs it
+  in flight and the sessions running here) and returns a ``HopPlan``; server.py runs it
   (expire, compute, forward or answer, relay the errors). The plan changes nothing.
 - The client is who sent hop 0 over its authenticated connection, never a name in the request;
   later hops take ``reply_to`` from the member below, which checked it at hop 0.

@@ -31,7 +31,7 @@ Rules:
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
 - Compute runs off the event loop; every hop adds its compute time to meta ``compute_s``.
-- Where things live: the request's vocabulary (modes, faults, refusals) is serving.py's, shared
+- Where things live: the request's vocabulary (modes, faults, refusals) is api.py's, shared
   with the client; what a hop checks and where a request goes next is hop.py's pure plan;
   this module runs the plan (sessions' caches, compute slots, forwarding, relaying errors).
 """
@@ -92,9 +92,13 @@ class ServedBlocks:
         return list(self.rows.values())
 
     def exact_refused(self, b: Block) -> str | None:
-        """Why ``b``'s exact rows are not served here (None: they are, or were never checked)."""
-        check = self.rows.get(b)
-        return check.describe() if check is not None and check.tile_rows is None else None
+        """Why ``b``'s exact rows are not served here (None: they are). A block held without the
+        start-up check (built in process) is checked now, once."""
+        if b not in self.rows:
+            with threads(1):
+                self.rows[b] = choose_tile_rows(b)
+        check = self.rows[b]
+        return check.describe() if check.tile_rows is None else None
 
     def exact_report(self) -> dict:
         """Per BlockTrain block: how its exact rows are computed here (status, the page)."""
@@ -347,10 +351,12 @@ class ServeError(Exception):
     """What a serving peer was told to serve is not there (the message names the file and mode)."""
 
 
-def load_served(blocks, checkpoints: str | Path | None = None, reference: str | Path | None = None) -> ServedBlocks:
+def load_served(blocks, checkpoints: str | Path | None = None, reference: str | Path | None = None,
+                check_rows: bool = True) -> ServedBlocks:
     """Blocks ``blocks`` of a trained model: BlockTrain blocks from ``checkpoints`` (blocktrain and
-    autoregressive modes) and, optionally, the end-to-end reference from ``reference``. Raises
-    ServeError, or NoSuchBlock for a block the model does not have."""
+    autoregressive modes) and, optionally, the end-to-end reference from ``reference``, each
+    checked for batch-invariant rows unless ``check_rows`` is False (a caller that only reads the
+    model's config). Raises ServeError, or NoSuchBlock for a block the model does not have."""
     from blocktrain.blocks import checkpoint as ckpt
     from blocktrain.blocks.model import ModelConfig
 
@@ -393,5 +399,6 @@ def load_served(blocks, checkpoints: str | Path | None = None, reference: str | 
                 b.drafter = None  # never trained (its phase did not run): drafts come from the slots instead
             b.eval()
             target[k] = b
-    served.check_rows()
+    if check_rows:
+        served.check_rows()
     return served

@@ -12,8 +12,9 @@ Rules:
   MAX_SESSIONS_PER_CLIENT (its own oldest goes first). Identities are free: a flood of sessions,
   from a few identities or a fresh one per traversal, must not push out a client with one
   between its traversals.
-- A session in use (``begin`` without ``end``) is never pushed out or expired; its idle time
-  starts when its traversal ends here (``end``), not when it came.
+- A session in use (``begin`` without ``end``) is never pushed out by other clients' sessions or
+  expired (a client's own new session past MAX_SESSIONS_PER_CLIENT still replaces its oldest); its
+  idle time starts when its traversal ends here (``end``), not when it came.
 - A new session's caches are made only for a session's first traversal (``start`` 0): a request
   naming a session the hop does not hold costs no place (``UnknownSession``).
 """
@@ -108,9 +109,8 @@ class SessionTable(Generic[C]):
                 held = collections.Counter(k[0] for k in free)
                 idle = [k for k in free if held[k[0]] > 1]
                 if not idle and start == 0:
-                    n = len(self._held)
                     self.drop(key)
-                    raise SessionsFull(n)
+                    raise SessionsFull(len(self._held))
             if not idle:
                 return
             self.drop(max(idle, key=lambda k: held[k[0]]))  # the first of the most: least recently used
@@ -138,3 +138,4 @@ class SessionTable(Generic[C]):
     def clear(self):
         self._held.clear()
         self._used.clear()
+        self._busy.clear()

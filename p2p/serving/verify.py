@@ -42,7 +42,7 @@ from blocktrain.blocks.decode import row_gap
 
 from .api import VERIFY_TOL, PipelineError
 
-DEFAULT_TOL = VERIFY_TOL  # total-variation distance (serving.py: the client and the CLI share it)
+DEFAULT_TOL = VERIFY_TOL  # total-variation distance (api.py: the client and the CLI share it)
 MAX_JUDGES = 3  # holders of a disputed block asked to recompute: the fewest that can outvote one liar
 
 

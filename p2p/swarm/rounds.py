@@ -304,5 +304,6 @@ class Rounds:
                 for pid in rep.departed:  # gone from the round: gone from the group (rule 5 of group.py),
                     if self.group.joined.get(pid, 0) <= rnd:  # unless it was admitted for a later round
                         self.group.depart(pid, rep.why.get(pid, "departed mid-round"))
-            self.stats.record_round(entry, rep, self.pos.gstep, loss, len(members), self.scfg.min_group)
+            size = len(members) - (len(rep.departed) if rep else 0)  # who was there at its end
+            self.stats.record_round(entry, rep, self.pos.gstep, loss, size, self.scfg.min_group)
         await self.membership.round_done(rnd, self.save_join_state)
