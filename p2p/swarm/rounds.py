@@ -304,6 +304,7 @@ class Rounds:
                 for pid in rep.departed:  # gone from the round: gone from the group (rule 5 of group.py),
                     if self.group.joined.get(pid, 0) <= rnd:  # unless it was admitted for a later round
                         self.group.depart(pid, rep.why.get(pid, "departed mid-round"))
-            size = len(members) - (len(rep.departed) if rep else 0)  # who was there at its end
-            self.stats.record_round(entry, rep, self.pos.gstep, loss, size, self.scfg.min_group)
+            alone = rep is not None and len(rep.departed) >= len(members) - 1  # every other member departed
+            self.stats.record_round(entry, rep, self.pos.gstep, loss, 1 if alone else len(members),
+                                    self.scfg.min_group)
         await self.membership.round_done(rnd, self.save_join_state)
