@@ -1,6 +1,8 @@
 """Configuration, in one home: the model (``ModelConfig``), a block's training (``TrainConfig``),
-``bt-train``'s job (``JobConfig``), and the loader of overrides. The swarm's rules (``SwarmConfig``)
-and a training peer's job (``PeerJob``) are p2p/swarm/settings.py (they name the network's codecs).
+the job (``Job``: the two together, the root of both commands' settings), ``bt-train``'s job
+(``JobConfig``, a ``Job`` and how one machine runs it), and the loader of overrides. The swarm's
+rules (``SwarmConfig``) and ``bt-peer``'s job (``PeerJob``, a ``Job`` and the swarm's rules) are
+p2p/swarm/settings.py (they name the network's codecs).
 
 Rules:
 - Defaults live in the dataclasses themselves (ModelConfig, TrainConfig, and the job's own
@@ -150,10 +152,19 @@ SIZES = {
 
 
 @dataclass
-class JobConfig:
-    """``bt-train``: a BlockTrain model and the end-to-end reference, under the same budget."""
+class Job:
+    """The job: what the model is and how each block trains. The root of both commands' settings:
+    ``bt-train`` runs a ``JobConfig``, ``bt-peer`` a ``PeerJob`` (p2p/swarm/settings.py), each this
+    job and the settings of the way it runs, so a model trained either way carries the same
+    ``model`` and ``train`` in its checkpoints."""
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+
+@dataclass
+class JobConfig(Job):
+    """``bt-train``'s job: a ``Job``, trained as a BlockTrain model and as the end-to-end reference
+    under the same budget, on one machine."""
     schedule: str = "relay"  # when each block trains, see blocktrain.blocks.schedule
     processes: bool = False  # one OS process per block, exchanging checkpoint files (not for relay)
     reference: bool = True  # also train the end-to-end reference under the same budget

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from .config import JobConfig
+from .config import Job
 from .model import Block, train_flops_per_token
 
 ACT_FLOATS_PER_TOKEN_DIM = 34  # saved activations of one layer, per token and model dimension (estimate)
 
 
-def dry_run(job: JobConfig) -> dict:
+def dry_run(job: Job) -> dict:
+    """The plan of a job (either command's: only its model and train settings count): parameters,
+    memory and FLOPs per block."""
     mc, tc = job.model, job.train
     with torch.device("meta"):
         blocks = [Block(mc, k) for k in range(mc.n_blocks)]

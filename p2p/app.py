@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blocktrain.p2p")
 
-__all__ = ["AddressInUse", "JoinError", "PeerOptions", "SwarmError", "Training", "TrainingFailed", "build_peer",
+__all__ = ["AddressInUse", "JoinError", "PeerOptions", "SwarmError", "TrainerSetup", "TrainingFailed", "build_peer",
            "run_peer", "run_until_signalled", "with_work_dir"]
 
 
@@ -69,8 +69,10 @@ class PeerOptions:
 
 
 @dataclass
-class Training:
-    """What a training peer trains, with which data, where it keeps its checkpoints."""
+class TrainerSetup:
+    """What a training peer's ``SwarmTrainer`` is set up from: its ``TrainerSpec`` (the job, the
+    block, where it keeps its checkpoints and where it trains) and the data, which the spec does
+    not hold. Built by ``bt-peer start/join`` from its options (p2p/cli.py)."""
     job: PeerJob
     block: int
     work_dir: Path | None  # None: bt-peer's default (with_work_dir names one after the identity before running)
@@ -82,7 +84,7 @@ class Training:
     corpus: str = ""  # blocks/data.corpus_digest of the data (compared at join; "": not compared)
 
 
-def with_work_dir(training: Training, identity: X25519PrivateKey) -> Training:
+def with_work_dir(training: TrainerSetup, identity: X25519PrivateKey) -> TrainerSetup:
     """``training`` with a work directory: the default, ~/.blocktrain/work/PEER_ID, if it has none."""
     if training.work_dir is not None:
         return training
@@ -132,9 +134,10 @@ async def _start_page(peer: Peer, http: tuple[str, int], on_line):
 
 
 async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: asyncio.Event,
-                   training: Training | None = None, served: ServedBlocks | None = None, exit_when_done: bool = False,
-                   on_line=lambda s: None, status_every_s: float = 5.0, join_timeout_s: float = 30.0,
-                   http: tuple[str, int] | None = None, on_step=None, on_ready=lambda peer: None) -> dict | None:
+                   training: TrainerSetup | None = None, served: ServedBlocks | None = None,
+                   exit_when_done: bool = False, on_line=lambda s: None, status_every_s: float = 5.0,
+                   join_timeout_s: float = 30.0, http: tuple[str, int] | None = None, on_step=None,
+                   on_ready=lambda peer: None) -> dict | None:
     """Run a peer until ``stop`` is set (or its training is done, with ``exit_when_done``). Returns the
     training report, if it trained. ``on_ready(peer)`` once it listens and, given a bootstrap, is in
     the swarm through it (a training peer prepares before it listens): nothing tells others how to
@@ -164,7 +167,7 @@ async def run_peer(peer: Peer, bootstrap: tuple[str, int] | None, *, stop: async
     return result
 
 
-async def _prepared_trainer(peer: Peer, training: Training, on_line, on_step) -> SwarmTrainer:
+async def _prepared_trainer(peer: Peer, training: TrainerSetup, on_line, on_step) -> SwarmTrainer:
     assert training.work_dir is not None  # a default is chosen before any peer runs (with_work_dir)
     spec = TrainerSpec(training.block, training.job, training.work_dir, training.shard, training.device,
                        training.precision, training.corpus)

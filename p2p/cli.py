@@ -204,7 +204,7 @@ def _round_options(f):
 
 
 def _training(o: dict):
-    """The Training for this peer, or None when it does not train; every argument checked before
+    """The TrainerSetup for this peer, or None when it does not train; every argument checked before
     anything is written (the work directory defaults to one named after the identity: app.with_work_dir)."""
     if o["no_train"] or not o["blocks"]:
         return None
@@ -216,7 +216,7 @@ def _training(o: dict):
     from blocktrain.blocks.data import DataError, corpus_digest, load_split, resolve_data
     from blocktrain.blocks.device import DeviceError, pick_device, pick_precision
 
-    from .app import Training
+    from .app import TrainerSetup
     from .swarm.settings import PeerJob
 
     try:
@@ -254,8 +254,8 @@ def _training(o: dict):
     except DataError as e:
         raise click.ClickException(str(e))
     torch.set_num_threads(o["threads"])
-    return Training(job, k, Path(o["work_dir"]) if o["work_dir"] else None, train, valid, shard,
-                    str(device), precision, corpus)
+    return TrainerSetup(job, k, Path(o["work_dir"]) if o["work_dir"] else None, train, valid, shard,
+                        str(device), precision, corpus)
 
 
 def _options(o: dict, role: str):

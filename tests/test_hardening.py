@@ -318,7 +318,7 @@ async def test_a_fetch_resumes_from_a_holder_of_the_same_bytes_under_another_nam
 
 async def test_a_peer_that_trains_and_serves_nothing_refuses_at_once(tmp_path):
     """Finding 11: streams, joins and pipeline requests sent to a plain member get an answer."""
-    from blocktrain.p2p.app import Training  # noqa: F401  (the module wires the refusals)
+    from blocktrain.p2p.app import TrainerSetup  # noqa: F401  (the module wires the refusals)
     from blocktrain.p2p.checkpoints import CheckpointFetcher, FetchError, refuse_streams
     from blocktrain.p2p.serving.server import refuse_requests
     from blocktrain.p2p.swarm import refuse_joins

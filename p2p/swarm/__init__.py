@@ -4,8 +4,8 @@ The training peer is a few rooms, each with its rules in its docstring:
 
 - ``schedule.py``: which block, which round, what falls due at each global step (pure; the relay
   schedule in one place), and ``Position``, where the run is.
-- ``settings.py``: ``SwarmConfig``, the swarm's rules of a run, and ``PeerJob``, a training peer's
-  whole configuration (model, training, swarm).
+- ``settings.py``: ``SwarmConfig``, the swarm's rules of a run, and ``PeerJob``, ``bt-peer``'s job:
+  the ``Job`` of blocks/config.py (model, training) and the swarm's rules.
 - ``rounds.py``: the round step (local steps, averaging, the update; overlap).
 - ``membership.py``: the driver of ``Group`` (group.py): control messages, joining, outsiders.
 - ``store.py``: checkpoints saved, published for joiners and lower blocks, found after a restart.

@@ -1,9 +1,11 @@
-"""A training peer's configuration: ``PeerJob``, one tree of the model (``ModelConfig``), its
-training (``TrainConfig``), both at home in blocks/config.py, and the swarm's rules (``SwarmConfig``:
-schedule, averaging, rounds, timeouts).
+"""A training peer's configuration: ``PeerJob``, ``bt-peer``'s job: the job (``Job``: the model,
+``ModelConfig``, and its training, ``TrainConfig``, at home in blocks/config.py, the same root as
+``bt-train``'s ``JobConfig``) and the swarm's rules (``SwarmConfig``: schedule, averaging, rounds,
+timeouts).
 
 Defaults are the dataclasses' own; ``--set section.key=value`` overrides any of them (the loader
-in blocks/config.py). Every peer of a swarm must use the same values.
+in blocks/config.py). Every peer of a swarm must use the same values (less each peer's own:
+``LOCAL_TRAIN``, and the swarm fields not in ``SHARED_SWARM``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from blocktrain.blocks.config import ModelConfig, TrainConfig
+from blocktrain.blocks.config import Job
 
 from ..averaging import UPDATE_CODECS, OuterOptimizer
 from ..averaging.gossip import MAX_GOSSIP_SIZE, MIN_GOSSIP_SIZE, check_gossip_codec
@@ -104,9 +106,9 @@ class SwarmConfig:
 
 
 @dataclass
-class PeerJob:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+class PeerJob(Job):
+    """``bt-peer``'s job: the ``Job`` (``model``, ``train``) and the swarm's rules of its run; its
+    digest (``job_digest``) is what peers compare at join."""
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
 
 
