@@ -33,7 +33,9 @@ class LineProgress:
         self.threads = threads if threads is not None else _threads()
         self.eta = Eta(work, self.t0, self.last_cpu, self.threads) if work is not None else None
 
-    def _line(self, done: bool = False) -> str:
+    def line(self, done: bool = False) -> str:
+        """The line this progress prints now (``done``: the last one); the rate since the previous
+        line is measured from here on."""
         now = time.monotonic()
         dt, window = now - self.t0, now - self.last
         rate = self.n / dt if dt > 0 else 0.0
@@ -63,7 +65,7 @@ class LineProgress:
         if self.eta is not None:
             self.eta.observe(self.n, time.monotonic(), time.process_time())
         if time.monotonic() - self.last >= self.every_s:
-            print(self._line(), file=self.stream, flush=True)
+            print(self.line(), file=self.stream, flush=True)
 
     def set_postfix_str(self, s: str):
         self.postfix = s
@@ -72,7 +74,7 @@ class LineProgress:
         return self
 
     def __exit__(self, *exc):
-        print(self._line(done=True), file=self.stream, flush=True)
+        print(self.line(done=True), file=self.stream, flush=True)
 
 
 class Eta:

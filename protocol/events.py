@@ -648,6 +648,11 @@ class MessageReader:
     def feed(self, data) -> None:
         self._frames.feed(data)
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes fed and not yet taken as a message (as ``Connection.buffered_bytes``)."""
+        return self._frames.buffered
+
     def next_message(self) -> Message | None:
         from .errors import as_remote
 

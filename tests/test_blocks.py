@@ -357,7 +357,7 @@ def test_progress_lines_give_the_total_rate_and_time_left_and_bench_train_reads_
         p.t0 -= 10.0
         p.last -= 2.0
         p.n, p.last_n = 60, 50  # 50 steps in the first 8 s, 10 in the last 2: 5/s now
-        line = p._line()
+        line = p.line()
     assert "(6.00 step/s, now 5.00, 8 s left; machine busy: this process got" in line and "asks for 2" in line
     import os  # a job whose work runs in other processes (bt-bench swarm) judges by the load average
     for load, busy in ((9.0, True), (0.5, False)):
@@ -365,7 +365,7 @@ def test_progress_lines_give_the_total_rate_and_time_left_and_bench_train_reads_
         monkeypatch.setattr(os, "cpu_count", lambda: 2)
         with LineProgress("orchestrator", 100, every_s=1e9, stream=io.StringIO(), threads=0) as p:
             p.last -= 2.0
-            line = p._line()
+            line = p.line()
         assert "of a core" not in line and ("machine busy: load 9.0 on 2 cores" in line) == busy
     log = tmp_path / "relay.log"
     log.write_text("relay 50/3000 {}\nsome warning\nrelay 100/3000 {0: 2.1}\nanother line\n")

@@ -482,13 +482,15 @@ def test_byte_counter_uses_the_classifier_and_remembers_stream_kinds():
     c = ByteCounter(classify)
     assert c.kind(StreamRequest(kind="k1", name="n", stream_id=5)) == "k1"
     assert c.kind(StreamChunk(offset=0, data=b"x", stream_id=5)) == "k1"  # from the table, not classify
-    assert c.kind(StreamEnd(stream_id=5)) == "k1" and 5 not in c._streams
+    assert c.kind(StreamEnd(stream_id=5)) == "k1"
     assert c.kind(StreamChunk(offset=0, data=b"x", stream_id=5)) == "rest"  # forgotten: classified alone
     assert c.kind(StreamOpen(kind="k2", name="n", stream_id=6)) == "k2"
-    assert c.kind(StreamReset(stream_id=6)) == "k2" and 6 not in c._streams
+    assert c.kind(StreamReset(stream_id=6)) == "k2"
+    assert c.kind(StreamChunk(offset=0, data=b"x", stream_id=6)) == "rest"
     for sid in range(1, MAX_TRACKED_STREAMS + 100):  # streams that never end: the table stays bounded
         c.kind(StreamOpen(kind="k", name="n", stream_id=sid))
-    assert len(c._streams) == MAX_TRACKED_STREAMS
+    kinds = [c.kind(StreamChunk(offset=0, data=b"x", stream_id=sid)) for sid in range(1, MAX_TRACKED_STREAMS + 100)]
+    assert kinds == ["rest"] * 99 + ["k"] * MAX_TRACKED_STREAMS  # the oldest forgotten, the last MAX kept
     for i in range(MAX_TRAFFIC_KINDS + 10):  # a classifier passing peer words through: bounded too
         c.add("received", StreamOpen.TYPE, 1, 1, f"kind{i}")
     assert len(c.received_kinds) == MAX_TRAFFIC_KINDS + 1 and c.received_kinds["other"]["frames"] == 10

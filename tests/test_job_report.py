@@ -68,7 +68,7 @@ def test_the_log_line_gives_the_weighted_time_left_and_the_phase():
         p.eta.t0 -= 3.0
         p.eta.samples[0] = (p.eta.t0, 0.0, 0.0)
         p.update(3)
-        line = p._line()
+        line = p.line()
     assert line.startswith("bt-train: 3/20 steps in") and "left" in line and line.endswith("valid CE 2.5")
     assert out.getvalue().startswith("bt-train: done, 3/20 steps")
 

@@ -30,7 +30,7 @@ def test_arbitrary_bytes_parse_or_raise_remote_error(data):
     except RemoteProtocolError:
         pass
     # memory stays bounded: at most what we fed is buffered
-    assert r._frames.buffered <= len(data)
+    assert r.buffered_bytes <= len(data)
 
 
 @SETTINGS
