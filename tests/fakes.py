@@ -41,6 +41,11 @@ class FakeConnection:
     def release_queued(self, msgs) -> int:
         return 0  # sent messages are bytes already
 
+    def receive(self, frame: bytes):
+        """A frame from the other end, decoded as a real peer would decode it."""
+        self._reader.feed(frame)
+        return self._reader.next_message()
+
     def close(self, reason: str) -> None:
         if not self.closed.done():
             self.close_reason = reason
@@ -161,8 +166,7 @@ class FakePeer:
             return  # one of us left meanwhile
         back = self.live_connection(src)
         assert back is not None
-        back._reader.feed(frame)
-        msg = back._reader.next_message()
+        msg = back.receive(frame)
         for handler, inline in self._handlers.get(type(msg), ()):
             if inline:
                 handler(msg, back, src)

@@ -247,11 +247,10 @@ async def test_a_peer_of_another_corpus_is_never_grouped_and_stops_when_it_meets
     sc = SwarmConfig(**{**SC.__dict__, "min_group": 2})
     a, b = "aa" * 8, "bb" * 8
     try:
-        sps = [SwarmTrainer(p, TrainerSpec(i, PeerJob(MC, TC, sc), tmp_path / f"w{i}", corpus=c), DATA, DATA)
+        said: list = []  # what the third peer says (its progress lines, the membership's included)
+        sps = [SwarmTrainer(p, TrainerSpec(i, PeerJob(MC, TC, sc), tmp_path / f"w{i}", corpus=c), DATA, DATA,
+                            progress=said.append if i == 2 else None)
                for i, (p, c) in enumerate(zip(peers, (a, a, b)))]
-        said = []
-        sps[2]._say = said.append
-        sps[2].membership.say = said.append
         results = await asyncio.wait_for(asyncio.gather(*(sp.run() for sp in sps), return_exceptions=True), 120)
         assert isinstance(results[2], JobMismatch) and "another corpus" in str(results[2]), results[2]
         assert all(isinstance(r, dict) for r in results[:2]), results[:2]
