@@ -2,7 +2,11 @@
 
 Rules:
 - A fetched state is used only if it is one of ours: block of our plan, our model config, the
-  model's names and shapes, finite values, a step this run can have.
+  model's names and shapes, finite values, and every number it carries in range: the block's step
+  in [0, S], the global step inside that block's steps, the round the group said (``at``), the
+  optimizer's moments of the parameters' shapes, finite (second moments not negative), their step
+  counts in [0, this run's steps], and the outer momentum of the block's size. A crafted step of
+  10^15 beside a plausible global step was adopted before (the global step alone was checked).
 - Finite is not enough: a state scaled 1000x, zeroed or scrambled is refused by its parameter
   norm against a fresh block's (``STATE_NORM_RATIO``) and, where the whole chain is in hand, by the
   CE it scores on our own validation windows (``MAX_STATE_CE``).
@@ -20,6 +24,7 @@ from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.config import ModelConfig
 
 from .schedule import Schedule
+from .store import OUTER_MOMENTUM
 
 # A fetched state's parameter norm, against a fresh block's, must lie in this range: training
 # moves it (1.6-2.0x after 1000 steps per block, measured on the shipped model of 12-01), it does not
@@ -55,8 +60,9 @@ class StateCheck:
         from blocktrain.blocks.model import Block
         return {n: t.shape for n, t in Block(self.mcfg, b).state_dict().items()}
 
-    def state(self, c: ckpt.Checkpoint, lowers: dict) -> None:
-        """The group's state (and, relay, the final blocks below it); ValueError if not one of ours."""
+    def state(self, c: ckpt.Checkpoint, lowers: dict, at: int | None = None) -> None:
+        """The group's state (and, relay, the final blocks below it); ValueError if not one of ours.
+        ``at``: the round the group said the state is after (its welcome)."""
         if ModelConfig.from_dict(c.config) != self.mcfg:
             raise ValueError("the group's model config differs from ours")
         if c.block is None or c.block not in self.schedule.plan:
@@ -66,11 +72,36 @@ class StateCheck:
                 raise ValueError(f"block {b}: tensors do not match the model (names or shapes)")
             if not _finite(tensors):
                 raise ValueError(f"block {b}: NaN or inf in the parameters")
-        g = int(c.extra.get("gstep", c.step))
-        if not 0 <= g <= self.schedule.total_steps:
-            raise ValueError(f"implausible step {g} (this run has {self.schedule.total_steps})")
+        self._numbers(c, at)
         with torch.random.fork_rng(devices=[]):  # fresh blocks to compare with draw no random number of ours
             self._plausible(c, lowers)
+
+    def _numbers(self, c: ckpt.Checkpoint, at: int | None) -> None:
+        """Every number of the state in range (steps, round, optimizer state), before any is used."""
+        S, total = self.schedule.S, self.schedule.total_steps
+        assert c.block is not None  # state() checked it
+        if not isinstance(c.step, int) or not 0 <= c.step <= S:
+            raise ValueError(f"implausible step {c.step} (a block has {S})")
+        g, first = c.extra.get("gstep", c.step), self.schedule.plan.index(c.block) * S
+        if not isinstance(g, int) or not first <= g <= first + S:
+            raise ValueError(f"implausible step: global step {g} outside block {c.block}'s steps [{first}, {first + S}]")
+        rnd = c.extra.get("round", at)
+        if at is not None and rnd != at:
+            raise ValueError(f"implausible round {rnd} (the group said {at})")
+        shapes = self._shapes(c.block)
+        for name, t in c.optim.items():
+            param, _, kind = name.rpartition(".")
+            if name == OUTER_MOMENTUM:
+                n = sum(math.prod(s) for s in shapes.values())
+                if tuple(t.shape) != (n,) or not _finite({name: t}):
+                    raise ValueError(f"outer momentum of shape {tuple(t.shape)} (the block has {n} values) or not finite")
+            elif param not in shapes or kind not in ("exp_avg", "exp_avg_sq", "step"):
+                raise ValueError(f"optimizer state {name!r} is not of this block")
+            elif kind == "step":
+                if t.numel() != 1 or not 0 <= float(t) <= total:
+                    raise ValueError(f"implausible optimizer step count in {name!r} (this run has {total} steps)")
+            elif t.shape != shapes[param] or not _finite({name: t}) or (kind == "exp_avg_sq" and bool((t < 0).any())):
+                raise ValueError(f"optimizer state {name!r}: shape {tuple(t.shape)}, not finite, or a negative moment")
 
     def _plausible(self, c: ckpt.Checkpoint, lowers: dict) -> None:
         from blocktrain.blocks.model import Block

@@ -460,7 +460,7 @@ class Membership:
         try:
             sources = state_sources(self.peer, d.members, teller)
             c, lowers, nbytes = await fetch_state(self.fetcher, self.check.schedule.relay, sources, name, by)
-            self.check.state(c, lowers)
+            self.check.state(c, lowers, d.at)
         except (FetchError, ckpt.CheckpointError, ValueError) as e:
             if not isinstance(e, FetchError) and len(set(by)) == 1:  # one peer's bytes, not a state of ours:
                 bad = next((m.peer_id for m in self.peer.members() if m.addr == by[0]), None)  # never asked again
