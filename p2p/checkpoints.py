@@ -10,7 +10,12 @@ Rules:
 - The server reads a file chunk by chunk from one open descriptor (a file replaced meanwhile is
   not mixed in) and never holds more than a chunk of it; a file's sha256 is computed once per
   version (inode, size, mtime) and cached. At most MAX_STREAMS_PER_PEER streams per asker run at
-  once, and MAX_STREAMS in all (identities are free); more are refused ("busy"), never queued.
+  once, and MAX_STREAMS in all (identities are free); more are refused ("busy"), never queued. A
+  stream keeps its place until its last byte has left our buffers for the socket, not merely been
+  queued (an asker that reads nothing would otherwise make us hold every stream it asks for, one
+  after the other); one whose asker takes nothing for STREAM_STALL_S has its connection closed,
+  which frees what was queued for it. A refusal is sent only while the asker has read what we
+  sent it before (REFUSAL_BACKLOG_BYTES): else the request is dropped unanswered.
 - ``fetch`` asks the holders in turn; a holder that dies or stalls (no chunk for
   ``chunk_timeout_s``) is left for the next one, which continues from the bytes already received
   when it holds the same bytes (asked by their sha256), else starts over. The result is verified
@@ -37,12 +42,13 @@ from pathlib import Path
 
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.checkpoint import SUFFIX
-from blocktrain.protocol import (ProtocolError, StreamChunk, StreamEnd, StreamOpen, StreamReceiver,
+from blocktrain.protocol import (ErrorCode, ProtocolError, StreamChunk, StreamEnd, StreamOpen, StreamReceiver,
                                  StreamRequest, StreamReset)
 from blocktrain.protocol.streams import StreamFailed
 from blocktrain.protocol.streams import CHUNK_SIZE_BYTES
 
 from .services import PeerServices
+from .transport import CloseCause, flushed, unsent_bytes
 
 log = logging.getLogger("blocktrain.p2p")
 
@@ -57,6 +63,12 @@ MAX_STREAMS_PER_PEER = 4
 # identities hold a chunk and a queue each). Each running stream holds about one chunk (4 MiB)
 # read ahead and its connection's bulk queue: 8 of them, a few tens of MiB at most.
 MAX_STREAMS = 8
+# A stream whose asker takes nothing of it for this long (no chunk leaves our buffers) is given up
+# and its connection closed: the fetchers' own chunk timeout (CheckpointFetcher.chunk_timeout_s).
+STREAM_STALL_S = 30.0
+# Unsent bytes on an asker's connection past which a refusal is not queued (the request is
+# dropped): one that reads nothing must not make us queue an answer to each of its requests.
+REFUSAL_BACKLOG_BYTES = 16 * 1024
 # File versions whose sha256 is remembered.
 MAX_HASHED_FILES = 256
 
@@ -173,8 +185,8 @@ class CheckpointServer:
                 if req.offset > size:
                     await refuse(req, pc, "offset past the end")
                     return
-                await pc.send(StreamOpen(kind=req.kind, name=req.name, total_size=size, sha256=digest,
-                                         offset=req.offset, stream_id=req.stream_id), bulk=True)
+                await _send(pc, StreamOpen(kind=req.kind, name=req.name, total_size=size, sha256=digest,
+                                           offset=req.offset, stream_id=req.stream_id))
                 f.seek(req.offset)
                 off = req.offset
                 while off < size:
@@ -184,16 +196,31 @@ class CheckpointServer:
                     data = f.read(min(CHUNK_SIZE_BYTES, size - off))
                     if not data:
                         raise OSError(f"{path} shrank while being sent")
-                    await pc.send(StreamChunk(offset=off, data=data, stream_id=req.stream_id), bulk=True)
+                    await _send(pc, StreamChunk(offset=off, data=data, stream_id=req.stream_id))
                     off += len(data)
                     self.sent_by_kind[req.kind] = self.sent_by_kind.get(req.kind, 0) + len(data)
-                await pc.send(StreamEnd(stream_id=req.stream_id), bulk=True)
+                await _send(pc, StreamEnd(stream_id=req.stream_id))
+                async with asyncio.timeout(STREAM_STALL_S):
+                    await flushed(pc)  # our place is kept until the stream has left our buffers
+        except TimeoutError:
+            log.info("stream %s/%s to %s: nothing taken for %.0f s; closing", req.kind, req.name, pid[:12],
+                     STREAM_STALL_S)
+            pc.abort_with(ErrorCode.TIMEOUT, "stream not read", CloseCause.TIMEOUT)
         except (ConnectionError, ProtocolError, OSError) as e:
             log.info("stream %s/%s to %s stopped: %s", req.kind, req.name, pid[:12], e)
 
 
+async def _send(pc, msg) -> None:
+    """Queue a frame of a stream we serve; TimeoutError if the asker takes nothing for STREAM_STALL_S."""
+    async with asyncio.timeout(STREAM_STALL_S):
+        await pc.send(msg, bulk=True)
+
+
 async def refuse(req: StreamRequest, pc, why: str):
-    """Answer a STREAM_REQUEST we will not serve: STREAM_OPEN with meta {"error"}, then STREAM_END."""
+    """Answer a STREAM_REQUEST we will not serve: STREAM_OPEN with meta {"error"}, then STREAM_END;
+    nothing to an asker that left REFUSAL_BACKLOG_BYTES of ours unread."""
+    if unsent_bytes(pc) > REFUSAL_BACKLOG_BYTES:
+        return
     try:
         pc.send_nowait(StreamOpen(kind=req.kind, name=req.name, total_size=0, sha256=bytes(32), offset=0,
                                   meta={"error": why}, stream_id=req.stream_id), bulk=True)
