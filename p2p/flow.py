@@ -51,6 +51,10 @@ FRAME_STALL_S = 10.0
 # After this many bytes passed through the pool since the allocator last gave memory back, the
 # pool's emptying asks it to (malloc_trim): freed frame buffers leave the process after a load.
 TRIM_AFTER_BYTES = 16 * 1024 * 1024
+# A connection's own frame buffers (the protocol's, reused frame after frame: up to 3 of its largest
+# frame each way) are freed only when it ends: the allocator is asked to give memory back this long
+# after connections ended (once for a burst of them).
+TRIM_AFTER_CLOSE_S = 1.0
 
 
 class SendQueue:
@@ -223,6 +227,7 @@ class ReceivePool:
         self._waiting: collections.OrderedDict = collections.OrderedDict()  # connection -> resume callback
         self._timer: asyncio.TimerHandle | None = None
         self._since_trim = 0
+        self._trim: asyncio.TimerHandle | None = None  # a trim due after connections ended
 
     def has_room(self) -> bool:
         return self.used < self.limit and not self._waiting
@@ -254,9 +259,16 @@ class ReceivePool:
             self._timer = self.loop.call_later(FRAME_STALL_S, self._check_stalled)
 
     def forget(self, owner) -> None:
-        """``owner`` closed: it waits no more (what it held is released by its own ``release``)."""
+        """``owner`` closed: it waits no more (what it held is released by its own ``release``), and
+        its buffers, freed with it, are given back to the system soon."""
         self._waiting.pop(owner, None)
         self._wake()
+        if self._trim is None:
+            self._trim = self.loop.call_later(TRIM_AFTER_CLOSE_S, self._trimmed)
+
+    def _trimmed(self) -> None:
+        self._trim = None
+        release_memory()
 
     def _wake(self) -> None:
         while self._waiting and self.used < self.limit:

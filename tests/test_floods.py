@@ -107,6 +107,11 @@ async def test_pool_empties_and_memory_is_given_back(monkeypatch):
     pool.release(a, 16 << 20)  # a's reader took its frame: b may go on, and memory goes back
     await asyncio.sleep(0)
     assert resumed == [b] and pool.used == 0 and trims == [1]
+    monkeypatch.setattr(flow, "TRIM_AFTER_CLOSE_S", 0.01)
+    for owner in (a, b, object()):  # connections end: their own buffers go back too, once for the burst
+        pool.forget(owner)
+    await asyncio.sleep(0.1)
+    assert trims == [1, 1]
 
 
 class NonReader:
