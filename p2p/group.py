@@ -500,8 +500,8 @@ class Group:
 
     def outranks(self, meta: dict) -> bool:
         """Whether our group ranks above the one a STATUS describes (then we answer it: rule 6)."""
-        size, sponsor = meta.get("size"), meta.get("sponsor")
-        return type(size) is int and isinstance(sponsor, str) and (size, _neg(sponsor)) < self.rank()
+        theirs = status_rank(meta)
+        return theirs is not None and theirs < self.rank()
 
     def leave(self, why: str) -> list[Send]:
         out = [Send(m, self.round, {"phase": Phase.LEAVE.value, "why": why}) for m in self.joined]
@@ -516,6 +516,13 @@ class Group:
         out = self.leave("done training") if self.joined else []
         self.state = State.DONE
         return out
+
+
+def status_rank(meta: dict) -> tuple | None:
+    """The rank (rule 6) of the group a STATUS describes, comparable with ``Group.rank``; None if
+    malformed."""
+    size, sponsor = meta.get("size"), meta.get("sponsor")
+    return (size, _neg(sponsor)) if type(size) is int and isinstance(sponsor, str) else None
 
 
 def _members(reply: _Reply) -> tuple:

@@ -60,18 +60,37 @@ def test_a_member_departing_mid_round_leaves_the_others_finishing():
         assert torch.allclose(out, (xs[0] + xs[1]) / 2, atol=1e-6)
 
 
-def test_a_departure_seen_by_one_member_reaches_the_others():
-    """Only a sees that c is gone; b learns it from a's parts and does not wait for c."""
+def test_a_departure_one_member_relays_is_its_word_the_others_wait_for_their_own_evidence():
+    """Only a sees that c is gone and lists it in meta ``departed``; b does not depart c on a's word
+    (r7): it waits for c's part until it sees c go itself, and then finishes without it. The claim
+    stands (c's part never came): nobody is charged for it."""
     xs = [torch.randn(90) for _ in IDS]
-    rs = rounds(xs)
-    queue = [(p, part) for p, r in rs.items() if p != "c" for part in r.start()]
-    queue = [(s, q) for s, q in queue if s == "a"] + [(s, q) for s, q in queue if s != "a"]
-    queue = [(p, part) for p, part in [("a", x) for x in rs["a"].depart("c", "another view")]] + queue
+    rs = rounds(xs, aggregate="robust")
+    queue = [("a", part) for part in rs["a"].depart("c", "another view")]  # every part a sends lists c
+    queue += [("b", part) for part in rs["b"].start()]
     while queue:
         src, part = queue.pop(0)
         if part.peer != "c":
             queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
-    assert rs["b"].done and rs["b"].result()[1].departed == ["c"]
+    assert not rs["b"].done and rs["b"].roster.claims == {"c": {"a": "departed"}}
+    rs["b"].depart("c", "connection lost")
+    assert rs["b"].done and rs["b"].result()[1].departed == ["c"] and not rs["b"].contradicted
+
+
+def test_a_departure_claimed_of_a_member_whose_part_then_comes_is_charged_to_the_claimer():
+    """a lists c as departed; c's own part comes to b after a's: b counts c in, and a's word was
+    contradicted (the driver names a member whose word fails so in CLAIMS_NAMED rounds)."""
+    xs = [torch.randn(90) for _ in IDS]
+    rs = rounds(xs, aggregate="robust")
+    queue = [("a", part) for part in rs["a"].depart("c", "forged")]  # every part a sends lists c
+    queue += [(p, part) for p in ("b", "c") for part in rs[p].start()]
+    while queue:
+        src, part = queue.pop(0)
+        queue += [(part.peer, q) for q in rs[part.peer].receive(src, part.msg)]
+    out, rep = rs["b"].result()
+    assert rep.departed == [] and rep.coverage == 1.0 and "c" in rs["b"].gathered[0]
+    assert set(rs["b"].contradicted) == {"a"} and "came after" in rs["b"].contradicted["a"]
+    assert not rs["c"].contradicted  # a sends c nothing once it departed it
 
 
 def test_a_poisoned_part_rejects_its_sender_and_the_round_goes_on():
@@ -503,19 +522,22 @@ def test_a_gossip_partner_that_reverses_its_update_is_opposed_measured_from_our_
         AveragingRound("a", 0, 1, IDS4, base, RoundSpec(aggregate="robust"), origin=torch.zeros(n - 1))
 
 
-@pytest.mark.parametrize("departed_first", [False, True])
-def test_a_mismatch_is_relayed_so_a_member_that_never_heard_from_the_mismatched_one_knows_it(departed_first):
-    """Rule 4 / driver rule 9: b sees that c began the round with another view of the group; a hears
-    nothing from c, only b's parts (listing c in meta ``mismatched``), and records the mismatch too,
-    even when it had departed c for another reason first."""
+def test_a_mismatch_is_seen_by_each_member_itself_and_a_forged_one_is_charged_to_its_sender():
+    """Rule 4 / driver rule 9, r7: b lists c in meta ``mismatched``. Where c's own part comes with
+    a's view, a neither departs c nor counts it mismatched (the round is not failed on b's word),
+    and b's word is contradicted. Where c did begin the round with another view, a sees that itself (c's parts carry
+    another group): the mismatch is a's own."""
     torch.manual_seed(0)
-    rs = rounds([torch.randn(50) for _ in IDS])
-    first = [("a", q) for q in rs["a"].depart("c", "unreachable")] if departed_first else []
-    first += [("b", q) for q in rs["b"].mismatch("c", "sees another group")]
-    run({p: rs[p] for p in ("a", "b")}, queue=first)
+    rs = rounds([torch.randn(50) for _ in IDS], aggregate="robust")
+    first = [("b", q) for q in rs["b"].mismatch("c", "forged")]  # every part b sends lists c
+    run({p: rs[p] for p in ("a", "c")}, queue=first)
+    assert rs["a"].done and rs["a"].mismatched == set() and rs["a"].departed == {}
+    assert set(rs["a"].contradicted) == {"b"} and not rs["c"].contradicted  # b sends c nothing now
+    other = rounds([torch.randn(50) for _ in IDS], aggregate="robust")
+    run({p: other[p] for p in ("a", "b")}, queue=[("a", q) for q in other["a"].mismatch("c", "sees another group")]
+        + [("b", q) for q in other["b"].mismatch("c", "sees another group")])
     for p in ("a", "b"):
-        assert rs[p].done and rs[p].mismatched == {"c"} and "c" in rs[p].departed
-    assert rs["a"].mismatched == {"c"}
+        assert other[p].done and other[p].mismatched == {"c"} and not other[p].contradicted
 
 
 def test_the_suspect_streaks_kept_are_bounded_in_total_and_a_named_members_is_dropped():

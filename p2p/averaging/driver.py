@@ -14,8 +14,9 @@ Rules (numbered as in the package's index, ``__init__.py``):
   round not begun yet are held within bounds (early.py); what the round has to send goes out
   in order from an ``Outbox`` (outbox.py).
 - Rule 9 (here): a member that began the round with another view of the group (its parts carry
-  another ``group`` digest, it answers that it is not in our round's group, or a member relays
-  that in meta ``mismatched``: round.py, rule 4) fails the round for us (``GroupMismatch``):
+  another ``group`` digest, or it answers that it is not in our round's group: what we see
+  ourselves, not what another member relays in meta ``mismatched``, round.py, rule 4, r7) fails
+  the round for us (``GroupMismatch``):
   nothing applied (the error feedback is restored too), and it stays in the group. A departure or
   admission reaches members at different moments, so two honest members may begin one round with
   different members; departing each other there split the group in two (merged again only by
@@ -69,6 +70,10 @@ MAX_NAMED = 1024
 # begins, or, under overlap, the one after.
 MISMATCH_ROUNDS = 2
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
+# Rounds in which a member's word about others (meta ``departed``/``mismatched``) was contradicted by
+# the named member's own part before it is named and its word ignored (rule 4 of round.py, r7): an
+# honest member's claim can lose a race once (a member that sent its part, then died).
+CLAIMS_NAMED = 2
 
 
 def mismatches_within_allowance(r: AveragingRound, ids, state: dict) -> list[str]:
@@ -117,6 +122,20 @@ def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
     return out
 
 
+def name_claimers(r: AveragingRound, failed: dict, unheeded: dict, events: list, block: int) -> None:
+    """Rule 4 of round.py (r7): a member whose word about others the named members' own parts
+    contradicted in CLAIMS_NAMED rounds (counted in ``failed`` over the whole run) is named, and
+    its word ignored from then on (``unheeded``: member -> why)."""
+    for pid, why in r.contradicted.items():
+        remember(failed, pid, failed.get(pid, 0) + 1)
+        if failed[pid] == CLAIMS_NAMED:
+            why = f"its word about others failed in {CLAIMS_NAMED} rounds ({why})"
+            remember(unheeded, pid, why)
+            log_event(events, {"event": "named", "peer": pid, "round": r.round, "time": time.time(), "reason": why})
+            log.warning("block %d round %d: %s speaks for others: %s; its word is ignored from now on",
+                        block, r.round, pid[:12], why)
+
+
 def remember(names: dict, key, value, bound: int = MAX_NAMED) -> None:
     """``names[key] = value``, the oldest entries dropped past ``bound``."""
     names[key] = value
@@ -139,6 +158,8 @@ class Averager(EarlyParts):
         self._suspect_streak: dict[str, int] = {}
         self._pair_window = PairWindow() if steps else None  # rule 6's pair test over the last rounds
         self._mismatch_state: dict = {}  # rule 9: mismatched rounds per member (mismatches_within_allowance)
+        self._claims_failed: dict[str, int] = {}  # member -> rounds its word about others was contradicted
+        self.unheeded: dict[str, str] = {}  # members named for their word about others (ignored since) -> why
         if codec not in UPDATE_CODECS:
             raise ValueError(f"averaging codec {codec!r}: expected one of {UPDATE_CODECS}")
         self.spec = RoundSpec(codec, aggregate, Bounds(max_norm), min_coverage, density)  # every round's
@@ -254,6 +275,7 @@ class Averager(EarlyParts):
                 pc.release_queued(sent)
         self._residual = r.residual
         self._suspicions(r, rnd)
+        name_claimers(r, self._claims_failed, self.unheeded, self.events, self.block)
         try:
             self._mismatches(r)
             out, rep = r.result()
@@ -274,6 +296,7 @@ class Averager(EarlyParts):
             self._scratch = lossy_scratch(vector.numel(), self.spec.codec)
         r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, self.spec, start=start, residual=self._residual,
                            lent=Buffers(out, self._lend_arena, self._scratch), origin=origin)
+        r.roster.ignored = frozenset(self.unheeded)
         self._round, self.outbox.parts, self._wake, self.current = r, [], asyncio.Event(), rnd
         return r
 

@@ -4,8 +4,8 @@ members' parts of each are decoded, and what the aggregate of each found.
 Rules (numbered as in the package's index, ``__init__.py``):
 - Rule 2: piece j is owned by member j mod R (sorted ids): ``Roster.owner``.
 - Rule 4: a member that departs, or is rejected, is no longer live; the pieces it owned move to
-  live member j mod R', the same rule everywhere (``Roster``). What a member departed at another
-  member relays (meta ``departed``, ``mismatched``) is taken in here (``Roster.relayed``).
+  live member j mod R', the same rule everywhere (``Roster``). What another member says of third
+  members (meta ``departed``, ``mismatched``) is weighed here as evidence (``Roster.relayed``).
 - Rule 6: a piece computed by every member is the robust aggregate of robust.py, or the plain mean
   (``PieceRecords.aggregate``); what the aggregate found is kept per piece, so a piece computed again
   replaces its record and what a member is named for does not depend on the order parts came in.
@@ -51,6 +51,11 @@ class Roster:
         self.private: set[str] = set()  # departed, not relayed in meta ``departed`` (AveragingRound.depart)
         self.rejected: list[dict] = []  # {"peer", "reason"}, in order
         self.mismatched: set[str] = set()  # began the round with another view of the group (rule 4)
+        self.claims: dict[str, dict[str, str]] = {}  # member named in others' relays -> {claimer: what it said}
+        self.heard: set[str] = set()  # members whose part came with our view
+        self.contradicted: dict[str, str] = {}  # claimer -> why: the named member's own part says otherwise
+        self.ignored: frozenset[str] = frozenset()  # claimers whose word is not even recorded (the driver's)
+        self.trusted = False  # a mean round's: what a member relays departs the named members (``_obeyed``)
         self._key: tuple | None = None  # (departed, rejected) counts the cache of ``live`` is for
         self._live: tuple[list[str], set[str]] = ([], set())
 
@@ -78,8 +83,32 @@ class Roster:
             self.rejected.append({"peer": pid, "reason": why})
 
     def relayed(self, pid: str, gone: list, other: list) -> None:
-        """What ``pid``'s part relays (rule 4): ``other`` (meta ``mismatched``), recorded as
-        mismatched and departed; then ``gone`` (meta ``departed``), departed."""
+        """What ``pid``'s part says of others (rule 4, r7): meta ``mismatched`` and ``departed`` are
+        its word about third members, evidence and never a departure here where every member
+        computes every piece (in a mean round, ``trusted``, they depart the named, ``_obeyed``). A claim is contradicted
+        when the named member's own part of the round comes with our view (for ``departed``: after
+        the claim), or when it says we saw another group while its part carries our view; the
+        claimer is then ``contradicted`` (the driver names a member whose word failed so twice and
+        ``ignored`` its claims). Kept: at most one claim per (member named, claimer) of the round."""
+        if pid in self.ignored:
+            return
+        if self.trusted:
+            return self._obeyed(pid, gone, other)
+        for said, named in (("saw another group", other), ("departed", gone)):
+            for d in named:
+                if not isinstance(d, str) or d == pid or d not in self.ids:
+                    continue
+                if d == self.me:  # in a part of our own view, which it sent us
+                    self.contradicted.setdefault(pid, f"said we {said}, in a part of our own view")
+                elif said == "saw another group" and d in self.heard:
+                    self.contradicted.setdefault(pid, f"said {d[:12]} {said}; its part came with our view")
+                else:
+                    self.claims.setdefault(d, {}).setdefault(pid, said)
+
+    def _obeyed(self, pid: str, gone: list, other: list) -> None:
+        """A mean round's (its owners are trusted, rule 2): the named members depart as at ``pid``,
+        since an owner's average leaves out the members it departed (the rule of every round before
+        r7)."""
         for d in other:  # before ``departed`` lists them: a relayed mismatch is one
             if isinstance(d, str) and d != self.me and d != pid and d in self.ids:
                 self.mismatched.add(d)
@@ -88,6 +117,12 @@ class Roster:
         for d in gone:
             if isinstance(d, str) and d != self.me and d != pid and d in self.live()[1]:
                 self.departed[d] = f"departed at {pid[:12]}"
+
+    def heard_from(self, pid: str) -> None:
+        """``pid``'s part of the round came with our view: what others said of it is contradicted."""
+        self.heard.add(pid)
+        for claimer, said in self.claims.pop(pid, {}).items():
+            self.contradicted.setdefault(claimer, f"said {pid[:12]} {said}; its part came after, with our view")
 
     def meta(self) -> dict:
         """What our parts relay (rule 4): meta ``departed`` (not the private ones) and ``mismatched``."""

@@ -18,13 +18,17 @@ Rules (numbered as in the package's index, ``__init__.py``):
   members (live member j mod R', the same rule everywhere), everyone re-sends its part there, and
   the round finishes with the others. Coverage counts the live members. A member that departs
   a peer for a reason only it can see (another view of the group, unreachable) lists it in meta
-  ``departed`` of every part it sends from then on; the receivers depart it too, so nobody waits
-  for a member that will not come (not a departure between two members only: a gossip round's
-  exclusion, rule 10, ``depart(relay=False)``). A member that began the round with another view of the group
-  (its parts carry another ``group``, or it says it is not in our round's group) is recorded in
-  ``mismatched`` as well, and listed in meta ``mismatched`` of every part we send, so that every
-  member learns it was a mismatch whichever way it hears of it first (driver.py, rule 9, fails such
-  a round). Where every member computes every piece (rule 6), a piece counts the parts a departed
+  ``departed`` of every part it sends from then on (not a departure between two members only: a
+  gossip round's exclusion, rule 10, ``depart(relay=False)``). A member that began the round with
+  another view of the group (its parts carry another ``group``, or it says it is not in our
+  round's group) is recorded in ``mismatched`` as well, and listed in meta ``mismatched`` of every
+  part we send (driver.py, rule 9, fails such a round). Where every member computes every piece
+  (rule 6), what a member says of others is its word, not ours (r7): a receiver departs a member, or counts it mismatched, only on what it sees itself
+  (the member's own parts, its ``absent``, its connection); a claim the named member's own part
+  contradicts is recorded against the claimer (``Roster.relayed``; driver.py names a member whose
+  word failed twice and ignores its claims). Before r7 a receiver departed the members others
+  named, so one key holder's list made every member drop an honest one, or fail every round. In a
+  mean round the owners are trusted (rule 2): the named members depart there, as before. Where every member computes every piece (rule 6), a piece counts the parts a departed
   member sent before it left (the others hold them too; the driver takes in what was held of them
   ahead of the round before it departs the members that left the group before the round began).
 - Rule 5: coverage is, for every piece, whether every live member contributed; the fraction of
@@ -196,6 +200,7 @@ class AveragingRound:
                                                                    roster.mismatched)  # the roster's own, shared
         self.robust = spec.aggregate == "robust" and len(self.ids) >= 3
         self.everyone = self.robust or spec.codec == SIGN  # every member computes every piece (rule 6)
+        roster.trusted = not self.everyone  # owners' averages leave out whom they departed (rule 4)
         self.records = PieceRecords()
         self.group = group_digest(self.ids, rnd, f"{start}|{'robust' if self.robust else 'mean'}")
         self.n = n = vector.numel()
@@ -233,6 +238,11 @@ class AveragingRound:
         return self.roster.owner(j)
 
     @property
+    def contradicted(self) -> dict[str, str]:
+        """Members whose word about others this round contradicted what we saw (rule 4, r7)."""
+        return self.roster.contradicted
+
+    @property
     def done(self) -> bool:
         return self.finished or len(self.gathered) == self.P
 
@@ -267,6 +277,7 @@ class AveragingRound:
             t = validate_part(msg, b - a, self.spec.bounds, into, self.spec.compact)
         except ValueError as e:
             return self._reject(pid, str(e))
+        self.roster.heard_from(pid)
         if phase == "reduce":
             self._received[j].setdefault(pid, t)  # kept before we know we own it (a departure moves pieces)
         elif wanted:

@@ -62,7 +62,7 @@ from blocktrain.protocol.events import is_peer_id
 
 from ..averaging import Averager
 from ..checkpoints import CHECKPOINT, LOWER, CheckpointFetcher, FetchError
-from ..group import Decision, Group, Phase, Send, State, is_control
+from ..group import Decision, Group, Phase, Send, State, is_control, log_event, status_rank
 from ..services import Change, PeerServices, PeerUnreachable
 from .checks import StateCheck
 from .lower import SwarmError
@@ -76,6 +76,12 @@ STATUS_EVERY_S = 5.0
 # ... and answered at most this often when its STATUS ranks below ours (so that it yields at once).
 STATUS_REPLY_S = 0.5
 STATUS_KEPT = 64  # when last told or answered, for peers no longer in scope: pruned past twice the candidates plus this
+# A STATUS vouches for its sender's place in its group this long (members repeat it every STATUS_EVERY_S).
+STATUS_HEARD_S = 2 * STATUS_EVERY_S + 1.0
+# A peer whose STATUS claims, this many times, a group that ranks above ours by more members than
+# say so themselves is named (once; its claims count only as far as they are vouched for anyway).
+UNVOUCHED_NAMED = 3
+MAX_UNVOUCHED = 1024  # peers whose unvouched claims are counted (the oldest go first)
 SPLIT_WAIT_S = STATUS_EVERY_S  # a member split off alone waits this long at most for the others' status
 # What a member split from us may say that tells us where it stands (its rank, or that it joins,
 # leaves or trains nothing); an ADMIT or READY says it still counts us in, which settles nothing.
@@ -136,6 +142,8 @@ class Outsiders:
         self.insiders: set[str] = set()
         self.trained_with: set[str] = set()
         self.split_from: set[str] = set()
+        self._heard: dict[str, tuple[str, int, float]] = {}  # peer -> (sponsor, size, when): its own STATUS
+        self.unvouched: dict[str, int] = {}  # peer -> its STATUSes that claimed more than was vouched
 
     def forget_group(self) -> None:
         """We left our group (yielding, or idle): its members are no split of ours."""
@@ -168,6 +176,33 @@ class Outsiders:
             self.status_sent = {p: t for p, t in self.status_sent.items() if p in live}
             self.status_replied = {p: t for p, t in self.status_replied.items() if p in live}
         return out
+
+    def weigh(self, pid: str, meta: dict, candidates: list[str], group: Group, say: Callable[[str], None]) -> dict:
+        """``pid``'s STATUS (its ``size`` an int, its ``sponsor`` a peer id) as far as it is vouched
+        for: its meta with ``size`` no more than ``vouched``. At its UNVOUCHED_NAMED-th STATUS that
+        ranks above ``group`` by its word only, ``pid`` is named (``say``, and the group's events)."""
+        size, sponsor = meta["size"], meta["sponsor"]
+        self._heard[pid] = (sponsor, size, time.monotonic())
+        vouched = {**meta, "size": min(size, self.vouched(sponsor, candidates))}
+        if not status_rank(meta) > group.rank() >= status_rank(vouched):  # type: ignore[operator]
+            return vouched
+        n = self.unvouched[pid] = self.unvouched.get(pid, 0) + 1
+        while len(self.unvouched) > MAX_UNVOUCHED:  # identities are free: the oldest go
+            del self.unvouched[next(iter(self.unvouched))]
+        if n == UNVOUCHED_NAMED:
+            why = f"its status claims {size} members with sponsor {sponsor[:12]}; {vouched['size']} say so themselves"
+            say(f"peer {pid[:12]} speaks for others: {why}; not yielding to it")
+            log_event(group.events, {"event": "named", "peer": pid, "round": group.round, "why": why})
+        return vouched
+
+    def vouched(self, sponsor: str, candidates: list[str]) -> int:
+        """How many live training peers outside our group say, each in its own STATUS of the last
+        STATUS_HEARD_S, that they are in ``sponsor``'s group, the sponsor among them (else 0). A
+        STATUS speaks for its sender: the size it claims counts no further than this."""
+        now, live = time.monotonic(), set(candidates) - self.insiders
+        self._heard = {p: h for p, h in self._heard.items() if p in live and now - h[2] <= STATUS_HEARD_S}
+        said = {p for p, h in self._heard.items() if h[0] == sponsor}
+        return len(said) if sponsor in said else 0
 
     def reply_due(self, pid: str) -> bool:
         """``pid``'s STATUS may be answered now (STATUS_REPLY_S apart): marked answered if so."""
@@ -271,10 +306,13 @@ class Membership:
             del self._ready[min(self._ready)]
 
     def _on_status(self, pid: str, meta: dict) -> None:
+        """A STATUS speaks for its sender (r7): its group ranks as large as is vouched for (``Outsiders.weigh``)."""
         size, candidates = meta.get("size"), self.candidates()  # (without the banned and shunned)
-        if pid not in candidates or type(size) is not int or not 1 <= size <= len(candidates) + 1:
+        if pid not in candidates or type(size) is not int or not 1 <= size <= len(candidates) + 1 \
+                or not is_peer_id(meta.get("sponsor")):
             return  # not a live training peer of our scope, or a size no group here can have
-        leave = self.group.on_status(pid, meta)
+        vouched = self.outsiders.weigh(pid, meta, candidates, self.group, self.say)
+        leave = self.group.on_status(pid, vouched) if vouched["size"] else None
         if leave is not None:
             self.say(f"another group is larger; leaving ours to join it ({len(leave)} member(s) told)")
             self.send(leave)
@@ -284,9 +322,8 @@ class Membership:
             self.peer.notify()
         elif self.group.state is State.TRAINING and pid not in self.group.joined and self.group.outranks(meta) \
                 and self.outsiders.reply_due(pid):
-            # ours ranks higher: say so now. Two members that dropped a dead third at different
-            # rounds each see the other outside; the first one's STATUS reached the other while
-            # it still counted the first in, and without this reply the split lasted STATUS_EVERY_S.
+            # ours ranks higher: say so now. Two members that dropped a dead third at different rounds each
+            # see the other outside; without this reply the split lasted STATUS_EVERY_S.
             self.send([self.group.status_for(pid)])
 
     def _membership(self, ev) -> None:
