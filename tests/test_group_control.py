@@ -158,3 +158,24 @@ async def test_a_member_that_names_an_honest_one_in_every_part_costs_nothing_and
         assert named == [forger.peer.id] if i == 0 or claim == "mismatched" else set(named) <= {forger.peer.id}
     ends = [flatten(sp.params()) for sp in sps]
     assert all(torch.equal(ends[0], e) for e in ends[1:])
+
+
+def test_a_member_that_changes_the_members_itself_earns_no_new_failed_rounds():
+    """Rule 9 (r7): a member whose parts carry another group fails at most MISMATCH_ROUNDS rounds
+    per change of members, and MISMATCH_TOTAL in MISMATCH_WINDOW_S whatever the changes: one that
+    leaves and joins again after every 2 failed rounds (before r7: 2 more every time) fails
+    MISMATCH_TOTAL in all, then departs every round; the window over, it is judged anew."""
+    from types import SimpleNamespace
+
+    from blocktrain.p2p.averaging.driver import (MISMATCH_ROUNDS, MISMATCH_TOTAL, MISMATCH_WINDOW_S,
+                                                 mismatches_within_allowance)
+    state: dict = {}
+    failed = 0
+    for cycle in range(10):  # x leaves and is admitted again: the members differ every other cycle
+        ids = ["a", "b", "x"] if cycle % 2 else ["a", "b", "c", "x"]
+        for i in range(MISMATCH_ROUNDS):
+            r = SimpleNamespace(mismatched={"x"})
+            failed += bool(mismatches_within_allowance(r, ids, state, now=float(cycle * 10 + i)))
+    assert failed == MISMATCH_TOTAL
+    r = SimpleNamespace(mismatched={"x"})
+    assert mismatches_within_allowance(r, ["a", "x"], state, now=MISMATCH_WINDOW_S + 200.0) == ["x"]

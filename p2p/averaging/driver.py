@@ -22,10 +22,11 @@ Rules (numbered as in the package's index, ``__init__.py``):
   different members; departing each other there split the group in two (merged again only by
   STATUS, rule 6 of group.py, after a state fetch). The next round is begun once the change reached
   both (two under overlap, where a round begins before the one on the wire ends): a member's
-  mismatches fail up to ``MISMATCH_ROUNDS`` rounds since the members of our rounds last changed;
+  mismatches fail up to ``MISMATCH_ROUNDS`` rounds since the members of our rounds last changed,
+  and ``MISMATCH_TOTAL`` in ``MISMATCH_WINDOW_S`` whatever the changes (r7);
   after that the member departs the round as any departed member (the round goes on without it,
   and it leaves the group). A key holder that forges digests so costs its group at most that many
-  rounds per change of members. A member that left the group while the round's local steps ran
+  rounds per change of members, and MISMATCH_TOTAL per identity in MISMATCH_WINDOW_S. A member that left the group while the round's local steps ran
   (``average``'s ``gone``: it said LEAVE, or the swarm saw it leave or die) departs the round as
   it begins: restarted with its identity, it is a member of the swarm again and would answer that
   it is not in the round, a mismatch that fails the round for a member that began it late while
@@ -69,6 +70,9 @@ MAX_NAMED = 1024
 # before it departs (rule 9): a change of members reaches a round's members before its next round
 # begins, or, under overlap, the one after.
 MISMATCH_ROUNDS = 2
+# ... and at most this many in all over this window, whatever the changes of members (r7).
+MISMATCH_TOTAL = 4
+MISMATCH_WINDOW_S = 600.0
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
 # Rounds in which a member's word about others (meta ``departed``/``mismatched``) was contradicted by
 # the named member's own part before it is named and its word ignored (rule 4 of round.py, r7): an
@@ -76,16 +80,27 @@ MISMATCHED = ("sees another group", "not in this round's group")  # the round's 
 CLAIMS_NAMED = 2
 
 
-def mismatches_within_allowance(r: AveragingRound, ids, state: dict) -> list[str]:
+def mismatches_within_allowance(r: AveragingRound, ids, state: dict, now: float | None = None) -> list[str]:
     """Rule 9, for a member whose rounds' members are ``ids``: the members that saw another group
-    in round ``r`` and, since ``ids`` last changed, in at most MISMATCH_ROUNDS rounds (the round
-    fails over them). ``state`` is the member's count, kept from round to round."""
+    in round ``r`` and, since ``ids`` last changed, in at most MISMATCH_ROUNDS rounds, and in at
+    most MISMATCH_TOTAL tolerated rounds of the last MISMATCH_WINDOW_S seconds whatever the changes
+    (r7: a member that causes the changes of members itself, by leaving and joining again, does
+    not earn new rounds by them); the round fails over them. ``state`` is the member's count, kept
+    from round to round (``tolerated``: member -> when its tolerated rounds were, MAX_NAMED kept)."""
+    now = time.monotonic() if now is None else now
     if state.get("ids") != list(ids):
         state["ids"], state["counts"] = list(ids), {}
-    counts = state["counts"]
-    for p in r.mismatched:
+    counts, tolerated = state["counts"], state.setdefault("tolerated", {})
+    out = []
+    for p in sorted(r.mismatched):
         counts[p] = counts.get(p, 0) + 1
-    return sorted(p for p in r.mismatched if counts[p] <= MISMATCH_ROUNDS)
+        recent = [t for t in tolerated.get(p, ()) if now - t < MISMATCH_WINDOW_S]
+        if counts[p] <= MISMATCH_ROUNDS and len(recent) < MISMATCH_TOTAL:
+            recent.append(now)
+            out.append(p)
+        tolerated.pop(p, None)
+        remember(tolerated, p, recent)
+    return out
 
 
 def outliers_in_a_row(r: AveragingRound, me: str, streak: dict,
