@@ -211,7 +211,7 @@ async def test_update_parts_from_a_client_or_for_far_rounds_are_not_held():
             client.send_nowait(BlockUpdate(block=0, round=r, tensors=(part,), meta=meta))
             (await b.connection(a.id)).send_nowait(BlockUpdate(block=0, round=1000 + r, tensors=(part,), meta=meta))
         await asyncio.sleep(0.5)
-        assert not av._early and av._early_bytes == 0
+        assert av.held().rounds == () and av.held().total == 0
         await client.close()
     finally:
         await a.stop()
@@ -259,22 +259,23 @@ async def test_near_round_parts_from_many_identities_share_one_bounded_pool(monk
         for i in range(64):
             for _ in range(2):
                 av._route(BlockUpdate(block=0, round=1, tensors=(part,), meta=meta), None, f"{i:064x}")
-        per_sender, strangers = av._early_caps()
+        per_sender, strangers = av.held().caps
+        held = av.held()
         assert strangers == early.MAX_EARLY_BYTES // 4
-        assert av._stranger_bytes <= strangers and av._early_bytes == av._stranger_bytes
-        assert av._early_bytes <= strangers < 2 * 64 * part.stored_bytes  # half of what came was not held
+        assert held.strangers <= strangers and held.total == held.strangers
+        assert held.total <= strangers < 2 * 64 * part.stored_bytes  # half of what came was not held
         for _ in range(2):
             av._route(BlockUpdate(block=0, round=1, tensors=(part,), meta=meta), None, "f" * 64)
-        assert av._early_from["f" * 64] >= 2 * part.stored_bytes  # the group's own member: held in full
-        assert av._early_bytes <= strangers + per_sender
+        assert av.held().by_member["f" * 64] >= 2 * part.stored_bytes  # the group's own member: held in full
+        assert av.held().total <= strangers + per_sender
         # a group's first round (no last round): the members the group expects are held in full too
         av2 = avm.Averager(a, 1, floats=1 << 22)  # 16 MiB vectors: 3 of them are over the shared pool
         big = to_wire("part", torch.randn(1 << 22))
         av2.expect_members(["b" * 64, "c" * 64, "d" * 64, a.id])
         for pid in ("b" * 64, "c" * 64, "d" * 64):
             av2._route(BlockUpdate(block=1, round=1, tensors=(big,), meta=meta), None, pid)
-        assert all(av2._early_from.get(p, 0) >= big.stored_bytes for p in ("b" * 64, "c" * 64, "d" * 64))
-        assert av2._stranger_bytes == 0
+        assert all(av2.held().by_member.get(p, 0) >= big.stored_bytes for p in ("b" * 64, "c" * 64, "d" * 64))
+        assert av2.held().strangers == 0
     finally:
         await a.stop()
 
@@ -526,7 +527,7 @@ async def test_a_member_serving_a_bad_state_is_named_and_not_asked_again(tmp_pat
     sps = [SwarmTrainer(p, TrainerSpec(i, PeerJob(mc, tc, sc), tmp_path / f"w{i}"), data, data)
            for i, p in enumerate(peers)]
     def poisoned(rnd, sp):  # what a member gone bad serves to joiners
-        c = sp._checkpoint(False)
+        c = sp.checkpoint(False)
         c.tensors = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in c.tensors.items()}
         name = sp.store.join_state_name(c.block, rnd)
         ckpt.save(c, sp.dir / "serve" / "checkpoint" / (name + ckpt.SUFFIX))

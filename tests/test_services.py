@@ -76,7 +76,7 @@ async def test_a_joiner_that_takes_the_state_at_a_blocks_end_makes_it_final_and_
     donor = SwarmTrainer(net.peer(1, blocks=(0,)), TrainerSpec(0, PeerJob(MC, TC), tmp_path / "donor"), DATA, DATA)
     donor.prepare()
     donor.pos.gstep = donor.schedule.S  # the group's state after block 0's last round
-    state = donor._checkpoint(False)
+    state = donor.checkpoint(False)
     sp = SwarmTrainer(net.peer(2, blocks=(1,)), TrainerSpec(1, PeerJob(MC, TC), tmp_path / "joiner"), DATA, DATA)
     sp.prepare()
     sp._take_group_state(state, {}, "the group")

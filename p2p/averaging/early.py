@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+from dataclasses import dataclass
+
 import msgpack
 
 from blocktrain.protocol import BlockUpdate
@@ -29,6 +31,18 @@ MAX_EARLY_BYTES = 64 * 1024 * 1024
 def _held_bytes(msg: BlockUpdate) -> int:
     """What holding ``msg`` costs: its tensors' bytes and its metadata's (re-encoded)."""
     return sum(t.stored_bytes for t in msg.tensors) + len(msgpack.packb(msg.meta, use_bin_type=True))
+
+
+@dataclass(frozen=True)
+class Held:
+    """What is held of parts for rounds not begun (``EarlyParts.held``): bytes in all, of members
+    outside our last and next rounds (``strangers``), by member, the rounds they are for, and the
+    caps (from one member, from all strangers together)."""
+    total: int
+    strangers: int
+    by_member: dict
+    rounds: tuple
+    caps: tuple[int, int]
 
 
 class EarlyParts:
@@ -62,6 +76,11 @@ class EarlyParts:
             log.warning("block %d: parts for round %d came before we began it and exceed what is held "
                         "(%d bytes from one member, %d from members not in our last round); dropped from "
                         "%s (that round will miss them)", self.block, rnd, per_sender, strangers, pid[:12])
+
+    def held(self) -> Held:
+        """What is held now, and the caps it is held under (for a status, a report, a test)."""
+        return Held(self._early_bytes, self._stranger_bytes, dict(self._early_from), tuple(sorted(self._early)),
+                    self._early_caps())
 
     def _early_caps(self) -> tuple[int, int]:
         """(from one member, from all members outside our last and next rounds): bytes held of

@@ -154,17 +154,18 @@ class SwarmTrainer:
                                                   held["grads"] + held["optim_state"])
 
     # --- checkpoints (store.py) --------------------------------------------------------------------
-    def _checkpoint(self, final: bool) -> ckpt.Checkpoint:
+    def checkpoint(self, final: bool) -> ckpt.Checkpoint:
+        """Our state now as a checkpoint (``final``: the block's last), as saved and served."""
         return self.store.checkpoint(self.tr, self.rounds.outer._buf, final, self.gstep, self.rnd, self.block)
 
     def _save(self, final: bool = False) -> None:
-        self.store.save(self._checkpoint(final))
+        self.store.save(self.checkpoint(final))
 
     def save_join_state(self, rnd: int) -> str:
         """The group's state at the end of round ``rnd``, for its joiners (under overlap the group's
         point, not our parameters ahead of it)."""
         with self.rounds.at_agreed_point():
-            c = self._checkpoint(False)
+            c = self.checkpoint(False)
         return self.store.save_join_state(c, rnd)
 
     def _restore(self, c: ckpt.Checkpoint, lowers: dict, source: str) -> None:
