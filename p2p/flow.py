@@ -1,5 +1,5 @@
 """The send side of a PeerConnection (transport.py): its write queue with backpressure, and the
-far end of a shaped link; and the receive pool that every connection's large frames share.
+far end of a shaped link; and giving memory back after connections end.
 
 Rules:
 - Two queues: control (stream 0) first, then bulk (chunked streams), so a transfer never delays
@@ -11,13 +11,8 @@ Rules:
   leaves owns its bytes, so the sender may reuse the buffers at once.
 - On a shaped link at most ``SHAPER_BUFFER_S`` of serialization is queued ahead (the link's send
   buffer); the frames scheduled on it are written at their arrival times, in order, by one task.
-- Receiving: identities are free, so what large frames cost is bounded in total, not per
-  connection. One ``ReceivePool`` per event loop (the process's, in a peer) holds the bytes of
-  every frame of REUSE_MIN_BYTES or more from its header until its reader took the message, and
-  at most RECEIVE_POOL_BYTES of them: a connection that would begin one more while the pool is
-  full waits, reading paused, in arrival order; a frame whose bytes stopped coming for
-  FRAME_STALL_S while others wait has its connection closed. Once the pool empties after a load,
-  the C allocator is asked to give freed memory back (``release_memory``).
+- Connections that end free their frame buffers; ``trim_soon`` then asks the C allocator to give
+  freed memory back (once for a burst of ends), so RSS returns after a flood of identities.
 """
 
 from __future__ import annotations
@@ -39,21 +34,9 @@ SHAPER_BUFFER_S = 0.05
 # Bulk frames queued per connection before senders wait in drain(): enough to keep the writer busy
 # while a sender prepares the next frame, few enough that a heartbeat never waits behind much.
 BULK_QUEUE_FRAMES = 2
-# Bytes of large frames (header parsed, payload arriving, or parsed and not yet taken by the
-# connection's reader) held at once by all connections together. Each costs about twice its length
-# while it is opened (the sealed bytes read in place and the plaintext they open into): 64 MiB is
-# 4 frames of the 16 MiB maximum or 16 averaging pieces of 4 MiB at once, more than loopback
-# decrypts in the time a reader takes one; a frame past it waits for one of them to be taken.
-RECEIVE_POOL_BYTES = 64 * 1024 * 1024
-# A frame holding pool bytes that received nothing for this long, while another waits: its
-# connection is closed (a peer that stalls mid-frame would otherwise keep the pool).
-FRAME_STALL_S = 10.0
-# After this many bytes passed through the pool since the allocator last gave memory back, the
-# pool's emptying asks it to (malloc_trim): freed frame buffers leave the process after a load.
-TRIM_AFTER_BYTES = 16 * 1024 * 1024
 # A connection's own frame buffers (the protocol's, reused frame after frame: up to 3 of its largest
-# frame each way) are freed only when it ends: the allocator is asked to give memory back this long
-# after connections ended (once for a burst of them).
+# frame each way) are freed only when it ends, and glibc keeps most of what it freed unless asked:
+# it is asked to give memory back this long after connections ended (once for a burst of them).
 TRIM_AFTER_CLOSE_S = 1.0
 
 
@@ -214,137 +197,14 @@ class ShapedLink:
             raise
 
 
-class ReceivePool:
-    """The bytes of large frames held by all connections of one event loop (RECEIVE_POOL_BYTES at
-    most): ``charge`` at a frame's header, ``release`` when its reader took it (or the connection
-    closed); a connection that may not begin a frame ``wait``s, and is resumed in arrival order."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int = RECEIVE_POOL_BYTES):
-        self.loop, self.limit = loop, limit
-        self.used = 0
-        self.peak = 0  # the most held at once (reports, tests)
-        self._held: dict = {}  # connection -> bytes it holds
-        self._waiting: collections.OrderedDict = collections.OrderedDict()  # connection -> resume callback
-        self._timer: asyncio.TimerHandle | None = None
-        self._since_trim = 0
-        self._trim: asyncio.TimerHandle | None = None  # a trim due after connections ended
-
-    def has_room(self) -> bool:
-        return self.used < self.limit and not self._waiting
-
-    def charge(self, owner, n: int) -> None:
-        self.used += n
-        self.peak = max(self.peak, self.used)
-        self._since_trim += n
-        self._held[owner] = self._held.get(owner, 0) + n
-
-    def release(self, owner, n: int) -> None:
-        if n <= 0:
-            return
-        left = self._held.get(owner, 0) - n
-        if left > 0:
-            self._held[owner] = left
-        else:
-            self._held.pop(owner, None)
-        self.used -= n
-        self._wake()
-        if not self.used and self._since_trim >= TRIM_AFTER_BYTES:
-            self._since_trim = 0
-            self.loop.call_soon(release_memory)
-
-    def wait(self, owner, resume: Callable[[], None]) -> None:
-        """``owner`` may not begin its frame now: ``resume()`` is called when it may."""
-        self._waiting[owner] = resume
-        if self._timer is None:
-            self._timer = self.loop.call_later(FRAME_STALL_S, self._check_stalled)
-
-    def forget(self, owner) -> None:
-        """``owner`` closed: it waits no more (what it held is released by its own ``release``), and
-        its buffers, freed with it, are given back to the system soon."""
-        self._waiting.pop(owner, None)
-        self._wake()
-        if self._trim is None:
-            self._trim = self.loop.call_later(TRIM_AFTER_CLOSE_S, self._trimmed)
-
-    def _trimmed(self) -> None:
-        self._trim = None
-        release_memory()
-
-    def _wake(self) -> None:
-        while self._waiting and self.used < self.limit:
-            _, resume = self._waiting.popitem(last=False)
-            resume()
-
-    def _check_stalled(self) -> None:
-        """Close the connections whose frame stalled while others wait for the pool."""
-        self._timer = None
-        if not self._waiting:
-            return
-        now = time.monotonic()
-        for owner in [o for o in self._held if now - o.last_heard > FRAME_STALL_S]:
-            owner.frame_stalled()
-        if self._waiting:
-            self._timer = self.loop.call_later(FRAME_STALL_S, self._check_stalled)
+_trims: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> the trim it has due
 
 
-_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class FrameCharges:
-    """One connection's share of its loop's ``ReceivePool``: the frame being received (charged at
-    its header), the messages queued for the reader, and the one the reader took last (released
-    when it comes back for the next)."""
-
-    def __init__(self, pool: ReceivePool, pc):
-        self.pool, self.pc, self.owner = pool, pc, self
-        self.frame = 0
-        self._events: collections.deque = collections.deque()
-        self._taken = 0
-
-    @property
-    def last_heard(self) -> float:
-        return self.pc.last_heard
-
-    def frame_stalled(self) -> None:
-        """The pool's verdict: our frame holds pool bytes and nothing came for FRAME_STALL_S."""
-        self.pc.abort_timeout("frame stalled while holding receive memory")
-
-    def may_begin(self) -> bool:
-        """A large frame may be received now (it is begun already, or the pool has room)."""
-        return bool(self.frame) or self.pool.has_room()
-
-    def begin(self, n: int) -> None:
-        if not self.frame:
-            self.frame = n
-            self.pool.charge(self.owner, n)
-
-    def pushed(self) -> None:
-        """A message went to the reader's queue: the frame's bytes (if large) go with it."""
-        self._events.append(self.frame)
-        self.frame = 0
-
-    def reader_back(self) -> None:
-        """The reader asks for the next message: it is done with the one it took."""
-        self.pool.release(self.owner, self._taken)
-        self._taken = 0
-
-    def taken(self) -> None:
-        self._taken = self._events.popleft() if self._events else 0
-
-    def release_all(self) -> None:
-        held = self.frame + self._taken + sum(self._events)
-        self.frame = self._taken = 0
-        self._events.clear()
-        self.pool.forget(self.owner)
-        self.pool.release(self.owner, held)
-
-
-def receive_pool(loop: asyncio.AbstractEventLoop) -> ReceivePool:
-    """The receive pool of ``loop``: one per event loop, so one per peer process."""
-    pool = _pools.get(loop)
-    if pool is None:
-        pool = _pools[loop] = ReceivePool(loop)
-    return pool
+def trim_soon(loop: asyncio.AbstractEventLoop) -> None:
+    """A connection ended: ``release_memory`` in TRIM_AFTER_CLOSE_S, once for every end until then."""
+    due = _trims.get(loop)
+    if due is None or due.cancelled() or due.when() < loop.time():
+        _trims[loop] = loop.call_later(TRIM_AFTER_CLOSE_S, lambda: release_memory())
 
 
 def release_memory() -> bool:

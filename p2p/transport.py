@@ -18,9 +18,6 @@ Rules:
   (flow.py) writes the frames at their arrival times.
 - Pings are answered by the driver as they are parsed (``auto_pong``): liveness does not wait
   for the application's reader.
-- Large frames draw on the loop's shared ``ReceivePool`` (flow.py) from their header until the
-  reader took the message: past its total a connection reads at most ``UNPOOLED_BYTES`` of a
-  frame, then waits with reading paused; frames smaller than that always flow (heartbeats too).
 - A message's buffers (tensor segments, chunk data) are read when the writer takes it: sealed
   into a pool buffer, or, unsealed, copied. ``release_queued`` copies the given messages still
   queued, so that a sender may reuse their buffers once it returns (the averaging rounds reuse
@@ -41,7 +38,7 @@ from dataclasses import dataclass
 from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
                                  Message, Ping, Pong, ProtocolError, Role)
 
-from .flow import FrameCharges, SendQueue, ShapedLink, receive_pool
+from .flow import SendQueue, ShapedLink, trim_soon
 from .link import LinkShaper, LinkSpec
 
 log = logging.getLogger("blocktrain.p2p")
@@ -54,10 +51,6 @@ WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
 WRITE_LOW_WATER_BYTES = 1024 * 1024
 # Frames smaller than this are joined into one buffer before writing: one syscall, one segment.
 SMALL_FRAME_BYTES = 64 * 1024
-# What a connection may hold of a frame without the receive pool: a frame this small never waits
-# for it (the protocol assembles such frames without a buffer of their own length), so control
-# messages and heartbeats flow while large frames wait.
-UNPOOLED_BYTES = 64 * 1024
 
 
 class CloseCause(str, enum.Enum):
@@ -106,8 +99,7 @@ class Inbox:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.events: collections.deque = collections.deque()
-        self.paused = False  # reading from the transport is paused: too many events unread
-        self.pooled = False  # reading is paused: the next frame waits for the receive pool
+        self.paused = False  # reading from the transport is paused
         self._waiter: asyncio.Future | None = None
 
     def __len__(self) -> int:
@@ -126,34 +118,12 @@ class Inbox:
         return ev
 
     def pause(self, transport: asyncio.Transport) -> None:
-        if not self.pooled:
-            transport.pause_reading()
         self.paused = True
+        transport.pause_reading()
 
     def resume(self, transport: asyncio.Transport) -> None:
         self.paused = False
-        if not self.pooled:
-            transport.resume_reading()
-
-    def pool_wait(self, transport: asyncio.Transport, charges: FrameCharges) -> None:
-        """The next frame waits for the receive pool: reading pauses until the pool resumes it."""
-        if not self.paused:
-            transport.pause_reading()
-        self.pooled = True
-        charges.pool.wait(charges, lambda: self.pool_resume(transport))
-
-    def pool_resume(self, transport: asyncio.Transport) -> None:
-        if not self.pooled:
-            return
-        self.pooled = False
-        if not self.paused and not transport.is_closing():
-            transport.resume_reading()
-
-    def read_to_end(self, transport: asyncio.Transport) -> None:
-        """Closing: read whatever comes, paused for events or for the pool before."""
-        if self.paused or self.pooled:
-            self.paused = self.pooled = False
-            transport.resume_reading()
+        transport.resume_reading()
 
     async def wait(self) -> None:
         """Until an event is pushed or ``wake`` is called (the connection closed)."""
@@ -174,7 +144,9 @@ def owned_frames(frames: list, sealed: bool) -> list:
 class PeerConnection(asyncio.BufferedProtocol):
     def __init__(self, conn: Connection, timeouts: Timeouts = Timeouts(), link: LinkSpec | None = None,
                  name: str = ""):
-        self.conn, self.timeouts, self.name = conn, timeouts, name
+        self.conn = conn
+        self.timeouts = timeouts
+        self.name = name
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()
         self.established: asyncio.Future = self.loop.create_future()
@@ -193,7 +165,6 @@ class PeerConnection(asyncio.BufferedProtocol):
         self._closing: tuple[str, CloseCause] | None = None  # close() began: the reason and cause it closes with
         self._eof_sent = False  # close() lingers: our side of the stream has ended
         self.accounted = False  # its counts were added to the peer's traffic rows (ledger.py) once it ended
-        self.pool = FrameCharges(receive_pool(self.loop), self)  # large frames: one pool for the loop
 
     # --- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport):
@@ -214,15 +185,12 @@ class PeerConnection(asyncio.BufferedProtocol):
             transport.write(self.conn.initiate())
 
     def get_buffer(self, sizehint):
-        if self.pool.may_begin():
-            view = self.conn.receive_buffer()  # the rest of a large payload: read straight into it
-            if view is not None and len(view):
-                self.pool.begin(self.conn.buffered_bytes + len(view))  # at its header: the whole frame
-                self._reading_direct = True
-                return view
-        self._reading_direct = False  # below: with the pool full, a small frame at most
-        room = len(_shared_read_buffer()) if self.pool.may_begin() else UNPOOLED_BYTES - self.conn.buffered_bytes
-        return _shared_read_buffer()[:max(1, room)]
+        view = self.conn.receive_buffer()  # the rest of a large payload: read straight into it
+        if view is not None and len(view):
+            self._reading_direct = True
+            return view
+        self._reading_direct = False
+        return _shared_read_buffer()
 
     def buffer_updated(self, nbytes):
         if self._reading_direct:
@@ -253,7 +221,6 @@ class PeerConnection(asyncio.BufferedProtocol):
                     except ConnectionError:
                         return
                     continue
-                self.pool.pushed()
                 self.inbox.push(ev, self.transport)
                 if isinstance(ev, ConnectionClosed):
                     cause = (CloseCause.DUPLICATE if ev.code == 0 and ev.reason == DUPLICATE_REASON
@@ -270,9 +237,6 @@ class PeerConnection(asyncio.BufferedProtocol):
         out = self.conn.data_to_send()  # handshake replies
         if out:
             self.transport.write(out)
-        if self.conn.buffered_bytes >= UNPOOLED_BYTES and not self.inbox.pooled and not self.pool.may_begin():
-            self.inbox.pool_wait(self.transport, self.pool)  # a large frame begun while the pool is full
-
 
     def connection_lost(self, exc):
         if self._closing is not None:  # the peer's end while we close (after our Goodbye): our close
@@ -291,7 +255,6 @@ class PeerConnection(asyncio.BufferedProtocol):
     # --- events --------------------------------------------------------------------------------
     async def recv(self):
         """The next message; ``ConnectionClosed`` once the peer closes; raises after a failure."""
-        self.pool.reader_back()  # done with the message it took last
         while not self.inbox:
             if self.closed.done():
                 exc = self.closed.result()
@@ -299,7 +262,6 @@ class PeerConnection(asyncio.BufferedProtocol):
                     raise exc
                 return ConnectionClosed(0, self.close_reason or "closed")
             await self.inbox.wait()  # a pushed event and _shutdown end the wait
-        self.pool.taken()
         return self.inbox.pop(self.transport)
 
     # --- sending -------------------------------------------------------------------------------
@@ -393,7 +355,7 @@ class PeerConnection(asyncio.BufferedProtocol):
             self.established.exception()  # mark retrieved: the caller may have given up waiting
         self.inbox.wake()
         self._sendq.close()
-        self.pool.release_all()  # the reader may still take what is queued: it goes with the connection
+        trim_soon(self.loop)  # its frame buffers are freed with it: give them back to the system
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
@@ -441,7 +403,8 @@ class PeerConnection(asyncio.BufferedProtocol):
             transport.write_eof()  # a shaped link's frames are out: the writer flushed them before it ended
         except OSError:  # the peer's reset came first: nothing left to read
             return
-        self.inbox.read_to_end(transport)
+        if self.inbox.paused:
+            self.inbox.resume(transport)
         await asyncio.shield(self.closed)
 
     async def wait_closed(self):

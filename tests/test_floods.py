@@ -1,10 +1,7 @@
 """Floods by many identities (each holds the swarm key; identities are free): what a victim holds
 for them is bounded in total, whatever their number, and goes back when they leave.
 
-- Large frames (averaging parts, far-future or not) draw on one receive pool per event loop:
-  its peak is set by its limit and one frame, not by the number of connections; nothing is lost
-  (frames past the limit wait, reading paused); the pool is empty once readers took every
-  message or the connections closed, and the allocator is then asked to give memory back.
+- Connections that end ask the allocator to give freed memory back (once for a burst).
 - Checkpoint streams keep their place until their bytes left our buffers: askers that read
   nothing get at most MAX_STREAMS streams between them, and no refusals queued behind what they
   left unread.
@@ -14,103 +11,22 @@ import asyncio
 import os
 
 import pytest
-import torch
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from blocktrain.p2p import checkpoints, flow
-from blocktrain.p2p.flow import receive_pool
-from blocktrain.p2p.tensors import to_wire
-from blocktrain.p2p.transport import PeerConnection, Timeouts, open_connection
-from blocktrain.protocol import BlockUpdate, Connection, Role, StreamOpen, StreamRequest
-
-FAST = Timeouts(connect_s=5, handshake_s=5, heartbeat_s=0.2, dead_after_s=10, close_s=0.5)
-FRAME_FLOATS = 1 << 18  # 1 MiB parts
-LIMIT = 4 << 20  # the pool, shrunk for the test: 4 parts
+from blocktrain.protocol import StreamOpen, StreamRequest
 
 
-async def _server(psk, accepted: list):
-    loop = asyncio.get_running_loop()
-
-    def factory():
-        pc = PeerConnection(Connection(Role.RESPONDER, X25519PrivateKey.generate(), psk), FAST)
-        accepted.append(pc)
-        return pc
-    server = await loop.create_server(factory, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
-
-
-async def _flood(n: int) -> tuple[int, int, int]:
-    """``n`` identities each send 2 large parts to a victim whose readers wait; then the readers
-    take everything. Returns (pool peak, most held by the connections at once, parts taken)."""
-    psk = os.urandom(32)
-    pool = receive_pool(asyncio.get_running_loop())
-    pool.limit, pool.peak = LIMIT, 0
-    accepted: list = []
-    server, port = await _server(psk, accepted)
-    part = to_wire("part", torch.randn(FRAME_FLOATS), compress="never")
-    attackers, held_max = [], 0
-    try:
-        for i in range(n):
-            pc = await open_connection("127.0.0.1", port, Connection(Role.INITIATOR, X25519PrivateKey.generate(), psk),
-                                       FAST)
-            attackers.append(pc)
-            for k in range(2):
-                pc.send_nowait(BlockUpdate(block=0, round=10**9 + k, tensors=(part,), meta={"phase": "reduce"}),
-                               bulk=True)
-        for _ in range(40):  # every attacker wrote what it could; the victim read what the pool let in
-            await asyncio.sleep(0.05)
-            held = sum(b.conn.buffered_bytes + sum(4 * FRAME_FLOATS for e in b.inbox.events
-                                                   if isinstance(e, BlockUpdate)) for b in accepted)
-            held_max = max(held_max, held)
-        async def reader(b):  # each connection's reader takes its messages: waiting frames come in turn
-            got = 0
-            for _ in range(2):
-                msg = await asyncio.wait_for(b.recv(), 10)
-                got += isinstance(msg, BlockUpdate)
-            try:  # a reader goes back for the next message: the one it took is released then
-                await asyncio.wait_for(b.recv(), 0.05)
-            except asyncio.TimeoutError:
-                pass
-            return got
-        taken = sum(await asyncio.gather(*(reader(b) for b in accepted)))
-        await asyncio.sleep(0.05)
-        return pool.peak, held_max, taken
-    finally:
-        for pc in attackers:
-            pc.abort("done")
-        for b in accepted:
-            b.abort("done")
-        server.close()
-        await asyncio.sleep(0.05)
-        assert pool.used == 0, "what the connections held went back to the pool"
-        pool.limit = flow.RECEIVE_POOL_BYTES
-
-
-@pytest.mark.parametrize("n", [6, 18])
-async def test_large_frames_share_one_pool_whatever_the_identities(n):
-    peak, held, taken = await _flood(n)
-    one_frame = 4 * FRAME_FLOATS + 4096
-    assert taken == 2 * n, "frames past the pool wait; none is lost"
-    assert peak <= LIMIT + one_frame, f"pool peak {peak} past its limit {LIMIT} with {n} identities"
-    assert held <= LIMIT + one_frame + n * 64 * 1024, f"held {held} with {n} identities"
-
-
-async def test_pool_empties_and_memory_is_given_back(monkeypatch):
+async def test_connections_ending_give_memory_back_once_for_a_burst(monkeypatch):
     trims = []
     monkeypatch.setattr(flow, "release_memory", lambda: trims.append(1) or True)
-    pool = flow.ReceivePool(asyncio.get_running_loop(), limit=1 << 20)
-    a, b = object(), object()
-    pool.charge(a, 16 << 20)
-    assert not pool.has_room()
-    resumed = []
-    pool.wait(b, lambda: resumed.append(b))
-    pool.release(a, 16 << 20)  # a's reader took its frame: b may go on, and memory goes back
-    await asyncio.sleep(0)
-    assert resumed == [b] and pool.used == 0 and trims == [1]
-    monkeypatch.setattr(flow, "TRIM_AFTER_CLOSE_S", 0.01)
-    for owner in (a, b, object()):  # connections end: their own buffers go back too, once for the burst
-        pool.forget(owner)
-    await asyncio.sleep(0.1)
+    monkeypatch.setattr(flow, "TRIM_AFTER_CLOSE_S", 0.05)
+    loop = asyncio.get_running_loop()
+    for _ in range(50):  # a burst of connections ending: their buffers go back, one trim for all
+        flow.trim_soon(loop)
+    await asyncio.sleep(0.2)
+    assert trims == [1]
+    flow.trim_soon(loop)  # a later end: another
+    await asyncio.sleep(0.2)
     assert trims == [1, 1]
 
 
