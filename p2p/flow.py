@@ -1,5 +1,5 @@
 """The send side of a PeerConnection (transport.py): its write queue with backpressure, and the
-far end of a shaped link; and giving memory back after connections end.
+far end of a shaped link.
 
 Rules:
 - Two queues: control (stream 0) first, then bulk (chunked streams), so a transfer never delays
@@ -11,18 +11,14 @@ Rules:
   leaves owns its bytes, so the sender may reuse the buffers at once.
 - On a shaped link at most ``SHAPER_BUFFER_S`` of serialization is queued ahead (the link's send
   buffer); the frames scheduled on it are written at their arrival times, in order, by one task.
-- Connections that end free their frame buffers; ``trim_soon`` then asks the C allocator to give
-  freed memory back (once for a burst of ends), so RSS returns after a flood of identities.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import dataclasses
 import time
-import weakref
 from typing import Callable
 
 from blocktrain.protocol import BlockUpdate, Handshake, Message, PipelineForward, PipelineResult, StreamChunk
@@ -34,10 +30,6 @@ SHAPER_BUFFER_S = 0.05
 # Bulk frames queued per connection before senders wait in drain(): enough to keep the writer busy
 # while a sender prepares the next frame, few enough that a heartbeat never waits behind much.
 BULK_QUEUE_FRAMES = 2
-# A connection's own frame buffers (the protocol's, reused frame after frame: up to 3 of its largest
-# frame each way) are freed only when it ends, and glibc keeps most of what it freed unless asked:
-# it is asked to give memory back this long after connections ended (once for a burst of them).
-TRIM_AFTER_CLOSE_S = 1.0
 
 
 class SendQueue:
@@ -195,23 +187,3 @@ class ShapedLink:
             if self._in_flight and not self._closed.done():
                 self._fail("link cancelled with frames in flight", ConnectionError("link cancelled"))
             raise
-
-
-_trims: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> the trim it has due
-
-
-def trim_soon(loop: asyncio.AbstractEventLoop) -> None:
-    """A connection ended: ``release_memory`` in TRIM_AFTER_CLOSE_S, once for every end until then."""
-    due = _trims.get(loop)
-    if due is None or due.cancelled() or due.when() < loop.time():
-        _trims[loop] = loop.call_later(TRIM_AFTER_CLOSE_S, lambda: release_memory())
-
-
-def release_memory() -> bool:
-    """Ask the C allocator to return freed memory to the system (glibc's malloc_trim; elsewhere a
-    no-op). Frame buffers are freed when their connection ends; without this, glibc keeps much of
-    what a load freed, and RSS stays at its peak."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False

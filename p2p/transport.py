@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
                                  Message, Ping, Pong, ProtocolError, Role)
 
-from .flow import SendQueue, ShapedLink, trim_soon
+from .flow import SendQueue, ShapedLink
 from .link import LinkShaper, LinkSpec
 
 log = logging.getLogger("blocktrain.p2p")
@@ -355,7 +355,6 @@ class PeerConnection(asyncio.BufferedProtocol):
             self.established.exception()  # mark retrieved: the caller may have given up waiting
         self.inbox.wake()
         self._sendq.close()
-        trim_soon(self.loop)  # its frame buffers are freed with it: give them back to the system
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 

@@ -1,7 +1,6 @@
 """Floods by many identities (each holds the swarm key; identities are free): what a victim holds
 for them is bounded in total, whatever their number, and goes back when they leave.
 
-- Connections that end ask the allocator to give freed memory back (once for a burst).
 - Checkpoint streams keep their place until their bytes left our buffers: askers that read
   nothing get at most MAX_STREAMS streams between them, and no refusals queued behind what they
   left unread.
@@ -12,22 +11,8 @@ import os
 
 import pytest
 
-from blocktrain.p2p import checkpoints, flow
+from blocktrain.p2p import checkpoints
 from blocktrain.protocol import StreamOpen, StreamRequest
-
-
-async def test_connections_ending_give_memory_back_once_for_a_burst(monkeypatch):
-    trims = []
-    monkeypatch.setattr(flow, "release_memory", lambda: trims.append(1) or True)
-    monkeypatch.setattr(flow, "TRIM_AFTER_CLOSE_S", 0.05)
-    loop = asyncio.get_running_loop()
-    for _ in range(50):  # a burst of connections ending: their buffers go back, one trim for all
-        flow.trim_soon(loop)
-    await asyncio.sleep(0.2)
-    assert trims == [1]
-    flow.trim_soon(loop)  # a later end: another
-    await asyncio.sleep(0.2)
-    assert trims == [1, 1]
 
 
 class NonReader:
