@@ -980,8 +980,8 @@ def test_a_member_flooding_ready_cannot_push_out_another_members(tmp_path):
     ready("b" * 64, 7)
     for at in range(8, 200):
         ready("f" * 64, at)
-    assert sp.membership._ready[(7, "b" * 64)] == "block0.r7"
-    assert sorted(sp.membership._ready) == [(7, "b" * 64), (198, "f" * 64), (199, "f" * 64)]
+    assert sp.membership.readies.named[(7, "b" * 64)] == "block0.r7"
+    assert sorted(sp.membership.readies.named) == [(7, "b" * 64), (198, "f" * 64), (199, "f" * 64)]
 
 
 @pytest.mark.parametrize("steps", [True, False])

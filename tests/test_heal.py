@@ -151,6 +151,10 @@ async def test_a_healed_partition_ends_in_one_group_with_identical_parameters(tm
     print(f"heal to one group: {healed_s:.2f} s ({sides})")
     for r in reps:
         assert r["state"] == "done" and r["step"] == r["steps"] and r["cut_off"] is None
+    # the side that yielded took the other's state and says what of its own it dropped: the steps
+    # it trained apart (a merge's cost)
+    dropped = [j["dropped"] for r in reps for j in r["joins"] if "dropped" in j]
+    assert dropped and all(d["steps"] > 0 and d["group_step"] >= 0 for d in dropped), [r["joins"] for r in reps]
     ends = [flatten(sp.params()) for sp in sps]
     assert all(torch.equal(ends[0], e) for e in ends[1:])
 

@@ -212,6 +212,32 @@ class Outsiders:
         return False
 
 
+class Readies:
+    """The READYs a joiner hears, (round, member) -> the state's name: the newest rounds kept
+    (READY_KEPT), READY_PER_MEMBER from one member (its flood pushes out only its own)."""
+
+    def __init__(self) -> None:
+        self.named: dict[tuple, str] = {}
+
+    def keep(self, pid: str, meta: dict) -> None:
+        at, name = meta.get("at"), meta.get("name")
+        if not (type(at) is int and isinstance(name, str) and len(name) <= 64):
+            return
+        theirs = sorted(k for k in self.named if k[1] == pid)
+        if (at, pid) not in self.named and len(theirs) >= READY_PER_MEMBER:
+            del self.named[theirs[0]]
+        self.named[(at, pid)] = name
+        while len(self.named) > READY_KEPT:
+            del self.named[min(self.named)]
+
+    def told(self, d: Decision) -> tuple | None:
+        """The first READY for our round from a member of the group that welcomed us."""
+        return next(((p, n) for (a, p), n in self.named.items() if a == d.at and p in d.members), None)
+
+    def clear(self) -> None:
+        self.named.clear()
+
+
 class Membership:
     def __init__(self, peer: PeerServices, group: Group, averager: Averager, pos: Position, scope: str,
                  block_filter: int | None, fetcher: CheckpointFetcher, check: StateCheck, joins: list,
@@ -226,7 +252,7 @@ class Membership:
         self.fetcher, self.check, self.joins, self.say = fetcher, check, joins, say
         self.joining = False
         self.rejoin = False  # a larger group exists: leave ours and join it before the next round
-        self._ready: dict[tuple, str] = {}  # (round, member) -> name: READYs heard while joining
+        self.readies = Readies()  # READYs heard while joining
         self.outsiders = Outsiders(peer.id)  # rule 6's STATUS to peers outside our group; splits
         # members that left the group by a LEAVE or as the swarm saw them leave (Goodbye) or die (not
         # a closed connection, which is redialled; nor those a round departed), newest last: Rounds
@@ -284,7 +310,8 @@ class Membership:
             if is_peer_id(meta.get("peer")):  # never an address or a name of any length
                 self.send(self.group.on_admit(pid, meta))
         elif phase is Phase.READY:
-            self._on_ready(pid, meta)
+            if self.joining:
+                self.readies.keep(pid, meta)
         elif phase is Phase.LEAVE:
             if self.group.on_leave(pid, msg.round, str(meta.get("why", ""))[:200]):
                 self._left(pid, "left the group")
@@ -292,18 +319,6 @@ class Membership:
         elif phase is Phase.STATUS:
             self._on_status(pid, meta)
         self.peer.notify()
-
-    def _on_ready(self, pid: str, meta: dict) -> None:
-        """Every member's READY, kept while we join: the newest rounds, names bounded."""
-        at, name = meta.get("at"), meta.get("name")
-        if not (self.joining and type(at) is int and isinstance(name, str) and len(name) <= 64):
-            return
-        theirs = sorted(k for k in self._ready if k[1] == pid)
-        if (at, pid) not in self._ready and len(theirs) >= READY_PER_MEMBER:
-            del self._ready[theirs[0]]  # one member's flood pushes out only its own
-        self._ready[(at, pid)] = name
-        while len(self._ready) > READY_KEPT:
-            del self._ready[min(self._ready)]
 
     def _on_status(self, pid: str, meta: dict) -> None:
         """A STATUS speaks for its sender (r7): its group ranks as large as is vouched for (``Outsiders.weigh``)."""
@@ -432,7 +447,7 @@ class Membership:
         self.joining = True
         try:
             while True:
-                self._ready.clear()  # an earlier attempt's admission is not this one's
+                self.readies.clear()  # an earlier attempt's admission is not this one's
                 self._other_now = set()
                 rnd = self.pos.rnd + 1
                 asked = self._asked_now = set(self.candidates()) - {self.peer.id}
@@ -466,27 +481,29 @@ class Membership:
         finally:
             self.joining = False
 
-    def _joined(self, d: Decision, how: str, nbytes: int = 0) -> None:
+    def _joined(self, d: Decision, how: str, nbytes: int = 0, dropped: dict | None = None) -> None:
+        """In a group from round ``d.at + 1`` (``dropped``: our own state the group's replaced)."""
         self.pos.rnd = d.at
         self.averager.expect(d.at + 1)
         self.averager.expect_members(self.group.members(d.at + 1))
         self.joins.append({"round": d.at + 1, "how": how, "sponsor": d.sponsor, "members": list(d.members),
-                           "bytes": nbytes, "time": time.time(), "why": d.why})
+                           "bytes": nbytes, "time": time.time(), "why": d.why, "step": self.pos.gstep,
+                           **({"dropped": dropped} if dropped else {})})
         if len(d.members) > 1 or how != "own state":
             self.say(f"in a group of {len(self.group.members(d.at + 1))} from round {d.at + 1} ({d.why})")
-
-    def _told(self, d: Decision) -> tuple | None:
-        """The first READY for our round from a member of the group that welcomed us."""
-        return next(((p, n) for (a, p), n in self._ready.items() if a == d.at and p in d.members), None)
+        if dropped:
+            self.say(f"our own state (step {dropped['own_step']}, {dropped['steps']} step(s) trained since our "
+                     f"last join, in a group of {dropped['group']}) is dropped for the group's (step "
+                     f"{self.pos.gstep})")
 
     async def _take_group_state(self, d: Decision, timeout_s: float, install) -> bool:
         """Wait for a member's READY for round ``d.at`` and install that state; False to retry."""
         self.averager.expect(d.at + 1)  # the group's parts for our first round may come early
         self.averager.expect_members(d.members)
         self.say(f"admitted by {d.sponsor[:12]} from round {d.at + 1}; waiting for the group's state")
-        ok = await self.peer.wait_for(lambda: self._told(d) is not None or self.peer.member(d.sponsor) is None
+        ok = await self.peer.wait_for(lambda: self.readies.told(d) is not None or self.peer.member(d.sponsor) is None
                                       or self.group.all_left(d.members), timeout_s)
-        told = self._told(d)
+        told = self.readies.told(d)
         if not ok or told is None:
             gone = self.group.all_left(d.members)
             self.say("the group's state did not come" + (" (its members left)" if gone else "") + "; asking again")
@@ -506,11 +523,23 @@ class Membership:
             self.say(f"could not take the group's state: {e}; asking again")
             self.send(self.group.give_up(d.at, d.members, "state fetch failed"))
             return False
-        self._ready.clear()
+        self.readies.clear()
+        own = self.pos.gstep  # what taking the group's state drops: our steps since our last join
         install(c, lowers, f"the group's state after round {d.at} ({name})")
         self.group.joined_group(d.at, d.members)
-        self._joined(d, "fetched the group's state", nbytes)
+        self._joined(d, "fetched the group's state", nbytes, dropped=_dropped(self.joins, own, self.pos.gstep))
         return True
+
+
+def _dropped(joins: list, own: int, theirs: int) -> dict | None:
+    """What taking a group's state at step ``theirs`` drops of ours at step ``own``: the steps we
+    trained since our last join (a partition's smaller side: the steps it trained apart); None on
+    a first join."""
+    if not joins:
+        return None
+    last = joins[-1]
+    return {"own_step": own, "steps": max(0, own - int(last.get("step", own))), "group": len(last["members"]),
+            "group_step": theirs}
 
 
 def state_sources(peer: PeerServices, members, teller: str) -> list[str]:
