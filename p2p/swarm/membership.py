@@ -142,6 +142,7 @@ class Outsiders:
         self.insiders: set[str] = set()
         self.trained_with: set[str] = set()
         self.split_from: set[str] = set()
+        self.apart_since: tuple[int, int] | None = None  # (step, members) since our group last lost members
         self._heard: dict[str, tuple[str, int, float]] = {}  # peer -> (sponsor, size, when): its own STATUS
         self.unvouched: dict[str, int] = {}  # peer -> its STATUSes that claimed more than was vouched
 
@@ -149,11 +150,14 @@ class Outsiders:
         """We left our group (yielding, or idle): its members are no split of ours."""
         self.insiders, self.trained_with, self.split_from = set(), set(), set()
 
-    def regroup(self, members: set[str], trained_with: set[str], left, out) -> None:
-        """Our group now: members that left it since are owed our status (their last time dropped);
-        alone, those that trained with us, did not leave (``left``) and are not excluded either way
-        (``out``) are a split."""
+    def regroup(self, members: set[str], trained_with: set[str], left, out, step: int) -> None:
+        """Our group now, at global step ``step``: members that left it since are owed our status
+        (their last time dropped); alone, those that trained with us, did not leave (``left``) and
+        are not excluded either way (``out``) are a split. A group that lost members trains apart
+        from them from ``step`` (``apart_since``: what taking another group's state drops)."""
         gone = self.insiders - members
+        if self.trained_with - trained_with:
+            self.apart_since = (step, len(trained_with))
         for pid in gone:
             self.status_sent.pop(pid, None)
         if members == {self.me}:  # alone: a LEAVE, Goodbye or death is no split; a joiner never trained with
@@ -405,7 +409,7 @@ class Membership:
         for pid in trained_with & self.left.keys():  # back in our group: a later departure is judged anew
             del self.left[pid]  # (Rounds._gone; and a later split from it is waited for: after_split)
         out = self.averager.banned.keys() | self.averager.shunned.keys()
-        self.outsiders.regroup(trained_with | set(self.group.joined), trained_with, self.left, out)
+        self.outsiders.regroup(trained_with | set(self.group.joined), trained_with, self.left, out, self.pos.gstep)
         for pid in self.outsiders.due(self.candidates()):
             self.send([self.group.status_for(pid)])
 
@@ -492,9 +496,8 @@ class Membership:
         if len(d.members) > 1 or how != "own state":
             self.say(f"in a group of {len(self.group.members(d.at + 1))} from round {d.at + 1} ({d.why})")
         if dropped:
-            self.say(f"our own state (step {dropped['own_step']}, {dropped['steps']} step(s) trained since our "
-                     f"last join, in a group of {dropped['group']}) is dropped for the group's (step "
-                     f"{self.pos.gstep})")
+            self.say(f"our own state (step {dropped['own_step']}, {dropped['steps']} step(s) trained apart, in a "
+                     f"group of {dropped['group']}) is dropped for the group's (step {self.pos.gstep})")
 
     async def _take_group_state(self, d: Decision, timeout_s: float, install) -> bool:
         """Wait for a member's READY for round ``d.at`` and install that state; False to retry."""
@@ -527,19 +530,21 @@ class Membership:
         own = self.pos.gstep  # what taking the group's state drops: our steps since our last join
         install(c, lowers, f"the group's state after round {d.at} ({name})")
         self.group.joined_group(d.at, d.members)
-        self._joined(d, "fetched the group's state", nbytes, dropped=_dropped(self.joins, own, self.pos.gstep))
+        self._joined(d, "fetched the group's state", nbytes, dropped=_dropped(self.joins, self.outsiders, own,
+                                                                              self.pos.gstep))
         return True
 
 
-def _dropped(joins: list, own: int, theirs: int) -> dict | None:
+def _dropped(joins: list, outsiders: Outsiders, own: int, theirs: int) -> dict | None:
     """What taking a group's state at step ``theirs`` drops of ours at step ``own``: the steps we
-    trained since our last join (a partition's smaller side: the steps it trained apart); None on
-    a first join."""
+    trained apart, since our group last lost members or since our last join, whichever came last
+    (a healed partition's side that yields: the steps it trained apart); None on a first join."""
     if not joins:
         return None
-    last = joins[-1]
-    return {"own_step": own, "steps": max(0, own - int(last.get("step", own))), "group": len(last["members"]),
-            "group_step": theirs}
+    since, size = int(joins[-1].get("step", own)), len(joins[-1]["members"])
+    if outsiders.apart_since is not None and outsiders.apart_since[0] >= since:
+        since, size = outsiders.apart_since
+    return {"own_step": own, "steps": max(0, own - since), "group": size, "group_step": theirs}
 
 
 def state_sources(peer: PeerServices, members, teller: str) -> list[str]:
