@@ -534,5 +534,49 @@ def step(sizes, device, precision, batch, seq, steps, threads, overrides, json_p
     _write(json_path, result)
 
 
+@main.command()
+@click.option("--fault", "faults", default="partition,one-way,link-down,flap,pause", show_default=True,
+              metavar="F[,F]", help="Faults to run, each in a run of its own beside one without faults: "
+              "partition, one-way, link-down, flap, pause.")
+@click.option("--peers", default=4, show_default=True, type=click.IntRange(2, 16), help="bt-peer processes, one per host.")
+@click.option("--steps", default=1500, show_default=True, type=click.IntRange(20, 10**6),
+              help="Steps of the block: enough that a side of a partition does not finish it apart.")
+@click.option("--hold", "hold_s", default=20.0, show_default=True, type=click.FloatRange(1, 600),
+              help="Seconds a partition or a flapping link lasts.")
+@click.option("--dead-after", "dead_after_s", default=2.0, show_default=True, type=click.FloatRange(0.5, 120),
+              help="The peers' --dead-after (their heartbeat interval is a tenth of it).")
+@click.option("--rtt-ms", default=0.0, show_default=True, type=click.FloatRange(0, 2000),
+              help="Round trip of every link (the lab's delay relay).")
+@click.option("--bound", "bound_s", default=300.0, show_default=True, type=click.FloatRange(30, 7200),
+              help="Seconds one run may take; what still runs then is stopped and said so.")
+@click.option("--out", default="runs/bench-faults", show_default=True, type=click.Path(file_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
+def faults(faults, peers, steps, hold_s, dead_after_s, rtt_ms, bound_s, out, json_path):
+    """A swarm in network namespaces under the silent faults of a real network (needs root).
+
+    One block trained by --peers bt-peer processes, one per network namespace on one switch; per
+    fault a run from fresh processes, beside a run without faults: a partition of the hosts in
+    two halves, a one-way partition (the second half's packets to the first vanish), the last
+    host's link down for good (no FIN), its link flapping (2 s down, 2 s up), its process paused
+    past --dead-after. For each: when the group first shrank, when it was one group again after
+    the fault, failed rounds, rounds longer than --dead-after, state fetched again, whether the
+    final group's parameters are identical, and each peer's CE beside the run without faults.
+    """
+    from . import faults as bench_faults
+
+    chosen = [f.strip() for f in faults.split(",") if f.strip()]
+    bad = [f for f in chosen if f not in bench_faults.FAULTS]
+    if bad or not chosen:
+        raise click.BadParameter(f"{', '.join(bad) or 'nothing'}: expected some of {', '.join(bench_faults.FAULTS)}",
+                                 param_hint="--fault")
+    spec = bench_faults.RunSpec("none", peers, steps, hold_s, dead_after_s, dead_after_s / 10, rtt_ms, bound_s)
+    try:
+        result = bench_faults.run(chosen, spec, Path(out), log=lambda s: click.echo(s, err=True))
+    except RuntimeError as e:
+        raise click.ClickException(str(e))
+    _echo(bench_faults.report(result["results"]))
+    _write(json_path, result)
+
+
 if __name__ == "__main__":
     main()
