@@ -18,6 +18,10 @@ Rules:
   (flow.py) writes the frames at their arrival times.
 - Pings are answered by the driver as they are parsed (``auto_pong``): liveness does not wait
   for the application's reader.
+- A connection that used no large frame buffer for ``SHED_IDLE_S`` (and one that ended) sheds the
+  protocol's pools (``Connection.shed``): what idle connections hold between them is bounded by
+  the thread's spare list, whatever their number. What that frees is given back to the system by
+  ``Trimmer``, in a thread of its own, never on the event loop.
 - A message's buffers (tensor segments, chunk data) are read when the writer takes it: sealed
   into a pool buffer, or, unsealed, copied. ``release_queued`` copies the given messages still
   queued, so that a sender may reuse their buffers once it returns (the averaging rounds reuse
@@ -28,12 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import ctypes
 import enum
 import logging
 import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
                                  Message, Ping, Pong, ProtocolError, Role)
@@ -76,6 +83,93 @@ class Timeouts:
     dead_after_s: float = 6.0  # no frame from a peer for this long: declared dead
     close_s: float = 2.0  # Goodbye flush before the socket closes
     client_idle_s: float = 300.0  # a client (not a member) silent this long is closed
+
+
+# A connection that took no large frame buffer (sealing, opening, assembling) for this long sheds
+# them: back to back frames of a transfer or an averaging round (sub-second gaps) keep theirs;
+# a connection then idle costs a page-faulted buffer (about 2 ms per 4 MiB) when it next needs one.
+SHED_IDLE_S = 1.0
+# glibc keeps most of the multi-MiB buffers freed in its heap (its mmap threshold rises to the
+# largest freed), so RSS would stay at a flood's peak; malloc_trim gives it back. Asked once this
+# much was dropped since the last time, at most every TRIM_EVERY_S, in a thread: it holds the heap's
+# lock while it walks it, which must never hold up the event loop's heartbeats.
+TRIM_AFTER_BYTES = 32 * 1024 * 1024
+TRIM_EVERY_S = 5.0
+
+
+class Trimmer:
+    """Gives freed memory back to the system (glibc's ``malloc_trim``; elsewhere nothing), off the
+    event loop, rate-limited; ``seconds`` keeps how long the last trims took."""
+
+    def __init__(self) -> None:
+        self.dropped = 0  # bytes dropped since the last trim
+        self.last = float("-inf")
+        self.seconds: collections.deque = collections.deque(maxlen=16)
+        self._running: concurrent.futures.Future | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._trim: Callable[[int], int] | None = None
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            pass
+
+    def dropped_bytes(self, n: int) -> None:
+        """``n`` bytes of frame buffers were given back to the allocator: trim once enough were."""
+        self.dropped += n
+        now = time.monotonic()
+        if (self._trim is None or self.dropped < TRIM_AFTER_BYTES or now - self.last < TRIM_EVERY_S
+                or (self._running is not None and not self._running.done())):
+            return
+        self.dropped, self.last = 0, now
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="malloc-trim")
+        self._running = self._pool.submit(self._run)
+
+    def _run(self) -> None:
+        assert self._trim is not None  # submitted only where glibc has it
+        t = time.perf_counter()
+        self._trim(0)
+        self.seconds.append(time.perf_counter() - t)
+        log.info("malloc_trim took %.3f s", self.seconds[-1])
+
+
+trimmer = Trimmer()
+
+
+class Shedder:
+    """Sheds a Connection's frame buffers (``Connection.shed``) once it took none for SHED_IDLE_S,
+    and when it ends; a buffer still viewed (a message its reader keeps) is looked at again later.
+    ``arm`` after anything that may have taken one: a timer runs only while there is something to
+    shed."""
+
+    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop):
+        self.conn, self.loop = conn, loop
+        self._timer: asyncio.TimerHandle | None = None
+        self._uses = 0  # conn.buffer_uses when last looked at
+        self._closed = False
+
+    def arm(self) -> None:
+        if self._timer is None and not self._closed and self.conn.buffer_uses != self._uses:
+            self._timer = self.loop.call_later(SHED_IDLE_S, self._look)
+
+    def _look(self) -> None:
+        self._timer = None
+        uses = self.conn.buffer_uses
+        if uses == self._uses:
+            trimmer.dropped_bytes(self.conn.shed())
+            if not self.conn.buffer_bytes:
+                return
+        self._uses = uses
+        if not self._closed:
+            self._timer = self.loop.call_later(SHED_IDLE_S, self._look)
+
+    def close(self) -> None:
+        """The connection ended: shed now (what its reader still holds goes with it, later)."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        trimmer.dropped_bytes(self.conn.shed())
 
 
 # Bytes read at once when no large payload is in progress. One buffer per thread serves every
@@ -165,6 +259,7 @@ class PeerConnection(asyncio.BufferedProtocol):
         self._closing: tuple[str, CloseCause] | None = None  # close() began: the reason and cause it closes with
         self._eof_sent = False  # close() lingers: our side of the stream has ended
         self.accounted = False  # its counts were added to the peer's traffic rows (ledger.py) once it ended
+        self._shedder = Shedder(conn, self.loop)  # gives up the frame buffers once idle
 
     # --- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport):
@@ -237,6 +332,7 @@ class PeerConnection(asyncio.BufferedProtocol):
         out = self.conn.data_to_send()  # handshake replies
         if out:
             self.transport.write(out)
+        self._shedder.arm()
 
     def connection_lost(self, exc):
         if self._closing is not None:  # the peer's end while we close (after our Goodbye): our close
@@ -313,6 +409,7 @@ class PeerConnection(asyncio.BufferedProtocol):
                         await self._link().flush()
                 elif not self._write(frames):
                     break
+                frames = []  # no view of our seal pool is kept while we wait for the next message
                 if isinstance(msg, Goodbye):
                     break
         except asyncio.CancelledError:
@@ -342,6 +439,7 @@ class PeerConnection(asyncio.BufferedProtocol):
             transport.write(b"".join(frames))  # one syscall for a small frame
         else:
             transport.writelines(frames)
+            self._shedder.arm()
         return True
 
     # --- closing -------------------------------------------------------------------------------
@@ -355,6 +453,7 @@ class PeerConnection(asyncio.BufferedProtocol):
             self.established.exception()  # mark retrieved: the caller may have given up waiting
         self.inbox.wake()
         self._sendq.close()
+        self._shedder.close()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 

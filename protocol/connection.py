@@ -583,3 +583,24 @@ class Connection:
     @property
     def buffered_bytes(self) -> int:
         return self._frames.buffered
+
+    # --- frame buffers -------------------------------------------------------------------
+    def _pools(self) -> tuple:
+        return self._seal_buf, self._open_buf, self._frames.assembly
+
+    @property
+    def buffer_uses(self) -> int:
+        """Large frame buffers handed out so far (sealing, opening, assembling): a driver tells an
+        idle connection by this count not moving."""
+        return sum(p.uses for p in self._pools())
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes the connection's frame buffer pools hold (a frame payload still viewed included)."""
+        return sum(p.buffer_bytes for p in self._pools())
+
+    def shed(self) -> int:
+        """Give up the frame buffers no view holds (``ReusableBuffer.shed``): to the thread's
+        bounded spares, the rest back to the allocator. Call it when the connection is idle or
+        over; a later large frame takes a spare or a fresh buffer. Returns the bytes dropped."""
+        return sum(p.shed() for p in self._pools())

@@ -160,6 +160,11 @@ class ReusableBuffer:
     beyond the pool (parts a member sent for a round we have not begun, writes the socket has not
     taken) so cost no fresh memory once the spares have grown to them. The spare list is bounded
     (SPARE_BYTES per thread). Reuse never overwrites data in use.
+
+    A pool keeps its buffers while its owner lives; ``shed()`` (the driver calls it once a
+    connection is idle or over) hands the free ones to the spares, whose overflow goes back to the
+    allocator: what idle connections hold between them is so bounded by SPARE_BYTES, whatever their
+    number. ``uses`` counts the buffers handed out, so a driver tells an idle pool by it not moving.
     """
 
     POOL = 3  # a frame being consumed, one being assembled, one spare
@@ -167,6 +172,38 @@ class ReusableBuffer:
 
     def __init__(self) -> None:
         self._pool: list[bytearray] = []
+        self.uses = 0
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes this pool holds (free or still viewed)."""
+        return sum(map(len, self._pool))
+
+    @classmethod
+    def spare_bytes(cls) -> int:
+        """Bytes this thread's spare list holds (at most SPARE_BYTES)."""
+        return sum(map(len, cls._spares()))
+
+    @classmethod
+    def _cap_spares(cls, spares: list) -> int:
+        """Drop the oldest spares beyond SPARE_BYTES (back to the allocator); the bytes dropped."""
+        dropped, total = 0, sum(map(len, spares))
+        while total > cls.SPARE_BYTES:
+            n = len(spares.pop(0))
+            dropped += n
+            total -= n
+        return dropped
+
+    def shed(self) -> int:
+        """Hand every free buffer (no view alive) to the spares; returns the bytes dropped from
+        the spares to stay within SPARE_BYTES. Buffers still viewed stay in the pool."""
+        free = [self._free(b) for b in self._pool]
+        if not any(free):
+            return 0
+        spares = self._spares()
+        spares.extend(b for b, f in zip(self._pool, free) if f and len(b) >= REUSE_MIN_BYTES)
+        self._pool = [b for b, f in zip(self._pool, free) if not f]
+        return self._cap_spares(spares)
 
     @staticmethod
     def _free(buf: bytearray) -> bool:
@@ -185,6 +222,7 @@ class ReusableBuffer:
         return spares
 
     def get(self, n: int) -> memoryview:
+        self.uses += 1
         for buf in self._pool:
             if self._free(buf):
                 if len(buf) < n:
@@ -197,8 +235,7 @@ class ReusableBuffer:
             old = self._pool.pop(0)
             if len(old) >= REUSE_MIN_BYTES:
                 spares.append(old)
-                while sum(map(len, spares)) > self.SPARE_BYTES:
-                    spares.pop(0)
+                self._cap_spares(spares)
         self._pool.append(buf)
         return memoryview(buf)[:n]
 
@@ -240,6 +277,11 @@ class FrameBuffer:
         h = parse_header(buf, None)
         self.check_header(h)
         return h
+
+    @property
+    def assembly(self) -> ReusableBuffer:
+        """The pool large payloads are assembled or received in place into."""
+        return self._assembly
 
     def clear(self) -> None:
         """Drop everything buffered (the connection is over: nothing more will be parsed)."""

@@ -1,0 +1,168 @@
+"""A connection's frame buffers (the protocol's reused pools: sealing, opening, assembling) are
+given up once it is idle or over: what many connections that each carried a large frame hold
+between them is bounded by a constant (the thread's spare list), whatever their number.
+"""
+
+import asyncio
+import gc
+import os
+import tracemalloc
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from blocktrain.p2p import transport
+from blocktrain.p2p.transport import PeerConnection, Timeouts, make_connection, open_connection
+from blocktrain.protocol import Role, StreamChunk
+from blocktrain.protocol.frames import REUSE_MIN_BYTES, ReusableBuffer
+
+from conftest import ConnectionPair
+
+CHUNK_BYTES = 2 * 1024 * 1024  # one large frame per connection
+CONNECTIONS = 48  # 48 x (seal + assembly + open) x 2 MiB = 288 MiB held today
+SPARE_CAP = ReusableBuffer.SPARE_BYTES
+SLACK_BYTES = 16 * 1024 * 1024  # sockets, events, the shared read buffer: anything but frame pools
+FAST = Timeouts(connect_s=5, handshake_s=5, heartbeat_s=1.0, dead_after_s=30, close_s=1)
+
+
+def _drain(conn):
+    while True:
+        ev = conn.next_event()
+        if ev.__class__.__name__ == "_NeedData":
+            return
+        del ev
+
+
+def test_pools_given_up_by_idle_connections_stay_under_the_spare_cap():
+    """Sans-IO: many sealed connections, each sent and received a large frame read in place, are
+    told to shed: their pools plus the thread's spares hold at most SPARE_BYTES."""
+    ReusableBuffer._spares().clear()
+    pairs = []
+    for i in range(CONNECTIONS):
+        p = ConnectionPair()
+        p.handshake()
+        wire = p.a.send(StreamChunk(offset=0, data=os.urandom(CHUNK_BYTES), stream_id=1))  # a's seal pool
+        pos = 0
+        while pos < len(wire):
+            view = p.b.receive_buffer()  # b's assembly pool, then b's open pool
+            if view is None:
+                n = min(len(wire) - pos, 4096)
+                p.b.receive_data(wire[pos:pos + n])
+            else:
+                n = min(len(view), len(wire) - pos)
+                view[:n] = wire[pos:pos + n]
+                p.b.received_into(n)
+            pos += n
+        _drain(p.b)
+        pairs.append(p)
+    conns = [c for p in pairs for c in (p.a, p.b)]
+    held_before = sum(c.buffer_bytes for c in conns)
+    assert held_before >= CONNECTIONS * 3 * CHUNK_BYTES  # what a connection keeps today while it lives
+    released = sum(c.shed() for c in conns)
+    held = sum(c.buffer_bytes for c in conns) + ReusableBuffer.spare_bytes()
+    assert held <= SPARE_CAP, f"{held / 2**20:.0f} MiB held by idle connections"
+    assert released >= held_before - SPARE_CAP
+    # a connection that sheds and then carries a large frame again takes a spare, not fresh memory
+    spare_ids = {id(b) for b in ReusableBuffer._spares()}
+    p = pairs[0]
+    p.b.receive_data(p.a.send(StreamChunk(offset=0, data=os.urandom(CHUNK_BYTES), stream_id=1)))
+    got = []
+    while (ev := p.b.next_event()).__class__.__name__ != "_NeedData":
+        got.append(ev)
+    assert len(got) == 1 and id(got[0].data.obj) in spare_ids
+    ReusableBuffer._spares().clear()
+
+
+def test_shed_never_gives_away_a_buffer_still_viewed():
+    ReusableBuffer._spares().clear()
+    pool = ReusableBuffer()
+    held = pool.get(REUSE_MIN_BYTES * 4)
+    held[:4] = b"kept"
+    free = pool.get(REUSE_MIN_BYTES * 4)
+    free_obj = free.obj
+    del free
+    pool.shed()
+    assert pool.buffer_bytes == len(held.obj)  # the viewed one stays with its pool
+    assert [id(b) for b in ReusableBuffer._spares()] == [id(free_obj)]
+    other = ReusableBuffer().get(REUSE_MIN_BYTES * 4)
+    assert other.obj is free_obj and bytes(held[:4]) == b"kept"
+    ReusableBuffer._spares().clear()
+
+
+async def test_idle_live_connections_hold_a_bounded_total(monkeypatch):
+    """Loopback: CONNECTIONS clients each send one large frame to a server and stay connected,
+    idle. Shortly after, everything the process holds (tracemalloc: both ends' frame pools, the
+    spares, sockets and events) is under the spare cap plus a little, not CONNECTIONS x frames."""
+    monkeypatch.setattr(transport, "SHED_IDLE_S", 0.05, raising=False)
+    ReusableBuffer._spares().clear()
+    psk = os.urandom(32)
+    got: list = []
+    server_conns: list = []
+
+    def factory():
+        pc = PeerConnection(make_connection(Role.RESPONDER, X25519PrivateKey.generate(), psk), FAST)
+        server_conns.append(pc)
+        return pc
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        data = os.urandom(CHUNK_BYTES)
+        clients = []
+        for _ in range(CONNECTIONS):
+            pc = await open_connection("127.0.0.1", port, make_connection(Role.INITIATOR, X25519PrivateKey.generate(),
+                                                                          psk), FAST)
+            await pc.send(StreamChunk(offset=0, data=data, stream_id=1), bulk=True)
+            clients.append(pc)
+        del data
+        for pc in server_conns:
+            while pc.transport is None or not pc.inbox:
+                await asyncio.sleep(0.01)
+            got.append(len((await pc.recv()).data))
+        assert got == [CHUNK_BYTES] * CONNECTIONS
+        await asyncio.sleep(0.5)  # idle: every connection had SHED_IDLE_S and more
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+        assert held <= SPARE_CAP + SLACK_BYTES, (
+            f"{held / 2**20:.0f} MiB held by {CONNECTIONS} idle connections after one frame of "
+            f"{CHUNK_BYTES / 2**20:.0f} MiB each")
+        for pc in clients + server_conns:
+            pc.abort("test over")
+        server.close()
+        await server.wait_closed()
+    finally:
+        tracemalloc.stop()
+        ReusableBuffer._spares().clear()
+
+
+@pytest.mark.parametrize("rounds", [3])
+async def test_a_busy_connection_keeps_its_buffers_between_frames(monkeypatch, rounds):
+    """Shedding is for idle connections only: frames back to back reuse the same buffer."""
+    monkeypatch.setattr(transport, "SHED_IDLE_S", 0.2, raising=False)
+    ReusableBuffer._spares().clear()
+    psk = os.urandom(32)
+    servers: list = []
+
+    def factory():
+        pc = PeerConnection(make_connection(Role.RESPONDER, X25519PrivateKey.generate(), psk), FAST)
+        servers.append(pc)
+        return pc
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pc = await open_connection("127.0.0.1", port, make_connection(Role.INITIATOR, X25519PrivateKey.generate(), psk),
+                               FAST)
+    objs = set()
+    for _ in range(rounds):
+        await pc.send(StreamChunk(offset=0, data=os.urandom(CHUNK_BYTES), stream_id=1), bulk=True)
+        ev = await servers[0].recv()
+        objs.add(id(ev.data.obj))
+        del ev
+    assert len(objs) <= 2
+    assert servers[0].conn.buffer_bytes >= CHUNK_BYTES  # not shed while busy
+    pc.abort("test over")
+    servers[0].abort("test over")
+    server.close()
+    await server.wait_closed()
+    ReusableBuffer._spares().clear()
