@@ -90,10 +90,12 @@ class Timeouts:
 # a connection then idle costs a page-faulted buffer (about 2 ms per 4 MiB) when it next needs one.
 SHED_IDLE_S = 1.0
 # glibc keeps most of the multi-MiB buffers freed in its heap (its mmap threshold rises to the
-# largest freed), so RSS would stay at a flood's peak; malloc_trim gives it back. Asked once this
-# much was dropped since the last time, at most every TRIM_EVERY_S, in a thread: it holds the heap's
-# lock while it walks it, which must never hold up the event loop's heartbeats.
+# largest freed), so RSS would stay at a flood's peak; malloc_trim gives it back. Asked TRIM_DELAY_S
+# after this much was dropped (a message still viewed is freed once its reader is done with it),
+# at most every TRIM_EVERY_S, in a thread: it holds the heap's lock while it walks it, which must
+# never hold up the event loop's heartbeats. Less than TRIM_AFTER_BYTES may stay untrimmed.
 TRIM_AFTER_BYTES = 32 * 1024 * 1024
+TRIM_DELAY_S = 1.0
 TRIM_EVERY_S = 5.0
 
 
@@ -106,6 +108,7 @@ class Trimmer:
         self.last = float("-inf")
         self.seconds: collections.deque = collections.deque(maxlen=16)
         self._running: concurrent.futures.Future | None = None
+        self._due: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._trim: Callable[[int], int] | None = None
         try:
@@ -113,14 +116,23 @@ class Trimmer:
         except (OSError, AttributeError):
             pass
 
-    def dropped_bytes(self, n: int) -> None:
-        """``n`` bytes of frame buffers were given back to the allocator: trim once enough were."""
+    def dropped_bytes(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        """``n`` bytes of frame buffers were let go of: trim once enough were."""
         self.dropped += n
-        now = time.monotonic()
-        if (self._trim is None or self.dropped < TRIM_AFTER_BYTES or now - self.last < TRIM_EVERY_S
-                or (self._running is not None and not self._running.done())):
+        if self._trim is None or self.dropped < TRIM_AFTER_BYTES:
             return
-        self.dropped, self.last = 0, now
+        if self._due is not None and not self._due[0].is_closed():
+            return  # one is due already
+        delay = max(TRIM_DELAY_S, self.last + TRIM_EVERY_S - time.monotonic())
+        self._due = (loop, loop.call_later(delay, self._start))
+
+    def _start(self) -> None:
+        assert self._due is not None  # called by the timer dropped_bytes set
+        loop, self._due = self._due[0], None
+        if self._running is not None and not self._running.done():
+            self._due = (loop, loop.call_later(TRIM_DELAY_S, self._start))
+            return
+        self.dropped, self.last = 0, time.monotonic()
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="malloc-trim")
         self._running = self._pool.submit(self._run)
@@ -156,7 +168,7 @@ class Shedder:
         self._timer = None
         uses = self.conn.buffer_uses
         if uses == self._uses:
-            trimmer.dropped_bytes(self.conn.shed())
+            trimmer.dropped_bytes(self.conn.shed(), self.loop)
             if not self.conn.buffer_bytes:
                 return
         self._uses = uses
@@ -164,12 +176,12 @@ class Shedder:
             self._timer = self.loop.call_later(SHED_IDLE_S, self._look)
 
     def close(self) -> None:
-        """The connection ended: shed now (what its reader still holds goes with it, later)."""
+        """The connection ended: shed now; what its reader still holds is freed with its last view."""
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        trimmer.dropped_bytes(self.conn.shed())
+        trimmer.dropped_bytes(self.conn.shed(ended=True), self.loop)
 
 
 # Bytes read at once when no large payload is in progress. One buffer per thread serves every

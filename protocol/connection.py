@@ -599,8 +599,9 @@ class Connection:
         """Bytes the connection's frame buffer pools hold (a frame payload still viewed included)."""
         return sum(p.buffer_bytes for p in self._pools())
 
-    def shed(self) -> int:
+    def shed(self, ended: bool = False) -> int:
         """Give up the frame buffers no view holds (``ReusableBuffer.shed``): to the thread's
-        bounded spares, the rest back to the allocator. Call it when the connection is idle or
-        over; a later large frame takes a spare or a fresh buffer. Returns the bytes dropped."""
-        return sum(p.shed() for p in self._pools())
+        bounded spares, the rest back to the allocator. Call it when the connection is idle, and
+        with ``ended`` once it is over (buffers a message still views are then let go of too); a
+        later large frame takes a spare or a fresh buffer. Returns the bytes dropped."""
+        return sum(p.shed(ended) for p in self._pools())

@@ -194,16 +194,17 @@ class ReusableBuffer:
             total -= n
         return dropped
 
-    def shed(self) -> int:
+    def shed(self, ended: bool = False) -> int:
         """Hand every free buffer (no view alive) to the spares; returns the bytes dropped from
-        the spares to stay within SPARE_BYTES. Buffers still viewed stay in the pool."""
+        the spares to stay within SPARE_BYTES. Buffers still viewed stay in the pool, unless the
+        owner ``ended``: then the pool lets go of them too (each is freed with its last view, not
+        with its owner), and they count as dropped."""
         free = [self._free(b) for b in self._pool]
-        if not any(free):
-            return 0
         spares = self._spares()
         spares.extend(b for b, f in zip(self._pool, free) if f and len(b) >= REUSE_MIN_BYTES)
-        self._pool = [b for b, f in zip(self._pool, free) if not f]
-        return self._cap_spares(spares)
+        kept = [b for b, f in zip(self._pool, free) if not f]
+        self._pool = [] if ended else kept
+        return self._cap_spares(spares) + (sum(map(len, kept)) if ended else 0)
 
     @staticmethod
     def _free(buf: bytearray) -> bool:

@@ -89,6 +89,18 @@ def test_shed_never_gives_away_a_buffer_still_viewed():
     ReusableBuffer._spares().clear()
 
 
+def test_an_ended_pool_lets_go_of_buffers_still_viewed():
+    """A connection that ended keeps none of its buffers: one a message still views is freed with
+    that message, not with the connection (which may live on in a reference cycle)."""
+    ReusableBuffer._spares().clear()
+    pool = ReusableBuffer()
+    held = pool.get(REUSE_MIN_BYTES * 4)
+    held[:4] = b"kept"
+    assert pool.shed() == 0 and pool.buffer_bytes == len(held.obj)
+    assert pool.shed(ended=True) == len(held.obj)  # counted as given back: it goes with the view
+    assert pool.buffer_bytes == 0 and ReusableBuffer.spare_bytes() == 0 and bytes(held[:4]) == b"kept"
+
+
 async def test_idle_live_connections_hold_a_bounded_total(monkeypatch):
     """Loopback: CONNECTIONS clients each send one large frame to a server and stay connected,
     idle. Shortly after, everything the process holds (tracemalloc: both ends' frame pools, the
@@ -166,3 +178,22 @@ async def test_a_busy_connection_keeps_its_buffers_between_frames(monkeypatch, r
     server.close()
     await server.wait_closed()
     ReusableBuffer._spares().clear()
+
+
+async def test_the_trim_runs_off_the_event_loop_once_for_a_burst(monkeypatch):
+    """Dropped buffers ask for one malloc_trim, TRIM_DELAY_S later, in a thread of its own: never
+    on the event loop's thread, however many connections ended."""
+    import threading
+    monkeypatch.setattr(transport, "TRIM_DELAY_S", 0.05)
+    calls = []
+    t = transport.Trimmer()
+    monkeypatch.setattr(t, "_trim", lambda pad: calls.append(threading.current_thread()) or 1)
+    loop = asyncio.get_running_loop()
+    for _ in range(40):
+        t.dropped_bytes(transport.TRIM_AFTER_BYTES // 4, loop)
+    assert calls == []  # not at once: the readers still viewing their last messages let go first
+    await asyncio.sleep(0.3)
+    assert len(calls) == 1 and calls[0] is not threading.current_thread() and len(t.seconds) == 1
+    t.dropped_bytes(transport.TRIM_AFTER_BYTES, loop)
+    await asyncio.sleep(0.3)
+    assert len(calls) == 1  # at most every TRIM_EVERY_S
