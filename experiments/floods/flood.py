@@ -141,11 +141,12 @@ async def wave(kind: str, pid: int, port: int, psk: bytes, n: int, base: int) ->
     return row
 
 
-def victim(tmp: Path, kind: str) -> tuple:
+def victim(tmp: Path, kind: str, verbose: bool = False) -> tuple:
     port = free_port()
     work = tmp / "victim-work"
     steps = "2" if kind == "streams" else "1000000"
-    p = start_peer(tmp, "victim", ["start", "--block", "0", *TINY, "--steps", steps, "--work-dir", str(work)], port)
+    p = start_peer(tmp, "victim", ["start", "--block", "0", *TINY, "--steps", steps, "--work-dir", str(work),
+                                   *(["-v"] if verbose else [])], port)
     wait_listening(p, port, tmp, "victim", timeout=120)
     if kind == "streams":
         deadline = time.monotonic() + 120
@@ -247,6 +248,8 @@ def main():
     ap.add_argument("flood", choices=["streams", "parts", "near", "serving"])
     ap.add_argument("--waves", default="96,192,384")
     ap.add_argument("--json", required=False)
+    ap.add_argument("--victim-verbose", action="store_true",
+                    help="start the victim with -v and record its malloc_trim durations and event loop stalls")
     ap.add_argument("--flood-worker", help=argparse.SUPPRESS)
     if "--flood-worker" in sys.argv:
         asyncio.run(flood_worker(json.loads(sys.argv[sys.argv.index("--flood-worker") + 1])))
@@ -269,7 +272,7 @@ def main():
         if args.flood == "serving":
             out("waves", asyncio.run(serving_waves(tmp, waves)))
         else:
-            p, port = victim(tmp, args.flood)
+            p, port = victim(tmp, args.flood, args.victim_verbose)
             psk = load_swarm_key(tmp / "swarm.key")
             out("baseline_rss_mib", rss_mib(p.pid))
 
@@ -281,6 +284,11 @@ def main():
                 return rows
             out("waves", asyncio.run(run()))
             out("victim_alive", p.poll() is None)
+            if args.victim_verbose:
+                lines = (tmp / "victim.log").read_text(errors="replace").splitlines()
+                out("malloc_trim_s", [float(l.split("malloc_trim took ")[1].split()[0]) for l in lines
+                                      if "malloc_trim took " in l])
+                out("loop_stalls", [l for l in lines if "event loop stalled" in l])
     finally:
         finish(t0, args.json or f"/tmp/flood-{args.flood}.json", tmp)
 
