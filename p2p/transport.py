@@ -550,7 +550,9 @@ def unsent_bytes(pc: PeerConnection) -> int:
     """Bytes in the transport's buffer not yet taken by the socket, plus 1 per queued message
     (a lower bound: what the peer has not read of ours and we still hold)."""
     t = pc.transport
-    return (t.get_write_buffer_size() if t is not None else 0) + pc._sendq.queued()
+    if t is None:  # not connected, or no longer: nothing of ours waits for the peer to read it
+        return 0
+    return t.get_write_buffer_size() + pc._sendq.queued()
 
 
 async def flushed(pc: PeerConnection) -> None:

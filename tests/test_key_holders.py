@@ -77,6 +77,7 @@ class FakeConn:
         self.sent, self.refused, self.name, self.last_heard = [], None, "fake", 0.0
         self.closed = loop.create_future()
         self.peer_addr = ("127.0.0.1", 9)
+        self.transport = None  # no socket behind it: nothing of ours is ever unsent
 
     def send_nowait(self, msg, bulk=False):
         if self.refused is not None:
