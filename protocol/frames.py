@@ -182,7 +182,7 @@ class ReusableBuffer:
     @classmethod
     def spare_bytes(cls) -> int:
         """Bytes this thread's spare list holds (at most SPARE_BYTES)."""
-        return sum(map(len, cls._spares()))
+        return sum(map(len, cls.spares()))
 
     @classmethod
     def _cap_spares(cls, spares: list) -> int:
@@ -200,7 +200,7 @@ class ReusableBuffer:
         owner ``ended``: then the pool lets go of them too (each is freed with its last view, not
         with its owner), and they count as dropped."""
         free = [self._free(b) for b in self._pool]
-        spares = self._spares()
+        spares = self.spares()
         spares.extend(b for b, f in zip(self._pool, free) if f and len(b) >= REUSE_MIN_BYTES)
         kept = [b for b, f in zip(self._pool, free) if not f]
         self._pool = [] if ended else kept
@@ -216,7 +216,8 @@ class ReusableBuffer:
             return False
 
     @staticmethod
-    def _spares() -> list:
+    def spares() -> list:
+        """This thread's spare buffers (at most SPARE_BYTES), which any pool of the thread may take over."""
         spares = getattr(_spare_buffers, "list", None)
         if spares is None:
             spares = _spare_buffers.list = []
@@ -229,7 +230,7 @@ class ReusableBuffer:
                 if len(buf) < n:
                     buf.extend(bytes(n - len(buf)))
                 return memoryview(buf)[:n]
-        spares = self._spares()
+        spares = self.spares()
         i = next((i for i, b in enumerate(spares) if len(b) >= n and self._free(b)), None)
         buf = spares.pop(i) if i is not None else bytearray(n)  # by position: bytearrays compare by content
         if len(self._pool) >= self.POOL:

@@ -530,7 +530,7 @@ def test_reusable_buffers_spill_to_spares_and_never_hand_out_a_held_one():
     """Frames in flight beyond a pool (parts held for a later round, writes not yet taken) go to
     the thread's spares; another pool takes a spare over once nobody holds it, never before."""
     from blocktrain.protocol.frames import ReusableBuffer
-    ReusableBuffer._spares().clear()  # this thread's spares from earlier tests
+    ReusableBuffer.spares().clear()  # this thread's spares from earlier tests
     a, b = ReusableBuffer(), ReusableBuffer()
     held = [a.get(1 << 20) for _ in range(ReusableBuffer.POOL + 2)]
     assert len({id(v.obj) for v in held}) == len(held)  # all held: each view has its own buffer

@@ -36,7 +36,7 @@ def _drain(conn):
 def test_pools_given_up_by_idle_connections_stay_under_the_spare_cap():
     """Sans-IO: many sealed connections, each sent and received a large frame read in place, are
     told to shed: their pools plus the thread's spares hold at most SPARE_BYTES."""
-    ReusableBuffer._spares().clear()
+    ReusableBuffer.spares().clear()
     pairs = []
     for i in range(CONNECTIONS):
         p = ConnectionPair()
@@ -63,18 +63,18 @@ def test_pools_given_up_by_idle_connections_stay_under_the_spare_cap():
     assert held <= SPARE_CAP, f"{held / 2**20:.0f} MiB held by idle connections"
     assert released >= held_before - SPARE_CAP
     # a connection that sheds and then carries a large frame again takes a spare, not fresh memory
-    spare_ids = {id(b) for b in ReusableBuffer._spares()}
+    spare_ids = {id(b) for b in ReusableBuffer.spares()}
     p = pairs[0]
     p.b.receive_data(p.a.send(StreamChunk(offset=0, data=os.urandom(CHUNK_BYTES), stream_id=1)))
     got = []
     while (ev := p.b.next_event()).__class__.__name__ != "_NeedData":
         got.append(ev)
     assert len(got) == 1 and id(got[0].data.obj) in spare_ids
-    ReusableBuffer._spares().clear()
+    ReusableBuffer.spares().clear()
 
 
 def test_shed_never_gives_away_a_buffer_still_viewed():
-    ReusableBuffer._spares().clear()
+    ReusableBuffer.spares().clear()
     pool = ReusableBuffer()
     held = pool.get(REUSE_MIN_BYTES * 4)
     held[:4] = b"kept"
@@ -83,16 +83,16 @@ def test_shed_never_gives_away_a_buffer_still_viewed():
     del free
     pool.shed()
     assert pool.buffer_bytes == len(held.obj)  # the viewed one stays with its pool
-    assert [id(b) for b in ReusableBuffer._spares()] == [id(free_obj)]
+    assert [id(b) for b in ReusableBuffer.spares()] == [id(free_obj)]
     other = ReusableBuffer().get(REUSE_MIN_BYTES * 4)
     assert other.obj is free_obj and bytes(held[:4]) == b"kept"
-    ReusableBuffer._spares().clear()
+    ReusableBuffer.spares().clear()
 
 
 def test_an_ended_pool_lets_go_of_buffers_still_viewed():
     """A connection that ended keeps none of its buffers: one a message still views is freed with
     that message, not with the connection (which may live on in a reference cycle)."""
-    ReusableBuffer._spares().clear()
+    ReusableBuffer.spares().clear()
     pool = ReusableBuffer()
     held = pool.get(REUSE_MIN_BYTES * 4)
     held[:4] = b"kept"
@@ -106,7 +106,7 @@ async def test_idle_live_connections_hold_a_bounded_total(monkeypatch):
     idle. Shortly after, everything the process holds (tracemalloc: both ends' frame pools, the
     spares, sockets and events) is under the spare cap plus a little, not CONNECTIONS x frames."""
     monkeypatch.setattr(transport, "SHED_IDLE_S", 0.05, raising=False)
-    ReusableBuffer._spares().clear()
+    ReusableBuffer.spares().clear()
     psk = os.urandom(32)
     got: list = []
     server_conns: list = []
@@ -146,14 +146,14 @@ async def test_idle_live_connections_hold_a_bounded_total(monkeypatch):
         await server.wait_closed()
     finally:
         tracemalloc.stop()
-        ReusableBuffer._spares().clear()
+        ReusableBuffer.spares().clear()
 
 
 @pytest.mark.parametrize("rounds", [3])
 async def test_a_busy_connection_keeps_its_buffers_between_frames(monkeypatch, rounds):
     """Shedding is for idle connections only: frames back to back reuse the same buffer."""
     monkeypatch.setattr(transport, "SHED_IDLE_S", 0.2, raising=False)
-    ReusableBuffer._spares().clear()
+    ReusableBuffer.spares().clear()
     psk = os.urandom(32)
     servers: list = []
 
@@ -177,7 +177,7 @@ async def test_a_busy_connection_keeps_its_buffers_between_frames(monkeypatch, r
     servers[0].abort("test over")
     server.close()
     await server.wait_closed()
-    ReusableBuffer._spares().clear()
+    ReusableBuffer.spares().clear()
 
 
 async def test_the_trim_runs_off_the_event_loop_once_for_a_burst(monkeypatch):
