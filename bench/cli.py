@@ -537,7 +537,7 @@ def step(sizes, device, precision, batch, seq, steps, threads, overrides, json_p
 @main.command()
 @click.option("--fault", "faults", default="partition,one-way,link-down,flap,pause", show_default=True,
               metavar="F[,F]", help="Faults to run, each in a run of its own beside one without faults: "
-              "partition, one-way, link-down, flap, pause.")
+              "partition, one-way, link-down, flap, pause, loss.")
 @click.option("--peers", default=4, show_default=True, type=click.IntRange(2, 16), help="bt-peer processes, one per host.")
 @click.option("--steps", default=1500, show_default=True, type=click.IntRange(20, 10**6),
               help="Steps of the block: enough that a side of a partition does not finish it apart.")
@@ -558,7 +558,8 @@ def faults(faults, peers, steps, hold_s, dead_after_s, rtt_ms, bound_s, out, jso
     fault a run from fresh processes, beside a run without faults: a partition of the hosts in
     two halves, a one-way partition (the second half's packets to the first vanish), the last
     host's link down for good (no FIN), its link flapping (2 s down, 2 s up), its process paused
-    past --dead-after. For each: when the group first shrank, when it was one group again after
+    past --dead-after, and (loss, not in the default list) every link shaped to 25 ms and 2% of
+    frames lost once, by the peers' own shaper (this kernel has no netem). For each: when the group first shrank, when it was one group again after
     the fault, failed rounds, rounds longer than --dead-after, state fetched again, whether the
     final group's parameters are identical, and each peer's CE beside the run without faults.
     """

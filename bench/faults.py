@@ -8,7 +8,9 @@ Rules:
   B, B does not reach A); a host's link goes down (``ip link set eth0 down``: its process lives on,
   unreachable, and sends no FIN); a flapping link goes down and up in turn; a paused process is
   stopped (SIGSTOP) past ``--dead-after`` and continued. This kernel has no netem and no tc
-  actions, so packet loss is not made here; delay is the lab's relay (``--rtt-ms``).
+  actions, so loss is the project's shaper (``bt-peer --link``, LOSS_LINK: every frame sent may be
+  held for a retransmission timeout, as TCP does after a loss), on every link for the whole run;
+  delay is the lab's relay (``--rtt-ms``).
 - One run per fault, each from fresh processes and a fresh lab with the same identities (so the
   same data order), beside a run without faults (``none``): the swarm trains one block (parallel schedule, gradient rounds of one step);
   the fault starts once the 4 peers are one group and applied ``SETTLE_ROUNDS`` rounds, lasts
@@ -36,7 +38,10 @@ from pathlib import Path
 
 from . import netns
 
-FAULTS = ("none", "partition", "one-way", "link-down", "flap", "pause")
+FAULTS = ("none", "partition", "one-way", "link-down", "flap", "pause", "loss")
+# The "loss" run's links, the project's own shaper (bt-peer --link): 25 ms one way and 2% of frames
+# lost once (TCP's retransmission after its RTO, head-of-line), for the whole run.
+LOSS_LINK = "delay=25,loss=0.02"
 SERVICE_PORT = 7000
 SETTLE_ROUNDS = 5  # rounds every peer applies in one group before the fault
 FLAP_S = 2.0  # a flapping link: down this long, then up this long, for the fault's hold
@@ -104,7 +109,8 @@ class FaultSwarm:
                        "--heartbeat", str(s.heartbeat_s), "--dead-after", str(s.dead_after_s), "--quiet",
                        "--work-dir", str(self.tmp / f"w{i}"), "--steps", str(s.steps), "--exit-when-done",
                        "--min-group", str(s.peers), "--set", f"swarm.round_timeout_s={s.round_timeout_s}",
-                       "--set", "swarm.join_timeout_s=3", "--set", "swarm.cut_off_ok=true", *TINY]
+                       "--set", "swarm.join_timeout_s=3", "--set", "swarm.cut_off_ok=true", *TINY] + (
+            ["--link", LOSS_LINK] if s.fault == "loss" else [])
 
     def start(self) -> None:
         for i in range(self.spec.peers):
@@ -203,7 +209,7 @@ def run_one(spec: RunSpec, tmp: Path) -> dict:
         settled = swarm.wait(lambda: swarm.one_group(list(range(spec.peers))) and all(
             r.get("rounds_applied", 0) >= SETTLE_ROUNDS for r in swarm.reports()), "one group", deadline, timeline)
         final = list(range(spec.peers))
-        if settled and spec.fault != "none":
+        if settled and spec.fault not in ("none", "loss"):  # loss: on every link from the start
             final = make_fault(swarm, spec.fault, timeline, deadline)
             if swarm.wait(lambda: swarm.one_group(final), "one group again", deadline, timeline):
                 timeline.mark("one group")
