@@ -106,11 +106,12 @@ class Peer(PeerServices):
     events_dropped = property(lambda self: self._mesh.events_dropped, doc="membership events let go")
     input_failures = property(lambda self: self._handlers.input_failures, doc="exception type -> refused")
     stopping = property(lambda self: self._stopping, doc="stop() has begun")
-    _members = property(lambda self: self._table.by_id)
-    _known = property(lambda self: self._table.known)
-    _traffic = property(lambda self: self._ledger.rows)
-    _redial = property(lambda self: self._redials.by_addr)
-    _dials = property(lambda self: self._connections.dials)
+    redials = property(lambda self: self._redials.by_addr, doc="address -> its redial schedule (read only)")
+
+    def kept(self) -> dict[str, int]:
+        """How many of each record this peer keeps about other identities (each bounded in total)."""
+        return {"members": len(self._table.by_id), "known": len(self._table.known), "dials": len(self._connections.dials),
+                "traffic_rows": len(self._ledger.rows), "redials": len(self._redials.by_addr)}
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self):

@@ -580,15 +580,15 @@ def test_a_dead_member_is_redialled_with_backoff_for_a_bounded_time():
 
     p._quiet_dial = lambda addr: dials.append(now[0])  # the dial itself is not the point here
     p._schedule_redial("127.0.0.1:9", "b" * 64)
-    start = p._redial["127.0.0.1:9"].next_at - REDIAL_MIN_S
+    start = p.redials["127.0.0.1:9"].next_at - REDIAL_MIN_S
     for i in range(800):  # 400 s of heartbeats, 0.5 s apart
         now[0] = start + 0.5 * i
         p._redial_due(now[0])
     gaps = [round(b - a) for a, b in zip(dials, dials[1:])]
     assert gaps[:6] == [min(2 ** i, REDIAL_MAX_S) for i in range(6)] and set(gaps[5:]) == {REDIAL_MAX_S}
-    assert dials[-1] - start <= 300 and "127.0.0.1:9" not in p._redial
+    assert dials[-1] - start <= 300 and "127.0.0.1:9" not in p.redials
     p._schedule_redial("127.0.0.1:9", "b" * 64, soon=True)  # a connection lost just now: at once
-    assert p._redial["127.0.0.1:9"].next_at <= time.monotonic()
+    assert p.redials["127.0.0.1:9"].next_at <= time.monotonic()
 
 
 class _FakeNode:

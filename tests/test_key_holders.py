@@ -56,9 +56,10 @@ async def test_churned_identities_leave_bounded_state_and_exact_totals(monkeypat
         n = 300
         await asyncio.wait_for(_churn(a.port, psk, n), 120)
         await a.wait_for(lambda: not a.members(), 10)
-        assert len(a._members) <= 24 and len(a.events) <= 40 and a.events_dropped > 0
+        kept = a.kept()
+        assert kept["members"] <= 24 and len(a.events) <= 40 and a.events_dropped > 0
         # rows: the members still known (suspects, bounded above) and at most 16 others, folded past that
-        assert len(a._traffic) <= 16 + len(a._members) + 1 and len(a._known) <= 50 and len(a._redial) <= 8
+        assert kept["traffic_rows"] <= 16 + kept["members"] + 1 and kept["known"] <= 50 and kept["redials"] <= 8
         rep = a.traffic_report()
         assert rep["peers"][DEPARTED_ROW]["departed_peers"] >= n - 24 - 16
         # each identity sent at least its handshake messages, ANNOUNCE and PING: every one counted
@@ -163,7 +164,7 @@ def served_peer(tmp_path):
     SwarmTrainer(peer, TrainerSpec(0, job, tmp_path / "w"), data, data)
     PipelineServer(peer, ServedBlocks(blocktrain={0: Block(mc, 0).eval()}))
     member = "ee" * 32
-    peer._members[member] = Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
+    peer._table.by_id[member] = Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
     yield loop, peer, member
     loop.run_until_complete(peer.stop())
     loop.close()
@@ -884,7 +885,7 @@ async def test_a_peer_list_of_thousands_dials_at_most_a_few_and_not_again_soon()
     from blocktrain.p2p.connections import MAX_DIALS
     peer = await Peer(X25519PrivateKey.generate(), os.urandom(32), "127.0.0.1", 0, timeouts=FAST).start()
     member = "ee" * 32
-    peer._members[member] = Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
+    peer._table.by_id[member] = Member(PeerInfo(member, "127.0.0.1:9", (0,), "train", 0), 0.0)
     closed = []
     for _ in range(3):  # ports nobody listens on: each dial fails at once
         import socket
@@ -896,15 +897,15 @@ async def test_a_peer_list_of_thousands_dials_at_most_a_few_and_not_again_soon()
     try:
         pc = FakeConn(asyncio.get_running_loop())
         assert peer.dispatch(PeerList(peers=records), pc, member)
-        assert len(peer._dials) == 3  # 3 distinct addresses, each dialled once
-        await peer.wait_for(lambda: not peer._dials, 10)
+        assert peer.kept()["dials"] == 3  # 3 distinct addresses, each dialled once
+        await peer.wait_for(lambda: not peer.kept()["dials"], 10)
         many = tuple(PeerInfo(f"{i:064x}", f"127.0.0.{1 + i % 200}:{closed[0]}", (0,), "train", 0)
                      for i in range(1, 4097))
         assert peer.dispatch(PeerList(peers=many), pc, member)
-        assert len(peer._dials) <= MAX_DIALS
-        await peer.wait_for(lambda: not peer._dials, 10)
+        assert peer.kept()["dials"] <= MAX_DIALS
+        await peer.wait_for(lambda: not peer.kept()["dials"], 10)
         assert peer.dispatch(PeerList(peers=records), pc, member)
-        assert not peer._dials  # failed a moment ago: cooling down
+        assert not peer.kept()["dials"]  # failed a moment ago: cooling down
     finally:
         await peer.stop()
 
