@@ -43,8 +43,8 @@ Rules (the module named holds the full text; a rule that spans modules is in eac
   ``average`` returns.
 - Rule 9 (driver.py; round.py): a member that began the round with another view of the group
   fails it for us (``GroupMismatch``: nothing applied, it stays in the group) in up to
-  MISMATCH_ROUNDS rounds since our rounds' members last changed (and MISMATCH_TOTAL in
-  MISMATCH_WINDOW_S whatever the changes), then departs it. A member that
+  MISMATCH_ROUNDS rounds since our rounds' members last changed (and, after its own admissions,
+  MISMATCH_TOTAL in MISMATCH_WINDOW_S in all), then departs it. A member that
   left the group during the round's local steps departs it as it begins.
 - Rule 10 (gossip.py; driver.py): a group of 2k members or more (gossip size k) averages each
   round in the small groups of a partition every member computes alike (3 to 2k + 1 members,

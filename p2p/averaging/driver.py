@@ -23,7 +23,7 @@ Rules (numbered as in the package's index, ``__init__.py``):
   STATUS, rule 6 of group.py, after a state fetch). The next round is begun once the change reached
   both (two under overlap, where a round begins before the one on the wire ends): a member's
   mismatches fail up to ``MISMATCH_ROUNDS`` rounds since the members of our rounds last changed,
-  and ``MISMATCH_TOTAL`` in ``MISMATCH_WINDOW_S`` whatever the changes (r7);
+  and, after its own admissions, ``MISMATCH_TOTAL`` in ``MISMATCH_WINDOW_S`` in all (r7);
   after that the member departs the round as any departed member (the round goes on without it,
   and it leaves the group). A key holder that forges digests so costs its group at most that many
   rounds per change of members, and MISMATCH_TOTAL per identity in MISMATCH_WINDOW_S. A member that left the group while the round's local steps ran
@@ -70,7 +70,7 @@ MAX_NAMED = 1024
 # before it departs (rule 9): a change of members reaches a round's members before its next round
 # begins, or, under overlap, the one after.
 MISMATCH_ROUNDS = 2
-# ... and at most this many in all over this window, whatever the changes of members (r7).
+# ... and, counted over the rounds after its own admissions, at most this many in this window (r7).
 MISMATCH_TOTAL = 4
 MISMATCH_WINDOW_S = 600.0
 MISMATCHED = ("sees another group", "not in this round's group")  # the round's departure reasons
@@ -82,24 +82,29 @@ CLAIMS_NAMED = 2
 
 def mismatches_within_allowance(r: AveragingRound, ids, state: dict, now: float | None = None) -> list[str]:
     """Rule 9, for a member whose rounds' members are ``ids``: the members that saw another group
-    in round ``r`` and, since ``ids`` last changed, in at most MISMATCH_ROUNDS rounds, and in at
-    most MISMATCH_TOTAL tolerated rounds of the last MISMATCH_WINDOW_S seconds whatever the changes
-    (r7: a member that causes the changes of members itself, by leaving and joining again, does
-    not earn new rounds by them); the round fails over them. ``state`` is the member's count, kept
-    from round to round (``tolerated``: member -> when its tolerated rounds were, MAX_NAMED kept)."""
+    in round ``r`` and, since ``ids`` last changed, in at most MISMATCH_ROUNDS rounds; the round
+    fails over them. Where the last change was the mismatched member's own admission (it left and
+    was admitted again: a change it makes itself), its tolerated rounds also count toward
+    MISMATCH_TOTAL in MISMATCH_WINDOW_S (r7), so leaving and joining again earns it no new ones;
+    changes others make (departures at a partition) do not count there. ``state`` is the member's
+    count, kept from round to round (``tolerated``: member -> when, MAX_NAMED kept)."""
     now = time.monotonic() if now is None else now
     if state.get("ids") != list(ids):
+        before = set(state.get("ids") or ())
         state["ids"], state["counts"] = list(ids), {}
+        state["admitted"] = set(ids) - before if before else set()  # whose admission the change was
     counts, tolerated = state["counts"], state.setdefault("tolerated", {})
     out = []
     for p in sorted(r.mismatched):
         counts[p] = counts.get(p, 0) + 1
+        own = p in state.get("admitted", ())
         recent = [t for t in tolerated.get(p, ()) if now - t < MISMATCH_WINDOW_S]
-        if counts[p] <= MISMATCH_ROUNDS and len(recent) < MISMATCH_TOTAL:
-            recent.append(now)
+        if counts[p] <= MISMATCH_ROUNDS and not (own and len(recent) >= MISMATCH_TOTAL):
+            recent += [now] if own else []
             out.append(p)
         tolerated.pop(p, None)
-        remember(tolerated, p, recent)
+        if recent:
+            remember(tolerated, p, recent)
     return out
 
 

@@ -142,7 +142,7 @@ class Outsiders:
         self.insiders: set[str] = set()
         self.trained_with: set[str] = set()
         self.split_from: set[str] = set()
-        self.apart_since: tuple[int, int] | None = None  # (step, members) since our group last lost members
+        self.apart_since: int | None = None  # the step since which our group trains apart from members it lost
         self._heard: dict[str, tuple[str, int, float]] = {}  # peer -> (sponsor, size, when): its own STATUS
         self.unvouched: dict[str, int] = {}  # peer -> its STATUSes that claimed more than was vouched
 
@@ -157,7 +157,7 @@ class Outsiders:
         from them from ``step`` (``apart_since``: what taking another group's state drops)."""
         gone = self.insiders - members
         if self.trained_with - trained_with:
-            self.apart_since = (step, len(trained_with))
+            self.apart_since = step
         for pid in gone:
             self.status_sent.pop(pid, None)
         if members == {self.me}:  # alone: a LEAVE, Goodbye or death is no split; a joiner never trained with
@@ -188,6 +188,9 @@ class Outsiders:
         size, sponsor = meta["size"], meta["sponsor"]
         self._heard[pid] = (sponsor, size, time.monotonic())
         vouched = {**meta, "size": min(size, self.vouched(sponsor, candidates))}
+        if vouched["size"] == size:  # every member it claims said so: none of them spoke for others
+            for p in [p for p, h in self._heard.items() if h[0] == sponsor]:
+                self.unvouched.pop(p, None)
         if not status_rank(meta) > group.rank() >= status_rank(vouched):  # type: ignore[operator]
             return vouched
         n = self.unvouched[pid] = self.unvouched.get(pid, 0) + 1
@@ -495,9 +498,10 @@ class Membership:
                            **({"dropped": dropped} if dropped else {})})
         if len(d.members) > 1 or how != "own state":
             self.say(f"in a group of {len(self.group.members(d.at + 1))} from round {d.at + 1} ({d.why})")
+        self.outsiders.apart_since = None  # a state taken: what we train from here is the group's
         if dropped:
-            self.say(f"our own state (step {dropped['own_step']}, {dropped['steps']} step(s) trained apart, in a "
-                     f"group of {dropped['group']}) is dropped for the group's (step {self.pos.gstep})")
+            self.say(f"our own state (step {dropped['own_step']}: {dropped['steps']} step(s) trained apart since step "
+                     f"{dropped['since_step']}) is dropped for the group's (step {self.pos.gstep})")
 
     async def _take_group_state(self, d: Decision, timeout_s: float, install) -> bool:
         """Wait for a member's READY for round ``d.at`` and install that state; False to retry."""
@@ -541,10 +545,10 @@ def _dropped(joins: list, outsiders: Outsiders, own: int, theirs: int) -> dict |
     (a healed partition's side that yields: the steps it trained apart); None on a first join."""
     if not joins:
         return None
-    since, size = int(joins[-1].get("step", own)), len(joins[-1]["members"])
-    if outsiders.apart_since is not None and outsiders.apart_since[0] >= since:
-        since, size = outsiders.apart_since
-    return {"own_step": own, "steps": max(0, own - since), "group": size, "group_step": theirs}
+    since = int(joins[-1].get("step", own))
+    if outsiders.apart_since is not None:  # our group lost members after our last join (reset at a join)
+        since = max(since, outsiders.apart_since)
+    return {"own_step": own, "steps": max(0, own - since), "since_step": since, "group_step": theirs}
 
 
 def state_sources(peer: PeerServices, members, teller: str) -> list[str]:
