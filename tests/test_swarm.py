@@ -756,7 +756,10 @@ async def test_gossip_rounds_average_in_the_small_groups_of_the_partition(tmp_pa
             assert sorted(r["rounds"][-1]["members"]) == ids
             for x in r["rounds"]:
                 shared = exclusion and x["round"] >= 2 and p.id in pair and pair <= set(x["members"])
-                assert x["departed"] == (sorted(pair - {p.id}) if shared else [])
+                # 0's "excluded" can reach 5 while 5 still ends round 1 (0 began round 2 first)
+                late = (exclusion and p.id == peers[5].id and x["round"] == 1 and x["departed"] == [peers[0].id]
+                        and "excluded us" in x.get("why", {}).get(peers[0].id, ""))
+                assert x["departed"] == (sorted(pair - {p.id}) if shared else []) or late, x
         points = [flatten(list(sp.trainer.block.parameters())) for sp in sps]
         if not exclusion:
             assert all(torch.equal(points[0], q) for q in points[1:])
