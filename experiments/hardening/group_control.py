@@ -38,12 +38,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _live import stop  # SIGCONT, SIGTERM, then SIGKILL: the folder's one way to stop a peer
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -191,20 +192,6 @@ class Run:
             "wall_s": round(self.t_end[name] - self.t_start[name], 1),
             "log_tracebacks": log.count("Traceback"),
         }
-
-
-def stop(p: subprocess.Popen):
-    if p.poll() is None:
-        try:
-            os.kill(p.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
 
 
 def run_one(kind: str, label: str, sha: str, wt: Path, tmp: Path, steps: int, bound: float) -> dict:
