@@ -7,6 +7,7 @@ sockets. Every variant starts from the same weights and sees the same batches.
 usage: python experiments/lowcomm/lowcomm_ce.py MODE [--workers W] [--steps S] [--every H]
            [--codec raw|topk|sign] [--density D] [--outer-lr A] [--outer-momentum M] [--overlap] [--seed N]
            [--attack none|flip|scale8|steer [--attack-from R]] [--exclude] [--cosines]
+           [--dense-first N] [--batch-size B] [--curve N [--curve-windows K]]
 MODE: grads (average gradients every step, then the AdamW step: today's swarm), params (H local
 AdamW steps, then the pseudo-gradient start - now averaged and applied by an outer SGD step of
 rate A: DiLoCo without momentum; with --codec topk the pseudo-gradient travels as the top D of
@@ -21,7 +22,12 @@ tests measured with the median, meant to make the third, honest, member look opp
 the first worker) named each member: rejected, a suspect, or opposed to the median (the pair
 test over the last rounds, PairWindow, is counted by --exclude only). --exclude:
 as the driver does (its rule 6, ``outliers_in_a_row``), a member the first worker names is left
-out of every later round; ``excluded`` says when and why.
+out of every later round; ``excluded`` says when and why. --dense-first N (params): a round after
+every step for the first N steps, then every H (a dense warm-up, as post-local SGD and 1-bit Adam
+start). --curve N: the valid CE of the first worker's block (K validation windows) at the first
+round's end at or after every N steps, with the bytes each worker had sent by then (``curve``:
+[step, valid CE, bytes]) and the seconds of compute per step (``step_seconds``: the wall time of
+the run less the curve's evaluations, over steps x workers, the workers taking turns on one core).
 Prints one JSON line: the settings, test and valid CE of block 0's head (the whole validation
 split in 128-byte windows, 2,000 test windows), bytes each worker sent in parts, seconds.
 """
@@ -98,6 +104,12 @@ def main():
     ap.add_argument("--cosines", action="store_true",
                     help="record each member's cosine with the median, and the upper median of its cosines with the "
                          "others' updates, in every round (as the first member saw it)")
+    ap.add_argument("--dense-first", type=int, default=0,
+                    help="params: a round after every step for the first N steps, then every --every steps")
+    ap.add_argument("--batch-size", type=int, default=None, help="train.batch_size (default: TrainConfig's)")
+    ap.add_argument("--curve", type=int, default=0,
+                    help="the valid CE at the first round's end at or after every N steps (0: none)")
+    ap.add_argument("--curve-windows", type=int, default=200, help="validation windows of a --curve point")
     ap.add_argument("--attack-from", type=int, default=0,
                     help="the attacker sends honest vectors before this round (an attacker that waits until the "
                          "members' updates are noisy)")
@@ -108,7 +120,7 @@ def main():
     torch.manual_seed(a.seed)
     data, valid, test = (as_tensor(read_split(s)) for s in ("train", "valid", "test"))
     mc = ModelConfig(d_model=128)
-    tc = TrainConfig(steps=a.steps, seed=a.seed)
+    tc = TrainConfig(steps=a.steps, seed=a.seed, **({"batch_size": a.batch_size} if a.batch_size else {}))
     W = 1 if a.mode == "alone" else a.workers
     all_trs = [BlockTrainer(mc, tc, 0, data, shard=i, num_shards=W) for i in range(W)]
     for t in all_trs[1:]:
@@ -150,6 +162,11 @@ def main():
         return vs[:-1] + [vs[-1] * (-1.0 if a.attack == "flip" else 8.0)]
     outer = OuterOptimizer(a.outer_lr, a.outer_momentum, a.outer_momentum > 0)
     sent = dict.fromkeys(all_ids, 0)
+    curve: list = []  # --curve: [step, valid CE, bytes per worker so far]
+    eval_s, next_point = 0.0, a.curve
+
+    def round_end(s):  # a round ends after step s (0-based)
+        return (s + 1) % a.every == 0 or s + 1 == a.steps or s < a.dense_first
     t0 = time.perf_counter()
     rnd = 0
     start = flatten(list(trs[0].block.parameters())).clone()
@@ -170,7 +187,7 @@ def main():
         else:
             for t in trs:
                 t.train_step()
-            if a.mode == "params" and a.overlap and ((s + 1) % a.every == 0 or s + 1 == a.steps):
+            if a.mode == "params" and a.overlap and round_end(s):
                 # the round of this phase is on the wire during the next phase: apply the previous
                 # round's average to the global point g, start the next phase from g minus our own
                 # (not yet averaged) phase (an eager update); the last phase waits for both
@@ -187,7 +204,7 @@ def main():
                     phase_start = [start - a.outer_lr * d for d in deltas]
                 for t, ps in zip(trs, phase_start):
                     set_params(t.block, ps)
-            elif a.mode == "params" and ((s + 1) % a.every == 0 or s + 1 == a.steps):
+            elif a.mode == "params" and round_end(s):
                 rnd += 1
                 deltas = [start - flatten(list(t.block.parameters())) for t in trs]
                 avg, residuals, got = average(ids, attacked(deltas), rnd, a.codec, a.density, residuals, named,
@@ -201,8 +218,15 @@ def main():
             all_residuals[i] = res
         for k, v in got.items():
             sent[k] += v
+        if a.curve and s + 1 >= next_point and (a.mode != "params" or round_end(s)):
+            te = time.perf_counter()
+            curve.append([s + 1, round(eval_chain([trs[0].block], valid, 128, a.curve_windows)[-1], 4),
+                          sum(sent.values()) / W])
+            eval_s += time.perf_counter() - te
+            next_point += a.curve
         if (s + 1) % 100 == 0:
             print(f"step {s + 1}/{a.steps}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    step_seconds = round((time.perf_counter() - t0 - eval_s) / (a.steps * W), 4)
     block = trs[0].block
     from blocktrain.bench.provenance import code_version
     print(json.dumps({**vars(a), "workers": W, "code_version": code_version(),
@@ -212,6 +236,8 @@ def main():
                       "named_rounds": {p[:1]: k for p, k in sorted(named.items())},
                       "excluded": {p[:1]: {"round": r, "why": w} for p, (r, w) in sorted(excluded.items())},
                       **({"cosines": cosines, "pair_cosines": pairwise, "window_cosines": windowed} if a.cosines else {}),
+                      **({"curve": curve} if a.curve else {}),
+                      "step_seconds": step_seconds,
                       "seconds": round(time.perf_counter() - t0, 1)}))
 
 
