@@ -116,6 +116,8 @@ def main():
     a = ap.parse_args()
     if a.exclude and a.overlap:
         ap.error("--exclude is for rounds without --overlap")
+    from blocktrain.bench.provenance import code_version
+    version = code_version()  # stamped as the run starts: edits made while it runs are not its code
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     data, valid, test = (as_tensor(read_split(s)) for s in ("train", "valid", "test"))
@@ -228,8 +230,7 @@ def main():
             print(f"step {s + 1}/{a.steps}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     step_seconds = round((time.perf_counter() - t0 - eval_s) / (a.steps * W), 4)
     block = trs[0].block
-    from blocktrain.bench.provenance import code_version
-    print(json.dumps({**vars(a), "workers": W, "code_version": code_version(),
+    print(json.dumps({**vars(a), "workers": W, "code_version": version,
                       "command": "python experiments/lowcomm/lowcomm_ce.py " + " ".join(sys.argv[1:]), "valid_ce": eval_chain([block], valid, 128)[-1],
                       "test_ce": eval_chain([block], test, 128, 2000)[-1],
                       "bytes_sent_per_worker": sum(sent.values()) / W, "rounds": rnd,
