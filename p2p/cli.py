@@ -89,8 +89,11 @@ def _peer_options(f):
     opts = [
         click.option("--block", "blocks", type=click.IntRange(0, 65535), multiple=True,
                      help="Block this peer holds: trains (start/join) or serves (serve). Repeatable for serve."),
-        click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT to listen on (port 0: any)."),
-        click.option("--advertise", default=None, help="HOST:PORT others should dial (default: the listen address)."),
+        click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT to listen on (port 0: any). On 0.0.0.0 the peer advertises the "
+                          "address a member dialled it back at, once one has (docs/usage.md, Reachability)."),
+        click.option("--advertise", default=None,
+                     help="HOST:PORT others should dial (default: the listen address; on 0.0.0.0, the address a "
+                          "member dialled this peer back at)."),
         click.option("--allow", multiple=True, help="Accept only these peer ids (repeatable; default: any key holder)."),
         click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
                      help="Write the transfer-volume report (JSON) here, every --report-every seconds and at exit."),
@@ -295,7 +298,7 @@ def _run(o: dict, bootstrap: str | None, role: str, training=None, served=None):
     step_bar = _StepBar() if training is not None and sys.stderr.isatty() else None
     try:
         asyncio.run(run_until_signalled(
-            peer, boot, on_ready=lambda p: _announce(p, role, o, training), training=training, served=served,
+            peer, boot, on_ready=lambda p: _announce(p, role, o, training, bootstrap), training=training, served=served,
             exit_when_done=o.get("exit_when_done", False), on_line=_echo,
             status_every_s=0 if o["quiet"] else 5.0 if sys.stderr.isatty() else 30.0,
             join_timeout_s=o["join_timeout"], http=_http_addr(o["http"]) if o["http"] else None, on_step=step_bar))
@@ -349,15 +352,39 @@ def _starting(o: dict, bootstrap: str | None, role: str):
     _echo(f"starting: {what}{then}")
 
 
-def _announce(peer, role: str, o: dict, training):
+def _announce(peer, role: str, o: dict, training, bootstrap: str | None):
     """Once listening and in the swarm: where we are and how others join (for the role that they
     would take)."""
     key = f"--swarm-key {o['swarm_key']}" if o["swarm_key"] else "(with BT_SWARM_KEY set)"
     what = (f"training block {training.block} ({training.job.swarm.schedule}) in {training.work_dir}" if training
             else f"serving block(s) {list(o['blocks'])}" if role == "serve" else "a plain member (no training)")
     how = ("bt-peer serve " if role == "serve" else "bt-peer join ")
-    click.echo(f"peer {peer.id[:16]} listening on {peer.addr}: {what}\n"
-               f"others join with: {how}{peer.addr} --block K {key} --identity THEIR_KEY_FILE", err=True)
+    join = f" --block K {key} --identity THEIR_KEY_FILE"
+    listen = f"{peer.host}:{peer.port}"
+    if peer.addr:
+        click.echo(f"peer {peer.id[:16]} listening on {listen}, advertising {peer.addr}: {what}\n"
+                   f"others join with: {how}{peer.addr}{join}", err=True)
+    else:  # 0.0.0.0, or loopback in a swarm elsewhere (reach.py): the address others dial is not known yet
+        click.echo(f"peer {peer.id[:16]} listening on {listen}, no address to advertise yet (it learns one once a "
+                   f"member dials it back): {what}", err=True)
+        if not bootstrap:
+            click.echo(f"others join with: {how}THIS_HOST:{peer.port}{join} (THIS_HOST: the address they reach this "
+                       "host at)", err=True)
+
+    told: list[bool | None] = []
+
+    def said(r):  # the dial-back's verdict (reach.py), said once
+        if told or (r.reachable is None and not r.why):
+            return
+        told.append(r.reachable)
+        if r.reachable and peer.addr and not shown:
+            click.echo(f"reachable at {peer.addr} ({r.why})\nothers join with: {how}{peer.addr}{join}", err=True)
+        elif not r.reachable or not peer.addr:
+            click.echo(r.line() + (f"\nothers join through a reachable member, e.g.: {how}{bootstrap}{join}"
+                                   if bootstrap and r.reachable is False else ""), err=True)
+    shown = bool(peer.addr)
+    peer.reach.on_change(said)
+    said(peer.reach)  # decided already, during the join
 
 
 @main.command()

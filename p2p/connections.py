@@ -69,8 +69,11 @@ class Connections:
 
     def new_connection(self, role: Role) -> Connection:
         p = self.peer
-        return make_connection(role, p.identity, p.swarm_key, allowlist=p.allowlist,
-                               info={"addr": p.addr, "blocks": list(p.blocks), "role": p.role}, seal=p.seal)
+        info: dict = {"addr": p.addr, "blocks": list(p.blocks), "role": p.role}
+        port = p.reach.dial_back_port() if role is Role.INITIATOR else None
+        if port is not None:
+            info["dial_back"] = port  # "dial me back here": are we reachable? (reach.py)
+        return make_connection(role, p.identity, p.swarm_key, allowlist=p.allowlist, info=info, seal=p.seal)
 
     def link_for(self, addr: str, pid: str | None = None) -> LinkSpec:
         links = self.peer.links.get("links", {})
@@ -106,10 +109,26 @@ class Connections:
             finally:
                 self.pending.pop(pc, None)
             hc = pc.established.result()
+            if self._dial_back(pc, hc):
+                return
             if self.register(pc, hc) is not None:
+                if not is_client(hc):
+                    self.peer.reach.reached(hc.peer_id, None, dial_back=False)
+                    if "dial_back" in hc.info:
+                        self.peer.reach.asked(hc.peer_id, pc, hc.info["dial_back"])
                 await self.read(pc, hc.peer_id, client=is_client(hc))
         finally:
             await pc.wait_closed()
+
+    def _dial_back(self, pc: PeerConnection, hc: Any) -> bool:
+        """A member's dial-back (its hello says ``dialed``): it shows us reachable, and carries
+        nothing else; closed here, never registered (reach.py). False for any other connection."""
+        if not isinstance(hc.info, dict) or "dialed" not in hc.info or is_client(hc):
+            return False
+        self.peer.reach.reached(hc.peer_id, hc.info["dialed"], dial_back=True, local=pc.local_addr)
+        pc.abort("dial-back received")
+        self.account(hc.peer_id, pc)
+        return True
 
     def abort_pending(self) -> None:
         for pc in list(self.pending):
@@ -156,7 +175,9 @@ class Connections:
             fut.exception()  # retrieved: nobody may be waiting
             return
         hc = pc.established.result()
-        kept = self.register(pc, hc)
+        kept = self.register(pc, hc, dialled=addr)
+        if kept is not None and not is_client(hc):
+            self.peer.reach.observed(hc.peer_id, hc.info.get("seen"))
         self.dials.pop(addr, None)
         self.peer.notify()  # settled() may hold now
         fut.set_result(self.mesh.table.live_conn(hc.peer_id))  # ours, or the one kept instead of a duplicate
@@ -167,11 +188,13 @@ class Connections:
             await pc.wait_closed()
 
     # --- registering -------------------------------------------------------------------------------
-    def register(self, pc: PeerConnection, hc: Any) -> PeerConnection | None:
-        """Make an established connection a member's (or a client's); None if it is not kept."""
+    def register(self, pc: PeerConnection, hc: Any, dialled: str = "") -> PeerConnection | None:
+        """Make an established connection a member's (or a client's); None if it is not kept.
+        ``dialled``: the address we dialled it at, its address where its hello gives none (it
+        listens on 0.0.0.0 and has not learnt the address it is reached at: reach.py)."""
         if is_client(hc):
             return self._add_client(hc.peer_id, pc)
-        info = self._member_info(pc, hc)
+        info = self._member_info(pc, hc, dialled)
         if info is None:
             return None
         pc.name = info.addr or info.peer_id[:12]
@@ -193,13 +216,13 @@ class Connections:
         return pc
 
     @staticmethod
-    def _member_info(pc: PeerConnection, hc: Any) -> PeerInfo | None:
+    def _member_info(pc: PeerConnection, hc: Any, dialled: str = "") -> PeerInfo | None:
         """What a member said of itself in its handshake; None (``pc`` refused) when it is malformed."""
         pid, hello = hc.peer_id, hc.info
         try:
             if not isinstance(hello, dict):
                 raise ValueError("hello info is not a map")
-            return PeerInfo(pid, str(hello.get("addr", "")), tuple(hello.get("blocks", ())),
+            return PeerInfo(pid, str(hello.get("addr", "")) or dialled, tuple(hello.get("blocks", ())),
                             str(hello.get("role", "train")), 0)
         except Exception as e:
             pc.abort(f"bad peer info: {e}", CloseCause.REFUSED)
@@ -232,7 +255,7 @@ class Connections:
         except (ConnectionError, ProtocolError) as e:  # the connection's end; already logged by it
             log.debug("connection to %s ended: %s", pid[:12], e)
         finally:
-            self._account(pid, pc)
+            self.account(pid, pc)
             if client:
                 self.client_conns.discard(pc)
                 if self.clients.get(pid) is pc:
@@ -240,7 +263,8 @@ class Connections:
             else:
                 self.mesh.ended(pid, pc)
 
-    def _account(self, pid: str, pc: PeerConnection) -> None:
+    def account(self, pid: str, pc: PeerConnection) -> None:
+        """Add ``pc``'s counts to the traffic rows, under ``pid`` (once it has ended, or is ending)."""
         m = self.mesh.table.get(pid)
         self.ledger.add(pid, pc.conn.counter.snapshot(), m.info.addr if m is not None else "",
                         lambda p: p in self.mesh.table or p in self.clients)

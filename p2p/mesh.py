@@ -133,6 +133,14 @@ class Mesh:
         self.drop(gone, Change.DEAD, redial=False)
         return True
 
+    def announce_self(self) -> None:
+        """Our record changed (reach.py: the address we advertise): tell every live member."""
+        for pc in self.table.live_conns():
+            try:
+                pc.send_nowait(Announce(peer=self.peer.info()))
+            except ConnectionError:
+                pass
+
     def _greet(self, pc: PeerConnection) -> None:
         try:
             pc.send_nowait(Announce(peer=self.peer.info()))

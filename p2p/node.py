@@ -47,6 +47,7 @@ from .ledger import DEPARTED_ROW, MAX_TRAFFIC_ROWS, TrafficLedger
 from .link import LinkSpec
 from .members import MAX_KNOWN_IDS, MAX_MEMBERS, MemberTable
 from .mesh import MAX_EVENTS, Mesh
+from .reach import Reachability
 from .redial import DIAL_COOLDOWN_S, MAX_FAILED_ADDRS, MAX_REDIALS, REDIAL_MAX_S, REDIAL_MIN_S, Redials
 from .services import MemberView, PeerServices, PeerUnreachable
 from .transport import PeerConnection, Timeouts
@@ -93,6 +94,7 @@ class Peer(PeerServices):
         self._ledger = TrafficLedger(MAX_TRAFFIC_ROWS)
         self._mesh = Mesh(self, self._table, self._redials, MAX_EVENTS)
         self._connections = Connections(self, self._mesh, self._ledger, MAX_PENDING_HANDSHAKES, MAX_CLIENTS, MAX_DIALS)
+        self.reach = Reachability(self, self._connections.account)  # the address we advertise, and whether members can dial it (reach.py)
         self._handlers = Handlers(self.spawn)
         self._waiters = Waiters(lambda: self._stopping)
         self._sections: dict[str, Callable[[], object]] = {}
@@ -119,11 +121,12 @@ class Peer(PeerServices):
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._connections.accept, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
-        self.addr = self.advertise or f"{self.host}:{self.port}"
+        self.addr = self.reach.listen_addr()  # none ("") for 0.0.0.0 until a dial-back confirms one (reach.py)
         self.spawn(self._supervised("heartbeat", self._heartbeat_loop), "heartbeat")
         if self.report_path:
             self.spawn(self._supervised("reports", self._report_loop), "reports")
-        log.info("peer %s listening on %s (blocks %s, role %s)", self.id[:12], self.addr, list(self.blocks), self.role)
+        log.info("peer %s listening on %s:%s, advertising %s (blocks %s, role %s)", self.id[:12], self.host, self.port,
+                 self.addr or "no address yet", list(self.blocks), self.role)
         self.notify()
         return self
 
@@ -135,6 +138,7 @@ class Peer(PeerServices):
         ``timeout_s`` 0: one try. ``on_retry(why)``: called once, when the first try fails. Raises
         JoinError."""
         addr = f"{host}:{port}"
+        self.reach.joining(host)
         limit = self.timeouts.handshake_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         delay, why, tries = 0.2, "", 0
@@ -220,6 +224,14 @@ class Peer(PeerServices):
 
     def info(self) -> PeerInfo:
         return PeerInfo(self.id, self.addr, self.blocks, self.role, 0)
+
+    def set_addr(self, addr: str) -> None:
+        """Advertise ``addr`` from now on (reach.py), and tell the members we are connected to."""
+        if addr == self.addr:
+            return
+        log.info("advertising %s (was %s)", addr or "no address", self.addr or "none")
+        self.addr = addr
+        self._mesh.announce_self()
 
     # --- services: handlers, members, connections, events ------------------------------------
     def on(self, msg_type: type, handler, *, inline: bool = False) -> None:
@@ -323,7 +335,7 @@ class Peer(PeerServices):
             "members": [{"peer_id": v.peer_id, "addr": v.addr, "blocks": list(v.blocks), "role": v.role,
                          "state": v.liveness.value, "last_heard_s": v.last_heard_s}
                         for v in self.members(alive=False)],
-            "traffic": self.traffic_totals(),
+            "traffic": self.traffic_totals(), "reach": self.reach.status(),
             **{k: f() for k, f in self._sections.items() if k in STATUS_SECTIONS},
         }
 

@@ -165,7 +165,7 @@ class SwarmPage:
                    for pid, t in rep["peers"].items()}
         return {
             "peer_id": st["peer_id"], "addr": st["addr"], "blocks": st["blocks"], "role": st["role"],
-            "time": time.time(), "members": st["members"], "work": st.get("work"),
+            "reach": st.get("reach"), "time": time.time(), "members": st["members"], "work": st.get("work"),
             "member_work": self.member_work, "by_kind": rep["by_kind"], "totals": rep["totals"],
             "by_peer": traffic, "serving": rep.get("serving"),
             "training": {k: tr.get(k) for k in ("block", "state", "schedule", "sync", "step", "steps", "block_in_work",
@@ -292,7 +292,11 @@ async function refresh() {
   try {
     const s = await (await fetch("status.json", {cache: "no-store"})).json();
     $("err").textContent = "";
-    $("me").textContent = "peer " + s.peer_id.slice(0, 16) + " at " + s.addr + ", blocks [" + s.blocks + "], role " + s.role +
+    const r = s.reach || {};
+    const reach = r.reachable === true ? "reachable" : r.reachable === false ? "not reachable (behind NAT or a firewall)"
+      : "reachability not known";
+    $("me").textContent = "peer " + s.peer_id.slice(0, 16) + " at " + (s.addr || "(no address)") + ", blocks [" + s.blocks +
+      "], role " + s.role + "; " + reach + (r.observed ? ", seen from " + r.observed : "") +
       " - updated " + new Date(s.time * 1000).toLocaleTimeString();
     table($("members"), ["peer", "address", "blocks", "role", "liveness", "last heard"],
       [[s.peer_id.slice(0, 12) + " (this peer)", esc(s.addr), "[" + s.blocks + "]", s.role, '<span class="alive">alive</span>', "-"]]

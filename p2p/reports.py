@@ -211,7 +211,15 @@ def status_lines(st: dict) -> list[str]:
     the asked peer says of itself, then its members. A member's blocks and role are what it
     announced (marked ``*``: a swarm key holder may claim any), its state and when it was last heard
     are what the asked peer saw itself."""
-    lines = [f"peer {st['peer_id'][:16]} at {st['addr']} (blocks {st['blocks']}, role {st['role']}; as it says)"]
+    lines = [f"peer {st['peer_id'][:16]} at {st['addr'] or '(no address)'} (blocks {st['blocks']}, role "
+             f"{st['role']}; as it says)"]
+    r = st.get("reach")
+    if isinstance(r, dict):  # reach.py, as the peer says
+        verdict = ("reachable" if r.get("reachable") is True else "not reachable (behind NAT or a firewall)"
+                   if r.get("reachable") is False else "reachability not known")
+        lines.append(f"  {verdict}; listening on {r.get('listen')}" +
+                     (f", seen by members from {r['observed']}" if r.get("observed") else "") +
+                     (f": {r['why']}" if r.get("why") else ""))
     w = st.get("work")
     if w:
         lines.append(f"  {w['state']}: holds block {w['holds']}" + (
@@ -221,7 +229,7 @@ def status_lines(st: dict) -> list[str]:
         lines.append(f"  serving block {block}: {how}")
     lines.append(f"{'peer':<18} {'address':<22} {'blocks*':<10} {'role*':<10} {'state':<8} {'last heard':>10}")
     for m in st["members"]:
-        lines.append(f"{m['peer_id'][:16]:<18} {m['addr']:<22} {str(m['blocks']):<10} {m['role']:<10} "
+        lines.append(f"{m['peer_id'][:16]:<18} {m['addr'] or '-':<22} {str(m['blocks']):<10} {m['role']:<10} "
                      f"{m['state']:<8} {m['last_heard_s']:>9.1f}s")
     lines.append("* claimed: as each member announced it (a member with the swarm key may claim any block or "
                  "role); state and last heard: what this peer saw")

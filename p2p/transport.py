@@ -265,7 +265,7 @@ class PeerConnection(asyncio.BufferedProtocol):
         self.last_heard = time.monotonic()
         self.close_reason: str | None = None  # for people: logs and error messages
         self.close_cause: CloseCause | None = None  # for code
-        self.peer_addr = None
+        self.peer_addr = self.local_addr = None  # the socket's (host, port, ...): theirs, ours
         self.auto_pong = True  # a Ping is answered by the driver at once and never queued
         self._reading_direct = False
         self._closing: tuple[str, CloseCause] | None = None  # close() began: the reason and cause it closes with
@@ -280,6 +280,9 @@ class PeerConnection(asyncio.BufferedProtocol):
             transport.abort()
             return
         self.peer_addr = transport.get_extra_info("peername")
+        self.local_addr = transport.get_extra_info("sockname")
+        if self.conn.role is Role.RESPONDER and isinstance(self.peer_addr, tuple) and len(self.peer_addr) >= 2:
+            self.conn.tell("seen", f"{self.peer_addr[0]}:{self.peer_addr[1]}")  # where the initiator is seen from
         transport.set_write_buffer_limits(WRITE_HIGH_WATER_BYTES, WRITE_LOW_WATER_BYTES)
         sock = transport.get_extra_info("socket")
         if sock is not None:

@@ -255,7 +255,8 @@ def check_info(info) -> dict:
     """Validate a hello's ``info`` map (PROTOCOL.md section 4); raises MALFORMED_METADATA.
 
     Keys are strings of at most ``MAX_INFO_KEY_CHARS``; ``addr``, ``blocks`` and ``role``, when
-    present, follow the peer record's rules; other keys are the application's."""
+    present, follow the peer record's rules; ``seen`` and ``dialed`` are addresses as ``addr`` is,
+    ``dial_back`` a port; other keys are the application's."""
     def bad(why):
         return HandshakeError(f"hello info: {why}", ErrorCode.MALFORMED_METADATA)
     if type(info) is not dict:
@@ -271,6 +272,11 @@ def check_info(info) -> dict:
         raise bad(f"blocks must be an array of at most {MAX_PEER_BLOCKS} u16")
     if role not in ROLES or type(role) is not str:
         raise bad(f"role must be one of {ROLES}")
+    for key in ("seen", "dialed"):  # reachability (section 4): addresses, as ``addr``
+        if key in info and (type(info[key]) is not str or len(info[key]) > MAX_ADDR_CHARS):
+            raise bad(f"{key} must be a 'host:port' string of <= {MAX_ADDR_CHARS} chars")
+    if "dial_back" in info and not (type(info["dial_back"]) is int and 0 < info["dial_back"] < 1 << 16):
+        raise bad("dial_back must be a port: an integer in 1..65535")
     return info
 
 
@@ -542,6 +548,18 @@ class Connection:
         self._out += b"".join(self._frame(Handshake(b""), force_seal=True))
         self._transition(Ev.RECV_FINISH)
         return self.peer
+
+    def tell(self, key: str, value) -> None:
+        """Add ``key`` to the hello's ``info`` before the hello is written: what a side learns only
+        once its socket is up (a responder's ``seen``, section 4)."""
+        if self._state is not State.START:
+            raise LocalProtocolError("the hello is already written", ErrorCode.PROTOCOL_ERROR)
+        info = check_info({**self.info, key: value})
+        before, self.info = self.info, info
+        if len(self._hello_payload()) > MAX_HELLO_BYTES:
+            self.info = before
+            raise LocalProtocolError(f"hello info too large: the hello must fit {MAX_HELLO_BYTES} bytes",
+                                     ErrorCode.MALFORMED_METADATA)
 
     def _hello_payload(self) -> bytes:
         return msgpack.packb({"v": 1, "seal": self.seal, "info": self.info}, use_bin_type=True)

@@ -14,8 +14,8 @@ from blocktrain.protocol.handshake import NoiseHandshake
 from blocktrain.protocol.statediagram import mermaid
 from blocktrain.protocol.connection import Role
 
-from vectors import (INVALID_FIRST, INVALID_HELLOS, INVALID_R4, RANGE_HELLOS, PROTOCOL_MD, VALID, fixed_connection,
-                     message3_with_hello, session_transcript, tables)
+from vectors import (INVALID_FIRST, INVALID_HELLOS, INVALID_R4, PROTOCOL_MD, RANGE_HELLOS, REACH_HELLO, VALID,
+                     fixed_connection, message3_with_hello, session_transcript, tables)
 
 VALID_ROWS = tables("Valid frames")
 INVALID_ROWS = tables("Invalid frames")
@@ -149,6 +149,23 @@ def test_invalid_hello_rejected_by_a_responder(name, hexstr, code, split):
         feed_connection(conn, bytes.fromhex(hexstr), split)
     assert ei.value.code is ErrorCode[code]
     _check_refusal(conn, ErrorCode[code])
+
+
+def test_the_reachability_hello_vector_both_ways():
+    """r8: PROTOCOL.md's hello with ``seen``, ``dial_back`` and ``dialed`` is what canonical
+    msgpack makes of them, message 3 carrying it is what the fixed keys make, and a responder
+    takes it with exactly that info."""
+    import msgpack
+    from blocktrain.protocol import HandshakeComplete
+    (name, hexstr), = tables("Hello with the reachability keys")
+    text = PROTOCOL_MD.read_text()
+    assert msgpack.packb(REACH_HELLO, use_bin_type=True).hex() in text
+    assert message3_with_hello(msgpack.packb(REACH_HELLO, use_bin_type=True)).hex() == hexstr
+    conn = fixed_connection(Role.RESPONDER)
+    assert feed_connection(conn, SESSION["message 1"], None) == []
+    conn.data_to_send()
+    evs = feed_connection(conn, bytes.fromhex(hexstr), None)
+    assert len(evs) == 1 and isinstance(evs[0], HandshakeComplete) and evs[0].info == REACH_HELLO["info"]
 
 
 def test_every_invalid_hello_has_a_vector():

@@ -148,7 +148,14 @@ INVALID_HELLOS = {
     # canonical msgpack (the tests check): refused by the range check, not as a longer form (r6.22)
     "block not a u16": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa6blocks\x91\xff",
     "block past a u16": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa6blocks\x91\xce\x00\x01\x00\x00",
+    # r8, reachability: a port in 1..65535, an address a string (canonical: only the values are wrong)
+    "dial_back is 0": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa9dial_back\x00",
+    "dial_back past a u16": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa9dial_back\xce\x00\x01\x00\x00",
+    "seen not a string": b"\x83\xa1v\x01\xa4seal\xc3\xa4info\x81\xa4seen\x07",
 }
+# r8: a hello with the reachability keys (section 4), which a responder takes (its info as here)
+REACH_HELLO = {"v": 1, "seal": True, "info": {"dial_back": 7001, "dialed": "203.0.113.7:7001",
+                                              "seen": "203.0.113.9:41000"}}
 RANGE_HELLOS = ("block not a u16", "block past a u16")  # canonical: only their values are wrong
 
 

@@ -1,0 +1,178 @@
+"""Reachability (p2p/reach.py, PROTOCOL.md section 4: ``seen``, ``dial_back``, ``dialed``): a peer
+learns the address members see it from, asks them to dial it back, advertises only an address a
+member reached it at, and says whether it is reachable; members dial back only where they see the
+asker, within bounds. Loopback only: no router here, so "not reachable" is a port nobody listens
+on, or one that accepts and never answers."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+import blocktrain.p2p.reach as reach
+from blocktrain.bench.ports import free_port
+from blocktrain.p2p.node import Peer
+from blocktrain.p2p.transport import Timeouts
+
+FAST = Timeouts(connect_s=2, handshake_s=2, heartbeat_s=0.2, dead_after_s=30, close_s=1)
+
+
+async def _peer(psk, host="127.0.0.1", **kw):
+    return await Peer(X25519PrivateKey.generate(), psk, host, 0, timeouts=FAST, **kw).start()
+
+
+async def test_a_peer_on_0_0_0_0_advertises_the_address_a_member_dialled_it_back_at():
+    psk = os.urandom(32)
+    a = await _peer(psk)
+    b = await _peer(psk, "0.0.0.0")
+    try:
+        assert b.addr == ""  # never 0.0.0.0:port: nobody can dial that
+        await b.join("127.0.0.1", a.port)
+        assert await b.wait_for(lambda: b.reach.reachable is not None, 10.0)
+        assert b.reach.reachable is True and b.addr == f"127.0.0.1:{b.port}", b.reach.status()
+        assert b.reach.status()["observed"] == "127.0.0.1" and b.reach.confirmed_by == a.id
+        # the member learns it (ANNOUNCE), and the dial-back never became a member's connection
+        assert await a.wait_for(lambda: [m.addr for m in a.members()] == [b.addr], 5.0), a.members()
+        assert [m.peer_id for m in b.members()] == [a.id] and a.reach.status()["dialled"] == 1
+        assert "0.0.0.0" not in str(a.status()) and "reachable at 127.0.0.1" in b.reach.line()
+        # a given listen address that a member connected to is reachable there
+        assert a.reach.reachable is True and a.addr == f"127.0.0.1:{a.port}"
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+async def test_a_peer_nobody_can_dial_back_says_it_is_not_reachable_and_keeps_working(monkeypatch):
+    monkeypatch.setattr(reach, "DIAL_BACK_WAIT_S", 1.0)
+    psk = os.urandom(32)
+    nobody = free_port()  # as a router that forwards nothing: the port is closed to members
+    a = await _peer(psk)
+    b = await _peer(psk, "0.0.0.0", advertise=f"127.0.0.1:{nobody}")
+    try:
+        await b.join("127.0.0.1", a.port)
+        assert await b.wait_for(lambda: b.reach.reachable is not None, 10.0)
+        st = b.reach.status()
+        assert st["reachable"] is False and f"port {nobody}" in st["why"] and st["asks"] == 1, st
+        assert "not reachable" in b.reach.line() and b.addr == f"127.0.0.1:{nobody}"  # the user's word stays
+        assert a.reach.status()["dialled"] == 1  # a member tried, where it sees b, at the port b asked
+        assert [m.peer_id for m in a.members()] == [b.id]  # the connection b opened carries on
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+async def test_loopback_listen_address_is_not_advertised_to_a_swarm_elsewhere():
+    p = await _peer(os.urandom(32))
+    try:
+        p.reach.joining("127.0.0.1")
+        assert p.addr == f"127.0.0.1:{p.port}"
+        p.reach.joining("192.0.2.7")  # a member at another host cannot dial our loopback address
+        assert p.addr == ""
+    finally:
+        await p.stop()
+
+
+async def test_dial_backs_are_one_per_identity_per_interval_and_few_at_once(monkeypatch):
+    """Any key holder may ask, with as many identities as it likes: the member dials only the
+    host it sees the asker at, one dial-back per identity per DIAL_BACK_EVERY_S, MAX_DIAL_BACKS at
+    once in all (a listener that accepts and never answers holds each for the handshake timeout)."""
+    monkeypatch.setattr(reach, "DIAL_BACK_ASKS", 8)
+    psk = os.urandom(32)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    a = await _peer(psk)
+    askers = []
+    try:
+        one = await _peer(psk, "0.0.0.0", advertise=f"127.0.0.1:{silent.getsockname()[1]}")
+        askers.append(one)
+        await one.join("127.0.0.1", a.port)
+        for _ in range(3):  # the same identity asks again (each new connection's hello asks)
+            one.reach.asks = 0
+            await a.wait_for(lambda: False, 0.05)
+            pc = a.live_connection(one.id)
+            assert pc is not None
+            a.reach.asked(one.id, pc, silent.getsockname()[1])
+        assert a.reach.status()["dialled"] == 1 and a.reach.status()["refused"] == 3
+        for _ in range(7):
+            p = await _peer(psk, "0.0.0.0", advertise=f"127.0.0.1:{silent.getsockname()[1]}")
+            askers.append(p)
+            await p.join("127.0.0.1", a.port)
+        await a.wait_for(lambda: a.reach.status()["asked_of_us"] >= 8, 5.0)
+        st = a.reach.status()
+        assert st["asked_of_us"] == 8 + 3 and st["dialled"] <= reach.MAX_DIAL_BACKS, st
+        assert st["dialled"] + st["refused"] == st["asked_of_us"], st
+        assert st["dialled"] == reach.MAX_DIAL_BACKS, st  # the silent listener holds them all
+    finally:
+        for p in askers:
+            await p.stop()
+        await a.stop()
+        silent.close()
+
+
+def test_the_cli_never_tells_others_to_join_at_0_0_0_0(tmp_path):
+    """``bt-peer start/join --listen 0.0.0.0:P``: the start says to use this host's address; the
+    joiner, once a member dialled it back, prints the address it was reached at (not 0.0.0.0)."""
+    from blocktrain.p2p.identity import new_swarm_key
+    new_swarm_key(tmp_path / "key")
+    base = [sys.executable, "-m", "blocktrain.p2p.cli"]
+    keys = ["--swarm-key", str(tmp_path / "key"), "--no-train"]
+    boot, port = free_port(), free_port()
+    starter = subprocess.Popen(base + ["start", "--listen", f"0.0.0.0:{boot}", "--identity", str(tmp_path / "i0"),
+                                       *keys], stderr=open(tmp_path / "start.log", "w"))
+    joiner = None
+    try:
+        _until(tmp_path / "start.log", f"bt-peer join THIS_HOST:{boot}", starter, 60)
+        joiner = subprocess.Popen(base + ["join", f"127.0.0.1:{boot}", "--listen", f"0.0.0.0:{port}", "--identity",
+                                          str(tmp_path / "i1"), *keys], stderr=open(tmp_path / "join.log", "w"))
+        _until(tmp_path / "join.log", f"others join with: bt-peer join 127.0.0.1:{port}", joiner, 60)
+        for log in ("start.log", "join.log"):
+            text = (tmp_path / log).read_text()
+            assert "join 0.0.0.0" not in text and "Traceback" not in text, text
+        assert f"reachable at 127.0.0.1:{port}" in (tmp_path / "join.log").read_text()
+    finally:
+        for p in (joiner, starter):
+            if p is not None:
+                p.terminate()
+                p.wait(20)
+
+
+def _until(path, text: str, proc, bound_s: float):
+    deadline = time.monotonic() + bound_s
+    while text not in path.read_text():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before saying {text!r}: {path.read_text()}"
+        assert time.monotonic() < deadline, f"not said within {bound_s} s: {text!r}: {path.read_text()}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("info,ok", [
+    ({"seen": "203.0.113.7:41000", "dial_back": 7001, "dialed": "203.0.113.7:7001"}, True),
+    ({"dial_back": 0}, False), ({"dial_back": 65536}, False), ({"dial_back": True}, False),
+    ({"seen": 7}, False), ({"dialed": "x" * 263}, False)])
+def test_the_reachability_keys_of_a_hello_are_checked(info, ok):
+    from blocktrain.protocol.connection import check_info
+    from blocktrain.protocol.handshake import HandshakeError
+    if ok:
+        assert check_info(info) == info
+    else:
+        with pytest.raises(HandshakeError):
+            check_info(info)
+
+
+async def test_a_responder_tells_the_initiator_where_it_sees_it_from():
+    psk = os.urandom(32)
+    a = await _peer(psk)
+    b = await _peer(psk)
+    try:
+        await b.join("127.0.0.1", a.port)
+        await asyncio.sleep(0)
+        seen = b.reach.status()["observed"]
+        assert seen == "127.0.0.1", b.reach.status()
+    finally:
+        await b.stop()
+        await a.stop()
