@@ -158,6 +158,11 @@ def _mode_figures(runs: list[dict], texts: list[bytes], hops: int, link: LinkSpe
             # computed by every hop, all traversals (the prompt once, the output scaled)
             "positions": PROMPT_LEN + (med("positions") - PROMPT_LEN) * scale,
             "seconds_per_prompt": [r["seconds"] for r in runs],
+            # output as it comes (not scaled): when the first byte was accepted, beside one traversal's time
+            "first_byte_s": statistics.median(r["first_byte_s"] for r in runs if r.get("first_byte_s") is not None)
+            if any(r.get("first_byte_s") is not None for r in runs) else None,
+            "seconds_per_traversal": secs / trav if trav else None,
+            "arrivals_first_prompt": runs[0].get("arrivals"),  # [seconds, bytes so far] per traversal
             "continuations_repeating_a_16gram": f"{sum(map(repeats_16gram, texts))}/{len(texts)}"}
 
 
@@ -477,8 +482,10 @@ def _mode_lines(result: dict, modes) -> list[str]:
             q = r["quality"]["ce_per_offset"]
             extra = ("; NOT the same output: CE of the true text per offset "
                      + ", ".join(f"{o}: {v:.2f}" for o, v in q.items()) + " nats/byte")
+        first = (f", first byte at {r['first_byte_s']:.3f} s (a traversal: {r['seconds_per_traversal']:.3f} s)"
+                 if r.get("first_byte_s") is not None and r.get("seconds_per_traversal") else "")
         lines.append(f"{m + ':':<16}{r['seconds']:.3f} s, {r['traversals']:.0f} traversal(s), "
-                     f"{r['bytes_moved']:,.0f} B, bound {r['bound_s']:.3f} s ({r['vs_bound']:.2f}x){extra}")
+                     f"{r['bytes_moved']:,.0f} B, bound {r['bound_s']:.3f} s ({r['vs_bound']:.2f}x){first}{extra}")
     return lines
 
 

@@ -454,6 +454,23 @@ def serve(bootstrap, checkpoints, reference, batch, **o):
     _run(o, bootstrap, "serve", served=served)
 
 
+class _Stream:
+    """``bt-peer generate``'s output as the chain accepts it: the new bytes of each traversal,
+    decoded as they complete UTF-8 characters (the text is what decoding the whole output gives)."""
+
+    def __init__(self):
+        import codecs
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.printed = 0  # bytes of the output printed so far
+
+    def __call__(self, output: bytes, seconds: float, final: bool = False):
+        # the output only grows; a retry on another chain makes the same bytes again (exact)
+        new = output[self.printed:] if len(output) > self.printed else b""
+        self.printed += len(new)
+        sys.stdout.write(self.decoder.decode(new, final=final) + ("\n" if final else ""))
+        sys.stdout.flush()
+
+
 @main.command()
 @click.argument("address")
 @_key_options
@@ -479,6 +496,8 @@ def serve(bootstrap, checkpoints, reference, batch, **o):
               help=WAIT_HELP + ", or no chain of serving peers is there yet.")
 @click.option("--timeout", type=click.FloatRange(0.5), default=30.0, show_default=True,
               help="Seconds for a connection, and for each traversal's answer.")
+@click.option("--whole", is_flag=True,
+              help="Print the output all at once at the end (for scripts); default: as the chain accepts it.")
 @click.option("--verify", is_flag=True,
               help="Check the output before printing it: one more traversal recomputes it on other holders of each "
                    "block; a hop whose answers differ is named and avoided, and the output made again. Blocks with "
@@ -489,8 +508,11 @@ def serve(bootstrap, checkpoints, reference, batch, **o):
                    "on one machine gave 0 on 15 outputs (greedy and sampled, 3 at once); code before exact rows "
                    "were batch invariant gave up to 1.8e-4; across hardware it was not measured.")
 def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, top_k, seed, draft_len, wait_s,
-             timeout, verify, verify_tol):
-    """Continue --prompt by N bytes through a chain of serving peers found via ADDRESS."""
+             timeout, verify, verify_tol, whole):
+    """Continue --prompt by N bytes through a chain of serving peers found via ADDRESS.
+
+    The output prints as the chain accepts it, traversal by traversal (--whole: all at once, at
+    the end, as with --verify); the stats line on stderr gives the time to its first byte."""
     from blocktrain.blocks.decode import Sampling
 
     from .serving.client import generate as run_generate
@@ -500,16 +522,24 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
     host, port = _addr(address)
     key, ident = _keys(swarm_key, identity)
     sampling = Sampling(temperature=temperature, top_k=top_k, seed=seed)
+    stream = None if whole or verify else _Stream()
     try:
         out, st = asyncio.run(run_generate(host, port, ident, key, os.fsencode(prompt), n_bytes, mode, timeout,
                                            log=lambda s: click.echo(s, err=True), sampling=sampling,
                                            draft_len=draft_len, wait_s=wait_s, verify=verify,
-                                           verify_tol=verify_tol))
+                                           verify_tol=verify_tol, on_bytes=stream))
     except (PipelineError, ConnectionError, OSError) as e:
+        if stream is not None and stream.printed:
+            click.echo("")
         raise click.ClickException(f"generate via {address}: {e}")
-    click.echo(out.decode("utf-8", "replace"))
+    if stream is not None:
+        stream(out, st["seconds"], final=True)
+    else:
+        click.echo(out.decode("utf-8", "replace"))
+    first = st.get("first_byte_s")
     click.echo(f"[{mode}: {len(out)} bytes in {st['traversals']} traversal(s) "
-               f"({len(out) / max(1, st['traversals']):.1f} bytes each), {st['seconds']:.3f} s, route {st['route']}]",
+               f"({len(out) / max(1, st['traversals']):.1f} bytes each), {st['seconds']:.3f} s"
+               + (f", first byte at {first:.3f} s" if first is not None else "") + f", route {st['route']}]",
                err=True)
     if "verify" in st:
         v = st["verify"]

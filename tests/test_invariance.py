@@ -169,6 +169,12 @@ def test_a_chain_of_processes_on_other_math_kernels_serves_exact_output(tmp_path
             assert r.returncode == 0, r.stderr[-2000:]
             outs[mode] = r.stdout.rsplit("\n[", 1)[0]  # the output, without the stats line
         assert outs["exact"] == outs["autoregressive"] and len(outs["exact"]) > 0
+        # printed as it came (the default) or all at once (--whole): the same text; the first byte's time said
+        r = subprocess.run([peer, "generate", f"127.0.0.1:{port}", *common, "--identity", str(tmp_path / "me"),
+                            "--prompt", "The history of the", "--bytes", "48", "--whole", "--wait", "60"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.rsplit("\n[", 1)[0] == outs["exact"], r.stderr[-2000:]
+        assert "first byte at" in r.stderr
     finally:
         for p in procs:
             p.terminate()

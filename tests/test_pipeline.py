@@ -96,9 +96,12 @@ async def test_exact_output_is_the_autoregressive_output_byte_for_byte(models, p
     autoregressive decoding emits, over the network and in one process."""
     bt, e2e = models
     async with served_chain(bt, e2e, timeout_s=20) as (peers, servers, client):
-        exact, st = await client.generate(prompt, 24, "exact")
+        seen = []  # output as it comes: the output so far after every traversal that accepted bytes
+        exact, st = await client.generate(prompt, 24, "exact", on_bytes=lambda out, t: seen.append((out, t)))
         ar, st_ar = await client.generate(prompt, 24, "autoregressive")
         assert exact == ar == in_process(bt, prompt, 24) and len(exact) == 24
+        assert seen[-1][0] == exact and all(b.startswith(a) and len(b) > len(a) for (a, _), (b, _) in zip(seen, seen[1:]))
+        assert [[t, len(out)] for out, t in seen] == st["arrivals"] and st["first_byte_s"] == seen[0][1]
         assert st_ar["traversals"] == 24 and st["traversals"] <= 24
         for _ in range(50):  # the sessions' caches are freed at their end (the last frees travel on)
             if not any(srv.sessions for srv in servers):

@@ -58,6 +58,11 @@ def test_bench_wan_runs_the_modes_named_and_judges_only_what_they_allow(tmp_path
     assert d["modes"] == ["blocktrain", "autoregressive"] and "exact" not in d and d["split"] == "valid"
     assert d["autoregressive"]["traversals"] == 4 and d["blocktrain"]["traversals"] == 1
     assert set(d["targets"]) == {"every mode within 1.25x of its bound"} and "speedup_blocktrain_vs_autoregressive" in d
+    # output as it comes: one arrival per traversal that accepted bytes, growing to the whole output
+    ar, bt = d["autoregressive"], d["blocktrain"]
+    assert [b for _, b in ar["arrivals_first_prompt"]] == [1, 2, 3, 4] and bt["arrivals_first_prompt"][0][1] == 4
+    assert 0 < ar["first_byte_s"] == ar["arrivals_first_prompt"][0][0] < ar["arrivals_first_prompt"][-1][0]
+    assert bt["first_byte_s"] == bt["seconds_per_prompt"][0]  # one traversal brings every byte
     for every in ([], ["--mode", "exact", "--mode", "blocktrain", "--mode", "autoregressive"]):
         assert "--mode" in _refused("wan", "--mode", "exact", "--kernel", *every)  # --kernel runs its own two modes
     assert "fast: expected" in _refused("wan", "--mode", "exact,fast")

@@ -29,6 +29,7 @@ import asyncio
 import functools
 import secrets
 import time
+from typing import Callable
 
 import torch
 
@@ -69,6 +70,9 @@ def _request_id() -> int:
     requests (to answer one in our place)."""
     return secrets.randbits(63)
 
+
+# Streaming output: called with the output so far (it only grows) and the seconds since the request began.
+OnBytes = Callable[[bytes, float], None]
 
 class PipelineClient:
     """Sends requests into a chain of serving peers and collects the answers.
@@ -187,12 +191,15 @@ class PipelineClient:
         self._drafter = bool(res.meta.get("drafter", True))
         return logits[0].float(), drafts[0].long(), float(res.meta.get("compute_s", 0.0))
 
-    async def run(self, s: Session, mode: str, session: int | None = None, rebuilds: int = 2) -> dict:
+    async def run(self, s: Session, mode: str, session: int | None = None, rebuilds: int = 2,
+                  on_bytes: OnBytes | None = None) -> dict:
         """Drive ``s`` to its end through this chain; a hop that lost the caches ("session" fault)
-        gets them rebuilt from the committed bytes, at most ``rebuilds`` times."""
+        gets them rebuilt from the committed bytes, at most ``rebuilds`` times. ``on_bytes(output,
+        seconds)``: after every traversal that accepted bytes, the output so far (it only grows)."""
         session = secrets.randbits(62) if session is None else session  # unguessable, new per run
         compute, ended = 0.0, False
         t0 = time.perf_counter()
+        arrivals: list[list[float]] = []  # [seconds, bytes of output] after each traversal that added some
         try:
             while s.state != "done":
                 spec = s.next_spec()
@@ -210,16 +217,21 @@ class PipelineClient:
                 if not self._drafter and s.drafter:  # no draft model at the last hop: draft by slots,
                     # as many after each verified node as keep the tree within a hop's bounds
                     s.drafter, s.slots = False, min(s.draft_len, max(0, MAX_TREE // (1 + s.draft_len) - 1))
-                s.feed(logits, drafts)
+                if s.feed(logits, drafts):
+                    arrivals.append([round(time.perf_counter() - t0, 4), len(s.output)])
+                    if on_bytes is not None:
+                        on_bytes(s.output, arrivals[-1][0])
         finally:
             if not ended:
                 self._end(session, mode)
         return {"seconds": time.perf_counter() - t0, "traversals": s.stats.traversals, "compute_s": compute,
+                "first_byte_s": arrivals[0][0] if arrivals else None, "arrivals": arrivals,
                 "bytes_per_traversal": s.stats.bytes_per_traversal(len(s.output)),
                 "drafted": s.stats.drafted, "accepted": s.stats.accepted, "rebuilds": s.stats.rebuilds,
                 "positions": s.stats.new_tokens}
 
-    async def generate_blocktrain(self, prompt: bytes, n: int, sampling: Sampling = Sampling()) -> tuple[bytes, dict]:
+    async def generate_blocktrain(self, prompt: bytes, n: int, sampling: Sampling = Sampling(),
+                                  on_bytes: OnBytes | None = None) -> tuple[bytes, dict]:
         """N bytes from one traversal of the chain (prompt + N-1 placeholders)."""
         t0 = time.perf_counter()
         spec = one_traversal_spec(prompt, n)
@@ -231,8 +243,12 @@ class PipelineClient:
             import numpy as np
             rng = np.random.default_rng(sampling.seed)
             out = [int(rng.choice(256, p=sampling.probs(row))) for row in logits]
-        return bytes(out), {"seconds": time.perf_counter() - t0, "traversals": 1, "compute_s": compute,
-                            "bytes_per_traversal": float(n), "positions": len(spec["ids"])}
+        seconds = time.perf_counter() - t0
+        if on_bytes is not None:
+            on_bytes(bytes(out), seconds)
+        return bytes(out), {"seconds": seconds, "traversals": 1, "compute_s": compute,
+                            "bytes_per_traversal": float(n), "positions": len(spec["ids"]),
+                            "first_byte_s": seconds, "arrivals": [[round(seconds, 4), len(out)]]}
 
     async def recompute(self, tokens: bytes, n_prompt: int, mode: str) -> torch.Tensor:
         """The rows a finished output was decoded from, recomputed by this chain in one traversal
@@ -243,11 +259,12 @@ class PipelineClient:
         return logits
 
     async def generate(self, prompt: bytes, n: int, mode: str = "exact", sampling: Sampling = Sampling(),
-                       draft_len: int | None = None, max_seq_len: int | None = None) -> tuple[bytes, dict]:
+                       draft_len: int | None = None, max_seq_len: int | None = None,
+                       on_bytes: OnBytes | None = None) -> tuple[bytes, dict]:
         if mode == "blocktrain":
-            return await self.generate_blocktrain(prompt, n, sampling)
+            return await self.generate_blocktrain(prompt, n, sampling, on_bytes)
         s = new_session(prompt, n, mode, sampling, draft_len, max_seq_len)
-        stats = await self.run(s, mode)
+        stats = await self.run(s, mode, on_bytes=on_bytes)
         return s.output, stats
 
 
@@ -281,13 +298,17 @@ def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = No
 async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode: str, timeout: float,
                    attempts: int = 3, log=lambda s: None, sampling: Sampling = Sampling(),
                    draft_len: int | None = None, wait_s: float | None = None, verify: bool = False,
-                   verify_tol: float = DEFAULT_TOL) -> tuple[bytes, dict]:
+                   verify_tol: float = DEFAULT_TOL, on_bytes: OnBytes | None = None) -> tuple[bytes, dict]:
     """Pick a chain from the swarm view via HOST:PORT and run the request; when a hop fails, retry
     through another peer holding that block (a session goes on where it was: the new chain
     rebuilds its caches from the bytes committed so far). While nothing listens at HOST:PORT or no
     chain is there yet, ask again for up to ``wait_s`` (default: ``timeout``). ``verify``: check
     the output on other holders (verify.py); a chain with a hop named there is avoided and the
-    output generated again (``stats["verify"]`` says what was checked)."""
+    output generated again (``stats["verify"]`` says what was checked). ``on_bytes``: the output as
+    it is accepted (not with ``verify``: a rejected output is made again from the prompt); a retry
+    on another chain goes on from the bytes committed, or makes the same bytes again."""
+    if verify and on_bytes is not None:
+        raise ValueError("streamed output cannot be verified first: give one or the other")
     check_request(prompt, n, mode, sampling=sampling, draft_len=draft_len)
     tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
     avoid: set[str] = set()
@@ -306,7 +327,8 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
         try:
             await client.connect()
             # a checked output that failed is made again from the prompt
-            out, stats, rows, s = await _run_on(client, prompt, n, mode, sampling, s, verify, draft_len, msl)
+            out, stats, rows, s = await _run_on(client, prompt, n, mode, sampling, s, verify, draft_len, msl,
+                                                on_bytes)
             stats["route"], stats["attempts"] = route, attempt + 1
             if verify:
                 recompute = functools.partial(_recompute, ident, key, tmo, timeout, prompt + out, len(prompt), mode)
@@ -325,18 +347,19 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
 
 
 async def _run_on(client: PipelineClient, prompt: bytes, n: int, mode: str, sampling: Sampling, s: Session | None,
-                  fresh: bool, draft_len: int | None, msl) -> tuple[bytes, dict, torch.Tensor, Session | None]:
+                  fresh: bool, draft_len: int | None, msl,
+                  on_bytes: OnBytes | None = None) -> tuple[bytes, dict, torch.Tensor, Session | None]:
     """The request run through ``client``'s chain: the output, its stats, the rows it was decoded
     from, and the session, which goes on where it was on a new chain (unless ``fresh``)."""
     if mode == "blocktrain":
-        out, stats = await client.generate_blocktrain(prompt, n, sampling)
+        out, stats = await client.generate_blocktrain(prompt, n, sampling, on_bytes)
         assert client.last_rows is not None  # generate_blocktrain sets it
         return out, stats, client.last_rows, s
     if s is None or fresh:
         s = new_session(prompt, n, mode, sampling, draft_len, msl)
     else:
         s.reset_caches()  # a new chain: its hops hold nothing of this session
-    stats = await client.run(s, mode)
+    stats = await client.run(s, mode, on_bytes=on_bytes)
     stats["traversals"] = s.stats.traversals
     return s.output, stats, torch.stack(s.rows), s
 
