@@ -89,8 +89,11 @@ def _peer_options(f):
     opts = [
         click.option("--block", "blocks", type=click.IntRange(0, 65535), multiple=True,
                      help="Block this peer holds: trains (start/join) or serves (serve). Repeatable for serve."),
-        click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT to listen on (port 0: any). On 0.0.0.0 the peer advertises the "
-                          "address a member dialled it back at, once one has (docs/usage.md, Reachability)."),
+        click.option("--listen", default="0.0.0.0:0", show_default=True,
+                     help="HOST:PORT to listen on (port 0: any). The default, every interface, lets peers on other "
+                          "machines reach this one (only swarm key holders get past the handshake); the peer "
+                          "advertises the address a member dialled it back at, once one has (docs/usage.md, "
+                          "Reachability). 127.0.0.1:PORT keeps it to this machine."),
         click.option("--advertise", default=None,
                      help="HOST:PORT others should dial (default: the listen address; on 0.0.0.0, the address a "
                           "member dialled this peer back at)."),

@@ -178,6 +178,8 @@ class Connections:
         kept = self.register(pc, hc, dialled=addr)
         if kept is not None and not is_client(hc):
             self.peer.reach.observed(hc.peer_id, hc.info.get("seen"))
+            if "dial_back" in pc.conn.info:
+                self.peer.reach.asked_member()
         self.dials.pop(addr, None)
         self.peer.notify()  # settled() may hold now
         fut.set_result(self.mesh.table.live_conn(hc.peer_id))  # ours, or the one kept instead of a duplicate

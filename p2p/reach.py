@@ -6,8 +6,8 @@ Rules:
   initiator's connection comes from (transport.py). Behind a home router that is the router's
   address and a port it picked; the host is where the world sees this peer.
 - Dial-back, as libp2p's AutoNAT: while it is not known whether members can dial this peer, the
-  hello of its next ``DIAL_BACK_ASKS`` outbound member connections carries ``dial_back``: the port
-  it listens on. A member asked dials the host it sees that connection come from, never another
+  hello of every connection it dials carries ``dial_back``, the port it listens on, until
+  ``DIAL_BACK_ASKS`` members have taken one (a dial that never connected asked nobody). A member asked dials the host it sees that connection come from, never another
   (no member can be made to dial a third party), at that port: once per asking identity per
   ``DIAL_BACK_EVERY_S``, ``MAX_DIAL_BACKS`` at once in all (identities are free), each within the
   peer's connect and handshake timeouts. Its hello there carries ``dialed``, the address it
@@ -107,15 +107,19 @@ class Reachability:
             p.set_addr("")
 
     def dial_back_port(self) -> int | None:
-        """The port an outbound member connection's hello asks to be dialled back at, or None."""
+        """The port an outbound connection's hello asks to be dialled back at, or None."""
         p = self.peer
         if self.reachable or p.role == "client" or not p.port or self.asks >= DIAL_BACK_ASKS:
             return None
+        return self.dial_back_target()
+
+    def asked_member(self) -> None:
+        """A member took an outbound connection whose hello asked for a dial-back (a dial that
+        never connected asked nobody): the wait for a dial-back runs from the first."""
         self.asks += 1
         if self._first_ask is None:
             self._first_ask = time.monotonic()
-            p.spawn(self._deadline(), "dial-back deadline")
-        return self.dial_back_target()
+            self.peer.spawn(self._deadline(), "dial-back deadline")
 
     async def _deadline(self) -> None:
         await asyncio.sleep(DIAL_BACK_WAIT_S)

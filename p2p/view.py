@@ -29,7 +29,8 @@ MAX_ROUTE_BLOCKS = 256  # bound on a peer's word for how many blocks a model has
 
 async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_key: bytes,
                        timeouts: Timeouts = Timeouts()) -> dict:
-    """Ask one peer for its view of the swarm (as a client, never a member)."""
+    """Ask one peer for its view of the swarm (as a client, never a member). A peer that has no
+    address to advertise yet (it listens on 0.0.0.0: reach.py) is given the one we reached it at."""
     conn = make_connection(Role.INITIATOR, identity, swarm_key, info=CLIENT_INFO)
     pc = await open_connection(host, port, conn, timeouts, name=f"{host}:{port}")
     try:
@@ -38,6 +39,8 @@ async def query_status(host: str, port: int, identity: X25519PrivateKey, swarm_k
             async with asyncio.timeout(timeouts.handshake_s):
                 msg = await pc.recv()
             if isinstance(msg, Status):
+                if isinstance(msg.status, dict) and msg.status.get("addr") == "":
+                    return {**msg.status, "addr": f"{host}:{port}"}
                 return msg.status
             if isinstance(msg, ConnectionClosed):
                 raise ConnectionError(f"{host}:{port} closed before answering: {msg.reason}")
@@ -104,7 +107,7 @@ def holders(members, block: int, role: str = "train") -> list[str]:
         def get(k: str, m=m):
             return m.get(k) if isinstance(m, dict) else getattr(m, k)
         alive = get("state") == "alive" if isinstance(m, dict) else m.alive
-        if alive and get("role") == role and block in get("blocks"):
+        if alive and get("role") == role and block in get("blocks") and get("addr"):  # "": nobody can dial it
             out.append((get("peer_id"), get("addr")))
     return [a for _, a in sorted(out)]
 

@@ -176,3 +176,19 @@ async def test_a_responder_tells_the_initiator_where_it_sees_it_from():
     finally:
         await b.stop()
         await a.stop()
+
+
+async def test_a_client_gives_a_peer_without_an_address_the_one_it_reached_it_at():
+    """A lone peer on 0.0.0.0 (nobody has dialled it back) answers a status with no address: the
+    client puts in the address it reached it at, and a chain never names a member nobody can dial."""
+    from blocktrain.p2p.view import holders, query_status
+    psk = os.urandom(32)
+    p = await _peer(psk, "0.0.0.0", blocks=(0,), role="serve")
+    try:
+        assert p.status()["addr"] == ""
+        st = await query_status("127.0.0.1", p.port, X25519PrivateKey.generate(), psk, FAST)
+        assert st["addr"] == f"127.0.0.1:{p.port}"
+        assert holders([{"peer_id": "a" * 64, "addr": "", "blocks": [0], "role": "serve", "state": "alive"}], 0,
+                       "serve") == []
+    finally:
+        await p.stop()
