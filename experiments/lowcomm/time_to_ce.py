@@ -27,6 +27,8 @@ def rounds_by(curve_step: int, every: int, dense_first: int, mode: str) -> int:
     first ``dense_first``, and every step in grads mode)."""
     if mode == "grads":
         return curve_step
+    if mode == "alone":
+        return 0
     dense = min(curve_step, dense_first)
     return dense + (curve_step - dense) // every if curve_step > dense_first else dense
 
@@ -35,7 +37,7 @@ def timeline(run: dict, rate_mbit: float, rtt_s: float, overlap: bool) -> list[t
     """[(step, valid CE, modelled seconds)] of the run's curve on the link."""
     out = []
     for step, ce, sent in run["curve"]:
-        rounds = max(1, rounds_by(step, run["every"], run.get("dense_first", 0), run["mode"]))
+        rounds = rounds_by(step, run["every"], run.get("dense_first", 0), run["mode"])
         transfer = sent * 8 / (rate_mbit * 1e6) + rounds * rtt_s  # its bytes up, one round trip per round
         compute = step * run["step_seconds"]
         out.append((step, ce, max(compute, transfer) if overlap else compute + transfer))
@@ -45,6 +47,8 @@ def timeline(run: dict, rate_mbit: float, rtt_s: float, overlap: bool) -> list[t
 def name(run: dict) -> str:
     if run["mode"] == "grads":
         return "gradients every step"
+    if run["mode"] == "alone":
+        return "one worker alone (no rounds)"
     extra = f", rounds every step for the first {run['dense_first']}" if run.get("dense_first") else ""
     return (f"params every {run['every']}, {run['codec']}, outer {run['outer_lr']}"
             + (f" momentum {run['outer_momentum']}" if run.get("outer_momentum") else "") + extra)
