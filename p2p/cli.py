@@ -376,8 +376,8 @@ def _announce(peer, role: str, o: dict, training, bootstrap: str | None):
 
     told: list[bool | None] = []
 
-    def said(r):  # the dial-back's verdict (reach.py), said once
-        if told or (r.reachable is None and not r.why):
+    def said(r):  # the dial-back's verdict (reach.py), said when it changes
+        if (told and told[-1] == r.reachable) or (r.reachable is None and not r.why):
             return
         told.append(r.reachable)
         if r.reachable and peer.addr and not shown:
@@ -457,21 +457,33 @@ def serve(bootstrap, checkpoints, reference, batch, **o):
     _run(o, bootstrap, "serve", served=served)
 
 
+class StdoutClosed(Exception):
+    """The reader of a streamed output went away (``| head``): not a hop's fault, nothing to retry."""
+
+
 class _Stream:
     """``bt-peer generate``'s output as the chain accepts it: the new bytes of each traversal,
-    decoded as they complete UTF-8 characters (the text is what decoding the whole output gives)."""
+    decoded as they complete UTF-8 characters, printed as click prints the whole output (the same
+    text). A retry on another chain starts again from the prompt and, exact, makes the same bytes;
+    if it does not, stderr says so and the whole output is printed again."""
 
     def __init__(self):
         import codecs
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.printed = 0  # bytes of the output printed so far
+        self.printed = b""  # the output printed so far
 
     def __call__(self, output: bytes, seconds: float, final: bool = False):
-        # the output only grows; a retry on another chain makes the same bytes again (exact)
-        new = output[self.printed:] if len(output) > self.printed else b""
-        self.printed += len(new)
-        sys.stdout.write(self.decoder.decode(new, final=final) + ("\n" if final else ""))
-        sys.stdout.flush()
+        if not output.startswith(self.printed) and not self.printed.startswith(output):
+            click.echo(f"\n[the chain that took over wrote other bytes from byte "
+                       f"{next(i for i, (x, y) in enumerate(zip(output, self.printed)) if x != y)}: its output "
+                       "follows whole]", err=True)
+            self.printed, self.decoder = b"", type(self.decoder)(errors="replace")
+        new = output[len(self.printed):]
+        self.printed += new
+        try:
+            click.echo(self.decoder.decode(new, final=final), nl=final)
+        except BrokenPipeError:
+            raise StdoutClosed() from None
 
 
 @main.command()
@@ -531,9 +543,12 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
                                            log=lambda s: click.echo(s, err=True), sampling=sampling,
                                            draft_len=draft_len, wait_s=wait_s, verify=verify,
                                            verify_tol=verify_tol, on_bytes=stream))
+    except StdoutClosed:  # nobody reads the output any more: stop quietly, as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return
     except (PipelineError, ConnectionError, OSError) as e:
         if stream is not None and stream.printed:
-            click.echo("")
+            click.echo("", err=True)
         raise click.ClickException(f"generate via {address}: {e}")
     if stream is not None:
         stream(out, st["seconds"], final=True)

@@ -70,7 +70,7 @@ class Connections:
     def new_connection(self, role: Role) -> Connection:
         p = self.peer
         info: dict = {"addr": p.addr, "blocks": list(p.blocks), "role": p.role}
-        port = p.reach.dial_back_port() if role is Role.INITIATOR else None
+        port = p.reach.dial_back_port()
         if port is not None:
             info["dial_back"] = port  # "dial me back here": are we reachable? (reach.py)
         return make_connection(role, p.identity, p.swarm_key, allowlist=p.allowlist, info=info, seal=p.seal)
@@ -113,12 +113,18 @@ class Connections:
                 return
             if self.register(pc, hc) is not None:
                 if not is_client(hc):
+                    self._reach_hellos(pc, hc)
                     self.peer.reach.reached(hc.peer_id, None, dial_back=False)
-                    if "dial_back" in hc.info:
-                        self.peer.reach.asked(hc.peer_id, pc, hc.info["dial_back"])
                 await self.read(pc, hc.peer_id, client=is_client(hc))
         finally:
             await pc.wait_closed()
+
+    def _reach_hellos(self, pc: PeerConnection, hc: Any) -> None:
+        """A member's connection is up: our hello's dial-back ask was taken; its hello's asks one."""
+        if "dial_back" in pc.conn.info:
+            self.peer.reach.asked_member()
+        if isinstance(hc.info, dict) and "dial_back" in hc.info:
+            self.peer.reach.asked(hc.peer_id, pc, hc.info["dial_back"])
 
     def _dial_back(self, pc: PeerConnection, hc: Any) -> bool:
         """A member's dial-back (its hello says ``dialed``): it shows us reachable, and carries
@@ -178,8 +184,7 @@ class Connections:
         kept = self.register(pc, hc, dialled=addr)
         if kept is not None and not is_client(hc):
             self.peer.reach.observed(hc.peer_id, hc.info.get("seen"))
-            if "dial_back" in pc.conn.info:
-                self.peer.reach.asked_member()
+            self._reach_hellos(pc, hc)
         self.dials.pop(addr, None)
         self.peer.notify()  # settled() may hold now
         fut.set_result(self.mesh.table.live_conn(hc.peer_id))  # ours, or the one kept instead of a duplicate

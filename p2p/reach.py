@@ -5,12 +5,13 @@ Rules:
 - Observed address: a responder's hello tells the initiator ``seen``, the "host:port" the
   initiator's connection comes from (transport.py). Behind a home router that is the router's
   address and a port it picked; the host is where the world sees this peer.
-- Dial-back, as libp2p's AutoNAT: while it is not known whether members can dial this peer, the
-  hello of every connection it dials carries ``dial_back``, the port it listens on, until
-  ``DIAL_BACK_ASKS`` members have taken one (a dial that never connected asked nobody). A member asked dials the host it sees that connection come from, never another
+- Dial-back, as libp2p's AutoNAT: until a member has reached this peer, the hello of every
+  connection it opens or accepts carries ``dial_back``, the port it listens on (a member may
+  refuse: it dials back at most once per identity per ``DIAL_BACK_EVERY_S``, so the next
+  connection asks again; a first peer that never dials out asks the members that dial it). A member asked dials the host it sees that connection come from, never another
   (no member can be made to dial a third party), at that port: once per asking identity per
-  ``DIAL_BACK_EVERY_S``, ``MAX_DIAL_BACKS`` at once in all (identities are free), each within the
-  peer's connect and handshake timeouts. Its hello there carries ``dialed``, the address it
+  ``DIAL_BACK_EVERY_S``, ``MAX_DIAL_BACKS`` at once in all (identities are free), each within
+  ``DIAL_BACK_TIMEOUT_S`` to connect and as long again for the handshake. Its hello there carries ``dialed``, the address it
   dialled, and it drops the connection once the handshake is done: a ``dialed`` connection
   carries nothing else and is never a member's (connections.py). Its bytes are counted under
   the asker.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import ipaddress
 import logging
 import time
@@ -48,9 +50,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("blocktrain.p2p")
 
 UNSPECIFIED_HOSTS = ("", "0.0.0.0", "::")
-DIAL_BACK_ASKS = 2  # outbound member connections whose hello asks for a dial-back, while unknown
-DIAL_BACK_WAIT_S = 10.0  # after the first ask: no dial-back by then means not reachable
-DIAL_BACK_EVERY_S = 60.0  # one dial-back per asking identity this often
+DIAL_BACK_WAIT_S = 10.0  # after the first ask a member took: no dial-back by then means not reachable
+DIAL_BACK_EVERY_S = 10.0  # one dial-back per asking identity this often
+DIAL_BACK_TIMEOUT_S = 4.0  # a dial-back's connect, and its handshake: both within DIAL_BACK_WAIT_S
 MAX_DIAL_BACKS = 4  # dial-backs in flight at once, in all
 MAX_ASKERS = 1024  # identities remembered as having asked (identities are free: the oldest go)
 MAX_SEEN = 16  # members whose ``seen`` is kept (the latest)
@@ -109,13 +111,13 @@ class Reachability:
     def dial_back_port(self) -> int | None:
         """The port an outbound connection's hello asks to be dialled back at, or None."""
         p = self.peer
-        if self.reachable or p.role == "client" or not p.port or self.asks >= DIAL_BACK_ASKS:
+        if self.reachable or p.role == "client" or not p.port:
             return None
         return self.dial_back_target()
 
     def asked_member(self) -> None:
-        """A member took an outbound connection whose hello asked for a dial-back (a dial that
-        never connected asked nobody): the wait for a dial-back runs from the first."""
+        """A member took a connection whose hello asked for a dial-back (a dial that never
+        connected asked nobody): the wait for a dial-back runs from the first."""
         self.asks += 1
         if self._first_ask is None:
             self._first_ask = time.monotonic()
@@ -200,7 +202,8 @@ class Reachability:
 
     # --- dialling members back -------------------------------------------------------------------
     def asked(self, pid: str, pc: "PeerConnection", port: object) -> None:
-        """Member ``pid``'s hello on ``pc`` (inbound) asks to be dialled back at ``port``."""
+        """Member ``pid``'s hello on ``pc`` asks to be dialled back at ``port``, at the host ``pc``
+        reaches (inbound: where it comes from; outbound: the host we dialled)."""
         self.dial_backs["asked_of_us"] += 1
         now = time.monotonic()
         last = self._answered.get(pid)
@@ -223,7 +226,9 @@ class Reachability:
                                info={"addr": p.addr, "blocks": list(p.blocks), "role": p.role, "dialed": addr})
         try:
             self.dial_backs["dialled"] += 1
-            pc = await open_connection(host, port, conn, p.timeouts, name=f"dial-back {addr}")
+            quick = dataclasses.replace(p.timeouts, connect_s=min(p.timeouts.connect_s, DIAL_BACK_TIMEOUT_S),
+                                        handshake_s=min(p.timeouts.handshake_s, DIAL_BACK_TIMEOUT_S))
+            pc = await open_connection(host, port, conn, quick, name=f"dial-back {addr}")
         except (OSError, ConnectionError) as e:
             log.info("dial-back of %s at %s failed: %s", pid[:12], addr, e)
             return

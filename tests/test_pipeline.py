@@ -352,3 +352,30 @@ def test_a_chain_waits_for_every_block_of_the_model_not_only_those_seen():
     assert chain(st) == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
     st["serving"]["n_blocks"] = 10**9  # a number from a peer is bounded before use
     assert chain({**st, "members": st["members"]}) == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
+
+
+def test_the_streamed_output_prints_the_text_the_whole_output_prints(capsys, monkeypatch):
+    """bt-peer generate's printer: bytes split mid-character print as decoding the whole output
+    does; a chain that took over and wrote other bytes is said, and its output printed whole; a
+    reader that went away stops the request without a retry (not a hop's fault)."""
+    import click
+    from blocktrain.p2p.cli import StdoutClosed, _Stream
+    whole = "The \u00e9t\u00e9 \x1b[31mred\x1b[0m \ufffd".encode() + b"\xff"
+    s = _Stream()
+    for cut in (1, 6, 9, len(whole)):
+        s(whole[:cut], 0.0, final=cut == len(whole))
+    out = capsys.readouterr().out
+    click.echo(whole.decode("utf-8", "replace"))
+    assert out == capsys.readouterr().out  # the same text, escapes handled alike
+    s = _Stream()
+    s(b"abc", 0.0)
+    s(b"abXdef", 0.0, final=True)
+    cap = capsys.readouterr()
+    assert "other bytes from byte 2" in cap.err and cap.out == "abcabXdef\n"
+
+    def closed(*a, **k):
+        raise BrokenPipeError()
+    monkeypatch.setattr(click, "echo", closed)
+    with pytest.raises(StdoutClosed):
+        _Stream()(b"x", 0.0)
+    assert not issubclass(StdoutClosed, ConnectionError)  # the client retries on ConnectionError

@@ -80,20 +80,20 @@ async def test_loopback_listen_address_is_not_advertised_to_a_swarm_elsewhere():
 async def test_dial_backs_are_one_per_identity_per_interval_and_few_at_once(monkeypatch):
     """Any key holder may ask, with as many identities as it likes: the member dials only the
     host it sees the asker at, one dial-back per identity per DIAL_BACK_EVERY_S, MAX_DIAL_BACKS at
-    once in all (a listener that accepts and never answers holds each for the handshake timeout)."""
-    monkeypatch.setattr(reach, "DIAL_BACK_ASKS", 8)
+    once in all (a listener that accepts and never answers holds each until its timeout)."""
+    monkeypatch.setattr(reach, "DIAL_BACK_TIMEOUT_S", 60.0)  # each dial-back stays in flight till the end
     psk = os.urandom(32)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)
-    a = await _peer(psk)
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0,
+                   timeouts=Timeouts(connect_s=60, handshake_s=60, heartbeat_s=0.2, dead_after_s=60, close_s=1)).start()
     askers = []
     try:
         one = await _peer(psk, "0.0.0.0", advertise=f"127.0.0.1:{silent.getsockname()[1]}")
         askers.append(one)
         await one.join("127.0.0.1", a.port)
         for _ in range(3):  # the same identity asks again (each new connection's hello asks)
-            one.reach.asks = 0
             await a.wait_for(lambda: False, 0.05)
             pc = a.live_connection(one.id)
             assert pc is not None
@@ -192,3 +192,44 @@ async def test_a_client_gives_a_peer_without_an_address_the_one_it_reached_it_at
                        "serve") == []
     finally:
         await p.stop()
+
+
+async def test_a_first_peer_on_0_0_0_0_asks_the_members_that_dial_it(monkeypatch):
+    """A peer that starts a swarm never dials out: its own hello, answering a joiner, asks for the
+    dial-back, and the joiner dials back the host it dialled."""
+    psk = os.urandom(32)
+    a = await _peer(psk, "0.0.0.0")
+    b = await _peer(psk)
+    try:
+        assert a.addr == ""
+        await b.join("127.0.0.1", a.port)
+        assert await a.wait_for(lambda: a.reach.reachable is not None, 10.0)
+        assert a.reach.reachable is True and a.addr == f"127.0.0.1:{a.port}", a.reach.status()
+        assert b.reach.status()["dialled"] == 1
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+async def test_a_refused_ask_is_asked_again(monkeypatch):
+    """A member that refused (it dialled this identity back a moment ago: a restart) does not
+    settle it: the next connection asks again, and a dial-back then confirms the address."""
+    monkeypatch.setattr(reach, "DIAL_BACK_EVERY_S", 0.5)
+    psk = os.urandom(32)
+    a = await _peer(psk)
+    key = X25519PrivateKey.generate()
+    b = await Peer(key, psk, "0.0.0.0", 0, timeouts=FAST).start()
+    try:
+        a.reach._answered[b.id] = time.monotonic()  # as if it had dialled b back just now
+        await b.join("127.0.0.1", a.port)
+        assert await a.wait_for(lambda: a.reach.status()["refused"] == 1, 5.0), a.reach.status()
+        assert b.reach.reachable is None and b.addr == ""
+        await asyncio.sleep(0.6)
+        pc = a.live_connection(b.id)
+        assert pc is not None
+        pc.abort("test: the connection drops; b dials again")
+        assert await b.wait_for(lambda: b.reach.reachable is True, 10.0), b.reach.status()
+        assert b.addr == f"127.0.0.1:{b.port}"
+    finally:
+        await b.stop()
+        await a.stop()

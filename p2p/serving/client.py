@@ -300,13 +300,15 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
                    draft_len: int | None = None, wait_s: float | None = None, verify: bool = False,
                    verify_tol: float = DEFAULT_TOL, on_bytes: OnBytes | None = None) -> tuple[bytes, dict]:
     """Pick a chain from the swarm view via HOST:PORT and run the request; when a hop fails, retry
-    through another peer holding that block (a session goes on where it was: the new chain
-    rebuilds its caches from the bytes committed so far). While nothing listens at HOST:PORT or no
+    through another peer holding that block (the request starts again from the prompt there: a
+    failed attempt's session is not handed back). While nothing listens at HOST:PORT or no
     chain is there yet, ask again for up to ``wait_s`` (default: ``timeout``). ``verify``: check
     the output on other holders (verify.py); a chain with a hop named there is avoided and the
     output generated again (``stats["verify"]`` says what was checked). ``on_bytes``: the output as
     it is accepted (not with ``verify``: a rejected output is made again from the prompt); a retry
-    on another chain goes on from the bytes committed, or makes the same bytes again."""
+    on another chain starts again from the prompt (exact: the same bytes). ``stats["first_byte_s"]``
+    counts from this call, as ``stats["seconds"]`` does (the view, the chain's connections and any
+    failed attempt included)."""
     if verify and on_bytes is not None:
         raise ValueError("streamed output cannot be verified first: give one or the other")
     check_request(prompt, n, mode, sampling=sampling, draft_len=draft_len)
@@ -315,6 +317,13 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
     last: Exception | None = None
     s: Session | None = None
     t0 = time.perf_counter()
+    first: list[float] = []  # when the first byte came, from t0
+
+    def came(output: bytes, seconds: float) -> None:
+        if output and not first:
+            first.append(time.perf_counter() - t0)
+        if on_bytes is not None:
+            on_bytes(output, seconds)
     for attempt in range(attempts):
         try:
             st, route = await chain_when_ready(host, port, ident, key, tmo, avoid,
@@ -327,9 +336,8 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
         try:
             await client.connect()
             # a checked output that failed is made again from the prompt
-            out, stats, rows, s = await _run_on(client, prompt, n, mode, sampling, s, verify, draft_len, msl,
-                                                on_bytes)
-            stats["route"], stats["attempts"] = route, attempt + 1
+            out, stats, rows, s = await _run_on(client, prompt, n, mode, sampling, s, verify, draft_len, msl, came)
+            stats["route"], stats["attempts"], stats["first_byte_s"] = route, attempt + 1, first[0] if first else None
             if verify:
                 recompute = functools.partial(_recompute, ident, key, tmo, timeout, prompt + out, len(prompt), mode)
                 stats["verify"] = await _verified(rows, route, status_members(st), avoid, recompute, verify_tol, log)
