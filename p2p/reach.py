@@ -6,19 +6,20 @@ Rules:
   initiator's connection comes from (transport.py). Behind a home router that is the router's
   address and a port it picked; the host is where the world sees this peer.
 - Dial-back, as libp2p's AutoNAT: until a member has reached this peer, the hello of every
-  connection it opens or accepts carries ``dial_back``, the port it listens on (a member may
-  refuse: it dials back at most once per identity per ``DIAL_BACK_EVERY_S``, so the next
-  connection asks again; a first peer that never dials out asks the members that dial it). A member asked dials the host it sees that connection come from, never another
-  (no member can be made to dial a third party), at that port: once per asking identity per
-  ``DIAL_BACK_EVERY_S``, ``MAX_DIAL_BACKS`` at once in all (identities are free), each within
-  ``DIAL_BACK_TIMEOUT_S`` to connect and as long again for the handshake. Its hello there carries ``dialed``, the address it
+  connection it opens or accepts carries ``dial_back``, the port it listens on (a first peer that
+  never dials out asks the members that dial it). A member asked dials the host that connection
+  reaches (where an inbound one comes from; the host it dialled for an outbound one), never
+  another (no member can be made to dial a third party), at that port: once per asking identity
+  per ``DIAL_BACK_EVERY_S`` (a refused ask is asked again on the next connection),
+  ``MAX_DIAL_BACKS`` at once in all (identities are free), within ``DIAL_BACK_TIMEOUT_S`` to
+  connect and as long for the handshake. Its hello there carries ``dialed``, the address it
   dialled, and it drops the connection once the handshake is done: a ``dialed`` connection
-  carries nothing else and is never a member's (connections.py). Its bytes are counted under
-  the asker.
+  carries nothing else and is never a member's (connections.py). Each side counts its bytes
+  under the other's identity.
 - Reachable: a member's ``dialed`` connection arrived at our listener. Not reachable: we asked
-  and none arrived within ``DIAL_BACK_WAIT_S`` of the first ask; a later one still counts. A
-  peer listening on a given address (not 0.0.0.0 or ::) that a member connected to is reachable
-  there too.
+  and none arrived within ``DIAL_BACK_WAIT_S`` of the first ask a member took; a later one still
+  counts. A peer listening on a given address (not 0.0.0.0 or ::) that a member connected to is
+  reachable there too.
 - The address advertised (hellos, ANNOUNCE, PEER_LIST): ``--advertise`` as given; else the
   listen address when its host is a given one, unless it is loopback in a swarm reached at
   another host (nobody there can dial it); else none ("") until a dial-back confirms one, then
@@ -109,7 +110,7 @@ class Reachability:
             p.set_addr("")
 
     def dial_back_port(self) -> int | None:
-        """The port an outbound connection's hello asks to be dialled back at, or None."""
+        """The port a connection's hello asks to be dialled back at (until a member reached us), or None."""
         p = self.peer
         if self.reachable or p.role == "client" or not p.port:
             return None
