@@ -94,7 +94,8 @@ class Peer(PeerServices):
         self._ledger = TrafficLedger(MAX_TRAFFIC_ROWS)
         self._mesh = Mesh(self, self._table, self._redials, MAX_EVENTS)
         self._connections = Connections(self, self._mesh, self._ledger, MAX_PENDING_HANDSHAKES, MAX_CLIENTS, MAX_DIALS)
-        self.reach = Reachability(self, self._connections.account)  # the address we advertise, and whether members can dial it (reach.py)
+        # the address we advertise, and whether members can dial it (reach.py)
+        self.reach = Reachability(self, self._connections.account)
         self._handlers = Handlers(self.spawn)
         self._waiters = Waiters(lambda: self._stopping)
         self._sections: dict[str, Callable[[], object]] = {}
