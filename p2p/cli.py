@@ -457,35 +457,6 @@ def serve(bootstrap, checkpoints, reference, batch, **o):
     _run(o, bootstrap, "serve", served=served)
 
 
-class StdoutClosed(Exception):
-    """The reader of a streamed output went away (``| head``): not a hop's fault, nothing to retry."""
-
-
-class _Stream:
-    """``bt-peer generate``'s output as the chain accepts it: the new bytes of each traversal,
-    decoded as they complete UTF-8 characters, printed as click prints the whole output (the same
-    text). A retry on another chain starts again from the prompt and, exact, makes the same bytes;
-    if it does not, stderr says so and the whole output is printed again."""
-
-    def __init__(self):
-        import codecs
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.printed = b""  # the output printed so far
-
-    def __call__(self, output: bytes, seconds: float, final: bool = False):
-        if not output.startswith(self.printed) and not self.printed.startswith(output):
-            click.echo(f"\n[the chain that took over wrote other bytes from byte "
-                       f"{next(i for i, (x, y) in enumerate(zip(output, self.printed)) if x != y)}: its output "
-                       "follows whole]", err=True)
-            self.printed, self.decoder = b"", type(self.decoder)(errors="replace")
-        new = output[len(self.printed):]
-        self.printed += new
-        try:
-            click.echo(self.decoder.decode(new, final=final), nl=final)
-        except BrokenPipeError:
-            raise StdoutClosed() from None
-
-
 @main.command()
 @click.argument("address")
 @_key_options
@@ -532,12 +503,14 @@ def generate(address, swarm_key, identity, prompt, n_bytes, mode, temperature, t
 
     from .serving.client import generate as run_generate
     from .serving.api import PipelineError
+    from .serving.output import OutputPrinter, StdoutClosed
 
     install_uvloop()
     host, port = _addr(address)
     key, ident = _keys(swarm_key, identity)
     sampling = Sampling(temperature=temperature, top_k=top_k, seed=seed)
-    stream = None if whole or verify else _Stream()
+    stream = None if whole or verify else OutputPrinter(lambda text, nl: click.echo(text, nl=nl),
+                                                         lambda line: click.echo(line, err=True))
     try:
         out, st = asyncio.run(run_generate(host, port, ident, key, os.fsencode(prompt), n_bytes, mode, timeout,
                                            log=lambda s: click.echo(s, err=True), sampling=sampling,

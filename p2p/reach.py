@@ -88,7 +88,7 @@ class Reachability:
         self.seen: collections.OrderedDict[str, str] = collections.OrderedDict()  # member -> "host:port"
         self.asks = 0  # hellos that asked for a dial-back
         self.dial_backs = {"asked_of_us": 0, "dialled": 0, "reached": 0, "refused": 0}
-        self._first_ask: float | None = None
+        self._deadline_set = False  # the wait for a dial-back runs from the first ask a member took
         self._answered: collections.OrderedDict[str, float] = collections.OrderedDict()  # asker -> when
         self._in_flight = 0
         self._watchers: list[Callable[["Reachability"], None]] = []
@@ -120,8 +120,8 @@ class Reachability:
         """A member took a connection whose hello asked for a dial-back (a dial that never
         connected asked nobody): the wait for a dial-back runs from the first."""
         self.asks += 1
-        if self._first_ask is None:
-            self._first_ask = time.monotonic()
+        if not self._deadline_set:
+            self._deadline_set = True
             self.peer.spawn(self._deadline(), "dial-back deadline")
 
     async def _deadline(self) -> None:

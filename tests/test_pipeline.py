@@ -359,15 +359,18 @@ def test_the_streamed_output_prints_the_text_the_whole_output_prints(capsys, mon
     does; a chain that took over and wrote other bytes is said, and its output printed whole; a
     reader that went away stops the request without a retry (not a hop's fault)."""
     import click
-    from blocktrain.p2p.cli import StdoutClosed, _Stream
+    from blocktrain.p2p.serving.output import OutputPrinter, StdoutClosed
+
+    def printer():  # as bt-peer generate makes it
+        return OutputPrinter(lambda text, nl: click.echo(text, nl=nl), lambda line: click.echo(line, err=True))
     whole = "The \u00e9t\u00e9 \x1b[31mred\x1b[0m \ufffd".encode() + b"\xff"
-    s = _Stream()
+    s = printer()
     for cut in (1, 6, 9, len(whole)):
         s(whole[:cut], 0.0, final=cut == len(whole))
     out = capsys.readouterr().out
     click.echo(whole.decode("utf-8", "replace"))
     assert out == capsys.readouterr().out  # the same text, escapes handled alike
-    s = _Stream()
+    s = printer()
     s(b"abc", 0.0)
     s(b"abXdef", 0.0, final=True)
     cap = capsys.readouterr()
@@ -377,5 +380,5 @@ def test_the_streamed_output_prints_the_text_the_whole_output_prints(capsys, mon
         raise BrokenPipeError()
     monkeypatch.setattr(click, "echo", closed)
     with pytest.raises(StdoutClosed):
-        _Stream()(b"x", 0.0)
+        printer()(b"x", 0.0)
     assert not issubclass(StdoutClosed, ConnectionError)  # the client retries on ConnectionError

@@ -30,7 +30,7 @@ def rounds_by(curve_step: int, every: int, dense_first: int, mode: str) -> int:
     if mode == "alone":
         return 0
     dense = min(curve_step, dense_first)
-    return dense + (curve_step - dense) // every if curve_step > dense_first else dense
+    return dense + (curve_step - dense) // every
 
 
 def timeline(run: dict, rate_mbit: float, rtt_s: float, overlap: bool) -> list[tuple[int, float, float]]:
