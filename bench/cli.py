@@ -255,7 +255,8 @@ def shape(measured_path, params, hidden, hops, rtt_ms, rate_mbit, json_path):
 @click.option("--eval-every", default=0, show_default=True, type=click.IntRange(0),
               help="Steps between valid-CE points on every worker (0: none).")
 @click.option("--schedule", type=click.Choice(["relay", "parallel"]), default=None, help="Default: relay.")
-@click.option("--sync", type=click.Choice(["grads", "params"]), default=None, help="Default: grads.")
+@click.option("--sync", type=click.Choice(["grads", "params", "auto"]), default=None,
+              help="Default: grads. auto: each block's sponsor picks from what it measures (docs/sync-auto.md).")
 @click.option("--every", type=click.IntRange(1), default=None, help="Steps per round (params).")
 @click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8", "topk", "sign"]), default=None,
               help="Averaging codec, lossy ones with error feedback. sign: one bit per value (with --sync "

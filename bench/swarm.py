@@ -208,6 +208,7 @@ def _run_result(job, final_reps: list[dict], assembled: dict, workers: int, step
         "ce_per_gb": (init[-1] - ev["test_ce"]) / (moved / 1e9) if moved else None,
         "comm_fraction": {"per_worker": [1 - b for b in busy], "min": 1 - max(busy), "max": 1 - min(busy)},
         "rounds_applied": [t["rounds_applied"] for t in trs], "rounds_failed": [len(t["failed_rounds"]) for t in trs],
+        "sync_choices": [t.get("sync_choices", []) for t in trs],  # sync=auto: each block's pick and its figures
         "curves": [t["curve"] for t in trs],
         "assembled_from": {str(k): v for k, v in assembled["blocks"].items()}, "out": str(out),
     }

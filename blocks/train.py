@@ -290,6 +290,11 @@ class BlockTrainer:
     def draft_phase(self) -> "DraftPhase":
         return DraftPhase(self.block, self.tcfg, self.batches, self.features, self.device, self.precision)
 
+    def reset_optimizer(self) -> None:
+        """The optimizer's moments and step counts start afresh (members that took local steps
+        each hold their own; gradient rounds need one state on every member: p2p/swarm/auto.py)."""
+        self.opt.state.clear()
+
     def checkpoint(self) -> ckpt.Checkpoint:
         names = {p: n for n, p in self.block.named_parameters()}
         return ckpt.Checkpoint(self.mcfg.to_dict(), self.k, self.step, host_state(self.block),

@@ -175,9 +175,12 @@ def _train_options(f):
 def _round_options(f):
     """How the training peers average (the swarm.* settings of their rounds)."""
     return _apply(f, [
-        click.option("--sync", type=click.Choice(["grads", "params"]), default=None,
+        click.option("--sync", type=click.Choice(["grads", "params", "auto"]), default=None,
                      help="grads (default): average gradients every step; params: DiLoCo, average the parameter "
-                          "change every --every steps (far fewer bytes on slow links)."),
+                          "change every --every steps (far fewer bytes on slow links); auto: each block probes its "
+                          "links with sign rounds of one step, then the group's sponsor picks gradients every step "
+                          "or sign rounds of as many steps as keep communication within 10% of the time "
+                          "(--set swarm.comm_share=0.1); every member takes its pick (docs/sync-auto.md)."),
         click.option("--every", type=click.IntRange(1), default=None, help="Local steps per round (params; default 25)."),
         click.option("--codec", type=click.Choice(["raw", "fp16", "bf16", "int8", "topk", "sign"]), default=None,
                      help="Codec of the averaged updates (lossy ones keep error feedback; default raw). sign: "

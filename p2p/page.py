@@ -168,7 +168,8 @@ class SwarmPage:
             "reach": st.get("reach"), "time": time.time(), "members": st["members"], "work": st.get("work"),
             "member_work": self.member_work, "by_kind": rep["by_kind"], "totals": rep["totals"],
             "by_peer": traffic, "serving": rep.get("serving"),
-            "training": {k: tr.get(k) for k in ("block", "state", "schedule", "sync", "step", "steps", "block_in_work",
+            "training": {k: tr.get(k) for k in ("block", "state", "schedule", "sync", "sync_mode", "sync_choices", "step",
+                                                "steps", "block_in_work",
                                                 "round", "rounds_applied", "coverage_min", "ce_start", "ce_end",
                                                 "head_ce", "busy", "memory", "curve", "phases")} if tr else None,
             "failed_rounds": len(tr.get("failed_rounds", [])) if tr else 0,
@@ -186,7 +187,7 @@ class SwarmPage:
             ce = _num(tr.get("ce_end"))
             lines.append(f"training: block {tr.get('block')}, {tr.get('state')}, step {tr.get('step')}/{tr.get('steps')}"
                          + (f", valid CE {ce:.4f}" if ce is not None else "")
-                         + f"; {v['failed_rounds']} failed rounds")
+                         + f"; {v['failed_rounds']} failed rounds; rounds: {tr.get('sync_mode')}")
         for pid, w in sorted(v["member_work"].items()):
             lines.append(f"member {pid[:16]} says: {w.get('state')}, block {w.get('training_block')}, step "
                          f"{w.get('step')}/{w.get('steps')}" + "".join(f"; doubted: {d}" for d in w.get("doubts", [])))

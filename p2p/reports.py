@@ -224,7 +224,8 @@ def status_lines(st: dict) -> list[str]:
     if w:
         lines.append(f"  {w['state']}: holds block {w['holds']}" + (
             f", training block {w['training_block']}" if w.get("training_block") is not None else "")
-            + f", step {w['step']}/{w['steps']}, round {w['round']}, group of {len(w['group'])}")
+            + f", step {w['step']}/{w['steps']}, round {w['round']}, group of {len(w['group'])}"
+            + (f"; rounds: {w['sync'][:80]}" if isinstance(w.get("sync"), str) else ""))
     for block, how in sorted(((st.get("serving") or {}).get("exact") or {}).items()):
         lines.append(f"  serving block {block}: {how}")
     lines.append(f"{'peer':<18} {'address':<22} {'blocks*':<10} {'role*':<10} {'state':<8} {'last heard':>10}")

@@ -23,8 +23,26 @@ def test_parallel_trains_its_own_block_and_refreshes_its_input():
     s = Schedule(k=2, n_blocks=3, S=12, H=3, relay=False, refresh_every=6)
     assert s.plan == (2,) and s.total_steps == 12 and {s.block_at(g) for g in range(13)} == {2}
     assert not any(s.ends_block(g, 2) for g in range(13))  # nothing to hand over
-    assert [g for g in range(13) if s.refresh_due(g)] == [6, 12]
+    assert [g for g in range(0, 13, 3) if s.refresh_due(g)] == [6, 12]  # asked at the rounds' ends
     assert not any(Schedule(0, 3, 12, 3, relay=False).refresh_due(g) for g in range(13))  # block 0 has no input
+
+
+def test_rounds_picked_inside_a_block_end_at_its_end_and_pass_no_refresh_or_report():
+    """sync=auto: rounds of 1 step, then of 5 (not a divisor of 12): the block's last round is
+    what is left of it, it is the last round, and every multiple of the refresh period is passed."""
+    s = Schedule(k=2, n_blocks=3, S=12, H=1, relay=False, refresh_every=4)
+    g, ends, refreshed = 0, [], []
+    for _ in range(2):
+        g += s.round_steps(g)
+        refreshed += [g] if s.refresh_due(g) else []
+    s.pick(5)
+    while g < 12:
+        last = s.last_round(g)
+        g += s.round_steps(g)
+        ends.append((g, last))
+        refreshed += [g] if s.refresh_due(g) else []
+    assert ends == [(7, False), (12, True)]
+    assert refreshed == [7, 12]  # the first round past 4, then the one past 8 (and at 12)
 
 
 def test_curve_points_come_whenever_a_multiple_is_passed():

@@ -55,6 +55,11 @@ VALID = {
         pack_tensor("bits", "uint8", (1, 512), bytes([0b101]) + bytes(511)),
         pack_tensor("scale", "float32", (1,), struct.pack("<f", 0.25))),
         meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"}),
+    "block_update_sign_auto": BlockUpdate(block=1, round=2, codec="sign", tensors=(  # r9: a sponsor's probe part
+        pack_tensor("bits", "uint8", (1, 512), bytes([0b101]) + bytes(511)),       # (the "Sync mode" rows)
+        pack_tensor("scale", "float32", (1,), struct.pack("<f", 0.25))),
+        meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef", "mode": "params/1/sign/1.7",
+              "choice": {"mode": "params/32/sign/1", "step_s": 0.25, "probe_wire_s": 0.9, "grads_share": 0.99}}),
     "block_update_join": BlockUpdate(block=1, round=8, codec="raw",
                                      meta={"phase": "join", "step": 7, "digest": "0a1b2c3d", "scope": "relay"}),
     "block_update_join_job": BlockUpdate(block=1, round=8, codec="raw",  # the first "Job digest" row's job

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -263,10 +264,16 @@ class Averager(EarlyParts):
             if pid != self.peer.id and self._round is r:
                 self._feed(pid, why, relay=False)
 
+    def set_mode(self, codec: str, mode: str, steps: bool) -> None:
+        """Rounds of another sync mode from now on (swarm/auto.py: codec, tag, parts that are steps);
+        the old rounds' error feedback and pair window go with the old arithmetic."""
+        self.spec = replace(self.spec, codec=codec, mode=mode)
+        self._residual, self._scratch, self._pair_window = None, None, PairWindow() if steps else None
+
     # --- rounds --------------------------------------------------------------------------------
     async def average(self, rnd: int, vector: torch.Tensor, members, start: str = "",
                       out: torch.Tensor | None = None, group=None,
-                      origin: torch.Tensor | None = None, gone=None) -> tuple[torch.Tensor, RoundReport]:
+                      origin: torch.Tensor | None = None, gone=None, choice=None) -> tuple[torch.Tensor, RoundReport]:
         """Average ``vector`` (1-D float32) with ``members`` (peer ids, or id -> address; ours
         included) in round ``rnd`` whose start point has digest ``start``. The result is written
         into ``out`` when given (a caller that reuses one buffer round after round makes the round
@@ -278,10 +285,10 @@ class Averager(EarlyParts):
         took, which a robust round measures the members' updates from (``AveragingRound``).
         ``gone``: members of ``members`` that left the group since the round's members were fixed
         (id -> why; the local steps ran meanwhile): they depart the round as it begins, after what
-        they sent of it before leaving is taken in (as at the members that began it before)."""
+        they sent of it is taken in. ``choice``: our parts' meta ``choice`` (swarm/auto.py)."""
         t0 = time.perf_counter()
         self._gossip_group = None if group is None else sorted(group)
-        r = self._begin(rnd, vector, members, start, out, origin)
+        r = self._begin(rnd, vector, members, start, out, origin, choice)
         self._last_group = r.group
         early = self._begin_early(rnd, r.ids, vector.numel())
         conns: dict[str, PeerConnection] = {}
@@ -306,7 +313,7 @@ class Averager(EarlyParts):
         return out, rep
 
     def _begin(self, rnd: int, vector: torch.Tensor, members, start: str,
-               out: torch.Tensor | None, origin: torch.Tensor | None = None) -> AveragingRound:
+               out: torch.Tensor | None, origin: torch.Tensor | None = None, choice: dict | None = None) -> AveragingRound:
         """Round ``rnd`` with the members we have not excluded (nor that exclude us), this driver's
         buffers lent to it; it becomes the round in progress."""
         ids = list(members) if self._gossip_group is not None else \
@@ -315,7 +322,7 @@ class Averager(EarlyParts):
             self._scratch = None
             self._scratch = lossy_scratch(vector.numel(), self.spec.codec)
         r = AveragingRound(self.peer.id, self.block, rnd, ids, vector, self.spec, start=start, residual=self._residual,
-                           lent=Buffers(out, self._lend_arena, self._scratch), origin=origin)
+                           lent=Buffers(out, self._lend_arena, self._scratch), origin=origin, choice=choice)
         r.roster.ignored = frozenset(self.unheeded)
         self._round, self.outbox.parts, self._wake, self.current = r, [], asyncio.Event(), rnd
         return r

@@ -100,6 +100,7 @@ class RoundReport:
     suspects: dict = field(default_factory=dict)  # robust: member -> its distance, in median distances
     far: dict = field(default_factory=dict)  # robust: member -> its largest part norm over the median's, when > 100x
     opposed: dict = field(default_factory=dict)  # robust: member -> its cosine with the median, when < -OPPOSED_COS
+    choices: dict = field(default_factory=dict)  # member -> its first part's meta ``choice`` (swarm/auto.py) or None
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class RoundSpec:
     bounds: Bounds = Bounds()  # what an incoming part may be (rule 3)
     min_coverage: float = 1.0  # below it the result raises RoundFailed (rule 5)
     density: float = 0.01  # the fraction of each chunk a topk round sends
+    mode: str = ""  # the rounds' sync mode (swarm/auto.py): said in meta ``mode``, a part of another is rejected
 
     def __post_init__(self):
         if self.codec not in COMPACT:
@@ -187,14 +189,16 @@ class AveragingRound:
 
     def __init__(self, me: str, block: int, rnd: int, members, vector: torch.Tensor, spec: RoundSpec = RoundSpec(),
                  *, start: str = "", residual: torch.Tensor | None = None, lent: Buffers = Buffers(),
-                 origin: torch.Tensor | None = None):
+                 origin: torch.Tensor | None = None, choice: dict | None = None):
         """``spec``: the round's settings; ``start``: the digest of its start point (rule 2).
         ``residual``: the last round's error feedback (rule 7; may be ``lent.scratch``'s "residual").
         ``lent``: the driver's buffers (``Buffers``). ``origin``: where the vector is a point (a
         gossip round's parameters), our own start point of the steps it took; a robust round
         measures the members' updates from it to find one opposed to the median's (rule 6,
-        ``opposed_members``). None: the vector is an update itself."""
+        ``opposed_members``). None: the vector is an update itself. ``choice``: swarm/auto.py's."""
         self.me, self.block, self.round, self.spec = me, block, rnd, spec
+        self.say = {k: v for k, v in (("mode", spec.mode), ("choice", choice)) if v}  # our parts' meta beside
+        self.choices: dict[str, object] = {}  # member -> the meta ``choice`` of its first part (None: none)
         self.roster = roster = Roster(me, members)
         self.ids, self.departed, self.rejected, self.mismatched = (roster.ids, roster.departed, roster.rejected,
                                                                    roster.mismatched)  # the roster's own, shared
@@ -263,6 +267,8 @@ class AveragingRound:
             return self._reject(pid, "malformed 'departed'")
         if not isinstance(other, list) or len(other) > len(self.ids):
             return self._reject(pid, "malformed 'mismatched'")
+        if self.spec.mode and msg.meta.get("mode") != self.spec.mode:
+            return self._reject(pid, f"another sync mode: {str(msg.meta.get('mode'))[:40]!r}, ours {self.spec.mode!r}")
         self.roster.relayed(pid, gone, other)
         a, b = self.bounds_[j], self.bounds_[j + 1]
         if self.everyone and phase != "reduce":
@@ -278,6 +284,7 @@ class AveragingRound:
         except ValueError as e:
             return self._reject(pid, str(e))
         self.roster.heard_from(pid)
+        self.choices.setdefault(pid, msg.meta.get("choice"))
         if phase == "reduce":
             self._received[j].setdefault(pid, t)  # kept before we know we own it (a departure moves pieces)
         elif wanted:
@@ -336,7 +343,8 @@ class AveragingRound:
 
     def _msg(self, phase: str, j: int, wire: Wire, **meta) -> BlockUpdate:
         return BlockUpdate(block=self.block, round=self.round, codec=self.spec.update_codec, tensors=_tensors(wire),
-                           meta={"phase": phase, "part": j, "group": self.group, **meta, **self.roster.meta()})
+                           meta={"phase": phase, "part": j, "group": self.group, **meta, **self.say,
+                                 **self.roster.meta()})
 
     def _progress(self, final: bool) -> list[Part]:
         if self.everyone:
@@ -455,7 +463,8 @@ class AveragingRound:
         rep = RoundReport(self.round, self.ids, covered / self.n if self.n else 1.0, parts, list(self.rejected),
                           departed=sorted(self.departed),
                           why={**self.departed, **{r["peer"]: r["reason"] for r in self.rejected}},
-                          robust=self.robust, suspects=dict(self.suspects), far=self.far, opposed=self.opposed())
+                          robust=self.robust, suspects=dict(self.suspects), far=self.far, opposed=self.opposed(),
+                          choices=dict(self.choices))
         if rep.coverage < self.spec.min_coverage:
             raise RoundFailed(self.block, self.round, rep.coverage, sum(not p["ok"] for p in parts), self.P,
                               self.spec.min_coverage, frozenset(self.silent()))

@@ -23,6 +23,7 @@ import torch
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.config import ModelConfig
 
+from .auto import SyncMode
 from .schedule import Schedule
 from .store import OUTER_MOMENTUM
 
@@ -87,6 +88,9 @@ class StateCheck:
         g, first = c.extra.get("gstep", c.step), self.schedule.plan.index(c.block) * S
         if not isinstance(g, int) or not first <= g <= first + S:
             raise ValueError(f"implausible step: global step {g} outside block {c.block}'s steps [{first}, {first + S}]")
+        mode = c.extra.get("sync_mode", "")
+        if mode != "" and SyncMode.parse(mode) is None:  # sync=auto's pick (auto.py)
+            raise ValueError(f"implausible sync mode {str(mode)[:40]!r}")
         rnd = c.extra.get("round", at)
         if at is not None and rnd != at:
             raise ValueError(f"implausible round {rnd} (the group said {at})")

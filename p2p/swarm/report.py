@@ -55,6 +55,7 @@ class Stats:
     alone_tail: int = 0  # applied rounds trained alone since the last one in a group
     alone_since: int | None = None  # the global step the alone tail's first round ended at (None: no tail)
     block_sizes: dict = field(default_factory=dict)  # block -> [applied rounds, of them with fewer than min_group]
+    sync_choices: list = field(default_factory=list)  # sync=auto: each block's pick, with the sponsor's figures
 
     def record_round(self, entry: dict, rep, gstep: int, loss: float, size: int = 1, min_group: int = 1) -> None:
         """An applied round: its entry (``rep``: the averaging's report, None if alone), ``size``: the
@@ -118,7 +119,7 @@ def training_report(t) -> dict:
     moved = traffic["sent"]["wire_bytes"] + traffic["received"]["wire_bytes"]
     wall = t.wall_seconds()
     out = {"block": t.k, "state": t.state.value, "schedule": t.scfg.schedule, "sync": t.scfg.sync,
-           "steps_per_round": t.H, "step": t.gstep, "steps": t.total_steps,
+           "sync_mode": t.rounds.mode_line(), "sync_choices": s.sync_choices, "steps_per_round": t.H, "step": t.gstep, "steps": t.total_steps,
            "block_in_work": t.block, "round": t.group.round, "group": t.group.members(),
            "config": {"swarm": asdict(t.scfg), "train": t.tcfg.to_dict(), "model": t.mcfg.to_dict(),
                       "device": str(t.device), "precision": t.precision, "job": t.job},
@@ -145,7 +146,7 @@ def training_report(t) -> dict:
 def work_status(t) -> dict:
     """What this peer works on now (bt-peer status, the report)."""
     return {"holds": t.k, "training_block": t.block if t.state is RunState.TRAINING else None,
-            "state": t.state.value, "schedule": t.scfg.schedule, "step": t.gstep,
+            "state": t.state.value, "schedule": t.scfg.schedule, "sync": t.rounds.mode_line(), "step": t.gstep,
             "steps": t.total_steps, "round": t.group.round, "group": t.group.members(),
             "rounds_applied": t.stats.applied, "coverage_min": t.stats.coverage_min,
             "curve": t.stats.curve[-20:]}

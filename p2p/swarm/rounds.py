@@ -11,6 +11,9 @@ Rules:
   round's start point is kept (the steps are taken back). Members silent in it leave the group and
   join again, taking the group's state.
 - ``overlap`` (params only): see ``_overlapped``.
+- ``sync="auto"`` (auto.py): each block probes with sign rounds of one step, the sponsor of a probe
+  round says its pick in its parts, and every member takes it at that round's end; the mode is
+  set on the schedule, the averager and the outer step before each round (picker.py).
 - ``gossip`` (params only, no overlap): every round averages the parameters in the small groups
   of averaging/gossip.py (rule 10; below 2 x gossip members, one small group of everyone, still
   of parameters: the members' points differ, so no start point is common): see ``_gossip``.
@@ -34,6 +37,7 @@ from ..averaging import Averager, RoundFailed, flatten, unflatten_
 from ..averaging.gossip import gossip_group, gossip_start
 from ..group import Group, State
 from ..services import PeerServices
+from .picker import Picker
 from .membership import Membership
 from .report import Stats, round_entry
 from .schedule import Position, Schedule
@@ -66,10 +70,13 @@ class Rounds:
         self.scfg, self.schedule, self.pos, self.stats = scfg, schedule, pos, stats
         self.trainer: BlockTrainer | None = None  # the block in work's (set by the run loop)
         self.outer = scfg.outer_optimizer()
+        self.picker = Picker(scfg.comm_share, scfg.aggregate, schedule, averager, pos, stats, peer.id,
+                             lambda line: self.say(line)) if scfg.sync == "auto" else None
         self.busy_s = 0.0
         self.last_loss = float("nan")
         self.on_step: Callable | None = None  # on_step(global step, total, loss, group size)
         self.save_join_state: Callable[[int], str] = lambda rnd: ""  # the store's, via the run loop
+        self.say: Callable[[str], None] = lambda line: None  # the run's progress lines
         self._avg_out: torch.Tensor | None = None  # the rounds' result buffer (consumed before the next round)
         # overlap: the point every member of the group agrees on (the outer steps of the rounds
         # settled so far), and the round on the wire (_Pending), settled at the end of the next phase
@@ -87,9 +94,39 @@ class Rounds:
         return list(self.tr.block.parameters())
 
     def reset(self) -> None:
-        """Another block: a fresh outer optimizer, and the round on the wire is not ours."""
+        """Another block: a fresh outer optimizer, and the round on the wire is not ours; auto
+        probes again."""
         self.outer = self.scfg.outer_optimizer()
         self.drop_pending()
+        if self.picker is not None:
+            self.picker.reset()
+
+    @property
+    def sync(self) -> str:
+        """The sync of the rounds now: grads or params (auto: its mode's)."""
+        return self.picker.auto.mode.sync if self.picker is not None else self.scfg.sync
+
+    def apply_mode(self) -> None:
+        """auto: the mode taken set on the schedule, the averager and the outer step (picker.py)."""
+        outer = self.picker.apply(self.tr) if self.picker is not None else None
+        if outer is not None:
+            self.outer = outer
+
+    def checkpoint_extra(self) -> dict:
+        """What a checkpoint keeps of the rounds beside the store's (sync=auto: the block's pick)."""
+        return {"sync_mode": self.picker.auto.saved} if self.picker is not None else {}
+
+    def restore_mode(self, extra: dict, block: int, gstep: int, source: str) -> None:
+        """A checkpoint's rounds (sync=auto: its pick, set at once; ``source``: where it came from)."""
+        if self.picker is not None:
+            self.picker.restore_from(extra, block, gstep, source)
+            self.apply_mode()
+
+    def mode_line(self) -> str:
+        """The rounds' arithmetic now, in words (the report, status and the start line)."""
+        if self.picker is not None:
+            return self.picker.line()
+        return f"{self.scfg.sync}{f' every {self.schedule.H}' if self.scfg.sync == 'params' else ''}, {self.scfg.codec}"
 
     def drop_pending(self) -> None:
         """A new start (another block, a rejoin, a restored state): the round on the wire is not ours."""
@@ -150,56 +187,60 @@ class Rounds:
         finally:
             self.busy_s += time.perf_counter() - t
 
-    async def _local_steps(self) -> float:
-        for _ in range(self.schedule.H):
+    async def _local_steps(self, h: int) -> float:
+        for _ in range(h):
             loss = await self._timed(self.tr.train_step)
         self.last_loss = loss
         return loss
 
-    def _stepped(self, loss: float, members: list) -> None:
-        self.pos.gstep += self.schedule.H
+    def _stepped(self, loss: float, members: list, h: int) -> None:
+        self.pos.gstep += h
         if self.on_step is not None:
             self.on_step(self.pos.gstep, self.schedule.total_steps, loss, len(members))
 
     async def step(self) -> None:
         """One round of the block in work."""
+        self.apply_mode()
         if self.scfg.overlap:
             return await self._overlapped()
         start = flatten(self.params())
         rnd, members = self._begin(start)
         if len(members) <= 1:  # a member that still counts us in hears now that we are not in its round
             self.averager.alone(rnd)  # (under overlap the round's task says so: the last round may be on the wire)
-        t0 = time.perf_counter()
+        t0, busy0, h = time.perf_counter(), self.busy_s, self.schedule.round_steps(self.pos.gstep)
         if self.scfg.gossip and len(members) > 1:  # below 2 x gossip members, one small group of all
-            return await self._gossip(rnd, members, t0, start)
-        if self.scfg.sync == "grads":
+            return await self._gossip(rnd, members, t0, start, h)
+        grads = self.sync == "grads"
+        if grads:
             loss = self.last_loss = await self._timed(self.tr.compute_grads)
             vec = self.tr.grads()
         else:
-            loss = await self._local_steps()
+            loss = await self._local_steps(h)
             vec = start - flatten(self.params())
+        step_s, said = (self.busy_s - busy0) / h, self.picker.choice(members) if self.picker is not None else None
         rep, avg = None, vec
         if len(members) > 1:
             try:
                 avg, rep = await self.averager.average(rnd, vec, members, start=digest(start),
                                                        out=self._result_buffer(vec.numel()),
-                                                       gone=self._gone(rnd, members))
+                                                       gone=self._gone(rnd, members), choice=said)
             except RoundFailed as e:
-                self._failed(rnd, self.pos.gstep + self.schedule.H, e,
-                             "no step" if self.scfg.sync == "grads" else "keeping the round's start point")
-                if self.scfg.sync == "params":
+                self._failed(rnd, self.pos.gstep + h, e, "no step" if grads else "keeping the round's start point")
+                if not grads:
                     unflatten_(self.params(), start)
-                    self.tr.step -= self.schedule.H
+                    self.tr.step -= h
                 await self._after(rnd, None, loss, members, time.perf_counter() - t0, failed=True)
                 return
-        if self.scfg.sync == "grads":
+        if grads:
             await self._timed(self.tr.apply_grads, avg)
         else:
             unflatten_(self.params(), self.outer.step(start, avg))
-        self._stepped(loss, members)
+        self._stepped(loss, members, h)
+        if self.picker is not None:
+            self.picker.probed(rnd, members, rep, step_s, said, vec.numel())
         await self._after(rnd, rep, loss, members, time.perf_counter() - t0)
 
-    async def _gossip(self, rnd: int, members: list, t0: float, start: torch.Tensor) -> None:
+    async def _gossip(self, rnd: int, members: list, t0: float, start: torch.Tensor, h: int) -> None:
         """Rule 10 (averaging/gossip.py): H local steps, then the parameters averaged with this
         round's small group only (the same partition on every member); a failed round keeps our
         own parameters and steps (no member waits for an agreed point). A block's last round is
@@ -212,18 +253,18 @@ class Rounds:
         salt = f"block{self.pos.block}"
         small = sorted(members) if self.schedule.last_round(self.pos.gstep) else \
             gossip_group(members, self.peer.id, rnd, self.scfg.gossip, salt)
-        loss = await self._local_steps()
+        loss = await self._local_steps(h)
         vec = flatten(self.params())
         try:
             avg, rep = await self.averager.average(rnd, vec, small, start=gossip_start(salt), group=members,
                                                    out=self._result_buffer(vec.numel()), origin=start)
         except RoundFailed as e:
-            self._failed(rnd, self.pos.gstep + self.schedule.H, e, "keeping our own parameters (gossip)", depart=False)
-            self._stepped(loss, members)
+            self._failed(rnd, self.pos.gstep + h, e, "keeping our own parameters (gossip)", depart=False)
+            self._stepped(loss, members, h)
             await self._after(rnd, None, loss, members, time.perf_counter() - t0, failed=True)
             return
         unflatten_(self.params(), avg)
-        self._stepped(loss, members)  # the report's round names the small group (rep.members)
+        self._stepped(loss, members, h)  # the report's round names the small group (rep.members)
         await self._after(rnd, rep, loss, members, time.perf_counter() - t0, depart=False)
 
     async def _overlapped(self) -> None:
@@ -248,14 +289,15 @@ class Rounds:
         self._members_before = members
         t0 = time.perf_counter()
         phase_start = flatten(self.params())
-        loss = await self._local_steps()
+        h = self.schedule.round_steps(self.pos.gstep)
+        loss = await self._local_steps(h)
         vec = phase_start - flatten(self.params())
         del phase_start
         if self._pending is not None:  # it had this phase's compute to arrive
             await self._settle(self._pending)
         self._pending = _Pending(rnd, members, loss, t0, asyncio.ensure_future(
             self._average_or_alone(rnd, vec, members, digest(self._g), self._gone(rnd, members))))
-        self.pos.gstep += self.schedule.H
+        self.pos.gstep += h
         if wait:
             await self._settle(self._pending, install=True)
         else:

@@ -6,7 +6,9 @@ Rules:
   (kept frozen as a lower block) and the next one starts. The peer ends holding every block.
 - ``parallel``: the plan is the peer's own block ``k``; global steps are that block's steps, and
   the lower blocks are pulled from their holders every ``max(H, refresh_every)`` steps.
-- A round is ``H`` steps; ``S`` splits into whole rounds, so a round never spans two blocks.
+- A round is ``H`` steps; ``S`` splits into whole rounds, so a round never spans two blocks. Under
+  ``sync=auto`` (auto.py) ``H`` changes inside a block (``pick``): a round is then ``H`` steps or
+  what is left of the block, whichever is fewer (``round_steps``).
 - A block's last round ends at a multiple of ``S``: the group waits for it in full (relay handoff).
 - Valid-CE points of the curve: whenever ``gstep`` passes a multiple of ``eval_every`` (-1: about
   ``EVAL_POINTS`` over the run; 0: none).
@@ -34,6 +36,17 @@ class Schedule:
     def __post_init__(self):
         if self.S % self.H:
             raise ValueError(f"{self.S} steps per block do not split into rounds of {self.H} steps")
+
+    def pick(self, h: int) -> None:
+        """Rounds of ``h`` steps from now on (sync=auto's pick, not a divisor of S: the block's last
+        round is what is left of it)."""
+        if h < 1:
+            raise ValueError(f"rounds of {h} steps")
+        self.H = h
+
+    def round_steps(self, gstep: int) -> int:
+        """The steps of the round starting after ``gstep`` steps."""
+        return min(self.H, self.S - gstep % self.S)
 
     def set_steps(self, steps: int) -> None:
         """Another number of steps per block (before training starts; every room shares this object)."""
@@ -66,11 +79,16 @@ class Schedule:
 
     def last_round(self, gstep: int) -> bool:
         """The round starting after ``gstep`` steps is its block's last."""
-        return (gstep + self.H) % self.S == 0
+        return gstep % self.S + self.H >= self.S
 
     def refresh_due(self, gstep: int) -> bool:
         """Parallel: time to pull newer lower blocks before the next round."""
-        return not self.relay and self.k > 0 and gstep > 0 and gstep % max(self.H, self.refresh_every) == 0
+        return not self.relay and self.k > 0 and gstep > 0 and self._passed(gstep, max(self.H, self.refresh_every))
+
+    def _passed(self, gstep: int, every: int) -> bool:
+        """The round that ended at ``gstep`` passed a multiple of ``every`` (rounds of H steps; a
+        change of H may make one come twice, never skip one)."""
+        return gstep % every == 0 or gstep // every > max(0, gstep - self.H) // every
 
     @property
     def eval_period(self) -> int:
@@ -83,7 +101,7 @@ class Schedule:
         return gstep // every if every else None
 
     def report_due(self, gstep: int) -> bool:
-        return gstep % max(1, self.total_steps // REPORTS) == 0
+        return self._passed(gstep, max(1, self.total_steps // REPORTS))
 
 
 @dataclass

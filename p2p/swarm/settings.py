@@ -22,13 +22,14 @@ from ..averaging.gossip import MAX_GOSSIP_SIZE, MIN_GOSSIP_SIZE, check_gossip_co
 from .schedule import EVAL_POINTS
 
 SCHEDULES = ("relay", "parallel")
-SYNCS = ("grads", "params")
+SYNCS = ("grads", "params", "auto")
 
 
 @dataclass
 class SwarmConfig:
     schedule: str = "relay"  # relay | parallel (schedule.py's rules)
-    sync: str = "grads"  # grads: average gradients every step; params: DiLoCo every `every` steps
+    sync: str = "grads"  # grads: average gradients every step; params: DiLoCo every `every` steps;
+    #                      auto: each block picks one of them from what its members measure (auto.py)
     every: int = 0  # local steps per round; 0 = the sync's default (grads 1, params 25)
     codec: str = "raw"  # averaging codec: raw, fp16, bf16, int8, topk, sign (lossy ones with error feedback)
     density: float = 0.01  # topk: the fraction of each chunk of 4096 values sent per round
@@ -51,6 +52,7 @@ class SwarmConfig:
     cut_off_ok: bool = False  # a run cut off from its group at the end (report.py cut_off) ends with CutOff
     #                           (bt-peer exits 1) unless this is set; either way its report and log say so
     margin: int = 2  # rounds between a joiner's admission and its first round
+    comm_share: float = 0.1  # auto: the share of wall time communication may take (the sponsor's pick, auto.py)
     gossip: int = 0  # params only: from 2 x gossip members on, average in small groups of gossip..2 x gossip - 1
     #                  that change every round (averaging/gossip.py, rule 10); 0: always all-to-all
 
@@ -66,6 +68,10 @@ class SwarmConfig:
         if self.eval_every < -1:
             raise ValueError(f"eval_every {self.eval_every}: steps between CE points (0: none, -1: about "
                              f"{EVAL_POINTS} points over the run)")
+        if self.sync == "auto":
+            self._check_auto()
+        if not 0 < self.comm_share < 1:
+            raise ValueError(f"comm_share {self.comm_share}: a share of wall time in (0, 1)")
         if self.sync == "grads" and self.every not in (0, 1):
             raise ValueError("sync=grads averages every step: every must be 1")
         if self.overlap and self.sync != "params":
@@ -83,6 +89,16 @@ class SwarmConfig:
         if self.gossip:
             self._check_gossip()
 
+    def _check_auto(self) -> None:
+        """auto picks the rounds' arithmetic itself (auto.py): nothing of it may be set beside."""
+        picked = {"every": (self.every, 0), "codec": (self.codec, "raw"), "outer": (self.outer, "sgd"),
+                  "outer_lr": (self.outer_lr, 1.0), "outer_momentum": (self.outer_momentum, 0.0),
+                  "overlap": (self.overlap, False), "gossip": (self.gossip, 0)}
+        set_ = [k for k, (v, default) in picked.items() if v != default]
+        if set_:
+            raise ValueError(f"sync=auto picks the rounds' steps, codec and outer step itself: leave "
+                             f"{', '.join(set_)} unset (or give sync grads or params)")
+
     def _check_gossip(self) -> None:
         """Gossip averages the members' parameters (rule 10): it needs parameter rounds, a dense
         codec, and the plain average as the outer step; overlap's agreed point does not exist."""
@@ -99,7 +115,7 @@ class SwarmConfig:
 
     @property
     def steps_per_round(self) -> int:
-        return self.every or (1 if self.sync == "grads" else 25)
+        return self.every or (25 if self.sync == "params" else 1)  # auto: its probe rounds (auto.py)
 
     def outer_optimizer(self) -> OuterOptimizer:
         return OuterOptimizer(self.outer_lr, self.outer_momentum, self.outer == "nesterov")

@@ -47,12 +47,15 @@ class CheckpointStore:
     def _own(self) -> Path:
         return self.dir / "serve" / CHECKPOINT / ckpt.block_file(self.schedule.k)
 
-    def checkpoint(self, trainer, outer_buf, final: bool, gstep: int, rnd: int, block: int) -> ckpt.Checkpoint:
+    def checkpoint(self, trainer, rounds, final: bool, gstep: int, rnd: int, block: int) -> ckpt.Checkpoint:
+        """``rounds`` (rounds.py): the outer step's momentum, and what they keep beside (sync=auto:
+        the block's pick, ``sync_mode``)."""
         c = trainer.checkpoint()
+        outer_buf = rounds.outer._buf
         if outer_buf is not None:
             c.optim[OUTER_MOMENTUM] = outer_buf
         c.extra.update(final=final, gstep=gstep, round=rnd, block_in_work=block,
-                       schedule=self.scfg.schedule, swarm=asdict(self.scfg))
+                       schedule=self.scfg.schedule, swarm=asdict(self.scfg), **rounds.checkpoint_extra())
         return c
 
     def due(self) -> bool:

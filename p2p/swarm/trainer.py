@@ -84,7 +84,7 @@ class SwarmTrainer:
                                      self.job)
         self.rounds = Rounds(peer, self.group, self.averager, self.membership, scfg, self.schedule, self.pos,
                              self.stats)
-        self.rounds.on_step, self.rounds.save_join_state = on_step, self.save_join_state
+        self.rounds.on_step, self.rounds.save_join_state, self.rounds.say = on_step, self.save_join_state, self._say
         self.feed = None if self.relay else LowerFeed(peer, k, self.fetcher, self.check, self.stats.lower,
                                                       scfg.lower_timeout_s, self._waiting_for_lower)
         self.state = RunState.STARTING
@@ -156,7 +156,7 @@ class SwarmTrainer:
     # --- checkpoints (store.py) --------------------------------------------------------------------
     def checkpoint(self, final: bool) -> ckpt.Checkpoint:
         """Our state now as a checkpoint (``final``: the block's last), as saved and served."""
-        return self.store.checkpoint(self.tr, self.rounds.outer._buf, final, self.gstep, self.rnd, self.block)
+        return self.store.checkpoint(self.tr, self.rounds, final, self.gstep, self.rnd, self.block)
 
     def _save(self, final: bool = False) -> None:
         self.store.save(self.checkpoint(final))
@@ -180,6 +180,7 @@ class SwarmTrainer:
         self.tr.restore(c)
         self.rounds.drop_pending()
         buf = c.optim.get(OUTER_MOMENTUM)
+        self.rounds.restore_mode(c.extra, c.block, gstep, source)
         self.rounds.outer._buf = buf.clone() if buf is not None else None
         self.pos.gstep = gstep
         self.pos.rnd = int(c.extra.get("round", self.rnd))
@@ -274,7 +275,7 @@ class SwarmTrainer:
         if self.stats.joins and self.stats.joins[-1]["how"] == "fetched the group's state":
             await self.eval.start(self.tr, self.gstep, timed=True)  # we start from the group's state, not ours
         self._say(f"training block {self.block} from step {self.gstep} of {self.total_steps}, group of "
-                  f"{len(self.group.members())}, rounds of {self.H} step(s) ({self.scfg.sync})")
+                  f"{len(self.group.members())}, rounds of {self.H} step(s) ({self.rounds.mode_line()})")
         if not self.stats.phases or self.stats.phases[-1]["block"] != self.block:
             self.stats.phases.append({"block": self.block, "start_step": self.gstep, "started": time.time()})
 

@@ -1,0 +1,178 @@
+"""sync=auto (p2p/swarm/auto.py): the pick from measured figures, and a group that takes one pick."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from blocktrain.p2p.swarm import SwarmConfig, auto
+from blocktrain.p2p.swarm.auto import MAX_H, PROBE, AutoSync, Pace, SyncMode, choice_of, choose, grads_ratio
+from blocktrain.blocks.train import TrainConfig
+
+from conftest import mesh
+from test_swarm import FAST, SC, TC, _two_then_a_joiner, finals, slowed, trainers
+
+AUTO = SwarmConfig(**{**SC.__dict__, "sync": "auto", "min_group": 3})
+
+
+def test_a_fast_link_keeps_gradients_every_step_and_a_slow_one_picks_rounds_within_the_share():
+    # a probe round of 0.1 ms against 100 ms of compute: a gradient round 3.2 ms, 3% of the time
+    fast = [Pace(0.1, 0.0001, 1000, 32.0)] * 3
+    mode, figures = choose(fast, 0.1)
+    assert mode == SyncMode() and figures["grads_share"] <= 0.1
+    for wire, step in [(0.05, 0.1), (0.5, 0.3), (2.0, 0.3), (10.0, 0.01)]:
+        mode, figures = choose([Pace(step, wire, 1000, 32.0)], 0.1)
+        assert mode.sync == "params" and mode.codec == "sign" and 1 <= mode.every <= MAX_H
+        if mode.every < MAX_H:  # the smallest H that keeps the probe's wire time within 10%
+            assert wire / (wire + mode.every * step) <= 0.1 < wire / (wire + (mode.every - 1) * step)
+        assert mode.outer_lr == (1.7 if mode.every < 4 else 1.0)
+    assert choose([Pace(0.01, 10.0, 1000, 32.0)], 0.1)[0].every == MAX_H  # bounded
+    # medians: one odd round does not decide
+    paces = [Pace(0.1, 0.0001, 1, 32.0), Pace(0.1, 0.0001, 1, 32.0), Pace(0.1, 5.0, 1, 32.0)]
+    assert choose(paces, 0.1)[0] == SyncMode()
+
+
+def test_grads_ratio_is_the_fp32_bytes_over_the_sign_bytes_of_the_same_round():
+    n = 10 * 4096
+    assert grads_ratio(n, 3, "robust") == pytest.approx(4 * n / (10 * (512 + 4)))
+    assert grads_ratio(n, 4, "mean") == pytest.approx(grads_ratio(n, 3, "robust") * 2 / 4)
+    assert grads_ratio(n, 2, "robust") == pytest.approx(grads_ratio(n, 3, "robust"))  # 2 members: a plain mean
+
+
+@pytest.mark.parametrize("tag", ["grads", "params/1/sign/1.7", "params/32/sign/1", "params/64/sign/1"])
+def test_a_mode_tag_round_trips(tag):
+    assert SyncMode.parse(tag).tag == tag
+
+
+@pytest.mark.parametrize("tag", ["", "Grads", "params/0/sign/1", "params/65/sign/1", "params/4/raw/1",
+                                 "params/04/sign/1", "params/4/sign/2", "params/4/sign/1.0", 7, None, ["grads"],
+                                 "grads ", "params/1000/sign/1"])
+def test_a_mode_auto_cannot_pick_is_refused(tag):
+    assert SyncMode.parse(tag) is None
+
+
+@pytest.mark.parametrize("said", [None, "grads", {"mode": "params/99/sign/1"}, {"mode": "grads", "x": math.nan},
+                                  {"mode": "grads", "x": math.inf}, {"mode": "grads", "x": -1},
+                                  {"mode": "grads", "x": True}, {"mode": "grads", "x": "1"},
+                                  {"mode": "grads", 3: 1}, {"mode": "grads", "x" * 33: 1},
+                                  {"mode": "grads", **{f"k{i}": 1 for i in range(9)}}])
+def test_a_choice_with_a_bad_mode_or_figure_is_not_taken(said):
+    assert choice_of(said) is None
+    a = AutoSync(0.1)
+    assert not a.take(said, 3, "sponsor") and a.probing and a.mode == PROBE
+
+
+def test_a_choice_is_taken_once_per_block_and_kept_in_the_checkpoint():
+    a = AutoSync(0.1)
+    assert a.proposal() is None  # no figures yet: the sponsor says nothing
+    a.measured(Pace(0.1, 0.2, 1000, 32.0))
+    said = a.proposal()
+    assert SyncMode.parse(said["mode"]).every == 18  # 0.2 / (0.2 + 18 x 0.1) = 10%
+    assert a.take(said, 5, "s") and not a.probing and a.saved == said["mode"]
+    assert not a.take({"mode": "grads"}, 6, "s") and a.saved == said["mode"]  # one pick per block
+    b = AutoSync(0.1)
+    b.restore(a.saved)
+    assert b.mode == a.mode and not b.probing
+    b.restore("")
+    assert b.probing and b.mode == PROBE
+    a.reset()
+    assert a.probing and a.saved == ""
+
+
+@pytest.mark.parametrize("set_", [{"every": 4}, {"codec": "sign"}, {"outer_lr": 1.7}, {"overlap": True},
+                                  {"gossip": 3}, {"outer": "nesterov"}])
+def test_auto_refuses_settings_it_picks_itself(set_):
+    with pytest.raises(ValueError, match="sync=auto picks"):
+        SwarmConfig(sync="auto", **set_)
+
+
+def _picks(monkeypatch, mode: SyncMode):
+    """Every sponsor picks ``mode`` whatever it measured (choose is tested above)."""
+    monkeypatch.setattr(auto, "choose", lambda paces, share: (mode, {"step_s": 0.01, "probe_wire_s": 0.02,
+                                                                      "grads_share": 0.5}))
+
+
+@pytest.mark.parametrize("mode", [SyncMode(), SyncMode("params", 5, "sign", 1.0)], ids=["grads", "rounds-of-5"])
+async def test_the_group_takes_its_sponsors_pick_in_every_block_and_ends_identical(tmp_path, monkeypatch, mode):
+    """Three peers, relay over 3 blocks of 12 steps: each block probes (one round without figures,
+    one whose sponsor says its pick), then runs the pick to the block's end (rounds of 5 do not
+    divide the 10 steps left: 5 + 5); the three end byte-identical, and say the pick."""
+    _picks(monkeypatch, mode)
+    peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
+    try:
+        sps = trainers(peers, tmp_path, AUTO)
+        reps = await asyncio.wait_for(asyncio.gather(*(sp.run() for sp in sps)), 120)
+        a, b, c = (finals(sp) for sp in sps)
+        assert torch.equal(a, b) and torch.equal(a, c)
+        per_block = 2 + (10 if mode.sync == "grads" else 2)
+        for r in reps:
+            assert r["state"] == "done" and not r["failed_rounds"] and r["rounds_applied"] == 3 * per_block
+            assert [(x["block"], x["mode"], x["round"]) for x in r["sync_choices"]] == \
+                [(k, mode.tag, 2 + k * per_block) for k in range(3)]
+            assert not r["rejected_updates"]
+            assert all(x["by"] == min(p.id for p in peers) for x in r["sync_choices"])
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_a_member_that_takes_another_pick_is_refused_by_name(tmp_path, monkeypatch):
+    """A member whose rounds run another mode than the group's (here it takes its own pick in place
+    of the sponsor's) has its parts rejected by name; the others train on, identical."""
+    _picks(monkeypatch, SyncMode("params", 2, "sign", 1.7))
+    peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
+    try:
+        sc = SwarmConfig(**{**AUTO.__dict__, "cut_off_ok": True})
+        sps = trainers(peers, tmp_path, sc)
+        odd = max(sps, key=lambda sp: sp.peer.id)  # not the sponsor
+        take = odd.rounds.picker.auto.take
+        odd.rounds.picker.auto.take = lambda said, rnd, by: take(said and {"mode": "params/3/sign/1.7"}, rnd, by)
+        reps = await asyncio.wait_for(asyncio.gather(*(sp.run() for sp in sps)), 120)
+        honest = [sp for sp in sps if sp is not odd]
+        assert torch.equal(finals(honest[0]), finals(honest[1]))
+        for sp in honest:  # whichever side read the other's part first names the other
+            r = reps[sps.index(sp)]
+            why = [e["reason"] for e in r["rejected_updates"] if e["peer"] == odd.peer.id]
+            why += [r["excluded_by"][odd.peer.id]] if odd.peer.id in r["excluded_by"] else []
+            assert why and all("another sync mode: 'params/" in w for w in why)
+            assert not any(e["peer"] != odd.peer.id for e in r["rejected_updates"])
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_a_joiner_takes_the_groups_pick_with_its_state_and_ends_identical(tmp_path, monkeypatch):
+    _picks(monkeypatch, SyncMode("params", 4, "sign", 1.0))
+    peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
+    tc = TrainConfig(**{**TC.to_dict(), "steps": 42})
+    try:
+        sc = SwarmConfig(**{**AUTO.__dict__, "min_group": 2})
+        sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, sc, tc)]
+        reps, joiner = await _two_then_a_joiner(sps, 4)
+        assert joiner["joins"][-1]["how"] == "fetched the group's state"
+        assert joiner["sync_choices"][0]["mode"] == "params/4/sign/1"  # the block it joined: taken from the state
+        a, b, c = (finals(sp) for sp in sps)
+        assert torch.equal(a, b) and torch.equal(a, c)
+        assert not any(r["failed_rounds"] or r["rejected_updates"] for r in reps + [joiner])
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+def test_the_sync_mode_vectors_of_protocol_md_both_ways():
+    import json
+
+    from vectors import VALID, tables
+    rows = tables("Sync mode")
+    assert {r[0] for r in rows} == {"mode", "choice"} and any(r[2] == "refused" for r in rows)
+    for key, value, taken in rows:
+        said = json.loads(value.strip("`"))
+        got = SyncMode.parse(said) if key == "mode" else (choice_of(said) or (None,))[0]
+        assert (got.tag if got is not None else "refused") == taken, (key, value)
+        if taken != "refused":  # and back: the tag written from the mode it parses to
+            assert SyncMode.parse(taken).tag == taken
+    part = VALID["block_update_sign_auto"].meta  # the valid frame's keys are the first choice row's
+    assert SyncMode.parse(part["mode"]) == PROBE
+    first = next(r for r in rows if r[0] == "choice")
+    assert part["choice"] == json.loads(first[1].strip("`"))
