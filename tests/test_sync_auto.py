@@ -176,3 +176,42 @@ def test_the_sync_mode_vectors_of_protocol_md_both_ways():
     assert SyncMode.parse(part["mode"]) == PROBE
     first = next(r for r in rows if r[0] == "choice")
     assert part["choice"] == json.loads(first[1].strip("`"))
+
+
+async def test_a_member_restarted_in_the_picked_rounds_keeps_the_pick_and_ends_identical(tmp_path, monkeypatch):
+    """A member stopped after the block took its pick and started again (same identity and work
+    directory) resumes with the pick from its own checkpoint, rejoins, and the three end
+    byte-identical; its report says where its pick came from."""
+    from blocktrain.p2p.node import Peer
+    from blocktrain.p2p.swarm import PeerJob, SwarmTrainer, TrainerSpec, store
+
+    from test_swarm import DATA, MC
+    monkeypatch.setattr(store, "SAVE_EVERY_S", 0.0)  # a checkpoint after every round
+    _picks(monkeypatch, SyncMode("params", 3, "sign", 1.7))
+    peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
+    tc = TrainConfig(**{**TC.to_dict(), "steps": 32})
+    try:
+        sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, AUTO, tc)]
+        tasks = [asyncio.ensure_future(sp.run()) for sp in sps]
+        deadline = asyncio.get_running_loop().time() + 120
+        while sps[2].stats.applied < 4:  # past the pick (round 2), in rounds of 3
+            assert asyncio.get_running_loop().time() < deadline and not any(t.done() for t in tasks)
+            await asyncio.sleep(0.05)
+        tasks[2].cancel()
+        await asyncio.gather(tasks[2], return_exceptions=True)
+        await peers[2].stop()
+        peers[2] = await Peer(peers[2].identity, peers[2].swarm_key, "127.0.0.1", 0, blocks=(2,), timeouts=FAST).start()
+        await peers[2].join("127.0.0.1", peers[0].port)
+        assert await peers[2].wait_for(lambda: len(peers[2].members()) == 2, 60.0)
+        again = slowed(SwarmTrainer(peers[2], TrainerSpec(2, PeerJob(MC, tc, AUTO), tmp_path / "w2"), DATA, DATA), 0.01)
+        assert await asyncio.to_thread(again.prepare)
+        assert again.rounds.mode_line() == "auto: sign rounds of 3 step(s), outer lr 1.7"  # from its own checkpoint
+        rep = await asyncio.wait_for(again.run(), 240)
+        reps = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 240)
+        assert all(r["state"] == "done" for r in reps + [rep])
+        a, b, c = finals(sps[0]), finals(sps[1]), finals(again)
+        assert torch.equal(a, b) and torch.equal(a, c)
+        assert rep["sync_choices"][0]["mode"] == "params/3/sign/1.7" and rep["sync_choices"][0]["round"] is None
+    finally:
+        for p in peers:
+            await p.stop()
