@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 from blocktrain.protocol import Announce, ErrorCode, PeerInfo, PeerList, Ping, Role
 
 from .members import Member, MemberTable
+from .reach import for_member
 from .redial import Redials
 from .services import Change, Liveness, MembershipEvent
 from .transport import DUPLICATE_REASON, CloseCause, PeerConnection
@@ -144,7 +145,7 @@ class Mesh:
     def _greet(self, pc: PeerConnection) -> None:
         try:
             pc.send_nowait(Announce(peer=self.peer.info()))
-            pc.send_nowait(PeerList(peers=self.table.peer_list(time.monotonic())))
+            pc.send_nowait(self._peer_list(pc))
         except ConnectionError:
             pass
 
@@ -210,11 +211,17 @@ class Mesh:
                 except ConnectionError:
                     pass
 
+    def _peer_list(self, pc: PeerConnection) -> PeerList:
+        """Every live member we know, for the member at the other end of ``pc`` (reach.for_member)."""
+        host = str(pc.peer_addr[0]) if isinstance(pc.peer_addr, tuple) and pc.peer_addr else None
+        return PeerList(peers=for_member(self.table.peer_list(time.monotonic()), host))
+
     def gossip(self) -> None:
         """Send the member list to one live member, chosen at random."""
         live = self.table.live_conns()
         if live:
             try:
-                random.choice(live).send_nowait(PeerList(peers=self.table.peer_list(time.monotonic())))
+                pc = random.choice(live)
+                pc.send_nowait(self._peer_list(pc))
             except ConnectionError:
                 pass

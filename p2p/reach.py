@@ -27,7 +27,12 @@ Rules:
   client's record), it dials them, and the connections it opens carry everything both ways.
 - A member's ``seen`` and ``dialed`` are its word about us: a lying key holder can make this
   peer advertise an address others cannot dial (they fail to dial it; this peer still dials
-  them). The status names who confirmed the address.
+  them). The status names who confirmed the address. A ``seen`` whose host is not an IP address
+  (what a responder sees a connection come from always is) is not taken: its text never reaches
+  logs or the status.
+- Loopback stays on its machine: a dial-back that confirms a loopback address is not advertised
+  once this peer joined a swarm at another host, and a PEER_LIST to a member elsewhere leaves out
+  the records of loopback addresses (``for_member``): nobody there can dial them.
 """
 
 from __future__ import annotations
@@ -68,6 +73,22 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def for_member(records, member_host: str | None) -> tuple:
+    """The PEER_LIST records for a member at ``member_host`` (None: not known): loopback addresses
+    only for a member on loopback (nobody elsewhere can dial them)."""
+    if member_host is None or is_loopback(member_host):
+        return tuple(records)
+    return tuple(r for r in records if not ((where := split_addr(r.addr)) and is_loopback(where[0])))
+
+
 def split_addr(addr: str) -> tuple[str, int] | None:
     """("host", port) of a "host:port", or None when it is not one."""
     host, sep, port = addr.rpartition(":")
@@ -91,6 +112,7 @@ class Reachability:
         self._deadline_set = False  # the wait for a dial-back runs from the first ask a member took
         self._answered: collections.OrderedDict[str, float] = collections.OrderedDict()  # asker -> when
         self._in_flight = 0
+        self._elsewhere = False  # we joined a swarm at a host that is not loopback
         self._watchers: list[Callable[["Reachability"], None]] = []
 
     # --- the address we advertise ------------------------------------------------------------
@@ -104,6 +126,7 @@ class Reachability:
     def joining(self, host: str) -> None:
         """We join through ``host``: a loopback listen address is nobody's to dial there."""
         p = self.peer
+        self._elsewhere = self._elsewhere or not is_loopback(host)
         if not p.advertise and is_loopback(p.host) and not is_loopback(host) and p.addr:
             log.warning("listening on %s, which members at %s cannot dial: advertising no address (give "
                         "--listen a routable host, or --advertise)", p.addr, host)
@@ -149,11 +172,12 @@ class Reachability:
     # --- what members tell us ------------------------------------------------------------------
     def observed(self, pid: str, seen: object) -> None:
         """A member we dialled says it sees us from ``seen``."""
-        if isinstance(seen, str) and split_addr(seen) is not None:
-            self.seen.pop(pid, None)
-            self.seen[pid] = seen
-            while len(self.seen) > MAX_SEEN:
-                self.seen.popitem(last=False)
+        if not isinstance(seen, str) or (where := split_addr(seen)) is None or not is_ip(where[0]):
+            return
+        self.seen.pop(pid, None)
+        self.seen[pid] = seen
+        while len(self.seen) > MAX_SEEN:
+            self.seen.popitem(last=False)
 
     def observed_host(self) -> str:
         """The host most members we dialled see us from ("" if none told us)."""
@@ -177,7 +201,8 @@ class Reachability:
                     f"member {pid[:12]} dialled {addr} back" if addr else
                     f"member {pid[:12]} dialled us back at an address no member sees us at")
         log.info("reachable: %s", self.why)
-        if addr and not p.advertise and p.host in UNSPECIFIED_HOSTS and not p.addr:
+        if addr and not p.advertise and p.host in UNSPECIFIED_HOSTS and not p.addr and \
+                not (self._elsewhere and is_loopback(split_addr(addr)[0])):  # type: ignore[index]
             p.set_addr(addr)
         self._changed()
 

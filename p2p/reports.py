@@ -206,6 +206,11 @@ def detail_lines(agg: dict) -> list[str]:
     return lines
 
 
+def plain(text: str) -> str:
+    """``text`` with every character that is not printable (escape sequences, newlines) as ``?``."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def status_lines(st: dict) -> list[str]:
     """``bt-peer status``'s lines for a peer's STATUS answer ``st`` (a claim, not a fact): what
     the asked peer says of itself, then its members. A member's blocks and role are what it
@@ -237,4 +242,4 @@ def status_lines(st: dict) -> list[str]:
     t = st["traffic"]
     lines.append(f"bytes moved by this peer: sent {fmt_bytes(t['sent']['wire_bytes'])}, "
                  f"received {fmt_bytes(t['received']['wire_bytes'])}")
-    return lines
+    return [plain(line) for line in lines]  # what peers said, as text: no control characters reach a terminal

@@ -233,3 +233,48 @@ async def test_a_refused_ask_is_asked_again(monkeypatch):
     finally:
         await b.stop()
         await a.stop()
+
+
+def test_a_seen_that_is_not_an_ip_address_is_not_taken_and_status_lines_print_no_control_characters():
+    from types import SimpleNamespace
+
+    from blocktrain.p2p.reach import Reachability
+    from blocktrain.p2p.reports import status_lines
+    r = Reachability(SimpleNamespace(), lambda pid, pc: None)
+    for seen in ("evil\x1b[2J:7000", "example.org:7000", "1.2.3.4\n:7000", "203.0.113.9:70000"):
+        r.observed("a" * 64, seen)
+    assert not r.seen and r.observed_host() == ""
+    r.observed("a" * 64, "203.0.113.9:41000")
+    r.observed("b" * 64, "[2001:db8::1]:41000")
+    assert list(r.seen.values()) == ["203.0.113.9:41000", "[2001:db8::1]:41000"]
+    st = {"peer_id": "c" * 64, "addr": "\x1b]0;owned\x07:1", "blocks": [0], "role": "train\r\n", "members": [
+        {"peer_id": "d" * 64, "addr": "x\x1b[31m:2", "blocks": [1], "role": "serve", "state": "alive",
+         "last_heard_s": 0.5}], "traffic": {"sent": {"wire_bytes": 0}, "received": {"wire_bytes": 0}}}
+    lines = status_lines(st)
+    assert not any(c in line for line in lines for c in "\x1b\x07\r\n") and "x?[31m:2" in "".join(lines)
+
+
+def test_loopback_records_go_only_to_members_on_loopback():
+    from blocktrain.p2p.reach import for_member
+    from blocktrain.protocol import PeerInfo
+    recs = [PeerInfo("a" * 64, "127.0.0.1:7000", (0,), "train", 0), PeerInfo("b" * 64, "203.0.113.7:7000", (1,), "train", 0),
+            PeerInfo("c" * 64, "", (2,), "train", 0), PeerInfo("d" * 64, "[::1]:7000", (2,), "train", 0)]
+    assert for_member(recs, "127.0.0.2") == tuple(recs) and for_member(recs, None) == tuple(recs)
+    assert [r.peer_id[0] for r in for_member(recs, "198.51.100.4")] == ["b", "c"]
+
+
+def test_a_dial_back_at_a_loopback_address_is_not_advertised_to_a_swarm_elsewhere():
+    from types import SimpleNamespace
+
+    from blocktrain.p2p.reach import Reachability
+    set_to = []
+    peer = SimpleNamespace(advertise="", host="0.0.0.0", port=7001, addr="", set_addr=set_to.append, notify=lambda: None)
+    r = Reachability(peer, lambda pid, pc: None)
+    r.joining("203.0.113.7")
+    r.observed("a" * 64, "127.0.0.1:50000")  # a member on our machine sees us on loopback
+    r.reached("a" * 64, "127.0.0.1:7001", dial_back=True, local=("127.0.0.1", 7001))
+    assert r.reachable and set_to == []  # reachable, but members elsewhere cannot dial 127.0.0.1
+    r2 = Reachability(SimpleNamespace(**{**peer.__dict__}), lambda pid, pc: None)
+    r2.observed("a" * 64, "203.0.113.9:50000")
+    r2.reached("a" * 64, "203.0.113.9:7001", dial_back=True)
+    assert set_to == ["203.0.113.9:7001"]
