@@ -23,7 +23,9 @@ def test_parallel_trains_its_own_block_and_refreshes_its_input():
     s = Schedule(k=2, n_blocks=3, S=12, H=3, relay=False, refresh_every=6)
     assert s.plan == (2,) and s.total_steps == 12 and {s.block_at(g) for g in range(13)} == {2}
     assert not any(s.ends_block(g, 2) for g in range(13))  # nothing to hand over
-    assert [g for g in range(0, 13, 3) if s.refresh_due(g)] == [6, 12]  # asked at the rounds' ends
+    assert [g for g in range(13) if s.refresh_due(g)] == [6, 12]
+    every10 = Schedule(k=2, n_blocks=3, S=100, H=10, relay=False, refresh_every=25)  # rounds that split the block:
+    assert [g for g in range(0, 101, 10) if every10.refresh_due(g)] == [50, 100]  # multiples only, as always
     assert not any(Schedule(0, 3, 12, 3, relay=False).refresh_due(g) for g in range(13))  # block 0 has no input
 
 

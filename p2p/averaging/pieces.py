@@ -45,6 +45,10 @@ class Roster:
     departed (-> why), rejected ({"peer", "reason"}, in order) and mismatched (they began the round
     with another view of the group, rule 4); so who is live, and who owns each piece now."""
 
+    def shared(self) -> tuple:
+        """Its ids, departed, rejected and mismatched: shared with the round, which reads them as its own."""
+        return self.ids, self.departed, self.rejected, self.mismatched
+
     def __init__(self, me: str, members):
         self.me, self.ids = me, sorted(set(members) | {me})
         self.departed: dict[str, str] = {}

@@ -195,13 +195,12 @@ class AveragingRound:
         ``lent``: the driver's buffers (``Buffers``). ``origin``: where the vector is a point (a
         gossip round's parameters), our own start point of the steps it took; a robust round
         measures the members' updates from it to find one opposed to the median's (rule 6,
-        ``opposed_members``). None: the vector is an update itself. ``choice``: swarm/auto.py's."""
+        ``opposed_members``); None: the vector is an update. ``choice``: swarm/auto.py's."""
         self.me, self.block, self.round, self.spec = me, block, rnd, spec
         self.say = {k: v for k, v in (("mode", spec.mode), ("choice", choice)) if v}  # our parts' meta beside
         self.choices: dict[str, object] = {}  # member -> the meta ``choice`` of its first part (None: none)
         self.roster = roster = Roster(me, members)
-        self.ids, self.departed, self.rejected, self.mismatched = (roster.ids, roster.departed, roster.rejected,
-                                                                   roster.mismatched)  # the roster's own, shared
+        self.ids, self.departed, self.rejected, self.mismatched = roster.shared()  # the roster's own lists
         self.robust = spec.aggregate == "robust" and len(self.ids) >= 3
         self.everyone = self.robust or spec.codec == SIGN  # every member computes every piece (rule 6)
         roster.trusted = not self.everyone  # owners' averages leave out whom they departed (rule 4)
@@ -284,7 +283,8 @@ class AveragingRound:
         except ValueError as e:
             return self._reject(pid, str(e))
         self.roster.heard_from(pid)
-        self.choices.setdefault(pid, msg.meta.get("choice"))
+        if self.spec.mode:  # rounds under sync=auto only
+            self.choices.setdefault(pid, msg.meta.get("choice"))
         if phase == "reduce":
             self._received[j].setdefault(pid, t)  # kept before we know we own it (a departure moves pieces)
         elif wanted:

@@ -4,19 +4,25 @@ Rules:
 - A block under auto starts *probing*: rounds of one local step whose update travels sign-coded
   (``PROBE``: parameter rounds every step, codec sign, outer lr 1.7: the every-step mode of
   results/lowcomm, about 31x fewer bytes than fp32 gradients, within 0.01 of their CE there).
-- Each member measures its probe rounds of two or more members (``Pace``): compute seconds per
-  local step, the round's seconds in averaging (from its parts sent to the result held, waiting
-  for the others included) and the payload bytes it sent. A round alone measures nothing.
+- Each member measures its probe rounds in which another member's part counted (``Pace``):
+  compute seconds per local step, the round's seconds in averaging (from its parts sent to the
+  result held, waiting for the others included) and the payload bytes it sent. A round alone, or
+  one every other member departed, measures nothing.
 - The sponsor of a probe round (the smallest id of its members, group.py rule 2) says in meta
-  ``choice`` of its parts what it picks from its own figures so far (``choose``), once it has any.
-  At the end of a probe round whose sponsor said a valid choice, every member takes it: the
-  block's mode from the next round to the block's end. A round without one (the group's first, a
-  failed one, a sponsor that departed or said nothing valid) leaves the block probing.
-- Taking gradient rounds, every member starts its inner optimizer's moments afresh: after the
-  probes' local steps each member holds its own, and gradient rounds keep members identical only
-  where one state is applied the same averaged gradient.
-- Every part of a round under auto says the round's mode in meta ``mode``; a part of another mode
-  is rejected by name (averaging/round.py, rule 3): members never mix arithmetic unnoticed.
+  ``choice`` of its parts what it picks from its own figures so far (``choose``: the medians of
+  its last ``PACE_KEPT``), once it has measured ``MIN_PACES`` rounds. At the end of a probe round
+  that applied with the sponsor's part in every piece (so every member that applied the same
+  result decides alike), every member takes the sponsor's valid choice: the block's mode from the
+  next round to the block's end. Any other round leaves the block probing.
+- Taking gradient rounds, every member starts its inner optimizer's moments afresh at the take,
+  before the round's state is saved or offered (picker.py): after the probes' local steps each
+  member holds its own, and gradient rounds keep members identical only where one state is
+  applied the same averaged gradient.
+- A round's mode is part of its group digest (the start digest, ``|``, the mode's tag): members
+  of different picks are of different views of the group (rule 9 of averaging: the round fails,
+  the member that began it apart rejoins and takes the group's state, pick included). Every part
+  also says the mode in meta ``mode``; a part of another mode under our group digest is forged
+  and rejected by name (averaging/round.py, rule 3).
 - The mode is part of the group's state (a joiner takes it) and of our checkpoint (a restart keeps
   it): checkpoint extra ``sync_mode``. Every block starts probing again (``reset``).
 - The pick: every-step fp32 gradients where a gradient round would keep communication within
@@ -40,6 +46,8 @@ MAX_H = 64  # local steps per round auto picks at most (longer rounds: results/l
 PACE_KEPT = 8  # probe rounds whose figures are kept (the median of them is used)
 MODE_FORM = re.compile(r"grads|params/([1-9][0-9]{0,2})/sign/(1\.7|1)")  # PROTOCOL.md 7.1 "Sync mode"
 MAX_CHOICE_FIGURES = 8  # numbers a choice may carry beside its mode (reported, never computed with)
+FIGURE_NAME = re.compile(r"[a-z_]{1,32}")  # what a figure of a choice may be called
+MIN_PACES = 2  # probe rounds a sponsor measures before it picks (one round is the block's first, least typical)
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,8 @@ def choice_of(said) -> tuple[SyncMode, dict] | None:
     for k, v in said.items():
         if k == "mode":
             continue
-        if not isinstance(k, str) or len(k) > 32 or type(v) not in (int, float) or not 0 <= v < 1e12:
+        if not isinstance(k, str) or not FIGURE_NAME.fullmatch(k) or type(v) not in (int, float) \
+                or not 0 <= v < 1e12:
             return None
         figures[k] = v
     return mode, figures
@@ -161,7 +170,7 @@ class AutoSync:
 
     def proposal(self) -> dict | None:
         """What we say in meta ``choice`` when we sponsor a probe round (None: no figures yet)."""
-        if not self.paces:
+        if len(self.paces) < MIN_PACES:
             return None
         mode, figures = choose(self.paces, self.share)
         return {"mode": mode.tag, **figures}

@@ -5,11 +5,13 @@ Rules:
 - A mode is set once per change (``apply``), before a round: the schedule's round length, the
   averager's codec and the tag its parts say, the outer step (sgd at the mode's rate, no momentum).
 - Taking gradient rounds after probing, every member starts its inner optimizer's moments afresh
-  (``BlockTrainer.reset_optimizer``): after local steps each member holds its own, and gradient
-  rounds keep members identical only where one state takes the same averaged gradient. A state
-  restored in gradient rounds is the group's and is kept.
+  (``BlockTrainer.reset_optimizer``) at once, before the round's state is saved for joiners or in
+  a checkpoint: after local steps each member holds its own, and gradient rounds keep members
+  identical only where one state takes the same averaged gradient. A state restored in gradient
+  rounds is the group's and is kept.
 - The sponsor's choice rides on its parts of a probe round (``choice``); at the round's end every
-  member takes it (``probed``) unless the sponsor departed the round.
+  member takes it (``probed``) if the sponsor's part counted in every piece of the result.
+- Rounds under auto carry the mode's tag in their group digest (``start``).
 - Checkpoints carry the block's pick in extra ``sync_mode`` ("" while probing): a joiner takes the
   group's, a restart keeps its own (``restore_from``).
 """
@@ -46,8 +48,6 @@ class Picker:
         m = self.auto.mode
         if self.applied == m.tag:
             return None
-        if m.sync == "grads" and self.applied is not None:  # after local steps: each member's moments its own
-            tr.reset_optimizer()
         self.schedule.pick(m.every)
         self.averager.set_mode(m.codec, m.tag, steps=m.sync == "params")
         self.applied = m.tag
@@ -59,16 +59,24 @@ class Picker:
             return None
         return self.auto.proposal()
 
-    def probed(self, rnd: int, members: list, rep, step_s: float, said: dict | None, floats: int) -> None:
+    def start(self, digest: str) -> str:
+        """A round's start digest with its mode: members of different modes never mix (rule 9)."""
+        return f"{digest}|{self.applied}"
+
+    def probed(self, rnd: int, members: list, rep, step_s: float, said: dict | None, tr) -> None:
         """A probe round of ``members`` applied (``rep``: its report, None alone): its figures kept
-        and its sponsor's choice taken (ours, ``said``; another's, as its parts said it)."""
-        if not self.auto.probing or rep is None:
+        and its sponsor's choice taken (ours, ``said``; another's, as its parts said it), where the
+        sponsor's part counted in every piece of the result; ``tr``: the block's trainer."""
+        if not self.auto.probing or rep is None or len(rep.departed) >= len(members) - 1:
             return
+        floats = sum(p.numel() for p in tr.block.parameters())
         self.auto.measured(Pace(step_s, rep.seconds, rep.bytes_sent, grads_ratio(floats, len(members), self.aggregate)))
         sponsor = min(members)
-        if sponsor in rep.departed or not self.auto.take(said if sponsor == self.me else rep.choices.get(sponsor),
-                                                         rnd, sponsor):
+        counted = bool(rep.parts) and all(sponsor in p["contributors"] for p in rep.parts)
+        if not counted or not self.auto.take(said if sponsor == self.me else rep.choices.get(sponsor), rnd, sponsor):
             return
+        if self.auto.mode.sync == "grads":  # before any state of this round is saved or offered
+            tr.reset_optimizer()
         chosen = {"block": self.pos.block, "step": self.pos.gstep, **(self.auto.chosen or {})}
         self.stats.sync_choices.append(chosen)
         f = chosen["figures"]

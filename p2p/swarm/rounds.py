@@ -112,6 +112,10 @@ class Rounds:
         if outer is not None:
             self.outer = outer
 
+    def _start_digest(self, start) -> str:
+        """A round's start digest (auto: with its mode, picker.py)."""
+        return digest(start) if self.picker is None else self.picker.start(digest(start))
+
     def checkpoint_extra(self) -> dict:
         """What a checkpoint keeps of the rounds beside the store's (sync=auto: the block's pick)."""
         return {"sync_mode": self.picker.auto.saved} if self.picker is not None else {}
@@ -221,7 +225,7 @@ class Rounds:
         rep, avg = None, vec
         if len(members) > 1:
             try:
-                avg, rep = await self.averager.average(rnd, vec, members, start=digest(start),
+                avg, rep = await self.averager.average(rnd, vec, members, start=self._start_digest(start),
                                                        out=self._result_buffer(vec.numel()),
                                                        gone=self._gone(rnd, members), choice=said)
             except RoundFailed as e:
@@ -237,7 +241,7 @@ class Rounds:
             unflatten_(self.params(), self.outer.step(start, avg))
         self._stepped(loss, members, h)
         if self.picker is not None:
-            self.picker.probed(rnd, members, rep, step_s, said, vec.numel())
+            self.picker.probed(rnd, members, rep, step_s, said, self.tr)
         await self._after(rnd, rep, loss, members, time.perf_counter() - t0)
 
     async def _gossip(self, rnd: int, members: list, t0: float, start: torch.Tensor, h: int) -> None:

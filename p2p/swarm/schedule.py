@@ -86,8 +86,11 @@ class Schedule:
         return not self.relay and self.k > 0 and gstep > 0 and self._passed(gstep, max(self.H, self.refresh_every))
 
     def _passed(self, gstep: int, every: int) -> bool:
-        """The round that ended at ``gstep`` passed a multiple of ``every`` (rounds of H steps; a
-        change of H may make one come twice, never skip one)."""
+        """Where rounds of H split the block: ``gstep`` is a multiple of ``every``, as always. Where
+        they do not (auto's pick), the round that ended at ``gstep`` passed one (a change of H may
+        make one come twice, never skip one)."""
+        if self.S % self.H == 0:
+            return gstep % every == 0
         return gstep % every == 0 or gstep // every > max(0, gstep - self.H) // every
 
     @property
