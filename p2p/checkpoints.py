@@ -60,9 +60,14 @@ SHA_PREFIX = "sha-"
 # Streams one asker may have running at once: a fetch, a probe and a lower block or two.
 MAX_STREAMS_PER_PEER = 4
 # Streams served at once, to everyone (identities are free: a per-asker bound alone lets many
-# identities hold a chunk and a queue each). Each running stream holds about one chunk (4 MiB)
-# read ahead and its connection's bulk queue: 8 of them, a few tens of MiB at most.
+# identities hold a chunk and a queue each). Each running stream holds about one chunk read ahead
+# and its connection's bulk queue: 8 of them, a few MiB at most.
 MAX_STREAMS = 8
+# The chunks we send (the protocol takes up to 16 MiB): a frame occupies a link whole, so a
+# heartbeat behind one waits its whole time on the wire. 32 KiB leaves a 0.1 Mbit/s home uplink in
+# 2.6 s, inside a member's liveness timeout (6 s) and far inside STREAM_STALL_S; 4 MiB took 335 s
+# there (34 s at 1 Mbit/s: every stream then stalled and every heartbeat behind it was late).
+SEND_CHUNK_BYTES = 32 * 1024
 # A stream whose asker takes nothing of it for this long (no chunk leaves our buffers) is given up
 # and its connection closed: the fetchers' own chunk timeout (CheckpointFetcher.chunk_timeout_s).
 STREAM_STALL_S = 30.0
@@ -193,7 +198,7 @@ class CheckpointServer:
                     if (pid, req.stream_id) in self._reset:
                         log.info("stream %s/%s: %s reset it; stopped", req.kind, req.name, pid[:12])
                         return
-                    data = f.read(min(CHUNK_SIZE_BYTES, size - off))
+                    data = f.read(min(SEND_CHUNK_BYTES, size - off))
                     if not data:
                         raise OSError(f"{path} shrank while being sent")
                     await _send(pc, StreamChunk(offset=off, data=data, stream_id=req.stream_id))

@@ -150,6 +150,11 @@ class ShapedLink:
         self._in_flight_event = asyncio.Event()
         self.task: asyncio.Task | None = None
 
+    @property
+    def busy(self) -> bool:
+        """Frames are in flight: anything written to the transport now would overtake them."""
+        return bool(self._in_flight)
+
     async def room(self, shaper: LinkShaper):
         """Wait until the link's send buffer takes more: at most SHAPER_BUFFER_S queued ahead."""
         while shaper.busy_until() - time.monotonic() > SHAPER_BUFFER_S and not self._closed.done():

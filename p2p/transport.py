@@ -31,6 +31,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import collections
 import concurrent.futures
 import ctypes
@@ -530,13 +531,12 @@ class PeerConnection(asyncio.BufferedProtocol):
                     pass
 
     def abort_with(self, code: ErrorCode, reason: str, cause: CloseCause):
-        """Close, telling the peer why first (an Error frame: plain before the handshake, sealed after;
-        not after our Goodbye, when our side of the stream has ended)."""
-        if self.transport is not None and not self.transport.is_closing() and not self._eof_sent:
-            try:
+        """Tell the peer why (an Error frame: plain before the handshake, sealed after; not after our
+        Goodbye; not past frames in flight on a shaped link, which a real one sends first), close."""
+        if self.transport is not None and not self.transport.is_closing() and not self._eof_sent and \
+                not (self._shaped and self._shaped.busy):
+            with contextlib.suppress(ProtocolError):
                 self.transport.write(self.conn.close_frame(code, reason))
-            except ProtocolError:
-                pass
         self.abort(reason, cause)
 
     def abort_timeout(self, reason: str):

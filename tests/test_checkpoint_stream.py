@@ -223,3 +223,30 @@ async def test_a_probe_costs_the_holder_a_tail_read_whatever_the_checkpoint_size
     finally:
         for p in (a, b):
             await p.stop()
+
+
+async def test_a_stream_longer_than_the_stall_bound_on_a_slow_link_arrives(tmp_path, monkeypatch):
+    """On a slow link a stream takes longer than the stall bound, but each chunk far less: it is
+    not given up (with chunks of 4 MiB, one chunk outlasted the bound and the holder closed the
+    connection: no checkpoint crossed a 1 Mbit/s home link)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    import blocktrain.p2p.checkpoints as cp
+    from blocktrain.p2p.link import LinkSpec
+    from blocktrain.p2p.node import Peer
+
+    monkeypatch.setattr(cp, "STREAM_STALL_S", 1.0)
+    psk = os.urandom(32)
+    links = {"default": LinkSpec(delay_ms=5, rate_mbit=2), "links": {}}
+    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST, links=links).start()
+    b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
+    try:
+        await b.join("127.0.0.1", a.port)
+        data = os.urandom(640 * 1024)  # 2.6 s at 2 Mbit/s; a chunk of it 0.13 s
+        put(tmp_path, "checkpoint", "block0", data)
+        CheckpointServer(a, tmp_path)
+        got = await asyncio.wait_for(CheckpointFetcher(b, chunk_timeout_s=10).fetch([a.addr], "checkpoint", "block0"), 60)
+        assert got == data
+    finally:
+        for p in (a, b):
+            await p.stop()
