@@ -167,22 +167,30 @@ async def test_holder_process_killed_mid_stream_is_resumed_from_another(tmp_path
 async def test_stream_of_many_chunks_over_a_shaped_link(tmp_path):
     """The shaped writer wakes senders waiting on backpressure (a stream of more frames than the
     bulk queue holds once stalled here)."""
+    from blocktrain.p2p.link import LinkSpec
+
+    data = os.urandom(5 * 4 * 1024 * 1024 + 99)  # many chunks
+    assert await _fetched_over(tmp_path, LinkSpec(delay_ms=2, rate_mbit=800), data, both_ways=True) == data
+
+
+async def _fetched_over(tmp_path, link, data: bytes, both_ways: bool = False) -> bytes:
+    """``data`` served by a holder whose links are ``link`` (``both_ways``: the fetcher's too) and
+    fetched from it."""
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-    from blocktrain.p2p.link import LinkSpec
     from blocktrain.p2p.node import Peer
 
     psk = os.urandom(32)
-    links = {"default": LinkSpec(delay_ms=2, rate_mbit=800), "links": {}}
+    links = {"default": link, "links": {}}
     a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST, links=links).start()
-    b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST, links=links).start()
+    b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST,
+                   links=links if both_ways else None).start()
     try:
         await b.join("127.0.0.1", a.port)
-        data = os.urandom(5 * 4 * 1024 * 1024 + 99)  # six chunks
         put(tmp_path, "checkpoint", "block0", data)
         CheckpointServer(a, tmp_path)
-        got = await asyncio.wait_for(CheckpointFetcher(b, chunk_timeout_s=10).fetch([a.addr], "checkpoint", "block0"), 60)
-        assert got == data
+        return await asyncio.wait_for(CheckpointFetcher(b, chunk_timeout_s=10).fetch([a.addr], "checkpoint", "block0"),
+                                      60)
     finally:
         for p in (a, b):
             await p.stop()
@@ -229,24 +237,9 @@ async def test_a_stream_longer_than_the_stall_bound_on_a_slow_link_arrives(tmp_p
     """On a slow link a stream takes longer than the stall bound, but each chunk far less: it is
     not given up (with chunks of 4 MiB, one chunk outlasted the bound and the holder closed the
     connection: no checkpoint crossed a 1 Mbit/s home link)."""
-    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-
     import blocktrain.p2p.checkpoints as cp
     from blocktrain.p2p.link import LinkSpec
-    from blocktrain.p2p.node import Peer
 
     monkeypatch.setattr(cp, "STREAM_STALL_S", 1.0)
-    psk = os.urandom(32)
-    links = {"default": LinkSpec(delay_ms=5, rate_mbit=2), "links": {}}
-    a = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST, links=links).start()
-    b = await Peer(X25519PrivateKey.generate(), psk, "127.0.0.1", 0, timeouts=FAST).start()
-    try:
-        await b.join("127.0.0.1", a.port)
-        data = os.urandom(640 * 1024)  # 2.6 s at 2 Mbit/s; a chunk of it 0.13 s
-        put(tmp_path, "checkpoint", "block0", data)
-        CheckpointServer(a, tmp_path)
-        got = await asyncio.wait_for(CheckpointFetcher(b, chunk_timeout_s=10).fetch([a.addr], "checkpoint", "block0"), 60)
-        assert got == data
-    finally:
-        for p in (a, b):
-            await p.stop()
+    data = os.urandom(640 * 1024)  # 2.6 s at 2 Mbit/s; a chunk of it 0.13 s
+    assert await _fetched_over(tmp_path, LinkSpec(delay_ms=5, rate_mbit=2), data) == data

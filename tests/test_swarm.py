@@ -224,12 +224,33 @@ async def test_a_joiner_under_overlapped_rounds_takes_the_groups_point_and_ends_
             await p.stop()
 
 
+async def restarted_third(peers, sps, tasks, applied: int, job, tmp_path, slow: float) -> SwarmTrainer:
+    """Once the third trainer applied ``applied`` rounds with the others, it and its peer stop
+    (saying goodbye) and start again in this process with the same identity and work directory:
+    its new trainer, prepared from its own checkpoint (``peers[2]`` is the new peer)."""
+    from blocktrain.p2p.node import Peer
+    deadline = time.monotonic() + 120  # bounds here: generous, for a loaded machine
+    while sps[2].stats.applied < applied:  # the three are under way together
+        assert time.monotonic() < deadline and not any(t.done() for t in tasks)
+        await asyncio.sleep(0.05)
+    tasks[2].cancel()
+    await asyncio.gather(tasks[2], return_exceptions=True)
+    await peers[2].stop()
+    peers[2] = await Peer(peers[2].identity, peers[2].swarm_key, "127.0.0.1", 0, blocks=(2,), timeouts=FAST).start()
+    await peers[2].join("127.0.0.1", peers[0].port)
+    assert await peers[2].wait_for(lambda: len(peers[2].members()) == 2, 60.0)
+    # only the restarted member's trainer: another SwarmTrainer on peers 0 and 1 would register a
+    # second (idle) membership there, whose ABSENT answers the JOIN beside the group's welcome
+    again = slowed(SwarmTrainer(peers[2], TrainerSpec(2, job, tmp_path / "w2"), DATA, DATA), slow)
+    assert await asyncio.to_thread(again.prepare)
+    return again
+
+
 async def test_a_member_restarted_under_overlapped_sign_rounds_rejoins_and_ends_identical(tmp_path, monkeypatch):
     """The low-communication mode (sign parts every step, overlapped): a member stopped mid-block
     (its trainer and its peer, saying goodbye) and started again in the same process with the same
     identity and work directory rejoins its group, and the three end byte-identical. (The restart
     of a real bt-peer process is tested, in the default mode, by the relay kill/restart test.)"""
-    from blocktrain.p2p.node import Peer
     from blocktrain.p2p.swarm import store
     monkeypatch.setattr(store, "SAVE_EVERY_S", 0.0)  # a checkpoint after every round
     peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
@@ -241,20 +262,7 @@ async def test_a_member_restarted_under_overlapped_sign_rounds_rejoins_and_ends_
     try:
         sps = [slowed(sp, 0.01) for sp in trainers(peers, tmp_path, sc, tc)]
         tasks = [asyncio.ensure_future(sp.run()) for sp in sps]
-        deadline = time.monotonic() + 120  # bounds here: generous, for a loaded machine
-        while sps[2].stats.applied < 5:  # the three are under way together
-            assert time.monotonic() < deadline and not any(t.done() for t in tasks)
-            await asyncio.sleep(0.05)
-        tasks[2].cancel()
-        await asyncio.gather(tasks[2], return_exceptions=True)
-        await peers[2].stop()
-        peers[2] = await Peer(peers[2].identity, peers[2].swarm_key, "127.0.0.1", 0, blocks=(2,), timeouts=FAST).start()
-        await peers[2].join("127.0.0.1", peers[0].port)
-        assert await peers[2].wait_for(lambda: len(peers[2].members()) == 2, 60.0)
-        # only the restarted member's trainer: another SwarmTrainer on peers 0 and 1 would register a
-        # second (idle) membership there, whose ABSENT answers the JOIN beside the group's welcome
-        again = slowed(SwarmTrainer(peers[2], TrainerSpec(2, PeerJob(MC, tc, sc), tmp_path / "w2"), DATA, DATA), 0.01)
-        assert await asyncio.to_thread(again.prepare)
+        again = await restarted_third(peers, sps, tasks, 5, PeerJob(MC, tc, sc), tmp_path, 0.01)
         rep = await asyncio.wait_for(again.run(), 240)
         reps = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 240)
         assert all(r["state"] == "done" for r in reps + [rep])

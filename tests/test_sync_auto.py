@@ -11,7 +11,7 @@ from blocktrain.p2p.swarm.auto import MAX_H, PROBE, AutoSync, Pace, SyncMode, ch
 from blocktrain.blocks.train import TrainConfig
 
 from conftest import mesh
-from test_swarm import FAST, SC, TC, _two_then_a_joiner, finals, slowed, trainers
+from test_swarm import FAST, SC, TC, _two_then_a_joiner, finals, restarted_third, slowed, trainers
 
 AUTO = SwarmConfig(**{**SC.__dict__, "sync": "auto", "min_group": 3})
 
@@ -259,10 +259,9 @@ async def test_a_member_restarted_in_the_picked_rounds_keeps_the_pick_and_ends_i
     """A member stopped after the block took its pick and started again (same identity and work
     directory) resumes with the pick from its own checkpoint, rejoins, and the three end
     byte-identical; its report says where its pick came from."""
-    from blocktrain.p2p.node import Peer
-    from blocktrain.p2p.swarm import PeerJob, SwarmTrainer, TrainerSpec, store
+    from blocktrain.p2p.swarm import PeerJob, store
 
-    from test_swarm import DATA, MC
+    from test_swarm import MC
     monkeypatch.setattr(store, "SAVE_EVERY_S", 0.0)  # a checkpoint after every round
     _picks(monkeypatch, SyncMode("params", 3, "sign", 1.7))
     peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
@@ -270,18 +269,7 @@ async def test_a_member_restarted_in_the_picked_rounds_keeps_the_pick_and_ends_i
     try:
         sps = [slowed(sp, 0.02) for sp in trainers(peers, tmp_path, AUTO, tc)]
         tasks = [asyncio.ensure_future(sp.run()) for sp in sps]
-        deadline = asyncio.get_running_loop().time() + 120
-        while sps[2].stats.applied < 5:  # past the pick (round 3), in rounds of 3
-            assert asyncio.get_running_loop().time() < deadline and not any(t.done() for t in tasks)
-            await asyncio.sleep(0.05)
-        tasks[2].cancel()
-        await asyncio.gather(tasks[2], return_exceptions=True)
-        await peers[2].stop()
-        peers[2] = await Peer(peers[2].identity, peers[2].swarm_key, "127.0.0.1", 0, blocks=(2,), timeouts=FAST).start()
-        await peers[2].join("127.0.0.1", peers[0].port)
-        assert await peers[2].wait_for(lambda: len(peers[2].members()) == 2, 60.0)
-        again = slowed(SwarmTrainer(peers[2], TrainerSpec(2, PeerJob(MC, tc, AUTO), tmp_path / "w2"), DATA, DATA), 0.02)
-        assert await asyncio.to_thread(again.prepare)
+        again = await restarted_third(peers, sps, tasks, 5, PeerJob(MC, tc, AUTO), tmp_path, 0.02)  # past the pick
         assert again.rounds.mode_line() == "auto: sign rounds of 3 step(s), outer lr 1.7"  # from its own checkpoint
         rep = await asyncio.wait_for(again.run(), 240)
         reps = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 240)
