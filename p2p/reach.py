@@ -30,8 +30,9 @@ Rules:
   them). The status names who confirmed the address. A ``seen`` whose host is not an IP address
   (what a responder sees a connection come from always is) is not taken: its text never reaches
   logs or the status.
-- Loopback stays on its machine: a dial-back that confirms a loopback address is not advertised
-  once this peer joined a swarm at another host, and a PEER_LIST to a member elsewhere leaves out
+- Loopback stays on its machine: a dial-back that confirms a loopback address says nothing (not
+  reachable, nothing advertised) once this peer joined a swarm at another host, and it goes on
+  asking; a PEER_LIST to a member elsewhere leaves out
   the records of loopback addresses (``for_member``): nobody there can dial them.
 """
 
@@ -74,11 +75,12 @@ def is_loopback(host: str) -> bool:
 
 
 def is_ip(host: str) -> bool:
+    """An IP address, without an IPv6 scope (whose text after ``%`` is free)."""
     try:
         ipaddress.ip_address(host)
-        return True
     except ValueError:
         return False
+    return "%" not in host
 
 
 def for_member(records, member_host: str | None) -> tuple:
@@ -196,13 +198,14 @@ class Reachability:
         if self.reachable:
             return
         addr = self._confirmed(dialed, local) if dial_back else f"{p.host}:{p.port}"
+        if dial_back and self._elsewhere and addr and is_loopback(split_addr(addr)[0]):  # type: ignore[index]
+            return  # a member on our machine dialled loopback: nothing said of the swarm elsewhere
         self.reachable, self.confirmed_by = True, pid
         self.why = (f"member {pid[:12]} connected to {addr}" if not dial_back else
                     f"member {pid[:12]} dialled {addr} back" if addr else
                     f"member {pid[:12]} dialled us back at an address no member sees us at")
         log.info("reachable: %s", self.why)
-        if addr and not p.advertise and p.host in UNSPECIFIED_HOSTS and not p.addr and \
-                not (self._elsewhere and is_loopback(split_addr(addr)[0])):  # type: ignore[index]
+        if addr and not p.advertise and p.host in UNSPECIFIED_HOSTS and not p.addr:
             p.set_addr(addr)
         self._changed()
 

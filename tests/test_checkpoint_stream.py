@@ -240,6 +240,6 @@ async def test_a_stream_longer_than_the_stall_bound_on_a_slow_link_arrives(tmp_p
     import blocktrain.p2p.checkpoints as cp
     from blocktrain.p2p.link import LinkSpec
 
-    monkeypatch.setattr(cp, "STREAM_STALL_S", 1.0)
-    data = os.urandom(640 * 1024)  # 2.6 s at 2 Mbit/s; a chunk of it 0.13 s
-    assert await _fetched_over(tmp_path, LinkSpec(delay_ms=5, rate_mbit=2), data) == data
+    monkeypatch.setattr(cp, "STREAM_STALL_S", 3.0)
+    data = os.urandom(4 * 1024 * 1024)  # 4.2 s at 8 Mbit/s; a chunk of it 0.03 s
+    assert await _fetched_over(tmp_path, LinkSpec(delay_ms=5, rate_mbit=8), data) == data

@@ -241,7 +241,7 @@ def test_a_seen_that_is_not_an_ip_address_is_not_taken_and_status_lines_print_no
     from blocktrain.p2p.reach import Reachability
     from blocktrain.p2p.reports import status_lines
     r = Reachability(SimpleNamespace(), lambda pid, pc: None)
-    for seen in ("evil\x1b[2J:7000", "example.org:7000", "1.2.3.4\n:7000", "203.0.113.9:70000"):
+    for seen in ("evil\x1b[2J:7000", "example.org:7000", "1.2.3.4\n:7000", "203.0.113.9:70000", "[fe80::1%\x1b[2J]:7000"):
         r.observed("a" * 64, seen)
     assert not r.seen and r.observed_host() == ""
     r.observed("a" * 64, "203.0.113.9:41000")
@@ -268,12 +268,13 @@ def test_a_dial_back_at_a_loopback_address_is_not_advertised_to_a_swarm_elsewher
 
     from blocktrain.p2p.reach import Reachability
     set_to = []
-    peer = SimpleNamespace(advertise="", host="0.0.0.0", port=7001, addr="", set_addr=set_to.append, notify=lambda: None)
+    peer = SimpleNamespace(advertise="", host="0.0.0.0", port=7001, addr="", set_addr=set_to.append, notify=lambda: None,
+                           role="train")
     r = Reachability(peer, lambda pid, pc: None)
     r.joining("203.0.113.7")
     r.observed("a" * 64, "127.0.0.1:50000")  # a member on our machine sees us on loopback
     r.reached("a" * 64, "127.0.0.1:7001", dial_back=True, local=("127.0.0.1", 7001))
-    assert r.reachable and set_to == []  # reachable, but members elsewhere cannot dial 127.0.0.1
+    assert r.reachable is None and set_to == [] and r.dial_back_port() == 7001  # says nothing; it asks on
     r2 = Reachability(SimpleNamespace(**{**peer.__dict__}), lambda pid, pc: None)
     r2.observed("a" * 64, "203.0.113.9:50000")
     r2.reached("a" * 64, "203.0.113.9:7001", dial_back=True)

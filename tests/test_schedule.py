@@ -45,6 +45,14 @@ def test_rounds_picked_inside_a_block_end_at_its_end_and_pass_no_refresh_or_repo
         refreshed += [g] if s.refresh_due(g) else []
     assert ends == [(7, False), (12, True)]
     assert refreshed == [7, 12]  # the first round past 4, then the one past 8 (and at 12)
+    # a pick that divides the block still ends rounds off its multiples after the probe rounds
+    s = Schedule(k=2, n_blocks=3, S=12, H=1, relay=False, refresh_every=4)
+    g, refreshed = 3, []
+    s.pick(2)
+    while g < 12:
+        g += s.round_steps(g)
+        refreshed += [g] if s.refresh_due(g) else []
+    assert refreshed == [5, 9, 12]
 
 
 def test_curve_points_come_whenever_a_multiple_is_passed():

@@ -123,7 +123,8 @@ async def test_the_group_takes_its_sponsors_pick_in_every_block_and_ends_identic
 async def test_a_member_that_takes_another_pick_is_of_another_view_and_the_others_train_on(tmp_path, monkeypatch):
     """A member whose rounds run another mode than the group's (here it takes its own pick in place
     of the sponsor's) begins them under another group digest: the others count it mismatched, by
-    name (its rounds are not mixed in), and train on together, identical."""
+    name (its rounds are not mixed in), and train on together, identical; it joins again, taking
+    the group's state and pick."""
     _picks(monkeypatch, SyncMode("params", 2, "sign", 1.7))
     peers = await mesh(3, FAST, blocks=[(0,), (1,), (2,)])
     try:
@@ -135,6 +136,9 @@ async def test_a_member_that_takes_another_pick_is_of_another_view_and_the_other
         reps = await asyncio.wait_for(asyncio.gather(*(sp.run() for sp in sps)), 120)
         honest = [sp for sp in sps if sp is not odd]
         assert torch.equal(finals(honest[0]), finals(honest[1]))
+        # ... and the odd one, after its mismatches, joins again and takes the group's state and pick
+        taken = [c for c in reps[sps.index(odd)]["sync_choices"] if c["round"] is None]  # (in whichever block)
+        assert taken and taken[0]["mode"] == "params/2/sign/1.7" and "group's state" in taken[0]["by"]
         for sp in honest:
             r = reps[sps.index(sp)]
             assert any(odd.peer.id[:12] in f["reason"] and "another view" in f["reason"] for f in r["failed_rounds"])

@@ -67,13 +67,16 @@ class Picker:
         """A probe round of ``members`` applied (``rep``: its report, None alone): its figures kept
         and its sponsor's choice taken (ours, ``said``; another's, as its parts said it), where the
         sponsor's part counted in every piece of the result; ``tr``: the block's trainer."""
-        if not self.auto.probing or rep is None or len(rep.departed) >= len(members) - 1:
+        if not self.auto.probing or rep is None or not rep.parts:
             return
-        floats = sum(p.numel() for p in tr.block.parameters())
-        self.auto.measured(Pace(step_s, rep.seconds, rep.bytes_sent, grads_ratio(floats, len(members), self.aggregate)))
+        counted = [m for m in members if all(m in p["contributors"] for p in rep.parts)]  # alike on all members
+        if any(m != self.me for m in counted):  # another member's part counted: the round measured the link
+            floats = sum(p.numel() for p in tr.block.parameters())
+            self.auto.measured(Pace(step_s, rep.seconds, rep.bytes_sent,
+                                    grads_ratio(floats, len(members), self.aggregate)))
         sponsor = min(members)
-        counted = bool(rep.parts) and all(sponsor in p["contributors"] for p in rep.parts)
-        if not counted or not self.auto.take(said if sponsor == self.me else rep.choices.get(sponsor), rnd, sponsor):
+        if sponsor not in counted or \
+                not self.auto.take(said if sponsor == self.me else rep.choices.get(sponsor), rnd, sponsor):
             return
         if self.auto.mode.sync == "grads":  # before any state of this round is saved or offered
             tr.reset_optimizer()

@@ -32,6 +32,7 @@ class Schedule:
     relay: bool = True
     eval_every: int = -1
     refresh_every: int = 0  # parallel: steps between lower-block refreshes (at least H)
+    picked: bool = False  # H was picked inside a block (sync=auto): rounds end off its multiples
 
     def __post_init__(self):
         if self.S % self.H:
@@ -42,6 +43,7 @@ class Schedule:
         round is what is left of it)."""
         if h < 1:
             raise ValueError(f"rounds of {h} steps")
+        self.picked = self.picked or h != self.H
         self.H = h
 
     def round_steps(self, gstep: int) -> int:
@@ -86,10 +88,10 @@ class Schedule:
         return not self.relay and self.k > 0 and gstep > 0 and self._passed(gstep, max(self.H, self.refresh_every))
 
     def _passed(self, gstep: int, every: int) -> bool:
-        """Where rounds of H split the block: ``gstep`` is a multiple of ``every``, as always. Where
-        they do not (auto's pick), the round that ended at ``gstep`` passed one (a change of H may
-        make one come twice, never skip one)."""
-        if self.S % self.H == 0:
+        """Rounds of one H from the block's start: ``gstep`` is a multiple of ``every``, as always.
+        Rounds picked inside a block (auto's, after its probe rounds) end anywhere: the round that
+        ended at ``gstep`` passed one (a change of H may make one come twice, never skip one)."""
+        if not self.picked:
             return gstep % every == 0
         return gstep % every == 0 or gstep // every > max(0, gstep - self.H) // every
 
