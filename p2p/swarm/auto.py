@@ -4,10 +4,10 @@ Rules:
 - A block under auto starts *probing*: rounds of one local step whose update travels sign-coded
   (``PROBE``: parameter rounds every step, codec sign, outer lr 1.7: the every-step mode of
   results/lowcomm, about 31x fewer bytes than fp32 gradients, +0.019 CE there on 2 seeds).
-- Each member measures its probe rounds in which another member's part counted (``Pace``):
-  compute seconds per local step, the round's seconds in averaging (from its parts sent to the
-  result held, waiting for the others included) and the payload bytes it sent. A round alone, or
-  one every other member departed, measures nothing.
+- Each member measures its probe rounds in which another member's part counted in every piece
+  (``Pace``): compute seconds per local step, the round's seconds in averaging (from its parts
+  sent to the result held, waiting for the others included) and the payload bytes it sent. Any
+  other round (alone, or with every other member's part missing from a piece) measures nothing.
 - The sponsor of a probe round (the smallest id of its members, group.py rule 2) says in meta
   ``choice`` of its parts what it picks from its own figures so far (``choose``: the medians of
   its last ``PACE_KEPT``), once it has measured ``MIN_PACES`` rounds. At the end of a probe round
