@@ -241,7 +241,8 @@ def test_a_seen_that_is_not_an_ip_address_is_not_taken_and_status_lines_print_no
     from blocktrain.p2p.reach import Reachability
     from blocktrain.p2p.reports import status_lines
     r = Reachability(SimpleNamespace(), lambda pid, pc: None)
-    for seen in ("evil\x1b[2J:7000", "example.org:7000", "1.2.3.4\n:7000", "203.0.113.9:70000", "[fe80::1%\x1b[2J]:7000"):
+    for seen in ("evil\x1b[2J:7000", "example.org:7000", "1.2.3.4\n:7000", "203.0.113.9:70000",
+                 "[fe80::1%\x1b[2J]:7000"):
         r.observed("a" * 64, seen)
     assert not r.seen and r.observed_host() == ""
     r.observed("a" * 64, "203.0.113.9:41000")
@@ -257,7 +258,8 @@ def test_a_seen_that_is_not_an_ip_address_is_not_taken_and_status_lines_print_no
 def test_loopback_records_go_only_to_members_on_loopback():
     from blocktrain.p2p.reach import for_member
     from blocktrain.protocol import PeerInfo
-    recs = [PeerInfo("a" * 64, "127.0.0.1:7000", (0,), "train", 0), PeerInfo("b" * 64, "203.0.113.7:7000", (1,), "train", 0),
+    recs = [PeerInfo("a" * 64, "127.0.0.1:7000", (0,), "train", 0),
+            PeerInfo("b" * 64, "203.0.113.7:7000", (1,), "train", 0),
             PeerInfo("c" * 64, "", (2,), "train", 0), PeerInfo("d" * 64, "[::1]:7000", (2,), "train", 0)]
     assert for_member(recs, "127.0.0.2") == tuple(recs) and for_member(recs, None) == tuple(recs)
     assert [r.peer_id[0] for r in for_member(recs, "198.51.100.4")] == ["b", "c"]
@@ -268,8 +270,8 @@ def test_a_dial_back_at_a_loopback_address_is_not_advertised_to_a_swarm_elsewher
 
     from blocktrain.p2p.reach import Reachability
     set_to = []
-    peer = SimpleNamespace(advertise="", host="0.0.0.0", port=7001, addr="", set_addr=set_to.append, notify=lambda: None,
-                           role="train")
+    peer = SimpleNamespace(advertise="", host="0.0.0.0", port=7001, addr="", set_addr=set_to.append,
+                           notify=lambda: None, role="train")
     r = Reachability(peer, lambda pid, pc: None)
     r.joining("203.0.113.7")
     r.observed("a" * 64, "127.0.0.1:50000")  # a member on our machine sees us on loopback

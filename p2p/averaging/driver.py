@@ -313,7 +313,7 @@ class Averager(EarlyParts):
         return out, rep
 
     def _begin(self, rnd: int, vector: torch.Tensor, members, start: str,
-               out: torch.Tensor | None, origin: torch.Tensor | None = None, choice: dict | None = None) -> AveragingRound:
+               out: torch.Tensor | None, origin: torch.Tensor | None = None, choice=None) -> AveragingRound:
         """Round ``rnd`` with the members we have not excluded (nor that exclude us), this driver's
         buffers lent to it; it becomes the round in progress."""
         ids = list(members) if self._gossip_group is not None else \

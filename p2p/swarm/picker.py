@@ -18,15 +18,12 @@ Rules:
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 from ..averaging import Averager, OuterOptimizer
 from .auto import AutoSync, Pace, grads_ratio
 from .report import Stats
 from .schedule import Position, Schedule
-
-log = logging.getLogger("blocktrain.p2p")
 
 
 class Picker:
@@ -80,9 +77,7 @@ class Picker:
             return
         if self.auto.mode.sync == "grads":  # before any state of this round is saved or offered
             tr.reset_optimizer()
-        chosen = {"block": self.pos.block, "step": self.pos.gstep, **(self.auto.chosen or {})}
-        self.stats.sync_choices.append(chosen)
-        f = chosen["figures"]
+        f = self._record(self.pos.block, self.pos.gstep)["figures"]
         seen = (f": a step {f['step_s']:.3g} s, a probe round {f['probe_wire_s']:.3g} s on the wire, a gradient round "
                 f"{f['grads_share']:.0%} of the time" if {"step_s", "probe_wire_s", "grads_share"} <= set(f) else "")
         self.say(f"block {self.pos.block}: sync auto: {self.auto.mode.describe()} from round {rnd + 1} "
@@ -96,4 +91,10 @@ class Picker:
         self.auto.restore(extra.get("sync_mode", ""), source)
         self.applied = None
         if self.auto.chosen is not None:
-            self.stats.sync_choices.append({"block": block, "step": gstep, **self.auto.chosen})
+            self._record(block, gstep)
+
+    def _record(self, block: int, gstep: int) -> dict:
+        """The pick taken, in the report's ``sync_choices``; the entry."""
+        entry = {"block": block, "step": gstep, **(self.auto.chosen or {})}
+        self.stats.sync_choices.append(entry)
+        return entry

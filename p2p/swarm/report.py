@@ -119,7 +119,8 @@ def training_report(t) -> dict:
     moved = traffic["sent"]["wire_bytes"] + traffic["received"]["wire_bytes"]
     wall = t.wall_seconds()
     out = {"block": t.k, "state": t.state.value, "schedule": t.scfg.schedule, "sync": t.scfg.sync,
-           "sync_mode": t.rounds.mode_line(), "sync_choices": s.sync_choices, "steps_per_round": t.H, "step": t.gstep, "steps": t.total_steps,
+           "sync_mode": t.rounds.mode_line(), "sync_choices": s.sync_choices, "steps_per_round": t.H,
+           "step": t.gstep, "steps": t.total_steps,
            "block_in_work": t.block, "round": t.group.round, "group": t.group.members(),
            "config": {"swarm": asdict(t.scfg), "train": t.tcfg.to_dict(), "model": t.mcfg.to_dict(),
                       "device": str(t.device), "precision": t.precision, "job": t.job},
