@@ -267,7 +267,9 @@ async def test_a_member_that_yields_to_a_group_that_never_admits_it_trains_on_an
     tasks = [asyncio.ensure_future(sp.run()) for sp in sps]
     a, others = peers[0].id, {peers[1].id, peers[2].id}
     try:
-        await until(lambda: one_group(sps) and all(sp.stats.applied >= 3 for sp in sps), "group of 3", 30, tasks)
+        # a round applied in the group of 3 (a start race can fail the first rounds and leave them in 2s)
+        await until(lambda: one_group(sps) and all(sp.stats.applied >= 3 and sp.stats.largest_group == 3 for sp in sps),
+                    "group of 3", 30, tasks)
         net.cut({a}, others)
         await until(lambda: sps[1].group.members() == sorted(others) and sps[0].group.members() == [a],
                     "the split", 30, tasks)
