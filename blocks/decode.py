@@ -14,9 +14,11 @@ Rules:
   next. Greedy output is the argmax chain of the last head, byte for byte the autoregressive
   output (``draft_len=0`` is autoregressive decoding: the same session, one byte per traversal).
   With a temperature, drafts are verified by speculative sampling (Leviathan et al. 2023, Chen
-  et al. 2023; deterministic drafts, so q is one-hot: accept draft byte d with probability p(d),
-  else remove d from p, renormalise, and try the next sibling or sample): the output is
-  distributed as autoregressive sampling.
+  et al. 2023): a byte the draft model drew from q (``sample_k``: its k most likely bytes, q sent
+  back with the drafts) is accepted with probability min(1, p(d) / q(d)), else p becomes
+  (p - q)+ renormalised; a deterministic draft (argmax, runner-up, prompt lookup: q one-hot) with
+  probability p(d), else d is removed from p; then the next sibling, or a byte drawn from p. The
+  output is distributed as autoregressive sampling.
 - Numerics: a verifying traversal computes a position together with others (and tree branches
   put its keys elsewhere in the cache), autoregressive decoding alone. ``invariant=True``
   (default) makes the result of every non-slot token bitwise independent of that
@@ -38,9 +40,12 @@ hop; each hop reads what it needs.
 | ``slots`` | list[list[int]] | per entry of ``logits``, the placeholder tokens of the slot branch after it (maybe none); the last hop returns their argmax bytes as that node's draft. Placeholders come after every other new token; hop 0 derives their offsets from ``parents``. |
 | ``draft`` | int | bytes the last block's draft model drafts after each entry of ``logits`` (0: none; then the slots draft). |
 | ``invariant`` | bool | batch-invariant numerics (see above); the same for the whole session. |
+| ``sample`` | [int, int, int] | optional: [seed, temperature x 1000, k]: the draft model draws each draft byte among its k most likely (else its argmax). |
 
 The last hop returns ``{"logits": (B, len(logits), 256) float, "drafts": (B, len(logits), S) long}``
-(S: ``draft``, else the longest slot branch; -1 pads). The session's ``feed`` takes exactly these.
+(S: ``draft``, else the longest slot branch; -1 pads), with ``sample`` also ``"q_ids"`` (long) and
+``"q"`` (half), (B, len(logits), width x draft, k): each drawn byte's distribution. The session's
+``feed`` takes exactly these.
 A fault (``SessionMismatch``, a hop replaced): ``Session.reset_caches()``, then the next spec
 rebuilds every hop's cache from the committed bytes (``base`` 0, ``keep`` []).
 """
@@ -193,6 +198,8 @@ def readout(block: Block, cache: BlockCache, h: torch.Tensor, spec: dict) -> dic
     if block.drafter is not None:
         drafts = drafter_step(block, cache, h[:, :n_tokens], spec, logits, spec.get("draft", 0),
                               spec.get("width", 1))
+        if spec.get("draft", 0) and isinstance(drafts, tuple):
+            return {"logits": logits, "drafts": drafts[0], "q_ids": drafts[1], "q": drafts[2]}
         if spec.get("draft", 0):
             return {"logits": logits, "drafts": drafts}
     S = max((len(s) for s in slots), default=0)
@@ -245,16 +252,53 @@ def drafter_step(block: Block, cache: BlockCache, f: torch.Tensor, spec: dict, l
     base = tree[verify].repeat_interleave(W, dim=0)  # (V * W, start + n): what each chain's node sees
     own = torch.eye(V * W, dtype=torch.bool)
     u, byte = f[:, verify].repeat_interleave(W, dim=1), first.reshape(B, V * W)  # chain v * W + j
+    sample = spec.get("sample")
+    gen = torch.Generator().manual_seed(sample[0]) if sample else None
+    q_ids = q_p = None
+    if sample:
+        q_ids = torch.zeros((B, V * W, steps, sample[2]), dtype=torch.long)
+        q_p = torch.zeros((B, V * W, steps, sample[2]), dtype=torch.float16)
     for s in range(steps):
         mask = torch.cat([base] + [own] * (s + 1), dim=1)  # + this chain's previous steps and itself
         u = d(u, byte, cache.drafter, mask)
-        top2 = block.logits(u).topk(2, dim=-1).indices
+        lg = block.logits(u)
+        if sample:  # drawn from the draft model's own distribution, which the answer carries
+            ids, probs = draft_distribution(lg, sample[1] / 1000, sample[2])
+            pick = sample_from(probs, torch.rand((B, V * W), generator=gen, dtype=torch.float64))
+            byte = ids.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+            runner = torch.where(pick == 0, ids[..., 1 if ids.shape[-1] > 1 else 0], ids[..., 0])
+            drafts[:, :, s], second[:, :, s] = byte, runner
+            q_ids[:, :, s], q_p[:, :, s] = ids, probs
+            continue
+        top2 = lg.topk(2, dim=-1).indices
         byte = top2[..., 0]
         drafts[:, :, s], second[:, :, s] = byte, top2[..., 1]
-    if W == 1:
+    if W == 1 and not sample:
         return drafts
+    if W == 1:
+        return drafts, q_ids.view(B, V, steps, -1), q_p.view(B, V, steps, -1)
     chains = torch.cat([first.unsqueeze(-1), drafts.view(B, V, W, steps), second.view(B, V, W, steps)], dim=-1)
-    return chains.view(B, V, W * (1 + 2 * steps))
+    chains = chains.view(B, V, W * (1 + 2 * steps))
+    if not sample:
+        return chains
+    return chains, q_ids.view(B, V, W * steps, -1), q_p.view(B, V, W * steps, -1)
+
+
+def draft_distribution(logits: torch.Tensor, temperature: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution a sampled draft byte is drawn from: the draft model's ``k`` most likely
+    bytes at ``temperature``, renormalised, as float16 (ids (..., k) long, probs (..., k) half;
+    the session reads back these very numbers, so hop and client use one distribution)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    top = probs.topk(k, dim=-1)
+    return top.indices, (top.values / top.values.sum(-1, keepdim=True)).half()
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the index into the last dim of ``probs`` (float16 weights, normalised here in
+    float64) that uniform ``u`` falls in."""
+    w = probs.double()
+    cdf = torch.cumsum(w / w.sum(-1, keepdim=True), dim=-1)
+    return (cdf < u.unsqueeze(-1)).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def new_caches(blocks: list[Block]) -> list[BlockCache]:
@@ -320,7 +364,7 @@ class Session:
 
     def __init__(self, prompt: bytes | list[int], n_bytes: int, max_seq_len: int, *, draft_len: int = 0,
                  drafter: bool = False, slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(),
-                 invariant: bool = True, width: int = 1):
+                 invariant: bool = True, width: int = 1, sample_k: int = 0):
         prompt = list(prompt)
         if not prompt:
             raise ValueError("the prompt must hold at least one byte")
@@ -343,12 +387,17 @@ class Session:
         self.drafter = drafter
         # greedy output always follows a node's argmax: one chain; sampled, ``width`` chains
         self.width = width if sampling.temperature > 0 else 1
+        # sampled: the draft model draws its drafts from its own k most likely bytes (0: its argmax)
+        self.sample_k = sample_k if sampling.temperature > 0 and drafter else 0
+        if not 0 <= self.sample_k <= MAX_SAMPLE_K:
+            raise ValueError(f"sample_k must be in 0..{MAX_SAMPLE_K}")
         self.invariant = invariant
         self.rng = np.random.default_rng(sampling.seed)
         self.cached = 0  # tokens whose keys are in every hop's cache once the next rollback is done
         self.base, self.keep = 0, []  # rollback of the next spec
         self.model_draft: list[int] = []  # from the last traversal's slots / draft module
         self.model_alt: list[int] = []  # wide drafts: the runner-up byte at each step of model_draft
+        self.model_q: list[np.ndarray] = []  # sampled drafts: the distribution each byte of model_draft was drawn from
         self.state = "spec"
         self.stats = SessionStats()
         self._pending: dict | None = None
@@ -381,31 +430,33 @@ class Session:
                     return t[s + size:s + size + n]
         return []
 
-    def _draft_tree(self, budget: int) -> tuple[list[int], list[int], list[str]]:
-        """Draft nodes (ids, parents relative to the root's last token = -1, source)."""
+    def _draft_tree(self, budget: int) -> tuple[list[int], list[int], list[str], list]:
+        """Draft nodes (ids, parents relative to the root's last token = -1, source, and the
+        distribution a sampled draft was drawn from, else None)."""
         branches = []
         if budget > 0 and self.draft_len > 0:
             if self.model_draft:
                 branches.append(("model", self.model_draft[:min(budget, self.draft_len)]))
             if self.lookup:
                 branches.append(("lookup", self._lookup_draft(min(budget, self.draft_len))))
-        ids, parents, source = [], [], []
+        ids, parents, source, qs = [], [], [], []
         children: dict[tuple[int, int], int] = {}  # (parent, byte) -> node: branches share prefixes
         model_parents = []  # the parent of each node of the model's branch
         for src, seq in branches:
             parent = -1
-            for b in seq:
+            for i, b in enumerate(seq):
                 if src == "model":
                     model_parents.append(parent)
                 node = children.get((parent, b))
                 if node is None and len(ids) >= MAX_VERIFY - 1:  # a hop verifies at most MAX_VERIFY nodes
                     break
-                if node is None:
+                if node is None:  # the model's branch comes first: a node it drew keeps its distribution
                     node = len(ids)
                     children[(parent, b)] = node
                     ids.append(b)
                     parents.append(parent)
                     source.append(src)
+                    qs.append(self.model_q[i] if src == "model" and i < len(self.model_q) else None)
                 parent = node
         for parent, b in zip(model_parents, self.model_alt):  # wide drafts: each step's runner-up, a leaf
             if 0 <= b < VOCAB_SIZE and (parent, b) not in children and len(ids) < MAX_VERIFY - 1:
@@ -413,7 +464,8 @@ class Session:
                 ids.append(b)
                 parents.append(parent)
                 source.append("model")
-        return ids, parents, source
+                qs.append(None)
+        return ids, parents, source, qs
 
     def next_spec(self) -> dict:
         assert self.state == "spec", f"next_spec() in state {self.state!r}"
@@ -423,7 +475,7 @@ class Session:
         # positions: root at start.., drafts below; the last verified node's slots go one further
         room = self.max_seq_len - (start + R)  # positions free after the root
         budget = min(left - 1, room)
-        d_ids, d_par, d_src = self._draft_tree(budget)
+        d_ids, d_par, d_src, d_q = self._draft_tree(budget)
         ids = list(root)
         parents = [-1] + list(range(R - 1))
         depth = list(range(R))
@@ -452,8 +504,11 @@ class Session:
         width = max(1, min(self.width, MAX_DRAFTING // (len(verify) * spec["draft"]))) if spec["draft"] else 1
         if spec["draft"] and width > 1:
             spec["width"] = width
-        self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src,
-                         "draft": spec["draft"], "width": width}
+        if spec["draft"] and self.sample_k:
+            spec["sample"] = [int(self.rng.integers(1 << 62)),
+                              min(MAX_SAMPLE_MILLI, max(1, round(self.sampling.temperature * 1000))), self.sample_k]
+        self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src, "d_q": d_q,
+                         "draft": spec["draft"], "width": width, "sample": "sample" in spec}
         self.stats.traversals += 1
         self.stats.new_tokens += len(ids)
         self.stats.drafted += len(d_ids)
@@ -462,8 +517,9 @@ class Session:
         self.state = "output"
         return spec
 
-    def feed(self, logits, drafts=None) -> list[int]:
-        """The last hop's output for the spec just issued -> the bytes accepted (drafts + one)."""
+    def feed(self, logits, drafts=None, q_ids=None, q=None) -> list[int]:
+        """The last hop's output for the spec just issued -> the bytes accepted (drafts + one).
+        ``q_ids``, ``q``: with sampled drafts, the distribution each draft byte was drawn from."""
         assert self.state == "output", f"feed() in state {self.state!r}"
         pend = self._pending
         logits = torch.as_tensor(logits)
@@ -479,7 +535,7 @@ class Session:
             row = logits[node + 1]
             rows.append(row)
             kids = children.get(node, [])
-            nxt, byte = self._choose(row, [(k, d_ids[k]) for k in kids])
+            nxt, byte = self._choose(row, [(k, d_ids[k], pend["d_q"][k]) for k in kids])
             if nxt is None:
                 out.append(byte)  # the model's own byte: correction, or the bonus after a full match
                 emitted = byte
@@ -503,36 +559,64 @@ class Session:
             d = d[0] if d.dim() == 3 else d
             row = d[node + 1].tolist()
             W, steps = pend["width"], pend["draft"]
-            self.model_alt = []
+            self.model_alt, chain_at = [], 0
             if W > 1 and len(row) == W * (1 + 2 * steps):  # W chains: the one that begins with the byte emitted
                 chains = [row[j * (1 + 2 * steps):(j + 1) * (1 + 2 * steps)] for j in range(W)]
-                chain = next((c for c in chains if c[0] == emitted), None)
+                chain_at = next((j for j, c in enumerate(chains) if c[0] == emitted), None)
+                chain = chains[chain_at] if chain_at is not None else None
                 row, self.model_alt = (chain[1:1 + steps], chain[1 + steps:]) if chain else ([], [])
             self.model_draft = [b for b in row if 0 <= b < VOCAB_SIZE]
+            self.model_q = []
+            if pend["sample"] and self.model_draft and q is not None:  # else they are its argmax chains
+                self.model_q = _draft_qs(q_ids, q, node + 1, chain_at * steps, len(self.model_draft))
+                if any(self.model_q[i][b] <= 0 for i, b in enumerate(self.model_draft)):
+                    raise ValueError("a sampled draft byte outside the distribution it was drawn from")
         else:
-            self.model_draft, self.model_alt = [], []
+            self.model_draft, self.model_alt, self.model_q = [], [], []
         self._pending = None
         self.state = "done" if self._left() <= 0 else "spec"
         return out
 
-    def _choose(self, logits: torch.Tensor, kids: list[tuple[int, int]]) -> tuple[int | None, int]:
-        """(child accepted or None, its byte or the byte emitted instead)."""
+    def _choose(self, logits: torch.Tensor, kids: list[tuple]) -> tuple[int | None, int]:
+        """(child accepted or None, its byte or the byte emitted instead). ``kids``: (node, byte,
+        the distribution it was drawn from or None: a deterministic draft)."""
         if self.sampling.temperature == 0:
             best = int(torch.argmax(logits))
-            for k, b in kids:
+            for k, b, _ in kids:
                 if b == best:
                     return k, b
             return None, best
         p = self.sampling.probs(logits)
-        for k, b in kids:  # speculative sampling, one deterministic draft byte at a time
-            if p[b] > 0 and self.rng.random() < p[b]:
-                return k, b
-            p[b] = 0.0
+        for k, b, q in kids:  # speculative sampling, one draft byte at a time
+            if q is not None:  # drawn from q: accept with min(1, p/q), else go on with (p - q)+
+                if self.rng.random() < min(1.0, p[b] / q[b]):
+                    return k, b
+                p = np.maximum(p - q, 0.0)
+            else:  # deterministic (q one-hot): accept with p(b), else remove b
+                if p[b] > 0 and self.rng.random() < p[b]:
+                    return k, b
+                p[b] = 0.0
             total = p.sum()
             if total <= 0:  # every possible byte was drafted and rejected: cannot happen for p summing to 1
                 raise AssertionError("speculative sampling exhausted the distribution")
             p = p / total
         return None, int(self.rng.choice(VOCAB_SIZE, p=p))
+
+
+def _draft_qs(q_ids, q, node: int, at: int, n: int) -> list[np.ndarray]:
+    """The ``n`` distributions (over 256 bytes, float64) of a chain's sampled drafts, from the
+    last hop's sparse answer: node ``node``'s entries ``at..at+n``."""
+    ids = torch.as_tensor(q_ids)
+    ps = torch.as_tensor(q)
+    if ids.dim() == 4:
+        ids, ps = ids[0], ps[0]
+    out = []
+    for i in range(at, at + n):
+        w = ps[node, i].double()
+        dist = np.zeros(VOCAB_SIZE)
+        np.add.at(dist, ids[node, i].numpy(), (w / w.sum()).numpy())
+        out.append(dist)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,14 +627,14 @@ def drive(session: Session, step) -> bytes:
     """Run ``session`` to the end; ``step(spec) -> {"logits", "drafts"}`` is one traversal."""
     while session.state != "done":
         out = step(session.next_spec())
-        session.feed(out["logits"], out.get("drafts"))
+        session.feed(out["logits"], out.get("drafts"), out.get("q_ids"), out.get("q"))
     return session.output
 
 
 @torch.no_grad()
 def generate(blocks: list[Block], prompt: bytes | list[int], n_bytes: int, *, draft_len: int = 0,
              drafter: bool = False, slots: int = 0, lookup: int = 0, sampling: Sampling = Sampling(),
-             invariant: bool = True, between=None, width: int = 1) -> tuple[bytes, SessionStats]:
+             invariant: bool = True, between=None, width: int = 1, sample_k: int = 0) -> tuple[bytes, SessionStats]:
     """Decode ``n_bytes`` after ``prompt`` with the chain ``blocks`` in process.
 
     ``draft_len=0``: autoregressive (one traversal per byte). Otherwise exact mode with the
@@ -558,7 +642,7 @@ def generate(blocks: list[Block], prompt: bytes | list[int], n_bytes: int, *, dr
     for b in blocks:
         b.eval()
     s = Session(prompt, n_bytes, blocks[0].cfg.max_seq_len, draft_len=draft_len, drafter=drafter, slots=slots,
-                lookup=lookup, sampling=sampling, invariant=invariant, width=width)
+                lookup=lookup, sampling=sampling, invariant=invariant, width=width, sample_k=sample_k)
     caches = new_caches(blocks)
     drive(s, lambda spec: run_chain(blocks, caches, spec, between=between))
     return s.output, s.stats
@@ -582,6 +666,8 @@ MAX_VERIFY = 65  # verified nodes (logits rows) per traversal: the root and two 
 MAX_DRAFT = 32  # draft-model bytes per verified node
 MAX_WIDTH = 4  # draft-model chains per verified node (sampling; the reference client asks for 4)
 MAX_DRAFTING = MAX_VERIFY * MAX_DRAFT  # verified nodes x chains x steps of one traversal: as before widths
+MAX_SAMPLE_K = 16  # bytes a drawn draft is drawn among (the answer carries their probabilities)
+MAX_SAMPLE_MILLI = 100_000  # a drawn draft's temperature, x 1000
 
 
 class BadSpec(ValueError):
@@ -643,6 +729,14 @@ def check_spec(spec, max_seq_len: int) -> dict:
         raise BadSpec(f"logits x width x draft: at most {MAX_DRAFTING} drafting steps a traversal")
     if draft and len(out["logits"]) > MAX_VERIFY:  # the draft model runs ``draft`` steps from every one
         raise BadSpec(f"logits: at most {MAX_VERIFY} tokens when the draft model drafts")
+    sample = spec.get("sample")
+    if sample is not None:
+        if not isinstance(sample, (list, tuple)) or len(sample) != 3 or not all(type(x) is int for x in sample) \
+                or not (0 <= sample[0] < 1 << 62 and 1 <= sample[1] <= MAX_SAMPLE_MILLI
+                        and 1 <= sample[2] <= MAX_SAMPLE_K):
+            raise BadSpec(f"sample: [seed in [0, 2^62), temperature x 1000 in [1, {MAX_SAMPLE_MILLI}], "
+                          f"k in [1, {MAX_SAMPLE_K}]]")
+        out["sample"] = list(sample)
     inv = spec.get("invariant", False)
     if type(inv) is not bool:
         raise BadSpec("invariant: a bool")

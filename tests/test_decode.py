@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kernels
-from blocktrain.blocks.decode import (Sampling, Session, SessionMismatch, bf16_round, drive, generate, hop_step,
-                                      new_caches, run_chain)
+from blocktrain.blocks.decode import (Sampling, Session, SessionMismatch, bf16_round, draft_distribution, drive,
+                                      generate, hop_step, new_caches, run_chain, sample_from)
 from blocktrain.blocks.device import threads
 from blocktrain.blocks.model import MASK_ID, Assembled, Block, BlockCache, ModelConfig, tree_mask
 
@@ -372,6 +372,15 @@ class MemoModel:
         return self.memo[prefix]
 
 
+def _path(spec: dict, node: int) -> tuple:
+    """The bytes of a spec's new tokens from its root to ``node``."""
+    path, j = [], node
+    while j >= 0:
+        path.append(spec["ids"][j])
+        j = spec["parents"][j]
+    return tuple(path[::-1])
+
+
 def fake_chain(model: MemoModel, session: Session, draft_len: int):
     """A traversal computed from byte prefixes; drafts after each verified node's argmax: the
     most likely byte, then the second, alternately (deterministic, often right, often wrong).
@@ -391,11 +400,7 @@ def fake_chain(model: MemoModel, session: Session, draft_len: int):
         logits, drafts = [], []
         W = spec.get("width", 1)
         for node in spec["logits"]:
-            path, j = [], node
-            while j >= 0:
-                path.append(spec["ids"][j])
-                j = spec["parents"][j]
-            prefix = base + tuple(path[::-1])
+            prefix = base + _path(spec, node)
             logits.append(model(prefix))
             if W == 1:
                 drafts.append(drafted(prefix + (int(model(prefix).argmax()),), draft_len))
@@ -403,6 +408,39 @@ def fake_chain(model: MemoModel, session: Session, draft_len: int):
                 drafts.append([x for c in model(prefix).topk(W).indices.tolist()
                                for x in [c] + drafted(prefix + (c,), spec["draft"], alternates=True)])
         return {"logits": torch.stack(logits)[None], "drafts": torch.tensor([drafts]).reshape(1, len(drafts), -1)}
+    return step
+
+
+def fake_sampled_chain(model: MemoModel, session: Session):
+    """As ``fake_chain``'s wide drafts, but each draft byte drawn (the spec's ``sample`` seed)
+    from a draft distribution unlike the target: the model's logits halved, at the spec's
+    temperature, among its ``k`` most likely bytes; each step's runner-up the most likely other
+    byte; the answer carries those distributions (``q_ids``, ``q``)."""
+    def step(spec):
+        seed, milli, k = spec.get("sample", (0, 1000, 1))  # none where nothing is drafted
+        gen = torch.Generator().manual_seed(seed)
+        base = tuple(session.tokens[:spec["start"]])
+        logits, drafts, q_ids, q = [], [], [], []
+        for node in spec["logits"]:
+            prefix = base + _path(spec, node)
+            logits.append(model(prefix))
+            row, ids_row, q_row = [], [], []
+            for c in model(prefix).topk(spec.get("width", 1)).indices.tolist():
+                p, d, alt = prefix + (c,), [], []
+                for _ in range(spec["draft"]):
+                    ids, probs = draft_distribution(model(p) / 2, milli / 1000, k)
+                    pick = int(sample_from(probs, torch.rand((), generator=gen, dtype=torch.float64)))
+                    d.append(int(ids[pick]))
+                    alt.append(int(ids[1 if pick == 0 else 0]))
+                    ids_row.append(ids)
+                    q_row.append(probs)
+                    p = p + (d[-1],)
+                row += [c] + d + alt
+            drafts.append(row)
+            q_ids += [torch.stack(ids_row)] if ids_row else []
+            q += [torch.stack(q_row)] if q_row else []
+        out = {"logits": torch.stack(logits)[None], "drafts": torch.tensor([drafts])}
+        return {**out, "q_ids": torch.stack(q_ids)[None], "q": torch.stack(q)[None]} if q else out
     return step
 
 
@@ -425,14 +463,15 @@ def test_speculative_sampling_matches_autoregressive_distribution():
                 expand(prefix + (b,), prob * p[b], depth + 1)
     expand(tuple(prompt), 1.0, 0)
     assert len(exact) == 27 and abs(sum(exact.values()) - 1) < 1e-9
-    counts = {"ar": {}, "exact": {}, "wide": {}}
-    for mode, kw in (("ar", {}), ("exact", {"draft_len": 2}), ("wide", {"draft_len": 2, "drafter": True, "width": 3})):
+    counts = {"ar": {}, "exact": {}, "wide": {}, "drawn": {}}
+    for mode, kw in (("ar", {}), ("exact", {"draft_len": 2}), ("wide", {"draft_len": 2, "drafter": True, "width": 3}),
+                     ("drawn", {"draft_len": 2, "drafter": True, "width": 3, "sample_k": 4})):
         accepted = drafted = 0
         for i in range(n_samples):
-            s = Session(prompt, n_bytes, 64, **kw,
-                        sampling=Sampling(samp.temperature, samp.top_k,
-                                          seed=i + {"ar": 0, "exact": 10**6, "wide": 2 * 10**6}[mode]))
-            out = tuple(drive(s, fake_chain(model, s, kw.get("draft_len", 0))))
+            first = {"ar": 0, "exact": 10**6, "wide": 2 * 10**6, "drawn": 3 * 10**6}[mode]
+            s = Session(prompt, n_bytes, 64, **kw, sampling=Sampling(samp.temperature, samp.top_k, seed=first + i))
+            chain = fake_sampled_chain(model, s) if mode == "drawn" else fake_chain(model, s, kw.get("draft_len", 0))
+            out = tuple(drive(s, chain))
             counts[mode][out] = counts[mode].get(out, 0) + 1
             accepted += s.stats.accepted
             drafted += s.stats.drafted
@@ -519,3 +558,52 @@ def test_the_shipped_model_is_served_by_default_and_decodes_exactly_in_few_trave
     words = re.findall(rb"[A-Za-z]{3,}", bytes(exact)[:-8])  # the last word may be cut off
     known = set(re.findall(rb"[A-Za-z]{3,}", read_split("train")))
     assert len(words) >= 4 and sum(w in known for w in words) >= 0.8 * len(words), exact
+
+
+def _drawn_session(seed: int) -> Session:
+    """A sampling session that drew 7 and holds the drawn chain [71, 80] (71 of weight 0.25)."""
+    s = Session(b"ab", 8, 64, draft_len=2, drafter=True, sample_k=4, sampling=Sampling(temperature=1.0, seed=seed))
+    s.next_spec()
+    logits = torch.full((1, 256), -1e9)
+    logits[0, 7] = 0.0  # the session draws 7 for sure
+    q_ids = torch.tensor([[[[70, 71, 72, 73], [80, 81, 82, 83]]]])  # (1, nodes, chains x steps, k)
+    q = torch.tensor([[[[0.5, 0.25, 0.25, 0.0], [1.0, 0.0, 0.0, 0.0]]]]).half()
+    assert s.feed(logits, torch.tensor([[[71, 80]]]), q_ids, q) == [7]
+    return s
+
+
+def test_drawn_drafts_are_verified_against_the_distribution_they_were_drawn_from():
+    """r10: a sampling session asks the last hop to draw its drafts (spec ``sample``: seed,
+    temperature x 1000, k) and verifies a drawn byte d with min(1, p(d) / q(d)): here p(71) = 0.5
+    and q(71) = 0.25, so 71 is always accepted, where an argmax draft (no distributions in the
+    answer: a hop of r9) is accepted with p(71), about half the time."""
+    from blocktrain.blocks.decode import check_spec
+    s = Session(b"ab", 8, 64, draft_len=2, drafter=True, sample_k=4, sampling=Sampling(temperature=1.0, seed=0))
+    spec = s.next_spec()
+    assert spec["sample"][1:] == [1000, 4] and check_spec(spec, 64)["sample"] == spec["sample"]
+    assert "sample" not in Session(b"ab", 8, 64, draft_len=2, drafter=True, sample_k=4).next_spec()  # greedy
+    p = torch.full((256,), -1e9)
+    p[71], p[72] = 0.0, 0.0  # p(71) = p(72) = 0.5
+    taken = {"drawn": 0, "argmax": 0}
+    for seed in range(40):
+        for kind in taken:
+            s = _drawn_session(seed)
+            assert s.model_q[0][71] == 0.25 and s.model_q[1][80] == 1.0
+            if kind == "argmax":
+                s.model_q = []  # as a hop of r9 answers: its drafts verified as deterministic
+            spec = s.next_spec()
+            assert spec["ids"][1:3] == [71, 80]
+            rows = torch.stack([p, p, p, p])[:len(spec["logits"])]
+            taken[kind] += s.feed(rows[None])[0] == 71
+    assert taken["drawn"] == 40 and 8 < taken["argmax"] < 32, taken
+
+
+def test_a_drawn_draft_outside_its_distribution_is_refused():
+    s = Session(b"ab", 8, 64, draft_len=2, drafter=True, sample_k=4, sampling=Sampling(temperature=1.0, seed=0))
+    s.next_spec()
+    logits = torch.full((1, 256), -1e9)
+    logits[0, 7] = 0.0
+    q_ids = torch.tensor([[[[70, 71, 72, 73], [80, 81, 82, 83]]]])
+    q = torch.tensor([[[[0.5, 0.25, 0.25, 0.0], [1.0, 0.0, 0.0, 0.0]]]]).half()
+    with pytest.raises(ValueError, match="outside the distribution"):
+        s.feed(logits, torch.tensor([[[73, 80]]]), q_ids, q)  # 73 has weight 0

@@ -83,10 +83,11 @@ async def test_a_client_keeps_its_answers_past_the_hops_idle_limit(models, keepa
     assert answered == 8 if keepalive_s else answered < 8
 
 
-def in_process(blocks, prompt, n, draft_len=0, sampling=None, width=1, lookup=0):
+def in_process(blocks, prompt, n, draft_len=0, sampling=None, width=1, lookup=0, sample_k=0):
     from blocktrain.blocks.decode import Sampling, bf16_round, generate
     out, _ = generate(blocks, prompt, n, draft_len=draft_len, drafter=draft_len > 0,
-                      sampling=sampling or Sampling(), between=bf16_round, width=width, lookup=lookup)
+                      sampling=sampling or Sampling(), between=bf16_round, width=width, lookup=lookup,
+                      sample_k=sample_k)
     return out
 
 
@@ -115,7 +116,7 @@ async def test_sessions_of_clients_at_once_are_batched_and_each_writes_what_it_w
     --batch 8 their chunks are computed together at each hop (one forward over the rows of all);
     each output is the one its session writes alone in one process, and the hops did batch."""
     from blocktrain.blocks.decode import Sampling
-    from blocktrain.p2p.serving.client import DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN
+    from blocktrain.p2p.serving.client import DRAFT_WIDTH, LOOKUP, SAMPLE_K, SAMPLED_DRAFT_LEN
     bt, e2e = models
     sampled = Sampling(temperature=1.0, top_k=0, seed=3)
     jobs = [(b"The history of ", "exact", Sampling()), (b"a", "exact", Sampling()),
@@ -139,7 +140,7 @@ async def test_sessions_of_clients_at_once_are_batched_and_each_writes_what_it_w
             await asyncio.gather(*(c.close() for c in others))
     want = [in_process(bt, b"The history of ", 20), in_process(bt, b"a", 20), in_process(bt, bytes(range(65, 105)), 20),
             in_process(bt, b"sample ", 20, draft_len=SAMPLED_DRAFT_LEN, sampling=sampled, width=DRAFT_WIDTH,
-                       lookup=LOOKUP)]
+                       lookup=LOOKUP, sample_k=SAMPLE_K)]
     assert [out for out, _ in got] == [out for out, _ in again] == want
     assert all(o["chunks"] - r["chunks"] == o["batches"] - r["batches"] > 0 for o, r in zip(ones, reports))
     assert max(r["largest_batch"] for r in reports) >= 2, reports
@@ -196,16 +197,16 @@ async def test_sampled_exact_output_is_reproducible_and_matches_one_process(mode
     async with served_chain(bt, e2e, timeout_s=20) as (_, _, client):
         a, _ = await client.generate(b"sample ", 20, "exact", sampling)
         b, _ = await client.generate(b"sample ", 20, "exact", sampling)
-    from blocktrain.p2p.serving.client import DRAFT_WIDTH, LOOKUP, SAMPLED_DRAFT_LEN  # the client's drafts when it samples
+    from blocktrain.p2p.serving.client import DRAFT_WIDTH, LOOKUP, SAMPLE_K, SAMPLED_DRAFT_LEN  # its sampled drafts
     assert a == b == in_process(bt, b"sample ", 20, draft_len=SAMPLED_DRAFT_LEN, sampling=sampling, width=DRAFT_WIDTH,
-                                lookup=LOOKUP)
+                                lookup=LOOKUP, sample_k=SAMPLE_K)
 
 
 async def test_a_hop_that_lost_the_session_gets_it_rebuilt_and_the_output_is_unchanged(models):
     bt, e2e = models
     async with served_chain(bt, e2e, timeout_s=20) as (_, servers, client):
         calls = []
-        real = client.traverse
+        real = client.answer
 
         async def forgetful(*a, **kw):  # hop 1 restarts (its caches gone) before the 3rd traversal
             calls.append(1)
@@ -213,7 +214,7 @@ async def test_a_hop_that_lost_the_session_gets_it_rebuilt_and_the_output_is_unc
                 servers[1].sessions.clear()
             return await real(*a, **kw)
 
-        client.traverse = forgetful
+        client.answer = forgetful
         out, st = await client.generate(b"The history of ", 30, "autoregressive")
         assert out == in_process(bt, b"The history of ", 30) and len(calls) == 31  # one rebuild
 
@@ -382,3 +383,26 @@ def test_the_streamed_output_prints_the_text_the_whole_output_prints(capsys, mon
     with pytest.raises(StdoutClosed):
         printer()(b"x", 0.0)
     assert not issubclass(StdoutClosed, ConnectionError)  # the client retries on ConnectionError
+
+
+def test_draft_distributions_that_are_not_distributions_are_the_last_hops_fault():
+    """r10: the answer's q_ids / q are checked (shapes, dtypes, k distinct bytes, weights finite,
+    >= 0, not all 0) before a session reads them; a bad one is the last hop's fault."""
+    from blocktrain.p2p.serving.client import _drawn_from
+    from blocktrain.p2p.tensors import to_wire
+    spec = {"logits": [0, 1], "width": 2, "draft": 3, "sample": [1, 800, 4]}
+    ids = torch.arange(4, dtype=torch.uint8).expand(1, 2, 6, 4).clone()
+    q = torch.full((1, 2, 6, 4), 0.25).half()
+    got_ids, got_q = _drawn_from(to_wire("q_ids", ids), to_wire("q", q), spec, 2)
+    assert got_ids.shape == (2, 6, 4) and got_ids.dtype == torch.long and got_q.dtype == torch.float16
+    dup = ids.clone()
+    dup[0, 1, 5, 3] = 0
+    neg, zero, nan = q.clone(), q.clone(), q.clone()
+    neg[0, 0, 0, 0] = -0.25
+    zero[0, 1, 2] = 0.0
+    nan[0, 0, 3, 1] = float("nan")
+    for bad_ids, bad_q in ((ids.long(), q), (ids, q.float()), (ids[:, :1], q[:, :1]), (ids[..., :3], q[..., :3]),
+                           (dup, q), (ids, neg), (ids, zero), (ids, nan)):
+        with pytest.raises(PipelineError) as ei:
+            _drawn_from(to_wire("q_ids", bad_ids), to_wire("q", bad_q), spec, 2)
+        assert ei.value.fault == "hop" and ei.value.hop == 2

@@ -299,10 +299,16 @@ def test_the_serving_vector_holds_a_spec_that_a_hop_accepts_and_bad_ones_it_refu
     assert check_spec(spec, 64) == {**spec, "width": 1}  # no width: one draft chain per node (r6.8)
     wide = VALID["pipeline_forward_wide"].meta["spec"]
     assert check_spec(wide, 64) == wide
+    drawn = VALID["pipeline_forward_drawn"].meta["spec"]
+    assert check_spec(drawn, 64) == drawn  # r10: drawn drafts
     for bad in ({**spec, "start": 5}, {**spec, "keep": [1, 0]}, {**spec, "positions": [4, 5, 64]},
                 {**spec, "parents": [-1, 2, 1]}, {**spec, "ids": [104, 105, 257]}, {**spec, "draft": 33},
                 {**spec, "invariant": 1}, {**spec, "logits": []}, {**spec, "slots": [[0], [], []]},
                 {**wide, "width": 0}, {**wide, "width": 5}, {**wide, "width": True},
+                {**drawn, "sample": [1, 800]}, {**drawn, "sample": [-1, 800, 8]},
+                {**drawn, "sample": [1 << 62, 800, 8]},
+                {**drawn, "sample": [1, 0, 8]}, {**drawn, "sample": [1, 100_001, 8]}, {**drawn, "sample": [1, 800, 0]},
+                {**drawn, "sample": [1, 800, 17]}, {**drawn, "sample": [1, 800.0, 8]}, {**drawn, "sample": 5},
                 {**wide, "ids": [104] * 33, "positions": [4] * 33, "parents": [-1] * 33, "logits": list(range(33)),
                  "draft": 16}):  # 33 x 4 x 16 drafting steps: past the bound of 65 x 32
         with pytest.raises(BadSpec):

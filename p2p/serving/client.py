@@ -8,7 +8,8 @@ Rules:
   client it has not heard for ``client_idle_s`` (300 s), and the last hop only answers (a session
   longer than that lost its answers).
 - Decoding is ``blocks/decode.Session`` (sans-IO): the client sends its specs and feeds it the
-  last hop's logits and drafts. ``exact`` (the default): the last block drafts (and the client
+  last hop's logits and drafts (sampling: drawn drafts and their distributions, checked
+  first). ``exact`` (the default): the last block drafts (and the client
   by prompt lookup), the next traversal verifies; greedy output is the autoregressive output byte for byte, sampled output
   is distributed as autoregressive sampling. ``autoregressive`` and ``reference``: one byte per
   traversal (the BlockTrain blocks, or the end-to-end reference model). ``blocktrain``: one
@@ -29,6 +30,7 @@ import asyncio
 import functools
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -50,6 +52,10 @@ DRAFT_LEN = 16  # bytes drafted per traversal in exact mode, greedy
 # traversal (2.51 against 2.57, results/serving/drafting.json) for less drafting at the last hop,
 # and over 3 WAN hops gave 2.1x autoregressive against 1.8x (results/wan/wan-valid-64-t08-wide*.json).
 DRAFT_WIDTH, SAMPLED_DRAFT_LEN = 4, 8
+# Sampled exact mode: the draft model draws each draft byte from its own SAMPLE_K most likely bytes
+# at the session's temperature, and the answer carries those distributions, so a draft byte is
+# accepted with probability min(1, p/q) rather than p(its argmax) (results/serving/drafting.json).
+SAMPLE_K = 8
 # Exact mode also drafts by prompt lookup: after the longest earlier match of the last LOOKUP
 # bytes, what followed it, as a second branch of the tree (a small model's output repeats itself;
 # results/wan/wan-valid-256-greedy-lookup.json, results/serving/drafting.json).
@@ -179,17 +185,29 @@ class PipelineClient:
 
     async def traverse(self, session: int, mode: str, spec: dict, end: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One traversal of ``spec``: (logits (V, 256), drafts (V, S), compute seconds)."""
+        a = await self.answer(session, mode, spec, end)
+        return a.logits, a.drafts, a.compute_s
+
+    async def answer(self, session: int, mode: str, spec: dict, end: bool = False) -> Answer:
+        """One traversal of ``spec``, the last hop's whole answer, checked."""
         res = await self._request({"mode": mode, "session": session, "spec": spec, "end": end})
-        if len(res.tensors) != 2:
-            raise PipelineError(f"the last hop answered {len(res.tensors)} tensors, expected logits and drafts")
+        last = len(self.route) - 1
+        asked = bool(spec.get("sample")) and spec.get("draft", 0) > 0  # drawn drafts, where the hop draws
+        if len(res.tensors) not in ((2, 4) if asked else (2,)):
+            raise PipelineError(f"the last hop answered {len(res.tensors)} tensors, expected logits and drafts"
+                                + (" (and the distributions its drafts were drawn from)" if asked else ""), hop=last)
+        drawn = len(res.tensors) == 4  # else its drafts are its argmax chains (a hop of r9 or before)
         logits, drafts = from_wire(res.tensors[0]), from_wire(res.tensors[1])
         V = len(spec["logits"])
         if logits.dim() != 3 or tuple(logits.shape[:2]) != (1, V) or logits.shape[2] != 256 or drafts.dim() != 3 \
                 or tuple(drafts.shape[:2]) != (1, V) or not torch.isfinite(logits).all():
             raise PipelineError(f"the last hop answered logits {tuple(logits.shape)} and drafts {tuple(drafts.shape)} "
-                                f"for {V} verified tokens")
+                                f"for {V} verified tokens", hop=last)
+        q_ids = q = None
+        if drawn:
+            q_ids, q = _drawn_from(res.tensors[2], res.tensors[3], spec, last)
         self._drafter = bool(res.meta.get("drafter", True))
-        return logits[0].float(), drafts[0].long(), float(res.meta.get("compute_s", 0.0))
+        return Answer(logits[0].float(), drafts[0].long(), q_ids, q, float(res.meta.get("compute_s", 0.0)))
 
     async def run(self, s: Session, mode: str, session: int | None = None, rebuilds: int = 2,
                   on_bytes: OnBytes | None = None) -> dict:
@@ -205,7 +223,7 @@ class PipelineClient:
                 spec = s.next_spec()
                 ended = s._left() <= 1  # this traversal surely finishes the output
                 try:
-                    logits, drafts, c = await self.traverse(session, mode, spec, end=ended)
+                    a = await self.answer(session, mode, spec, end=ended)
                 except PipelineError as e:
                     if e.fault != "session" or rebuilds <= 0:
                         raise
@@ -213,11 +231,15 @@ class PipelineClient:
                     s.stats.rebuilds += 1  # over every chain this session tried
                     s.reset_caches()
                     continue
-                compute += c
+                compute += a.compute_s
                 if not self._drafter and s.drafter:  # no draft model at the last hop: draft by slots,
                     # as many after each verified node as keep the tree within a hop's bounds
                     s.drafter, s.slots = False, min(s.draft_len, max(0, MAX_TREE // (1 + s.draft_len) - 1))
-                if s.feed(logits, drafts):
+                try:
+                    took = s.feed(a.logits, a.drafts, a.q_ids, a.q)
+                except ValueError as e:  # its drafts are not what it says it drew them from
+                    raise PipelineError(f"the last hop's answer: {e}", hop=len(self.route) - 1) from None
+                if took:
                     arrivals.append([round(time.perf_counter() - t0, 4), len(s.output)])
                     if on_bytes is not None:
                         on_bytes(s.output, arrivals[-1][0])
@@ -273,7 +295,37 @@ def new_session(prompt: bytes, n: int, mode: str, sampling: Sampling = Sampling(
     exact = mode == "exact"
     return Session(prompt, n, max_seq_len or len(prompt) + n,
                    draft_len=draft_length(draft_len, sampling) if exact else 0, drafter=exact,
-                   lookup=LOOKUP if exact else 0, sampling=sampling, invariant=True, width=DRAFT_WIDTH)
+                   lookup=LOOKUP if exact else 0, sampling=sampling, invariant=True, width=DRAFT_WIDTH,
+                   sample_k=SAMPLE_K if exact else 0)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The last hop's answer to one traversal: logits (V, 256), drafts (V, S), and with drawn
+    drafts the distributions they were drawn from (ids long, probabilities float16, (V, W x draft, k))."""
+    logits: torch.Tensor
+    drafts: torch.Tensor
+    q_ids: torch.Tensor | None
+    q: torch.Tensor | None
+    compute_s: float
+
+
+def _drawn_from(ids_wire, q_wire, spec: dict, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distributions a drawn draft's bytes came from, checked: one per drafting step of every
+    chain of every verified node, over ``k`` distinct bytes, weights finite, >= 0, not all zero."""
+    ids, q = from_wire(ids_wire), from_wire(q_wire)
+    V, k = len(spec["logits"]), spec["sample"][2]
+    shape = (1, V, spec.get("width", 1) * spec["draft"], k)
+    if ids.dtype != torch.uint8 or q.dtype != torch.float16 or tuple(ids.shape) != shape or tuple(q.shape) != shape:
+        raise PipelineError(f"the last hop answered draft distributions {ids.dtype} {tuple(ids.shape)} and "
+                            f"{q.dtype} {tuple(q.shape)}, expected uint8 and float16 {shape}", hop=last)
+    ids = ids[0].long()
+    q = q[0]
+    distinct = bool((ids.sort(-1).values.diff(dim=-1) != 0).all()) if k > 1 else True
+    if not torch.isfinite(q).all() or (q < 0).any() or not (q.float().sum(-1) > 0).all() or not distinct:
+        raise PipelineError("the last hop answered draft distributions that are not distributions "
+                            "(weights not finite, below 0 or all 0, or a byte twice)", hop=last)
+    return ids, q
 
 
 def check_request(prompt: bytes, n: int, mode: str, max_seq_len: int | None = None, sampling: Sampling = Sampling(),

@@ -221,8 +221,10 @@ class PipelineServer:
             reply = await self._client(plan.client)
             meta.pop("spec", None)  # the client has it
             meta["drafter"] = b.drafter is not None
-            reply.send_nowait(PipelineResult(request_id=msg.request_id, meta=meta, tensors=(
-                to_wire("logits", out["logits"].float()), to_wire("drafts", out["drafts"].to(torch.int16)))))
+            tensors = [to_wire("logits", out["logits"].float()), to_wire("drafts", out["drafts"].to(torch.int16))]
+            if "q" in out:  # drawn drafts: what each was drawn from
+                tensors += [to_wire("q_ids", out["q_ids"].to(torch.uint8)), to_wire("q", out["q"].half())]
+            reply.send_nowait(PipelineResult(request_id=msg.request_id, meta=meta, tensors=tuple(tensors)))
             return
         await self._forward(msg, meta, to_wire("x", out, meta.get("codec", DEFAULT_CODEC), "never"))
 
