@@ -2,7 +2,7 @@
 draft chains the client asks for (the drafting targets).
 
     .venv/bin/python experiments/serving/drafting.py --json results/serving/drafting.json
-    [--arms greedy_client,client] [--bytes 256] [--split valid|train]
+    [--arms greedy_client,client] [--bytes 256] [--split valid|train] [--sample-k 8,16,32,64,256]
 
 The prompts are those of the shipped model's own figures (results/ship/make_shipped_model.py):
 N (default 200) 64-byte windows of the validation split at even offsets; 64 bytes each, draft
@@ -15,6 +15,8 @@ draft model's SAMPLE_K most likely bytes), the client's with argmax drafts (r9's
 and with drafts drawn among 16 (client_drawn16). Bytes per traversal depend on the drafts and
 the sampled bytes only, not on the machine's speed. ``--split train``: windows of the training
 split, for choosing settings on prompts apart from the validation prompts the figures are quoted on.
+``--sample-k K[,K]``: only the client's arm with drafts drawn among K bytes, per K (arms
+``client_drawnK``; in process the wire's bound of 16 is lifted, to see what a larger K would buy).
 """
 import argparse
 import json
@@ -55,10 +57,11 @@ def main():
     ap.add_argument("--bytes", type=int, default=64, help="output bytes per prompt")
     ap.add_argument("--arms", default="all", help="comma list of the arms to run (default all)")
     ap.add_argument("--split", default="valid", choices=("valid", "train"), help="where the prompts come from")
+    ap.add_argument("--sample-k", default=None, help="comma list of k: the client's arm with drafts drawn among k")
     args = ap.parse_args()
     if args.json is None:
-        if args.arms != "all":
-            ap.error("--arms: name the file with --json (a subset would replace the full record)")
+        if args.arms != "all" or args.sample_k:
+            ap.error("--arms, --sample-k: name the file with --json (a subset would replace the full record)")
         args.json = "results/serving/drafting.json"
     made_by = code_version()  # what is measured: taken first (a commit made meanwhile is not it)
     torch.set_num_threads(1)
@@ -81,6 +84,14 @@ def main():
         arms = {k: v for k, v in arms.items() if k in args.arms.split(",")}
     lookups = {"greedy_client": LOOKUP, "client": LOOKUP, "client_argmax": LOOKUP, "client_drawn16": LOOKUP}
     sample_ks = {"client": SAMPLE_K, "client_drawn16": 16}  # drawn drafts (r10); the other arms draft argmax
+    if args.sample_k:
+        if args.arms != "all":
+            ap.error("--sample-k: its own arms, not --arms")
+        ks = [int(k) for k in args.sample_k.split(",")]
+        decode.MAX_SAMPLE_K = max(ks)  # in process only: the wire bounds k at 16
+        arms = {f"client_drawn{k}": (0.8, DRAFT_WIDTH, True, SAMPLED_DRAFT_LEN) for k in ks}
+        lookups = {name: LOOKUP for name in arms}
+        sample_ks = {f"client_drawn{k}": k for k in ks}
     out = {}
     plain = decode.Session._draft_tree
     for name, (temp, width, runners_up, draft_len) in arms.items():

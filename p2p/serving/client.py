@@ -54,8 +54,10 @@ DRAFT_LEN = 16  # bytes drafted per traversal in exact mode, greedy
 DRAFT_WIDTH, SAMPLED_DRAFT_LEN = 4, 8
 # Sampled exact mode: the draft model draws each draft byte from its own SAMPLE_K most likely bytes
 # at the session's temperature, and the answer carries those distributions, so a draft byte is
-# accepted with probability min(1, p/q) rather than p(its argmax) (results/serving/drafting.json).
-SAMPLE_K = 8
+# accepted with probability min(1, p/q) rather than p(its argmax). k was chosen on windows of the
+# training split (results/serving/drafting-drawn-k.json: bytes per traversal by k), where 16 is
+# the knee; the answer carries 3 bytes per (byte, weight) pair.
+SAMPLE_K = 16
 # Exact mode also drafts by prompt lookup: after the longest earlier match of the last LOOKUP
 # bytes, what followed it, as a second branch of the tree (a small model's output repeats itself;
 # results/wan/wan-valid-256-greedy-lookup.json, results/serving/drafting.json).
