@@ -3,6 +3,7 @@ draft chains the client asks for (the drafting targets).
 
     .venv/bin/python experiments/serving/drafting.py --json results/serving/drafting.json
     [--arms greedy_client,client] [--bytes 256] [--split valid|train] [--sample-k 8,16,32,64,256]
+    [--draft-len 8,12,16]
 
 The prompts are those of the shipped model's own figures (results/ship/make_shipped_model.py):
 N (default 200) 64-byte windows of the validation split at even offsets; 64 bytes each, draft
@@ -16,7 +17,8 @@ and with drafts drawn among 16 (client_drawn16). Bytes per traversal depend on t
 the sampled bytes only, not on the machine's speed. ``--split train``: windows of the training
 split, for choosing settings on prompts apart from the validation prompts the figures are quoted on.
 ``--sample-k K[,K]``: only the client's arm with drafts drawn among K bytes, per K (arms
-``client_drawnK``; in process the wire's bound of 16 is lifted, to see what a larger K would buy).
+``client_drawnK``; in process the wire's bound of 16 is lifted, to see what a larger K would buy);
+with ``--draft-len N[,N]`` too, per K and N (arms ``client_drawnK_lenN``; chains of N bytes).
 """
 import argparse
 import json
@@ -58,6 +60,7 @@ def main():
     ap.add_argument("--arms", default="all", help="comma list of the arms to run (default all)")
     ap.add_argument("--split", default="valid", choices=("valid", "train"), help="where the prompts come from")
     ap.add_argument("--sample-k", default=None, help="comma list of k: the client's arm with drafts drawn among k")
+    ap.add_argument("--draft-len", default=None, help="with --sample-k: comma list of chain lengths")
     args = ap.parse_args()
     if args.json is None:
         if args.arms != "all" or args.sample_k:
@@ -89,9 +92,13 @@ def main():
             ap.error("--sample-k: its own arms, not --arms")
         ks = [int(k) for k in args.sample_k.split(",")]
         decode.MAX_SAMPLE_K = max(ks)  # in process only: the wire bounds k at 16
-        arms = {f"client_drawn{k}": (0.8, DRAFT_WIDTH, True, SAMPLED_DRAFT_LEN) for k in ks}
-        lookups = {name: LOOKUP for name in arms}
-        sample_ks = {f"client_drawn{k}": k for k in ks}
+        lens = [int(n) for n in args.draft_len.split(",")] if args.draft_len else [SAMPLED_DRAFT_LEN]
+        name = (lambda k, n: f"client_drawn{k}_len{n}") if args.draft_len else (lambda k, n: f"client_drawn{k}")
+        arms = {name(k, n): (0.8, DRAFT_WIDTH, True, n) for k in ks for n in lens}
+        lookups = {a: LOOKUP for a in arms}
+        sample_ks = {name(k, n): k for k in ks for n in lens}
+    elif args.draft_len:
+        ap.error("--draft-len: with --sample-k")
     out = {}
     plain = decode.Session._draft_tree
     for name, (temp, width, runners_up, draft_len) in arms.items():
