@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from blocktrain.p2p.connections import MAX_PENDING_HANDSHAKES
 from blocktrain.p2p.node import Peer
 
+from blocktrain.p2p.tensors import to_wire
 from blocktrain.p2p.view import query_status
 from blocktrain.p2p.transport import Timeouts
 from blocktrain.bench.ports import free_port
@@ -861,6 +862,37 @@ async def test_a_member_split_off_alone_waits_for_the_other_sides_status(tmp_pat
     assert not c.membership.split_pending()
 
 
+async def test_a_member_waiting_after_a_split_tells_one_that_counts_it_in_that_it_is_not_in_its_round(tmp_path):
+    """Issue 56: at a partition, a member left alone waited out SPLIT_WAIT_S for its side-partner's
+    STATUS while that partner, still counting it in, waited as long for its part. A part of a
+    round ahead from a member it waits for is answered ABSENT at once (the partner departs it,
+    then tells its STATUS); one from a member it does not wait for, or once the wait is over, is not."""
+    from blocktrain.protocol import BlockUpdate
+
+    ids = ("a" * 64, "b" * 64, "c" * 64)
+    def part(rnd):
+        return BlockUpdate(block=0, round=rnd, codec="raw", tensors=[to_wire("part", torch.zeros(4))],
+                           meta={"phase": "reduce", "part": 0, "group": "0123456789abcdef"})
+
+    b = _status_trainer(tmp_path, ids[1], ids)
+    b.group.joined[ids[0]] = 1
+    b.membership.tell_outsiders()
+    b.group.depart(ids[0], "sees another group")  # b alone, split from a
+    b.membership.tell_outsiders()
+    told = []
+    b.averager.tell_absent = lambda pid, rnd: told.append((pid, rnd))
+    b.averager.current = 466
+    assert b.membership.split_pending()
+    b.membership._on_block_update(part(467), None, ids[2])  # c: not waited for
+    b.membership._on_block_update(part(466), None, ids[0])  # a round behind ours: the averager's
+    assert told == []
+    b.membership._on_block_update(part(467), None, ids[0])
+    assert told == [(ids[0], 467)] and b.membership.split_pending()  # we still wait for its STATUS
+    b.membership.outsiders.split_from.clear()
+    b.membership._on_block_update(part(468), None, ids[0])
+    assert told == [(ids[0], 467)]
+
+
 async def test_a_split_wait_ends_at_its_bound_tells_a_returning_peer_and_skips_excluded_ones(tmp_path, monkeypatch):
     """Review of r6.22: the wait after a split ends at SPLIT_WAIT_S whatever the other side does;
     a split peer that comes back (its connection redialled) during it hears our owed STATUS at
@@ -920,7 +952,7 @@ async def test_a_round_trained_alone_answers_the_parts_of_a_member_that_still_co
     sp.prepare()
     sp.group.state, sp.group.round, sp.pos.rnd = State.TRAINING, 4, 4
     told = []
-    sp.averager._tell_absent = lambda pid, rnd: told.append((pid, rnd))
+    sp.averager.tell_absent = lambda pid, rnd: told.append((pid, rnd))
     sp.averager.expect_members(["b" * 64])
     sp.averager._hold(5, "b" * 64, _held_part())
     await sp.rounds.step()

@@ -227,7 +227,7 @@ class Averager(EarlyParts):
                                                         msg.meta["group"] != self._last_group):
             # A round we are not in at all; or the round we ended last, seen by a member of another
             # view (it would wait for us until its deadline).
-            self._tell_absent(pid, rnd)
+            self.tell_absent(pid, rnd)
 
     def _membership(self, ev):
         if ev.departed and self._round is not None:
@@ -239,7 +239,7 @@ class Averager(EarlyParts):
         self.current = rnd - 1
         for old, pid, msg in self._drop_early(rnd):
             if msg.tensors:
-                self._tell_absent(pid, old)
+                self.tell_absent(pid, old)
         self._recount_early()
 
     def alone(self, rnd: int) -> None:
@@ -422,9 +422,9 @@ class Averager(EarlyParts):
         if not any(e.get("peer") == pid and e["event"] == "group mismatch" for e in self.events):
             log_event(self.events, {"event": "group mismatch", "peer": pid, "round": rnd, "time": time.time()})
             log.info("round %d: %s sees another group; its parts are not mixed in", rnd, pid[:12])
-        self._tell_absent(pid, rnd)
+        self.tell_absent(pid, rnd)
 
-    def _tell_absent(self, pid: str, rnd: int):
+    def tell_absent(self, pid: str, rnd: int):
         if (pid, rnd) in self._absent_told:
             return
         self._absent_told.add((pid, rnd))
