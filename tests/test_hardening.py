@@ -863,7 +863,7 @@ async def test_a_member_split_off_alone_waits_for_the_other_sides_status(tmp_pat
 
 
 async def test_a_member_waiting_after_a_split_tells_one_that_counts_it_in_that_it_is_not_in_its_round(tmp_path):
-    """Issue 56: at a partition, a member left alone waited out SPLIT_WAIT_S for its side-partner's
+    """At a partition, a member left alone waited out SPLIT_WAIT_S for its side-partner's
     STATUS while that partner, still counting it in, waited as long for its part. A part of a
     round ahead from a member it waits for is answered ABSENT at once (the partner departs it,
     then tells its STATUS); one from a member it does not wait for, or once the wait is over, is not."""

@@ -33,7 +33,7 @@ Rules:
   lone rounds answer the parts a member still counting it in sends (``Averager.alone``); while it
   waits, such a part of a round ahead is answered ABSENT at once, so that member departs it and
   then tells it its STATUS (it waited for our lone round before, which came only at the wait's
-  bound: a 5 s wait in a partition run, issue 56). A member
+  bound: a 5 s wait in a partition run). A member
   that once left by a LEAVE and came back counts as any other (``left`` forgets it at every
   round's end, gossip rounds too).
 - Scope: another scope's JOIN is answered ABSENT in the joiner's scope (``is_scope``), as by a
@@ -286,7 +286,7 @@ class Membership:
         elif msg.tensors and pid in self.outsiders.split_from and msg.round > self.averager.current \
                 and self.split_pending():
             # a member we wait for after a split counts us in a round ahead: it hears at once that we
-            # are not in it (else it waits for us until our lone round: 56), and tells us where it
+            # are not in it (else it waits for us until our lone round), and tells us where it
             # stands once it departed us (its STATUS at its round's end)
             self.averager.tell_absent(pid, msg.round)
 
