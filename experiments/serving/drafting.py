@@ -14,7 +14,9 @@ a sibling leaf: r6.8), the same with chains of SAMPLED_DRAFT_LEN bytes, and the 
 and sampled (those drafts plus prompt lookup, LOOKUP bytes; since r10 its drafts drawn among the
 draft model's SAMPLE_K most likely bytes), the client's with argmax drafts (r9's: client_argmax)
 and with drafts drawn among 16 (client_drawn16). Bytes per traversal depend on the drafts and
-the sampled bytes only, not on the machine's speed. ``--split train``: windows of the training
+the sampled bytes only, not on the machine's speed; beside them each arm's CPU seconds per traversal
+(the whole chain's compute on one thread, median over prompts: a machine's figure, and one that
+contention inflates). ``--split train``: windows of the training
 split, for choosing settings on prompts apart from the validation prompts the figures are quoted on.
 ``--sample-k K[,K]``: only the client's arm with drafts drawn among K bytes, per K (arms
 ``client_drawnK``; in process the wire's bound of 16 is lifted, to see what a larger K would buy);
@@ -24,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -103,16 +106,20 @@ def main():
     plain = decode.Session._draft_tree
     for name, (temp, width, runners_up, draft_len) in arms.items():
         decode.Session._draft_tree = plain if runners_up else no_runners_up(decode.Session)
-        bpt = []
+        bpt, per_traversal = [], []
         for i, prompt in enumerate(prompts):
+            t0 = time.process_time()
             _, st = decode.generate(blocks, prompt, args.bytes, draft_len=draft_len, drafter=True, width=width,
                                     lookup=lookups.get(name, 0), sample_k=sample_ks.get(name, 0),
                                     sampling=decode.Sampling(temperature=temp, seed=i))
             bpt.append(st.bytes_per_traversal(args.bytes))
+            per_traversal.append((time.process_time() - t0) / st.traversals)
         out[name] = {"temperature": temp, "width": width, "runners_up": runners_up and width > 1, "draft_len": draft_len,
                      "lookup": lookups.get(name, 0), "sample_k": sample_ks.get(name, 0),
                      "mean": round(sum(bpt) / n, 3), "median": round(statistics.median(bpt), 3),
-                     "min": round(min(bpt), 3), "max": round(max(bpt), 3)}
+                     "min": round(min(bpt), 3), "max": round(max(bpt), 3),
+                     # the whole chain's compute (every block, the drafting), CPU seconds, one thread
+                     "cpu_s_per_traversal": round(statistics.median(per_traversal), 4)}
         print(json.dumps({name: out[name]}), flush=True)
     decode.Session._draft_tree = plain
     result = ({"what": "exact-mode bytes per traversal, in process, shipped model", "prompts": n,
