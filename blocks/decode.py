@@ -52,6 +52,7 @@ rebuilds every hop's cache from the committed bytes (``base`` 0, ``keep`` []).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -298,7 +299,9 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     float64) that uniform ``u`` falls in."""
     w = probs.double()
     cdf = torch.cumsum(w / w.sum(-1, keepdim=True), dim=-1)
-    return (cdf < u.unsqueeze(-1)).sum(-1).clamp(max=probs.shape[-1] - 1)
+    # u scaled into [0, cdf's last): the index found has a weight above 0 (the first weight,
+    # the largest, is never 0), whatever the rounding of the last cumulative sum
+    return (cdf < (u * cdf[..., -1]).unsqueeze(-1)).sum(-1)
 
 
 def new_caches(blocks: list[Block]) -> list[BlockCache]:
@@ -393,6 +396,7 @@ class Session:
             raise ValueError(f"sample_k must be in 0..{MAX_SAMPLE_K}")
         self.invariant = invariant
         self.rng = np.random.default_rng(sampling.seed)
+        self.draft_seeds = np.random.default_rng([sampling.seed, 1])  # the hop's draws: a stream apart from ours
         self.cached = 0  # tokens whose keys are in every hop's cache once the next rollback is done
         self.base, self.keep = 0, []  # rollback of the next spec
         self.model_draft: list[int] = []  # from the last traversal's slots / draft module
@@ -505,7 +509,7 @@ class Session:
         if spec["draft"] and width > 1:
             spec["width"] = width
         if spec["draft"] and self.sample_k:
-            spec["sample"] = [int(self.rng.integers(1 << 62)),
+            spec["sample"] = [int(self.draft_seeds.integers(1 << 62)),
                               min(MAX_SAMPLE_MILLI, max(1, round(self.sampling.temperature * 1000))), self.sample_k]
         self._pending = {"R": R, "start": start, "d_ids": d_ids, "d_par": d_par, "d_src": d_src, "d_q": d_q,
                          "draft": spec["draft"], "width": width, "sample": "sample" in spec}
@@ -546,6 +550,7 @@ class Session:
             src = d_src[nxt]
             self.stats.accepted_by_source[src] = self.stats.accepted_by_source.get(src, 0) + 1
             node = nxt
+        nxt_drafts = self._next_drafts(pend, drafts, q_ids, q, node, emitted)  # may refuse: nothing committed yet
         self.stats.accept_hist[len(path)] = self.stats.accept_hist.get(len(path), 0) + 1
         R, start = pend["R"], pend["start"]
         self.base = start
@@ -554,28 +559,37 @@ class Session:
         out = out[:self._left()]
         self.tokens.extend(out)
         self.rows.extend(r.float().clone() for r in rows[:len(out)])
-        if drafts is not None and torch.as_tensor(drafts).numel():
-            d = torch.as_tensor(drafts)
-            d = d[0] if d.dim() == 3 else d
-            row = d[node + 1].tolist()
-            W, steps = pend["width"], pend["draft"]
-            self.model_alt, chain_at = [], 0
-            if W > 1 and len(row) == W * (1 + 2 * steps):  # W chains: the one that begins with the byte emitted
-                chains = [row[j * (1 + 2 * steps):(j + 1) * (1 + 2 * steps)] for j in range(W)]
-                chain_at = next((j for j, c in enumerate(chains) if c[0] == emitted), None)
-                chain = chains[chain_at] if chain_at is not None else None
-                row, self.model_alt = (chain[1:1 + steps], chain[1 + steps:]) if chain else ([], [])
-            self.model_draft = [b for b in row if 0 <= b < VOCAB_SIZE]
-            self.model_q = []
-            if pend["sample"] and self.model_draft and q is not None:  # else they are its argmax chains
-                self.model_q = _draft_qs(q_ids, q, node + 1, chain_at * steps, len(self.model_draft))
-                if any(self.model_q[i][b] <= 0 for i, b in enumerate(self.model_draft)):
-                    raise ValueError("a sampled draft byte outside the distribution it was drawn from")
-        else:
-            self.model_draft, self.model_alt, self.model_q = [], [], []
+        self.model_draft, self.model_alt, self.model_q = nxt_drafts
         self._pending = None
         self.state = "done" if self._left() <= 0 else "spec"
         return out
+
+    def _next_drafts(self, pend: dict, drafts, q_ids, q, node: int, emitted: int) -> tuple[list, list, list]:
+        """What the next traversal verifies from the last hop's drafts: the chain after ``node``
+        (of W chains, the one that begins with the byte ``emitted``; up to its first -1), each
+        step's runner-up, and for drawn drafts the distribution of each byte. ``ValueError``
+        where drawn drafts do not match their distributions (the caller refuses the answer)."""
+        if drafts is None or not torch.as_tensor(drafts).numel():
+            return [], [], []
+        d = torch.as_tensor(drafts)
+        row = (d[0] if d.dim() == 3 else d)[node + 1].tolist()
+        W, steps = pend["width"], pend["draft"]
+        alt, chain_at = [], 0
+        if W > 1 and len(row) == W * (1 + 2 * steps):  # W chains: the one that begins with the byte emitted
+            chains = [row[j * (1 + 2 * steps):(j + 1) * (1 + 2 * steps)] for j in range(W)]
+            chain_at = next((j for j, c in enumerate(chains) if c[0] == emitted), None)
+            if chain_at is None:
+                return [], [], []
+            row, alt = chains[chain_at][1:1 + steps], chains[chain_at][1 + steps:]
+        draft = list(itertools.takewhile(lambda b: 0 <= b < VOCAB_SIZE, row))
+        if not (pend["sample"] and draft and q is not None):  # argmax chains, or nothing drawn
+            return draft, alt, []
+        if len(draft) > steps:
+            raise ValueError(f"{len(draft)} drawn drafts where {steps} were asked for")
+        qs = _draft_qs(q_ids, q, node + 1, chain_at * steps, len(draft))
+        if any(qs[i][b] <= 0 for i, b in enumerate(draft)):
+            raise ValueError("a sampled draft byte outside the distribution it was drawn from")
+        return draft, alt, qs
 
     def _choose(self, logits: torch.Tensor, kids: list[tuple]) -> tuple[int | None, int]:
         """(child accepted or None, its byte or the byte emitted instead). ``kids``: (node, byte,
@@ -597,8 +611,8 @@ class Session:
                     return k, b
                 p[b] = 0.0
             total = p.sum()
-            if total <= 0:  # every possible byte was drafted and rejected: cannot happen for p summing to 1
-                raise AssertionError("speculative sampling exhausted the distribution")
+            if total <= 0:  # every possible byte was drafted and rejected (rounding: q above p everywhere)
+                raise ValueError("speculative sampling exhausted the distribution")
             p = p / total
         return None, int(self.rng.choice(VOCAB_SIZE, p=p))
 
@@ -610,6 +624,8 @@ def _draft_qs(q_ids, q, node: int, at: int, n: int) -> list[np.ndarray]:
     ps = torch.as_tensor(q)
     if ids.dim() == 4:
         ids, ps = ids[0], ps[0]
+    if ids.shape != ps.shape or ids.dim() != 3 or not (0 <= node < ids.shape[0] and at + n <= ids.shape[1]):
+        raise ValueError(f"draft distributions {tuple(ids.shape)} hold no rows {at}..{at + n} of node {node}")
     out = []
     for i in range(at, at + n):
         w = ps[node, i].double()
@@ -729,8 +745,8 @@ def check_spec(spec, max_seq_len: int) -> dict:
         raise BadSpec(f"logits x width x draft: at most {MAX_DRAFTING} drafting steps a traversal")
     if draft and len(out["logits"]) > MAX_VERIFY:  # the draft model runs ``draft`` steps from every one
         raise BadSpec(f"logits: at most {MAX_VERIFY} tokens when the draft model drafts")
-    sample = spec.get("sample")
-    if sample is not None:
+    if "sample" in spec:
+        sample = spec["sample"]
         if not isinstance(sample, (list, tuple)) or len(sample) != 3 or not all(type(x) is int for x in sample) \
                 or not (0 <= sample[0] < 1 << 62 and 1 <= sample[1] <= MAX_SAMPLE_MILLI
                         and 1 <= sample[2] <= MAX_SAMPLE_K):

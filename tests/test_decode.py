@@ -3,6 +3,7 @@
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -444,13 +445,8 @@ def fake_sampled_chain(model: MemoModel, session: Session):
     return step
 
 
-def test_speculative_sampling_matches_autoregressive_distribution():
-    blocks = tiny_chain(2, seed=9)
-    model = MemoModel(blocks)
-    prompt = b"sample"
-    samp = Sampling(temperature=2.0, top_k=3, seed=1234)
-    n_bytes, n_samples = 3, 4000
-    # exact distribution of the first 3 bytes under autoregressive sampling
+def _exact_outputs(model: MemoModel, prompt: bytes, samp: Sampling, n_bytes: int) -> dict:
+    """Every output of ``n_bytes`` after ``prompt`` under autoregressive sampling, and its probability."""
     exact = {}
 
     def expand(prefix, prob, depth):
@@ -458,10 +454,19 @@ def test_speculative_sampling_matches_autoregressive_distribution():
             exact[prefix[len(prompt):]] = prob
             return
         p = samp.probs(model(prefix))
-        for b in range(256):
-            if p[b] > 0:
-                expand(prefix + (b,), prob * p[b], depth + 1)
+        for b in np.flatnonzero(p):
+            expand(prefix + (int(b),), prob * p[b], depth + 1)
     expand(tuple(prompt), 1.0, 0)
+    return exact
+
+
+def test_speculative_sampling_matches_autoregressive_distribution():
+    blocks = tiny_chain(2, seed=9)
+    model = MemoModel(blocks)
+    prompt = b"sample"
+    samp = Sampling(temperature=2.0, top_k=3, seed=1234)
+    n_bytes, n_samples = 3, 4000
+    exact = _exact_outputs(model, prompt, samp, n_bytes)  # of the first 3 bytes, autoregressive sampling
     assert len(exact) == 27 and abs(sum(exact.values()) - 1) < 1e-9
     counts = {"ar": {}, "exact": {}, "wide": {}, "drawn": {}}
     for mode, kw in (("ar", {}), ("exact", {"draft_len": 2}), ("wide", {"draft_len": 2, "drafter": True, "width": 3}),
@@ -481,6 +486,27 @@ def test_speculative_sampling_matches_autoregressive_distribution():
         assert set(counts[mode]) <= set(exact)
         chi2 = sum((counts[mode].get(k, 0) - n_samples * p) ** 2 / (n_samples * p) for k, p in exact.items())
         assert chi2 < _chi2_critical(len(exact) - 1), (mode, chi2)
+
+
+def test_drawn_chains_of_two_match_autoregressive_distribution():
+    """The test above draws one byte per chain; here chains of 2 drawn bytes, 3 chains per node
+    (the session often goes on with a chain other than the first: its distributions are found by
+    the chain's place), over 4 bytes: 81 outputs, chi-square against their exact distribution."""
+    model = MemoModel(tiny_chain(2, seed=9))
+    prompt, samp, n_bytes, n_samples = b"sample", Sampling(temperature=2.0, top_k=3), 4, 3000
+    exact = _exact_outputs(model, prompt, samp, n_bytes)
+    assert len(exact) == 81
+    counts, deep = {}, 0
+    for i in range(n_samples):
+        s = Session(prompt, n_bytes, 64, draft_len=2, drafter=True, width=3, sample_k=4,
+                    sampling=Sampling(samp.temperature, samp.top_k, seed=4 * 10**6 + i))
+        out = tuple(drive(s, fake_sampled_chain(model, s)))
+        counts[out] = counts.get(out, 0) + 1
+        deep += s.stats.accept_hist.get(2, 0)  # both drawn bytes of a chain accepted
+    assert deep > 100, deep
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n_samples * p) ** 2 / (n_samples * p) for k, p in exact.items())
+    assert chi2 < _chi2_critical(len(exact) - 1), chi2
 
 
 def test_wide_drafts_continue_the_chain_of_the_byte_emitted():
@@ -598,12 +624,19 @@ def test_drawn_drafts_are_verified_against_the_distribution_they_were_drawn_from
     assert taken["drawn"] == 40 and 8 < taken["argmax"] < 32, taken
 
 
-def test_a_drawn_draft_outside_its_distribution_is_refused():
-    s = Session(b"ab", 8, 64, draft_len=2, drafter=True, sample_k=4, sampling=Sampling(temperature=1.0, seed=0))
-    s.next_spec()
+def test_a_drawn_draft_outside_its_distribution_is_refused_and_nothing_of_the_answer_is_kept():
+    """An answer whose drawn byte has weight 0 in its distribution, or with more drawn bytes than
+    asked, is refused (ValueError) before the session commits anything: a retry elsewhere starts
+    from the bytes and drafts it had, never verifying the refused byte against a weight of 0."""
     logits = torch.full((1, 256), -1e9)
     logits[0, 7] = 0.0
     q_ids = torch.tensor([[[[70, 71, 72, 73], [80, 81, 82, 83]]]])
     q = torch.tensor([[[[0.5, 0.25, 0.25, 0.0], [1.0, 0.0, 0.0, 0.0]]]]).half()
-    with pytest.raises(ValueError, match="outside the distribution"):
-        s.feed(logits, torch.tensor([[[73, 80]]]), q_ids, q)  # 73 has weight 0
+    for drafts, why in (([73, 80], "outside the distribution"), ([71, 80, 81], "where 2 were asked")):
+        s = Session(b"ab", 8, 64, draft_len=2, drafter=True, sample_k=4, sampling=Sampling(temperature=1.0, seed=0))
+        s.next_spec()
+        with pytest.raises(ValueError, match=why):
+            s.feed(logits, torch.tensor([[drafts]]), q_ids, q)
+        assert s.output == b"" and s.model_draft == [] and s.model_q == [] and s.cached == 0
+        s.reset_caches()  # the client's retry on another chain
+        assert s.next_spec()["ids"] == list(b"ab")

@@ -387,22 +387,31 @@ def test_the_streamed_output_prints_the_text_the_whole_output_prints(capsys, mon
 
 def test_draft_distributions_that_are_not_distributions_are_the_last_hops_fault():
     """r10: the answer's q_ids / q are checked (shapes, dtypes, k distinct bytes, weights finite,
-    >= 0, not all 0) before a session reads them; a bad one is the last hop's fault."""
+    >= 0, not all 0), and every drawn byte of every chain against its step's distribution, before
+    a session reads them; a bad one is the last hop's fault."""
     from blocktrain.p2p.serving.client import _drawn_from
     from blocktrain.p2p.tensors import to_wire
     spec = {"logits": [0, 1], "width": 2, "draft": 3, "sample": [1, 800, 4]}
     ids = torch.arange(4, dtype=torch.uint8).expand(1, 2, 6, 4).clone()
     q = torch.full((1, 2, 6, 4), 0.25).half()
-    got_ids, got_q = _drawn_from(to_wire("q_ids", ids), to_wire("q", q), spec, 2)
+    chain = [9, 1, 2, 3, 5, 5, 5]  # first byte, 3 drawn bytes, 3 runners-up (not checked)
+    drafts = torch.tensor([chain * 2, chain[:3] + [-1] * 4 + chain])  # node 1's first chain ends early
+    got_ids, got_q = _drawn_from(to_wire("q_ids", ids), to_wire("q", q), drafts, spec, 2)
     assert got_ids.shape == (2, 6, 4) and got_ids.dtype == torch.long and got_q.dtype == torch.float16
     dup = ids.clone()
     dup[0, 1, 5, 3] = 0
-    neg, zero, nan = q.clone(), q.clone(), q.clone()
+    neg, zero, nan, unweighted = q.clone(), q.clone(), q.clone(), q.clone()
     neg[0, 0, 0, 0] = -0.25
     zero[0, 1, 2] = 0.0
     nan[0, 0, 3, 1] = float("nan")
-    for bad_ids, bad_q in ((ids.long(), q), (ids, q.float()), (ids[:, :1], q[:, :1]), (ids[..., :3], q[..., :3]),
-                           (dup, q), (ids, neg), (ids, zero), (ids, nan)):
+    unweighted[0, 1, 5, 3] = 0.0  # node 1, chain 1, step 3 drew 3: its weight 0
+    outside, huge = drafts.clone(), drafts.clone()
+    outside[0, 9] = 0 + 7  # node 0, chain 1, step 2 drew 7: not among its bytes
+    huge[1, 2] = 300
+    bad = ((ids.long(), q, drafts), (ids, q.float(), drafts), (ids[:, :1], q[:, :1], drafts),
+           (ids[..., :3], q[..., :3], drafts), (dup, q, drafts), (ids, neg, drafts), (ids, zero, drafts),
+           (ids, nan, drafts), (ids, unweighted, drafts), (ids, q, outside), (ids, q, huge), (ids, q, drafts[:, :13]))
+    for bad_ids, bad_q, bad_drafts in bad:
         with pytest.raises(PipelineError) as ei:
-            _drawn_from(to_wire("q_ids", bad_ids), to_wire("q", bad_q), spec, 2)
+            _drawn_from(to_wire("q_ids", bad_ids), to_wire("q", bad_q), bad_drafts, spec, 2)
         assert ei.value.fault == "hop" and ei.value.hop == 2

@@ -55,8 +55,8 @@ DRAFT_WIDTH, SAMPLED_DRAFT_LEN = 4, 8
 # Sampled exact mode: the draft model draws each draft byte from its own SAMPLE_K most likely bytes
 # at the session's temperature, and the answer carries those distributions, so a draft byte is
 # accepted with probability min(1, p/q) rather than p(its argmax). k was chosen on windows of the
-# training split (results/serving/drafting-drawn-k.json: bytes per traversal by k), where 16 is
-# the knee; the answer carries 3 bytes per (byte, weight) pair.
+# training split (results/serving/drafting-drawn-k.json, bytes per traversal: k 8 3.68, 16 4.29,
+# 64 4.64): 16 takes most of the gain, and the answer carries 3 bytes per (byte, weight) pair.
 SAMPLE_K = 16
 # Exact mode also drafts by prompt lookup: after the longest earlier match of the last LOOKUP
 # bytes, what followed it, as a second branch of the tree (a small model's output repeats itself;
@@ -207,7 +207,7 @@ class PipelineClient:
                                 f"for {V} verified tokens", hop=last)
         q_ids = q = None
         if drawn:
-            q_ids, q = _drawn_from(res.tensors[2], res.tensors[3], spec, last)
+            q_ids, q = _drawn_from(res.tensors[2], res.tensors[3], drafts[0], spec, last)
         self._drafter = bool(res.meta.get("drafter", True))
         return Answer(logits[0].float(), drafts[0].long(), q_ids, q, float(res.meta.get("compute_s", 0.0)))
 
@@ -312,12 +312,15 @@ class Answer:
     compute_s: float
 
 
-def _drawn_from(ids_wire, q_wire, spec: dict, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _drawn_from(ids_wire, q_wire, drafts: torch.Tensor, spec: dict, last: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The distributions a drawn draft's bytes came from, checked: one per drafting step of every
-    chain of every verified node, over ``k`` distinct bytes, weights finite, >= 0, not all zero."""
+    chain of every verified node, over ``k`` distinct bytes, weights finite, >= 0, not all 0; and
+    every drawn byte of every chain (``drafts``, (V, S)) among its step's bytes with a weight
+    above 0. All of them, not only the chain the session goes on with: which answers a client
+    refuses must not depend on the bytes it drew."""
     ids, q = from_wire(ids_wire), from_wire(q_wire)
-    V, k = len(spec["logits"]), spec["sample"][2]
-    shape = (1, V, spec.get("width", 1) * spec["draft"], k)
+    V, k, W, steps = len(spec["logits"]), spec["sample"][2], spec.get("width", 1), spec["draft"]
+    shape = (1, V, W * steps, k)
     if ids.dtype != torch.uint8 or q.dtype != torch.float16 or tuple(ids.shape) != shape or tuple(q.shape) != shape:
         raise PipelineError(f"the last hop answered draft distributions {ids.dtype} {tuple(ids.shape)} and "
                             f"{q.dtype} {tuple(q.shape)}, expected uint8 and float16 {shape}", hop=last)
@@ -327,6 +330,14 @@ def _drawn_from(ids_wire, q_wire, spec: dict, last: int) -> tuple[torch.Tensor, 
     if not torch.isfinite(q).all() or (q < 0).any() or not (q.float().sum(-1) > 0).all() or not distinct:
         raise PipelineError("the last hop answered draft distributions that are not distributions "
                             "(weights not finite, below 0 or all 0, or a byte twice)", hop=last)
+    if tuple(drafts.shape) != (V, W * (1 + 2 * steps) if W > 1 else steps):
+        raise PipelineError(f"the last hop answered drafts {tuple(drafts.shape)} for {V} nodes, {W} chain(s) "
+                            f"of {steps} drawn bytes", hop=last)
+    drawn = drafts.reshape(V, W, 1 + 2 * steps)[:, :, 1:1 + steps].reshape(V, W * steps) if W > 1 else drafts
+    weight = torch.where(ids == drawn.unsqueeze(-1), q.float(), torch.zeros(())).sum(-1)
+    if ((drawn < -1) | (drawn >= 256)).any() or ((drawn >= 0) & (weight <= 0)).any():
+        raise PipelineError("the last hop answered drawn drafts outside the distributions it says it drew "
+                            "them from", hop=last)
     return ids, q
 
 
