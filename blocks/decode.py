@@ -546,11 +546,11 @@ class Session:
                 break
             path.append(nxt)
             out.append(d_ids[nxt])
-            self.stats.accepted += 1
-            src = d_src[nxt]
-            self.stats.accepted_by_source[src] = self.stats.accepted_by_source.get(src, 0) + 1
             node = nxt
         nxt_drafts = self._next_drafts(pend, drafts, q_ids, q, node, emitted)  # may refuse: nothing committed yet
+        for src in (d_src[i] for i in path):
+            self.stats.accepted += 1
+            self.stats.accepted_by_source[src] = self.stats.accepted_by_source.get(src, 0) + 1
         self.stats.accept_hist[len(path)] = self.stats.accept_hist.get(len(path), 0) + 1
         R, start = pend["R"], pend["start"]
         self.base = start

@@ -415,3 +415,10 @@ def test_draft_distributions_that_are_not_distributions_are_the_last_hops_fault(
         with pytest.raises(PipelineError) as ei:
             _drawn_from(to_wire("q_ids", bad_ids), to_wire("q", bad_q), bad_drafts, spec, 2)
         assert ei.value.fault == "hop" and ei.value.hop == 2
+    one = {"logits": [0], "draft": 2, "sample": [1, 800, 4]}  # one chain (no width): its drawn bytes only
+    ids1, q1 = ids[:, :1, :2], q[:, :1, :2].clone()
+    _drawn_from(to_wire("q_ids", ids1), to_wire("q", q1), torch.tensor([[3, -1]]), one, 2)
+    q1[0, 0, 0, 3] = 0.0
+    for bad_drafts in (torch.tensor([[3, -1]]), torch.tensor([[1, 2, 3]])):
+        with pytest.raises(PipelineError):
+            _drawn_from(to_wire("q_ids", ids1), to_wire("q", q1), bad_drafts, one, 2)

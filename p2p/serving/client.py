@@ -205,9 +205,11 @@ class PipelineClient:
                 or tuple(drafts.shape[:2]) != (1, V) or not torch.isfinite(logits).all():
             raise PipelineError(f"the last hop answered logits {tuple(logits.shape)} and drafts {tuple(drafts.shape)} "
                                 f"for {V} verified tokens", hop=last)
+        if drafts.is_floating_point():
+            raise PipelineError(f"the last hop answered drafts of {drafts.dtype}, expected int16", hop=last)
         q_ids = q = None
-        if drawn:
-            q_ids, q = _drawn_from(res.tensors[2], res.tensors[3], drafts[0], spec, last)
+        if drawn:  # the drafts as the session reads them
+            q_ids, q = _drawn_from(res.tensors[2], res.tensors[3], drafts[0].long(), spec, last)
         self._drafter = bool(res.meta.get("drafter", True))
         return Answer(logits[0].float(), drafts[0].long(), q_ids, q, float(res.meta.get("compute_s", 0.0)))
 
