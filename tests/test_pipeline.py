@@ -422,3 +422,32 @@ def test_draft_distributions_that_are_not_distributions_are_the_last_hops_fault(
     for bad_drafts in (torch.tensor([[3, -1]]), torch.tensor([[1, 2, 3]])):
         with pytest.raises(PipelineError):
             _drawn_from(to_wire("q_ids", ids1), to_wire("q", q1), bad_drafts, one, 2)
+
+
+async def test_a_last_hop_that_answers_float_drafts_or_unasked_distributions_is_at_fault():
+    """r10: what the last hop answers is checked before the session reads it: drafts must be of an
+    integer type (a float entry such as -0.5 would read as byte 0), the two distribution tensors
+    come only where the spec asked for drawn drafts, and a hop that ignores ``sample`` (r9) may
+    answer without them."""
+    from blocktrain.p2p.tensors import to_wire
+    from blocktrain.protocol import PipelineResult
+    client = PipelineClient(X25519PrivateKey.generate(), os.urandom(32), ["a:1", "b:2", "c:3"], [0, 1, 2])
+    asked = {"logits": [0], "draft": 2, "sample": [1, 800, 4]}
+
+    async def answer(spec, *tensors):
+        async def request(meta, x=None):
+            return PipelineResult(request_id=1, meta={}, tensors=tensors)
+        client._request = request
+        return await client.answer(1, "exact", spec)
+
+    logits = to_wire("logits", torch.zeros(1, 1, 256))
+    drafts = to_wire("drafts", torch.tensor([[[3, -1]]], dtype=torch.int16))
+    dist = (to_wire("q_ids", torch.arange(4, dtype=torch.uint8).expand(1, 1, 2, 4).clone()),
+            to_wire("q", torch.full((1, 1, 2, 4), 0.25).half()))
+    assert (await answer(asked, logits, drafts, *dist)).q is not None
+    assert (await answer(asked, logits, drafts)).q is None  # a hop of r9: argmax drafts
+    for spec, tensors in ((asked, (logits, to_wire("drafts", torch.tensor([[[3.0, -0.5]]])), *dist)),
+                          ({"logits": [0], "draft": 2}, (logits, drafts, *dist))):
+        with pytest.raises(PipelineError) as ei:
+            await answer(spec, *tensors)
+        assert ei.value.fault == "hop" and ei.value.hop == 2
