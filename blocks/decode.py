@@ -197,12 +197,10 @@ def readout(block: Block, cache: BlockCache, h: torch.Tensor, spec: dict) -> dic
     slots = spec.get("slots") or []
     n_tokens = len(spec["ids"]) - sum(len(s) for s in slots)  # slot tokens come last
     if block.drafter is not None:
-        drafts = drafter_step(block, cache, h[:, :n_tokens], spec, logits, spec.get("draft", 0),
-                              spec.get("width", 1))
-        if spec.get("draft", 0) and isinstance(drafts, tuple):
-            return {"logits": logits, "drafts": drafts[0], "q_ids": drafts[1], "q": drafts[2]}
+        drafted = drafter_step(block, cache, h[:, :n_tokens], spec, logits, spec.get("draft", 0),
+                               spec.get("width", 1))
         if spec.get("draft", 0):
-            return {"logits": logits, "drafts": drafts}
+            return {"logits": logits, **drafted}
     S = max((len(s) for s in slots), default=0)
     drafts = torch.full((h.shape[0], len(spec["logits"]), S), -1, dtype=torch.long)
     if S:
@@ -223,13 +221,16 @@ def drafter_step(block: Block, cache: BlockCache, f: torch.Tensor, spec: dict, l
     parent (the last cached token for the root) with its byte. Then, from every verified node v
     at once, ``steps`` drafting steps: the first pairs v's feature with v's argmax byte (the
     byte that will follow v if v is the last accepted node, under greedy decoding), each next
-    one the predicted feature with the byte just drafted. Returns (B, len(logits), steps).
+    one the predicted feature with the byte just drafted. Returns ``{"drafts": (B, len(logits),
+    steps)}``.
 
     ``width`` W > 1 (sampling: the byte after v is drawn, not always v's argmax): W chains per
     verified node, the first steps pairing v's feature with each of v's W most likely bytes.
-    Returns (B, len(logits), W * (1 + 2 * steps)): per chain its first byte, its ``steps``
-    drafts, then each step's second most likely byte (a sibling of that step's draft); the
-    session continues the chain whose first byte is the byte it emitted."""
+    ``"drafts"`` is then (B, len(logits), W * (1 + 2 * steps)): per chain its first byte, its
+    ``steps`` drafts, then each step's second most likely byte (a sibling of that step's draft);
+    the session continues the chain whose first byte is the byte it emitted. With ``spec["sample"]``
+    each draft byte is drawn (``draft_distribution``, ``sample_from``) and the result also holds
+    ``"q_ids"`` and ``"q"``, (B, len(logits), W * steps, k): each step's distribution."""
     d = block.drafter
     B, n, C = f.shape
     start = cache.features.length
@@ -246,7 +247,7 @@ def drafter_step(block: Block, cache: BlockCache, f: torch.Tensor, spec: dict, l
     verify = spec["logits"]
     V, W = len(verify), width
     if steps == 0 or V == 0:
-        return torch.full((B, V, steps), -1, dtype=torch.long)
+        return {"drafts": torch.full((B, V, steps), -1, dtype=torch.long)}
     first = logits.topk(W, dim=-1).indices  # (B, V, W); W = 1: the argmax
     drafts = torch.full((B, V * W, steps), -1, dtype=torch.long)
     second = torch.full((B, V * W, steps), -1, dtype=torch.long)
@@ -268,21 +269,18 @@ def drafter_step(block: Block, cache: BlockCache, f: torch.Tensor, spec: dict, l
             pick = sample_from(probs, torch.rand((B, V * W), generator=gen, dtype=torch.float64))
             byte = ids.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
             runner = torch.where(pick == 0, ids[..., 1 if ids.shape[-1] > 1 else 0], ids[..., 0])
-            drafts[:, :, s], second[:, :, s] = byte, runner
             q_ids[:, :, s], q_p[:, :, s] = ids, probs
-            continue
-        top2 = lg.topk(2, dim=-1).indices
-        byte = top2[..., 0]
-        drafts[:, :, s], second[:, :, s] = byte, top2[..., 1]
-    if W == 1 and not sample:
-        return drafts
-    if W == 1:
-        return drafts, q_ids.view(B, V, steps, -1), q_p.view(B, V, steps, -1)
-    chains = torch.cat([first.unsqueeze(-1), drafts.view(B, V, W, steps), second.view(B, V, W, steps)], dim=-1)
-    chains = chains.view(B, V, W * (1 + 2 * steps))
-    if not sample:
-        return chains
-    return chains, q_ids.view(B, V, W * steps, -1), q_p.view(B, V, W * steps, -1)
+        else:
+            top2 = lg.topk(2, dim=-1).indices
+            byte, runner = top2[..., 0], top2[..., 1]
+        drafts[:, :, s], second[:, :, s] = byte, runner
+    out = {"drafts": drafts}
+    if W > 1:
+        chains = torch.cat([first.unsqueeze(-1), drafts.view(B, V, W, steps), second.view(B, V, W, steps)], dim=-1)
+        out["drafts"] = chains.view(B, V, W * (1 + 2 * steps))
+    if sample:
+        out["q_ids"], out["q"] = q_ids.view(B, V, W * steps, -1), q_p.view(B, V, W * steps, -1)
+    return out
 
 
 def draft_distribution(logits: torch.Tensor, temperature: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
