@@ -551,13 +551,16 @@ class Membership:
 def _dropped(joins: list, outsiders: Outsiders, own: int, theirs: int) -> dict | None:
     """What taking a group's state at step ``theirs`` drops of ours at step ``own``: the steps we
     trained apart, since our group last lost members or since our last join, whichever came last
-    (a healed partition's side that yields: the steps it trained apart); None on a first join."""
+    (a healed partition's side that yields: the steps it trained apart); None on a first join, and
+    where we trained no step since (nothing of ours is dropped: a rejoin at the start, say)."""
     if not joins:
         return None
     since = int(joins[-1].get("step", own))
     if outsiders.apart_since is not None:  # our group lost members after our last join (reset at a join)
         since = max(since, outsiders.apart_since)
-    return {"own_step": own, "steps": max(0, own - since), "since_step": since, "group_step": theirs}
+    if own <= since:
+        return None
+    return {"own_step": own, "steps": own - since, "since_step": since, "group_step": theirs}
 
 
 def state_sources(peer: PeerServices, members, teller: str) -> list[str]:
