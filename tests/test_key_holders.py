@@ -844,10 +844,11 @@ async def test_a_new_session_whose_first_traversal_the_queue_refuses_keeps_nothi
         server._compute.hold = saturated
         new = ("fresh", 2, False, 0)
         cache = server.sessions.get(new, lambda: BlockCache(b), 0)
-        with pytest.raises(PipelineError):
+        with pytest.raises(PipelineError) as ei:
             await server._run_block(msg, SimpleNamespace(client="fresh", block=0, spec={"ids": "ab", "start": 0},
                                                           meta={}), new, Traversal(b, cache, None, spec))
         assert new not in server.sessions and key in server.sessions
+        assert ei.value.fault == "busy"  # sound but saturated: the client tries it again, not another
     finally:
         await peer.stop()
 

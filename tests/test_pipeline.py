@@ -304,6 +304,43 @@ async def test_client_retries_through_another_holder_of_the_block(models):
             await p.stop()
 
 
+async def test_a_saturated_only_holder_is_tried_again_not_given_up(models, monkeypatch):
+    """A hop whose waiting traversals are at their bound refuses as "busy"; where it is the only
+    holder of its block the client tries it again after a pause, the session going on where it
+    was (it failed the generate: "no live peer serves block 2" after avoiding the only holder)."""
+    import contextlib
+    from blocktrain.p2p.serving import client as client_mod
+    from blocktrain.p2p.serving.client import generate
+    from blocktrain.p2p.serving.fair import Saturated
+    monkeypatch.setattr(client_mod, "BUSY_PAUSE_S", 0.05, raising=False)
+    bt, e2e = models
+    psk = os.urandom(32)
+    peers, servers = await start_chain(psk, bt, e2e)
+    real, refused = servers[2]._compute.hold, []
+
+    @contextlib.asynccontextmanager
+    async def saturated_at_first(who, cost):
+        if len(refused) < 2:
+            refused.append(who)
+            raise Saturated("64 requests already wait here")
+        async with real(who, cost) as between:
+            yield between
+    servers[2]._compute.hold = saturated_at_first
+    try:
+        for p in peers:
+            await p.wait_for(lambda p=p: len(p.members()) == 2, 10.0)
+        prompt = b"busy, not broken"
+        logs: list[str] = []
+        out, stats = await generate("127.0.0.1", peers[0].port, X25519PrivateKey.generate(), psk, prompt, 6,
+                                    "exact", 5, log=logs.append)
+        assert out == in_process(bt, prompt, 6) and len(refused) == 2
+        assert stats["busy_retries"] == 2 and stats["attempts"] == 1 and peers[2].addr in stats["route"]
+        assert sum("saturated" in line for line in logs) == 2
+    finally:
+        for p in peers:
+            await p.stop()
+
+
 async def test_forged_senders_foreign_routes_and_unknown_sessions_cost_a_hop_nothing(models):
     """Hardening for serving: hop 0 serves only the client that sent the request (reply_to is the
     sender); a hop forwards only to a live member serving the next block, never to an address a

@@ -313,3 +313,15 @@ def test_the_serving_vector_holds_a_spec_that_a_hop_accepts_and_bad_ones_it_refu
                  "draft": 16}):  # 33 x 4 x 16 drafting steps: past the bound of 65 x 32
         with pytest.raises(BadSpec):
             check_spec(bad, 64)
+
+
+def test_the_busy_refusal_vector_both_ways():
+    """Section 7.3 (r11): a saturated hop's refusal is written as the vector says and read back as
+    fault "busy"; a fault a client does not know reads as "hop"."""
+    from blocktrain.p2p.serving.api import PipelineError, refusal, refusal_meta
+    want = VALID["pipeline_result_busy"]
+    e = PipelineError.from_meta(want.meta)
+    assert (e.fault, e.hop, e.block) == ("busy", 2, 2)
+    made = PipelineError(want.meta["error"], 2, 2, fault="busy")
+    assert refusal(13, refusal_meta(made, 2, 2)) == want
+    assert PipelineError.from_meta({**want.meta, "fault": "later"}).fault == "hop"

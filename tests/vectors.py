@@ -94,6 +94,8 @@ VALID = {
                  "width": 4, "sample": [12345, 800, 8]}}),
     "pipeline_result": PipelineResult(request_id=9, tensors=(
         pack_tensor("bytes", "uint8", (3,), b"abc"),), meta={}),
+    "pipeline_result_busy": PipelineResult(request_id=13, tensors=(), meta={
+        "error": "block 2 at 127.0.0.1:4002: 64 requests already wait here", "hop": 2, "block": 2, "fault": "busy"}),
     "stream_reset": StreamReset(code=int(ErrorCode.STREAM_INTEGRITY), reason="sha256 mismatch", stream_id=3),
     "error_timeout": Error(code=int(ErrorCode.TIMEOUT), reason="handshake timed out"),
 }

@@ -7,7 +7,8 @@ Rules:
 - A refusal travels as PipelineResult(meta {"error", "hop", "block", "fault"}); ``refusal_meta``
   writes it from a failure, ``PipelineError.from_meta`` reads it back. ``fault`` says whose the
   failure is (FAULTS): "hop" (retry through another holder), "request" (the request itself is
-  bad: no chain would serve it) or "session" (a hop lost the session's caches: rebuild them).
+  bad: no chain would serve it), "session" (a hop lost the session's caches: rebuild them) or
+  "busy" (the hop is sound but saturated: another holder, else the same hop after a pause).
 - Failures are typed: ``PipelineError`` carries the block, hop and fault, never a string to parse.
 """
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 from blocktrain.protocol import Codec, PipelineResult
 
 MODES = ("exact", "autoregressive", "blocktrain", "reference")
-# Whose a failure is (meta "fault"); anything else a hop reports is read as "hop".
-FAULTS = ("hop", "request", "session")
+# Whose a failure is (meta "fault"); anything else a hop reports is read as "hop" (a client of r10
+# reads "busy" so: it avoids the hop).
+FAULTS = ("hop", "request", "session", "busy")
 # Codecs of the hidden states between hops (PROTOCOL.md section 6), and the one a request without
 # "codec" gets.
 HIDDEN_CODECS = frozenset(c.value for c in Codec)
@@ -48,8 +50,8 @@ COMPUTE_SLOTS = 1
 
 class PipelineError(Exception):
     """A request could not be served; ``block`` and ``hop`` say where (None: the chain as a whole);
-    ``fault`` says whose: "hop" (retry elsewhere), "request" (the request itself is bad) or
-    "session" (a hop lost the session's caches)."""
+    ``fault`` says whose: "hop" (retry elsewhere), "request" (the request itself is bad),
+    "session" (a hop lost the session's caches) or "busy" (the hop is saturated)."""
 
     def __init__(self, msg: str, block: int | None = None, hop: int | None = None, fault: str = "hop"):
         super().__init__(msg)
@@ -59,7 +61,7 @@ class PipelineError(Exception):
     def from_meta(cls, meta: dict) -> PipelineError:
         """The failure a refusal's meta reports, as the client raises it."""
         b, hop = meta.get("block"), meta.get("hop")
-        fault = str(meta["fault"]) if meta.get("fault") in ("request", "session") else "hop"
+        fault = str(meta["fault"]) if meta.get("fault") in FAULTS else "hop"
         where = f"block {b}" if isinstance(b, int) else "the chain"
         text = (f"the request was refused by {where}: {meta['error']}" if fault == "request"
                 else f"{where} failed (reported by hop {hop}): {meta['error']}")

@@ -19,7 +19,11 @@ Rules:
 - ``generate`` asks a member for its view (STATUS) and builds a chain through it (view.py: one
   live serving peer per block, smallest peer id first, avoiding peers that failed); on a failure
   that names a block it avoids that hop the next time; a request that gets no answer lets the
-  swarm notice the silent peer (``dead_after_s``) before asking again.
+  swarm notice the silent peer (``dead_after_s``) before asking again. A saturated hop (fault
+  "busy") is not a failed one: the next chain goes through another holder of its block where
+  there is one, else through it again, after a pause that doubles (BUSY_PAUSE_S up to
+  BUSY_PAUSE_MAX_S, at most BUSY_TRIES times); the session goes on where it was, and a busy
+  refusal is not one of the ``attempts``.
 - The request's vocabulary (modes, faults, refusals) is api.py's, shared with the hops; the
   client imports no server module.
 """
@@ -41,7 +45,7 @@ from blocktrain.protocol import ConnectionClosed, Ping, PipelineForward, Pipelin
 from ..identity import peer_id
 from ..tensors import from_wire, to_wire
 from ..transport import CLIENT_INFO, PeerConnection, Timeouts, make_connection, open_connection
-from ..view import NoChain, chain_when_ready, holders, status_members
+from ..view import NoChain, chain, chain_when_ready, holders, status_members
 from .api import DEFAULT_CODEC, MODES, PipelineError
 from .verify import DEFAULT_TOL, CheckFailed, OutputRejected, check_output
 
@@ -63,6 +67,10 @@ SAMPLE_K = 16
 # results/wan/wan-valid-256-greedy-lookup.json, results/serving/drafting.json).
 LOOKUP = 8
 KEEPALIVE_S = 30.0  # a PING on each connection this often (hops close clients silent for 300 s)
+# A saturated hop (fault "busy": its waiting traversals are at their bound) is tried again after a
+# pause, doubling from BUSY_PAUSE_S to BUSY_PAUSE_MAX_S, at most BUSY_TRIES times: a flood's queue
+# turns over in seconds, and the hop makes room for a client that waited its turn (fair.py).
+BUSY_PAUSE_S, BUSY_PAUSE_MAX_S, BUSY_TRIES = 0.25, 4.0, 12
 
 
 def draft_length(draft_len: int | None, sampling: Sampling) -> int:
@@ -375,12 +383,13 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
     it is accepted (not with ``verify``: a rejected output is made again from the prompt); a retry
     on another chain starts again from the prompt (exact: the same bytes). ``stats["first_byte_s"]``
     counts from this call, as ``stats["seconds"]`` does (the view, the chain's connections and any
-    failed attempt included)."""
+    failed attempt included). A saturated hop is retried (module rules; ``stats["busy_retries"]``)."""
     if verify and on_bytes is not None:
         raise ValueError("streamed output cannot be verified first: give one or the other")
     check_request(prompt, n, mode, sampling=sampling, draft_len=draft_len)
     tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
     avoid: set[str] = set()
+    busy = _Busy()
     last: Exception | None = None
     s: Session | None = None
     t0 = time.perf_counter()
@@ -391,12 +400,10 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
             first.append(time.perf_counter() - t0)
         if on_bytes is not None:
             on_bytes(output, seconds)
-    for attempt in range(attempts):
-        try:
-            st, route = await chain_when_ready(host, port, ident, key, tmo, avoid,
-                                               timeout if wait_s is None else wait_s, log)
-        except NoChain as e:  # the view's failure, as the client's: no chain to run it on
-            raise PipelineError(str(e), e.block) from None
+    attempt = 0
+    while attempt < attempts:
+        st, route = await _next_chain(host, port, ident, key, tmo, avoid, busy,
+                                      timeout if wait_s is None else wait_s, log)
         msl = (st.get("serving") or {}).get("max_seq_len")
         check_request(prompt, n, mode, msl, sampling, draft_len)
         client = PipelineClient(ident, key, route, list(range(len(route))), tmo, timeout_s=timeout)
@@ -405,6 +412,7 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
             # a checked output that failed is made again from the prompt
             out, stats, rows, s = await _run_on(client, prompt, n, mode, sampling, s, verify, draft_len, msl, came)
             stats["route"], stats["attempts"], stats["first_byte_s"] = route, attempt + 1, first[0] if first else None
+            stats["busy_retries"] = busy.tries
             if verify:
                 recompute = functools.partial(_recompute, ident, key, tmo, timeout, prompt + out, len(prompt), mode)
                 stats["verify"] = await _verified(rows, route, status_members(st), avoid, recompute, verify_tol, log)
@@ -414,11 +422,57 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
             if getattr(e, "fault", "hop") == "request":
                 raise  # no other chain would serve it either (VerifyError: nothing can be checked)
             last = e
-            log(f"attempt {attempt + 1} through {route} failed: {e}")
+            if await busy.paused(e, route, log):
+                continue
+            attempt += 1
+            log(f"attempt {attempt} through {route} failed: {e}")
             await _avoid_after(e, route, avoid, tmo)
         finally:
             await client.close()
     raise PipelineError(f"gave up after {attempts} attempts: {last}")
+
+
+async def _next_chain(host, port, ident, key, tmo: Timeouts, avoid: set[str], busy: _Busy, wait_s: float,
+                      log) -> tuple[dict, list[str]]:
+    """The swarm view and the next chain through it, avoiding ``avoid``, and ``busy``'s hops where
+    their blocks have other holders."""
+    try:
+        st, route = await chain_when_ready(host, port, ident, key, tmo, avoid, wait_s, log)
+    except NoChain as e:  # the view's failure, as the client's: no chain to run it on
+        raise PipelineError(str(e), e.block) from None
+    return st, busy.route(st, avoid, route)
+
+
+class _Busy:
+    """One request's saturated hops (fault "busy"): the next chain avoids them where their blocks
+    have other holders, else goes through them again, after a pause that doubles from
+    BUSY_PAUSE_S to BUSY_PAUSE_MAX_S, at most BUSY_TRIES times."""
+
+    def __init__(self) -> None:
+        self.hops: set[str] = set()
+        self.tries, self.pause = 0, BUSY_PAUSE_S
+
+    def route(self, st: dict, avoid: set[str], route: list[str]) -> list[str]:
+        """A chain through the view ``st`` that avoids the busy hops too, else ``route``."""
+        if not self.hops:
+            return route
+        try:
+            return chain(st, avoid | self.hops)
+        except NoChain:  # every other holder of a busy hop's block is avoided: the busy hop again
+            return route
+
+    async def paused(self, e: Exception, route: list[str], log) -> bool:
+        """True, after the pause, where ``e`` is a busy hop of ``route`` to try again."""
+        hop = getattr(e, "hop", None)
+        if getattr(e, "fault", None) != "busy" or not isinstance(hop, int) or not 0 <= hop < len(route) \
+                or self.tries >= BUSY_TRIES:
+            return False
+        self.tries += 1
+        self.hops.add(route[hop])
+        log(f"{route[hop]} is saturated ({e}): trying again in {self.pause:.2f} s")
+        await asyncio.sleep(self.pause)
+        self.pause = min(2 * self.pause, BUSY_PAUSE_MAX_S)
+        return True
 
 
 async def _run_on(client: PipelineClient, prompt: bytes, n: int, mode: str, sampling: Sampling, s: Session | None,

@@ -248,7 +248,7 @@ class PipelineServer:
             # chunk (an empty session would take a place in the table at no compute).
             if left < len(plan.spec["ids"]) or plan.spec["start"] == 0:
                 self.sessions.drop(key)
-            raise PipelineError(f"block {k} at {self.peer.addr}: {e}", k, msg.hop) from None
+            raise PipelineError(f"block {k} at {self.peer.addr}: {e}", k, msg.hop, fault="busy") from None
         except SessionMismatch as e:
             self.sessions.drop(key)
             raise PipelineError(str(e), k, msg.hop, fault="session") from None
