@@ -176,7 +176,8 @@ async def serving_waves(tmp: Path, waves: list[int]) -> list:
 
     async def legit() -> float:
         t = time.perf_counter()
-        await generate("127.0.0.1", ports[0], ident, psk, prompt, 32, "autoregressive", 120)
+        await generate("127.0.0.1", ports[0], ident, psk, prompt, 32, "autoregressive", 120,
+                       log=lambda s: print("legit:", s, flush=True))  # a failed attempt's cause
         return time.perf_counter() - t
     rows, victim_pid = [], procs[2].pid
     for n in waves:
