@@ -15,7 +15,8 @@ Floods (one victim each, fresh; the waves run against it one after the other):
 - ``serving``: three `bt-peer serve` hops (tiny model: blocks 0..2). A legitimate client's
   `generate` (32 bytes, autoregressive) alone, 3 times, then 3 times while each identity of the
   wave keeps 1 traversal (a new 64-byte session) in flight from a process of its own; the
-  victim is the last hop; slowdown = median flooded / median alone.
+  victim is the last hop; slowdown = median flooded / median alone; the cores each side kept busy
+  meanwhile (CPU seconds per second: the three hops, the flooder, this client).
 
 Every loop is bounded in count and time; only the processes this script starts are stopped, by
 pid. The JSON records the code version (commit) and the command.
@@ -141,6 +142,12 @@ async def wave(kind: str, pid: int, port: int, psk: bytes, n: int, base: int) ->
     return row
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def victim(tmp: Path, kind: str, verbose: bool = False) -> tuple:
     port = free_port()
     work = tmp / "victim-work"
@@ -190,7 +197,11 @@ async def serving_waves(tmp: Path, waves: list[int]) -> list:
         STARTED.append(flooder)
         with Peak(victim_pid) as peak:
             await asyncio.sleep(5)
+            pids = {"hops": [p.pid for p in procs], "flooder": [flooder.pid], "client": [os.getpid()]}
+            cpu0, t_flooded = {k: sum(map(cpu_s, v)) for k, v in pids.items()}, time.monotonic()
             flooded = [await legit() for _ in range(3)]
+            wall = time.monotonic() - t_flooded
+            cpu = {k: round((sum(map(cpu_s, v)) - cpu0[k]) / wall, 2) for k, v in pids.items()}
             stop.touch()
             flooder.wait(timeout=90)
         await asyncio.sleep(AFTER_S)
@@ -198,6 +209,7 @@ async def serving_waves(tmp: Path, waves: list[int]) -> list:
                "rss_after_30s_mib": rss_mib(victim_pid), "legit_alone_s": [round(t, 2) for t in alone],
                "legit_flooded_s": [round(t, 2) for t in flooded],
                "slowdown": round(statistics.median(flooded) / statistics.median(alone), 2),
+               "cores_busy_while_flooded": {**cpu, "of": os.cpu_count()},
                "flood": json.loads(counts.read_text()) if counts.exists() else None}
         print(json.dumps(row), flush=True)
         rows.append(row)
