@@ -586,12 +586,15 @@ CLIENT_INFO = {"addr": "", "blocks": [], "role": "client"}
 
 
 async def open_connection(host: str, port: int, conn: Connection, timeouts: Timeouts = Timeouts(),
-                          link: LinkSpec | None = None, name: str = "") -> PeerConnection:
-    """Connect, run the handshake, return an ESTABLISHED PeerConnection (or raise)."""
+                          link: LinkSpec | None = None, name: str = "", bind: str | None = None) -> PeerConnection:
+    """Connect (from local address ``bind`` where given), run the handshake, return an
+    ESTABLISHED PeerConnection (or raise)."""
     loop = asyncio.get_running_loop()
+    local = (bind, 0) if bind else None
     try:
         async with asyncio.timeout(timeouts.connect_s):
-            _, pc = await loop.create_connection(lambda: PeerConnection(conn, timeouts, link, name), host, port)
+            _, pc = await loop.create_connection(lambda: PeerConnection(conn, timeouts, link, name), host, port,
+                                                 local_addr=local)
     except TimeoutError:
         raise ConnectionError(f"connect to {host}:{port} timed out after {timeouts.connect_s}s") from None
     try:

@@ -341,6 +341,54 @@ async def test_a_saturated_only_holder_is_tried_again_not_given_up(models, monke
             await p.stop()
 
 
+def test_the_share_of_an_address_is_its_ipv4_address_or_ipv6_prefix():
+    from blocktrain.p2p.serving.server import address_share
+    assert address_share(("10.0.0.5", 7000)) == "10.0.0.5"
+    assert address_share(("::ffff:10.0.0.5", 7000, 0, 0)) == "10.0.0.5"
+    assert address_share(("2001:db8:1:2:3:4:5:6", 7000, 0, 0)) == "2001:db8:1:2::/64"
+    assert address_share(("2001:db8:1:2:ffff::9", 1, 0, 0)) == "2001:db8:1:2::/64"  # one home's prefix
+    assert address_share(("fe80::1%eth0", 1, 0, 2)) == "fe80::/64"
+    assert address_share(None) is None and address_share(("not an ip", 1)) is None and address_share(()) is None
+
+
+async def test_a_hops_compute_share_is_the_address_a_client_connects_from_not_its_identity(models):
+    """Identities are free, addresses are not: at a hop holding the client's connection (hop 0,
+    the last hop) two identities from one address take one share of the compute slots, another
+    address its own; a middle hop, which sees only the hop below, shares by identity."""
+    bt, e2e = models
+    psk = os.urandom(32)
+    peers, servers = await start_chain(psk, bt, e2e)
+    route = [p.addr for p in peers]
+    clients = [PipelineClient(X25519PrivateKey.generate(), psk, route, [0, 1, 2], FAST, bind=b)
+               for b in ("127.0.0.1", "127.0.0.2", "127.0.0.2")]
+    try:
+        for p in peers:
+            await p.wait_for(lambda p=p: len(p.members()) == 2, 10.0)
+        try:
+            for c in clients:
+                await c.connect()
+        except PipelineError as e:
+            pytest.skip(f"cannot connect from 127.0.0.2 here: {e}")
+        held: list[list] = [[], [], []]  # whose share each hop's compute slots were asked for
+        for k, server in enumerate(servers):
+            def hold(who, cost, real=server._compute.hold, k=k):
+                held[k].append(who)
+                return real(who, cost)
+            server._compute.hold = hold
+        for c in clients:
+            assert (await c.generate(b"hello", 2))[0] == in_process(bt, b"hello", 2)
+        by_address = ["address 127.0.0.1", "address 127.0.0.2", "address 127.0.0.2"]
+        for k in (0, 2):
+            assert [servers[k]._share(c.id) for c in clients] == by_address
+            assert set(held[k]) == set(by_address)
+        assert set(held[1]) == {c.id for c in clients}
+    finally:
+        for c in clients:
+            await c.close()
+        for p in peers:
+            await p.stop()
+
+
 async def test_forged_senders_foreign_routes_and_unknown_sessions_cost_a_hop_nothing(models):
     """Hardening for serving: hop 0 serves only the client that sent the request (reply_to is the
     sender); a hop forwards only to a live member serving the next block, never to an address a

@@ -98,8 +98,8 @@ class PipelineClient:
 
     def __init__(self, identity, swarm_key, route: list[str], blocks: list[int], timeouts: Timeouts | None = None,
                  link=None, codec: str = DEFAULT_CODEC, timeout_s: float = 30.0,
-                 keepalive_s: float | None = KEEPALIVE_S):
-        self.identity, self.swarm_key = identity, swarm_key
+                 keepalive_s: float | None = KEEPALIVE_S, bind: str | None = None):
+        self.identity, self.swarm_key, self.bind = identity, swarm_key, bind  # bind: our local address
         self.route, self.blocks = list(route), list(blocks)
         self.timeouts = timeouts or Timeouts()
         self.link, self.codec, self.timeout_s, self.keepalive_s = link, codec, timeout_s, keepalive_s
@@ -118,7 +118,7 @@ class PipelineClient:
             conn = make_connection(Role.INITIATOR, self.identity, self.swarm_key, info=CLIENT_INFO)
             hop = self.route.index(addr)
             try:
-                pc = await open_connection(host, int(port), conn, self.timeouts, self.link, name=addr)
+                pc = await open_connection(host, int(port), conn, self.timeouts, self.link, name=addr, bind=self.bind)
             except (ConnectionError, OSError) as e:
                 raise PipelineError(f"cannot reach hop {hop} ({addr}): {e}", self.blocks[hop], hop) from None
             self.conns[addr] = pc

@@ -30,6 +30,11 @@ Rules:
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
+- Whose share a traversal takes (fair.py's client): the address the client connects from, where
+  this hop holds the client's connection (hop 0 and the last hop; ``address_share``: an IPv4
+  address, an IPv6 /64), else the client's id (a middle hop, which sees only the hop below).
+  Identities are free, addresses are not: a flood of identities from one host takes one share
+  there, and clients behind one address (one machine, one home router) share one.
 - Compute runs off the event loop; every hop adds its compute time to meta ``compute_s``.
 - Where things live: the request's vocabulary (modes, faults, refusals) is api.py's, shared
   with the client; what a hop checks and where a request goes next is hop.py's pure plan;
@@ -39,6 +44,7 @@ Rules:
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,7 +244,7 @@ class PipelineServer:
         self._inflight[client] = self._inflight.get(client, 0) + 1
         try:
             left = len(plan.spec["ids"])  # fair by tokens, a chunk at a time
-            async with self._compute.hold(client, min(left, CHUNK)) as between:
+            async with self._compute.hold(self._share(client), min(left, CHUNK)) as between:
                 while (out := await self._batcher.step(traversal)) is None:
                     left -= CHUNK
                     await between(min(left, CHUNK))  # a client that comes first goes now
@@ -293,6 +299,12 @@ class PipelineServer:
         nxt.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route, hop=msg.hop + 1,
                                         tensors=() if tensor is None else (tensor,), meta=meta))
 
+    def _share(self, client: str) -> str:
+        """Whose compute share ``client``'s traversals take (module rules)."""
+        pc = self.peer.client_connection(client)
+        where = address_share(pc.peer_addr) if pc is not None else None
+        return client if where is None else f"address {where}"
+
     async def _client(self, client: str):
         if not await self.peer.wait_for(lambda: self.peer.client_connection(client) is not None, CLIENT_WAIT_S):
             raise PipelineError(f"client {client[:12]} is not connected to the last hop {self.peer.addr}")
@@ -302,6 +314,20 @@ class PipelineServer:
         reply = self.peer.client_connection(client)
         if reply is not None:
             _send_error(reply, request_id, meta)
+
+
+def address_share(peer_addr) -> str | None:
+    """The share of a connection's remote address (``peer_addr``, the socket's): an IPv4 address
+    (also one mapped into IPv6), an IPv6 /64 (one home's prefix), None where it is not an IP."""
+    if not isinstance(peer_addr, tuple) or not peer_addr:
+        return None
+    try:
+        ip = ipaddress.ip_address(str(peer_addr[0]).split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False)) if ip.version == 6 else str(ip)
 
 
 def _send_error(pc, request_id: int, meta: dict):
