@@ -14,7 +14,8 @@ Floods (one victim each, fresh; the waves run against it one after the other):
   closes once they are written. 32 identities send at once.
 - ``serving``: three `bt-peer serve` hops (tiny model: blocks 0..2). A legitimate client's
   `generate` (32 bytes, autoregressive) alone, 3 times, then 3 times while each identity of the
-  wave keeps 1 traversal (a new 64-byte session) in flight from a process of its own; the
+  wave keeps 1 traversal (a new 64-byte session) in flight from a process of its own, connecting
+  from 127.0.0.2 (``--flood-from``; the legitimate client from 127.0.0.1); the
   victim is the last hop; slowdown = median flooded / median alone; the cores each side kept busy
   meanwhile (CPU seconds per second: the three hops, the flooder, this client).
 
@@ -51,6 +52,9 @@ FAST = Timeouts(connect_s=10, handshake_s=10, heartbeat_s=1.0, dead_after_s=60, 
 WAVE_S = 12  # the longest a wave's attack runs
 AFTER_S = 30  # RSS measured this long after the wave's connections closed
 AT_ONCE = 32  # identities connecting (and sending) at once
+# The serving flood's identities connect from this loopback address, the legitimate client from
+# 127.0.0.1: the attacker is another host (--flood-from "" : the client's own address, as before 51f23e0).
+FLOOD_FROM = "127.0.0.2"
 PART_FLOATS = 1 << 20  # 4 MiB of float32 per part
 
 
@@ -193,7 +197,7 @@ async def serving_waves(tmp: Path, waves: list[int]) -> list:
         stop, counts = tmp / f"stop-{n}", tmp / f"counts-{n}.json"
         flooder = subprocess.Popen([sys.executable, __file__, "--flood-worker", json.dumps(
             {"route": [f"127.0.0.1:{p}" for p in ports], "key": str(tmp / "swarm.key"), "ids": n,
-             "stop": str(stop), "out": str(counts), "max_s": 120})])
+             "stop": str(stop), "out": str(counts), "max_s": 120, "bind": FLOOD_FROM})])
         STARTED.append(flooder)
         with Peak(victim_pid) as peak:
             await asyncio.sleep(5)
@@ -225,7 +229,8 @@ async def flood_worker(cfg: dict):
     psk = load_swarm_key(Path(cfg["key"]))
     spec = recompute_spec((b"x" * 80)[:65], 64)
     answered, refused, stop = [0], [0], asyncio.Event()
-    clients = [PipelineClient(X25519PrivateKey.generate(), psk, cfg["route"], [0, 1, 2], FAST, timeout_s=60)
+    clients = [PipelineClient(X25519PrivateKey.generate(), psk, cfg["route"], [0, 1, 2], FAST, timeout_s=60,
+                              **({"bind": cfg["bind"]} if cfg.get("bind") else {}))
                for _ in range(cfg["ids"])]
 
     async def flood(c):
@@ -263,11 +268,15 @@ def main():
     ap.add_argument("--json", required=False)
     ap.add_argument("--victim-verbose", action="store_true",
                     help="start the victim with -v and record its malloc_trim durations and event loop stalls")
+    ap.add_argument("--flood-from", default=FLOOD_FROM,
+                    help="serving: the loopback address the flood's identities connect from ('' for the client's)")
     ap.add_argument("--flood-worker", help=argparse.SUPPRESS)
     if "--flood-worker" in sys.argv:
         asyncio.run(flood_worker(json.loads(sys.argv[sys.argv.index("--flood-worker") + 1])))
         return
     args = ap.parse_args()
+    global FLOOD_FROM
+    FLOOD_FROM = args.flood_from
     waves = [int(x) for x in args.waves.split(",")]
     RESULTS["command"] = "python " + " ".join(sys.argv)
     RESULTS["code_version"] = code_version()
@@ -283,6 +292,7 @@ def main():
     try:
         subprocess.run([BT_PEER, "keygen", "--out", str(tmp / "swarm.key")], check=True, capture_output=True)
         if args.flood == "serving":
+            out("flood_from", FLOOD_FROM or "127.0.0.1 (the client's)")
             out("waves", asyncio.run(serving_waves(tmp, waves)))
         else:
             p, port = victim(tmp, args.flood, args.victim_verbose)
