@@ -173,7 +173,7 @@ def victim(tmp: Path, kind: str, verbose: bool = False) -> tuple:
 
 
 
-async def serving_waves(tmp: Path, waves: list[int]) -> list:
+async def serving_waves(tmp: Path, waves: list[int], flood_from: str = FLOOD_FROM) -> list:
     from blocktrain.p2p.serving.client import generate
     psk = load_swarm_key(tmp / "swarm.key")
     ident = X25519PrivateKey.generate()
@@ -197,7 +197,7 @@ async def serving_waves(tmp: Path, waves: list[int]) -> list:
         stop, counts = tmp / f"stop-{n}", tmp / f"counts-{n}.json"
         flooder = subprocess.Popen([sys.executable, __file__, "--flood-worker", json.dumps(
             {"route": [f"127.0.0.1:{p}" for p in ports], "key": str(tmp / "swarm.key"), "ids": n,
-             "stop": str(stop), "out": str(counts), "max_s": 120, "bind": FLOOD_FROM})])
+             "stop": str(stop), "out": str(counts), "max_s": 120, "bind": flood_from})])
         STARTED.append(flooder)
         with Peak(victim_pid) as peak:
             await asyncio.sleep(5)
@@ -275,8 +275,6 @@ def main():
         asyncio.run(flood_worker(json.loads(sys.argv[sys.argv.index("--flood-worker") + 1])))
         return
     args = ap.parse_args()
-    global FLOOD_FROM
-    FLOOD_FROM = args.flood_from
     waves = [int(x) for x in args.waves.split(",")]
     RESULTS["command"] = "python " + " ".join(sys.argv)
     RESULTS["code_version"] = code_version()
@@ -292,8 +290,8 @@ def main():
     try:
         subprocess.run([BT_PEER, "keygen", "--out", str(tmp / "swarm.key")], check=True, capture_output=True)
         if args.flood == "serving":
-            out("flood_from", FLOOD_FROM or "127.0.0.1 (the client's)")
-            out("waves", asyncio.run(serving_waves(tmp, waves)))
+            out("flood_from", args.flood_from or "127.0.0.1 (the client's)")
+            out("waves", asyncio.run(serving_waves(tmp, waves, args.flood_from)))
         else:
             p, port = victim(tmp, args.flood, args.victim_verbose)
             psk = load_swarm_key(tmp / "swarm.key")
