@@ -341,6 +341,39 @@ async def test_compute_slots_go_fairly_by_client_and_a_flood_gives_way():
     assert slots.waiting() == 0 and slots.free == 1
 
 
+async def test_a_flows_own_queue_never_makes_its_waiters_overdue_ahead_of_others():
+    """A flood from one address is one flow with many waiting parts, served in turn. Its own
+    parts served meanwhile do not make its waiters overdue (MAX_BYPASS): a client arriving while
+    it waits goes at the next part, not after every flood part that waited long (it went after
+    all the overdue ones, 30 here)."""
+    from blocktrain.p2p.serving.fair import MAX_BYPASS, FairSlots
+    slots, order = FairSlots(1, max_waiting=200, newcomer_tokens=0), []
+    await slots.acquire("flood", 16)
+
+    async def job(who, tag):
+        await slots.acquire(who, 16 if who == "flood" else 1)
+        order.append(tag)
+    flood = [asyncio.ensure_future(job("flood", "f")) for _ in range(MAX_BYPASS + 30)]
+    await asyncio.sleep(0)
+    for _ in range(MAX_BYPASS + 1):  # the flood's own parts, one after another
+        slots.release("flood")
+        await asyncio.sleep(0)
+    order.clear()
+    mine = asyncio.ensure_future(job("me", "me"))
+    await asyncio.sleep(0)
+    slots.release("flood")
+    await asyncio.sleep(0)
+    assert order == ["me"] and mine.done()
+    slots.release("me")
+    for _ in range(len(flood)):
+        await asyncio.sleep(0)
+        if slots.waiting() == 0:
+            break
+        slots.release("flood")
+    for f in flood:
+        f.cancel()
+
+
 async def test_compute_slots_are_fair_over_tokens_not_traversals():
     """Finding 8, live: 8 identities kept 8 traversals of 200 tokens each in flight, and a client
     of ~20-token traversals waited its turn behind every identity's (49x slower than alone). Fair

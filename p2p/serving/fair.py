@@ -33,8 +33,10 @@ Rules:
   part waits at the head of its flow's queue (a client's requests finish in turn instead of
   all advancing together); in the newcomers' flow, with another newcomer waiting, it goes
   behind the newcomers waiting instead; otherwise the request keeps the slot.
-- Nobody waits forever: a waiter passed over by ``MAX_BYPASS`` parts goes first (oldest first),
-  whatever the tags say.
+- Nobody waits forever: a waiter passed over by ``MAX_BYPASS`` parts of other flows goes first
+  (oldest first), whatever the tags say. Its own flow's parts served meanwhile do not count: a
+  flow with many waiting (a flood from one address) takes its turns in order, and would
+  otherwise turn every waiter overdue and go first by age, ahead of every other flow.
 - At most ``max_waiting`` parts wait in all (a request between its parts counts). Past it, room
   is made for an arriving part: the flow with the most waiting loses its newest waiter if it has
   two more than the arriving part's flow; else the waiter that would go last loses its place if
@@ -88,6 +90,8 @@ class _Part:
     tag: float  # its start tag
     started: bool = False  # a later part of a request that already had the slot
     since: int = 0  # parts served before it began to wait
+    flow: str = ""  # the flow it waits in
+    own_since: int = 0  # parts of that flow served before it began to wait
     fut: asyncio.Future | None = field(default=None, repr=False)
 
 
@@ -198,9 +202,13 @@ class FairSlots:
     def _rank(self, p: _Part) -> tuple:
         """Where part ``p`` stands: overdue first (oldest first), then the start tag, then a client
         that was idle, then the longest waiting."""
-        if p.fut is not None and self._served - p.since >= MAX_BYPASS:
+        if p.fut is not None and self._passed(p) >= MAX_BYPASS:
             return 0, p.seq, False, 0
         return 1, p.tag, not p.idle, p.seq
+
+    def _passed(self, p: _Part) -> int:
+        """Parts of other flows served since ``p`` began to wait."""
+        return self._served - p.since - (self._parts.get(p.flow, 0) - p.own_since)
 
     def _order(self, who: str) -> tuple:
         return self._rank(self._queues[who][0])
@@ -252,6 +260,7 @@ class FairSlots:
 
     async def _wait(self, who: str, p: _Part, first: bool) -> None:
         p.fut, p.since = asyncio.get_running_loop().create_future(), self._served
+        p.flow, p.own_since = who, self._parts.get(who, 0)
         q = self._queues.setdefault(who, collections.deque())
         q.appendleft(p) if first else q.append(p)
         try:
