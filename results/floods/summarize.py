@@ -14,6 +14,7 @@ def rows(labels):
     for flood in ("streams", "parts", "near", "serving"):
         runs = {v: json.loads((HERE / f"{flood}-{v}.json").read_text())
                 for v in labels if (HERE / f"{flood}-{v}.json").exists()}
+        runs = {v: r for v, r in runs.items() if r.get("waves")}  # a run that failed before its waves: no row
         if not runs:
             continue
         base = {v: r.get("baseline_rss_mib", r["waves"][0]["rss_before_mib"]) for v, r in runs.items()}
