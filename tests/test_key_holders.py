@@ -374,6 +374,43 @@ async def test_a_flows_own_queue_never_makes_its_waiters_overdue_ahead_of_others
         f.cancel()
 
 
+async def test_a_flows_waiters_start_after_its_parts_served_so_the_queue_keeps_its_order():
+    """A flow's waiting parts start after the parts it was served meanwhile, each after the one
+    before (only the first moved on before: its later waiters kept the tags they came with, far
+    behind the flow's time). With the queue full, the flow's newest request is then the one
+    refused, not its oldest waiter, and a client of another flow is not taken for the last."""
+    from blocktrain.p2p.serving.fair import FairSlots, Saturated
+    slots = FairSlots(1, max_waiting=4, newcomer_tokens=0)
+    await slots.acquire("me", 64)
+    slots.release("me")  # known, its time 64
+    go, done = asyncio.Event(), asyncio.Event()
+
+    async def long_request():
+        async with slots.hold("flood", 16) as between:
+            await go.wait()
+            for _ in range(20):  # computed part after part: the flood's time moves on to 400
+                await between(16)
+            await done.wait()
+    holder = asyncio.ensure_future(long_request())
+    await asyncio.sleep(0)
+    queued = [asyncio.ensure_future(slots.acquire("flood", 16)) for _ in range(3)]
+    await asyncio.sleep(0)
+    go.set()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    mine = asyncio.ensure_future(slots.acquire("me", 1))  # starts at 400 - 256: after the flood's first waiter
+    await asyncio.sleep(0)
+    late = asyncio.ensure_future(slots.acquire("flood", 16))  # the queue is full
+    await asyncio.sleep(0)
+    assert late.done() and isinstance(late.exception(), Saturated)
+    assert not any(q.done() for q in queued) and not mine.done()  # nobody waiting lost its place
+    for w in queued + [mine]:
+        w.cancel()
+    done.set()
+    await holder
+    assert slots.waiting() == 0 and slots.free == 1
+
+
 async def test_compute_slots_are_fair_over_tokens_not_traversals():
     """Finding 8, live: 8 identities kept 8 traversals of 200 tokens each in flight, and a client
     of ~20-token traversals waited its turn behind every identity's (49x slower than alone). Fair

@@ -214,15 +214,20 @@ class FairSlots:
         return self._rank(self._queues[who][0])
 
     def _start(self, who: str, p: _Part) -> None:
-        """Part ``p`` of flow ``who`` is served from its start tag; the flow's next waiting part
-        starts no earlier than this one ends."""
+        """Part ``p`` of flow ``who`` is served from its start tag; the flow's waiting parts start
+        no earlier than this one ends, each after the one before it (a flow's later waiters
+        otherwise keep the tags they came with, behind its time, and look first to ``_make_room``
+        while a client of another flow looks last)."""
         cost, tag = p.cost, p.tag
         self._now = max(self._now, tag + cost)
         self._vtime[who] = max(self._vtime.get(who, tag + cost), tag + cost)  # never back
         self._parts[who] = self._parts.get(who, 0) + 1
         q = self._queues.get(who)
-        if q:
-            q[0].tag = max(q[0].tag, tag + cost)
+        end = tag + cost
+        for w in q or ():  # every waiter of the flow, not only the first: each starts after the one before
+            if w.tag >= end:
+                break
+            w.tag, end = end, end + w.cost
         if len(self._vtime) > MAX_CLIENTS:
             self._prune()
 
