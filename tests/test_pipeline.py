@@ -342,7 +342,7 @@ async def test_a_saturated_only_holder_is_tried_again_not_given_up(models, monke
 
 
 def test_the_share_of_an_address_is_its_ipv4_address_or_ipv6_prefix():
-    from blocktrain.p2p.serving.server import address_share
+    from blocktrain.p2p.serving.shares import address_share
     assert address_share(("10.0.0.5", 7000)) == "10.0.0.5"
     assert address_share(("::ffff:10.0.0.5", 7000, 0, 0)) == "10.0.0.5"
     assert address_share(("2001:db8:1:2:3:4:5:6", 7000, 0, 0)) == "2001:db8:1:2::/64"
@@ -351,10 +351,23 @@ def test_the_share_of_an_address_is_its_ipv4_address_or_ipv6_prefix():
     assert address_share(None) is None and address_share(("not an ip", 1)) is None and address_share(()) is None
 
 
-async def test_a_hops_compute_share_is_the_address_a_client_connects_from_not_its_identity(models):
+def test_an_address_has_a_few_shares_and_its_further_identities_one():
+    """shares.py: the first PER_ADDRESS identities of an address a share each, the rest of it one;
+    a client whose address is not known its own; at most MAX_ADDRESSES addresses remembered."""
+    from blocktrain.p2p.serving.shares import Shares
+    s = Shares(per_address=2, max_addresses=3)
+    assert [s.of(c, "10.0.0.1") for c in ("a", "b", "c", "d", "a")] == ["a", "b"] + ["address 10.0.0.1"] * 2 + ["a"]
+    assert s.of("c", "10.0.0.2") == "c" and s.of("x", None) == "x"
+    s.of("e", "10.0.0.3")
+    s.of("f", "10.0.0.4")  # a fourth address: the least recently seen (10.0.0.1) is forgotten
+    assert s.of("c", "10.0.0.1") == "c" and len(s._ids) == 3
+
+
+async def test_a_hops_compute_share_is_counted_by_the_address_a_client_connects_from(models):
     """Identities are free, addresses are not: at a hop holding the client's connection (hop 0,
-    the last hop) two identities from one address take one share of the compute slots, another
-    address its own; a middle hop, which sees only the hop below, shares by identity."""
+    the last hop) identities of one address past its first PER_ADDRESS (1 here) take one share of
+    the compute slots; a middle hop, which sees only the hop below, counts identities."""
+    from blocktrain.p2p.serving.shares import Shares
     bt, e2e = models
     psk = os.urandom(32)
     peers, servers = await start_chain(psk, bt, e2e)
@@ -371,13 +384,15 @@ async def test_a_hops_compute_share_is_the_address_a_client_connects_from_not_it
             pytest.skip(f"cannot connect from 127.0.0.2 here: {e}")
         held: list[list] = [[], [], []]  # whose share each hop's compute slots were asked for
         for k, server in enumerate(servers):
+            server.shares = Shares(per_address=1)
+
             def hold(who, cost, real=server._compute.hold, k=k):
                 held[k].append(who)
                 return real(who, cost)
             server._compute.hold = hold
         for c in clients:
             assert (await c.generate(b"hello", 2))[0] == in_process(bt, b"hello", 2)
-        by_address = ["address 127.0.0.1", "address 127.0.0.2", "address 127.0.0.2"]
+        by_address = [clients[0].id, clients[1].id, "address 127.0.0.2"]
         for k in (0, 2):
             assert [servers[k]._share(c.id) for c in clients] == by_address
             assert set(held[k]) == set(by_address)

@@ -30,11 +30,10 @@ Rules:
 - A hop that cannot serve a request answers the client with PipelineResult(meta {"error",
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
-- Whose share a traversal takes (fair.py's client): the address the client connects from, where
-  this hop holds the client's connection (hop 0 and the last hop; ``address_share``: an IPv4
-  address, an IPv6 /64), else the client's id (a middle hop, which sees only the hop below).
-  Identities are free, addresses are not: a flood of identities from one host takes one share
-  there, and clients behind one address (one machine, one home router) share one.
+- Whose share a traversal takes (fair.py's client): shares.py's, by the address the client
+  connects from where this hop holds its connection (hop 0, the last hop): the first 8
+  identities of an address a share each, the rest of that address one share; else (a middle
+  hop) the client's id.
 - Compute runs off the event loop; every hop adds its compute time to meta ``compute_s``.
 - Where things live: the request's vocabulary (modes, faults, refusals) is api.py's, shared
   with the client; what a hop checks and where a request goes next is hop.py's pure plan;
@@ -44,7 +43,6 @@ Rules:
 from __future__ import annotations
 
 import concurrent.futures
-import ipaddress
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +62,7 @@ from .batching import Batcher
 from .fair import FairSlots, Saturated
 from .hop import HopPlan, Step, plan_hop
 from .sessions import SessionsFull, SessionTable, UnknownSession
+from .shares import Shares, address_share
 
 # Traversals waiting for a compute slot at one hop, in all, those between chunks included (fair.py:
 # past it room is made for a newcomer that would go before the last, or it is refused). 64: the
@@ -119,6 +118,7 @@ class PipelineServer:
         self.sessions: SessionTable[BlockCache] = SessionTable()
         self._inflight: dict[str, int] = {}  # client -> requests being computed or waiting here
         self._compute = FairSlots(served.batch, MAX_WAITING)
+        self.shares = Shares()  # whose share of _compute a client takes, by its address
         # The hop's own compute thread: a batch runs on it, never on a new thread of the loop's
         # default pool (each thread that computes keeps its own math-library buffers).
         self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bt-compute")
@@ -300,10 +300,9 @@ class PipelineServer:
                                         tensors=() if tensor is None else (tensor,), meta=meta))
 
     def _share(self, client: str) -> str:
-        """Whose compute share ``client``'s traversals take (module rules)."""
+        """Whose compute share ``client``'s traversals take (shares.py)."""
         pc = self.peer.client_connection(client)
-        where = address_share(pc.peer_addr) if pc is not None else None
-        return client if where is None else f"address {where}"
+        return self.shares.of(client, address_share(pc.peer_addr) if pc is not None else None)
 
     async def _client(self, client: str):
         if not await self.peer.wait_for(lambda: self.peer.client_connection(client) is not None, CLIENT_WAIT_S):
@@ -314,20 +313,6 @@ class PipelineServer:
         reply = self.peer.client_connection(client)
         if reply is not None:
             _send_error(reply, request_id, meta)
-
-
-def address_share(peer_addr) -> str | None:
-    """The share of a connection's remote address (``peer_addr``, the socket's): an IPv4 address
-    (also one mapped into IPv6), an IPv6 /64 (one home's prefix), None where it is not an IP."""
-    if not isinstance(peer_addr, tuple) or not peer_addr:
-        return None
-    try:
-        ip = ipaddress.ip_address(str(peer_addr[0]).split("%")[0])
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ipaddress.ip_network(f"{ip}/64", strict=False)) if ip.version == 6 else str(ip)
 
 
 def _send_error(pc, request_id: int, meta: dict):
