@@ -5,7 +5,7 @@ Rules:
   the end; it yields ``between(cost)``, awaited between the parts of a request computed in parts
   (serving: a traversal in chunks of ``decode.CHUNK`` tokens, each part's ``cost`` its tokens).
 - Flows: what is shared fairly is a flow. A client (whatever the caller counts as one: a serving
-  hop counts identities, at most 8 of one address and the rest of it as one, shares.py) the
+  hop counts the first identity of an address and the rest of it as one, shares.py) the
   hop knows is a flow of its own; every client it does not know yet shares one flow, the newcomers' (``NEWCOMERS``), until it was
   served ``newcomer_tokens`` (``NEWCOMER_TOKENS``, 256: a short traversal) there, counted for
   parts computed (a part cut short counts nothing); from its next request on it is a flow of

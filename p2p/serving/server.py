@@ -31,9 +31,8 @@ Rules:
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
 - Whose share a traversal takes (fair.py's client): shares.py's, by the address the client
-  connects from where this hop holds its connection (hop 0, the last hop): the first 8
-  identities of an address a share each, the rest of that address one share; else (a middle
-  hop) the client's id.
+  connects from where this hop holds its connection (hop 0, the last hop): the first identity
+  of an address a share, the rest of that address one share; else (a middle hop) the client's id.
 - Compute runs off the event loop; every hop adds its compute time to meta ``compute_s``.
 - Where things live: the request's vocabulary (modes, faults, refusals) is api.py's, shared
   with the client; what a hop checks and where a request goes next is hop.py's pure plan;

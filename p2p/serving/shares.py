@@ -4,10 +4,15 @@ Rules:
 - A hop that holds the client's connection (hop 0, the last hop) knows the address it connects
   from; a middle hop does not (it sees the hop below), and counts the client's identity.
 - Identities are free, addresses are not. The first ``PER_ADDRESS`` identities a hop sees from
-  one address have a share each (people behind one home router or on one machine keep theirs,
-  and the hop's credit for a client back from a round trip); every further identity from that
-  address takes one share with all the others past the first ``PER_ADDRESS`` of it. A flood of
-  identities from one address so takes at most ``PER_ADDRESS + 1`` shares, not one each.
+  one address have a share each (with the hop's credit for a client back from a round trip);
+  every further identity from that address takes one share with all the others past the first
+  ``PER_ADDRESS`` of it. A flood of identities from one address so takes at most
+  ``PER_ADDRESS + 1`` shares, not one each. One: each share a flood holds is one the client must
+  share the hop with, and a share whose identities are all busy has no idle credit (96
+  identities from another address, results/floods/README.md: 8 made a client 3.5x-17.8x slower,
+  none 2.6x-3.0x); the first identity of an address, the one that came before any flood from
+  it, keeps its own (8 identities x 8 traversals from the client's own address: 90x slower with
+  none).
 - An address is an IPv4 address (also one mapped into IPv6) or an IPv6 /64 (one home's prefix).
 - Bounded: at most ``MAX_ADDRESSES`` addresses are remembered (the least recently seen goes,
   and with it the identities it had), ``PER_ADDRESS`` identities each.
@@ -20,7 +25,7 @@ from __future__ import annotations
 import collections
 import ipaddress
 
-PER_ADDRESS = 8  # identities of one address with a share of their own at a hop
+PER_ADDRESS = 1  # identities of one address with a share of their own at a hop
 MAX_ADDRESSES = 4096  # addresses remembered
 
 
