@@ -1,6 +1,7 @@
 """Serving over a chain of peers: outputs equal the in-process models; faults fail clearly."""
 
 import asyncio
+from types import SimpleNamespace
 import contextlib
 import os
 
@@ -13,6 +14,7 @@ from blocktrain.p2p.node import Peer
 from blocktrain.p2p.serving.client import PipelineClient
 from blocktrain.p2p.serving.server import PipelineServer, ServedBlocks
 from blocktrain.p2p.serving.api import PipelineError
+from blocktrain.p2p.view import chain
 
 from conftest import crash
 from blocktrain.p2p.transport import Timeouts
@@ -306,8 +308,9 @@ async def test_client_retries_through_another_holder_of_the_block(models):
 
 async def test_a_saturated_only_holder_is_tried_again_not_given_up(models, monkeypatch):
     """A hop whose waiting traversals are at their bound refuses as "busy"; where it is the only
-    holder of its block the client tries it again after a pause, the session going on where it
-    was (it failed the generate: "no live peer serves block 2" after avoiding the only holder)."""
+    holder of its block the client tries it again after a pause, the session going on from its
+    committed bytes (it failed the generate: "no live peer serves block 2" after avoiding the
+    only holder; then it started again from the prompt)."""
     import contextlib
     from blocktrain.p2p.serving import client as client_mod
     from blocktrain.p2p.serving.client import generate
@@ -316,29 +319,55 @@ async def test_a_saturated_only_holder_is_tried_again_not_given_up(models, monke
     bt, e2e = models
     psk = os.urandom(32)
     peers, servers = await start_chain(psk, bt, e2e)
-    real, refused = servers[2]._compute.hold, []
+    real, calls, specs = servers[2]._compute.hold, [], []
 
     @contextlib.asynccontextmanager
-    async def saturated_at_first(who, cost):
-        if len(refused) < 2:
-            refused.append(who)
+    async def saturated_third_and_fourth(who, cost):
+        calls.append(who)
+        if len(calls) in (3, 4):  # the third traversal, twice: after two bytes were committed
             raise Saturated("64 requests already wait here")
         async with real(who, cost) as between:
             yield between
-    servers[2]._compute.hold = saturated_at_first
+    servers[2]._compute.hold = saturated_third_and_fourth
+    real_run = servers[2]._run_block
+
+    async def run_block(msg, plan, key, traversal, sender=None):
+        specs.append((plan.spec["start"], len(plan.spec["ids"])))
+        return await real_run(msg, plan, key, traversal, sender)
+    servers[2]._run_block = run_block
     try:
         for p in peers:
             await p.wait_for(lambda p=p: len(p.members()) == 2, 10.0)
         prompt = b"busy, not broken"
         logs: list[str] = []
         out, stats = await generate("127.0.0.1", peers[0].port, X25519PrivateKey.generate(), psk, prompt, 6,
-                                    "exact", 5, log=logs.append)
-        assert out == in_process(bt, prompt, 6) and len(refused) == 2
+                                    "autoregressive", 5, log=logs.append)
+        assert out == in_process(bt, prompt, 6)
         assert stats["busy_retries"] == 2 and stats["attempts"] == 1 and peers[2].addr in stats["route"]
-        assert sum("saturated" in line for line in logs) == 2
+        assert sum("is saturated" in line for line in logs) == 2
+        assert specs[:2] == [(0, len(prompt)), (len(prompt), 1)]
+        assert specs[4] == (0, len(prompt) + 2)  # the caches rebuilt from the committed bytes, not the prompt
     finally:
         for p in peers:
             await p.stop()
+
+
+def test_a_busy_hop_is_gone_around_where_its_block_has_another_holder_and_only_then():
+    """The next chain leaves a busy hop out where another live holder of its block is not
+    avoided, with no pause; a chain that would lose a block keeps the busy hop."""
+    from blocktrain.p2p.serving.client import _Busy
+
+    def member(pid, port, block):
+        return {"peer_id": pid, "addr": f"127.0.0.1:{port}", "blocks": [block], "role": "serve", "state": "alive"}
+    st = {"peer_id": "a", "addr": "127.0.0.1:7000", "blocks": [0], "role": "serve", "serving": {"n_blocks": 3},
+          "members": [member("b", 7001, 1), member("c", 7002, 2), member("d", 7003, 1)]}
+    route = chain(st)
+    assert route == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
+    busy = _Busy()
+    busy.hops = {"127.0.0.1:7001", "127.0.0.1:7002"}  # 7001 has another holder of block 1, 7002 none
+    assert busy.route(st, set(), route) == ["127.0.0.1:7000", "127.0.0.1:7003", "127.0.0.1:7002"]
+    no_n = {k: v for k, v in st.items() if k != "serving"}  # a non-serving peer's view: n from the blocks seen
+    assert busy.route(no_n, set(), chain(no_n)) == ["127.0.0.1:7000", "127.0.0.1:7003", "127.0.0.1:7002"]
 
 
 def test_the_share_of_an_address_is_its_ipv4_address_or_ipv6_prefix():
@@ -397,6 +426,9 @@ async def test_a_hops_compute_share_is_counted_by_the_address_a_client_connects_
             assert [servers[k]._share(c.id) for c in clients] == by_address
             assert set(held[k]) == set(by_address)
         assert set(held[1]) == {c.id for c in clients}
+        # at hop 0 the connection a request came on counts, a member's too (no client connection)
+        member = SimpleNamespace(peer_addr=("10.1.2.3", 7000))
+        assert [servers[0]._share(pid, member) for pid in ("m1", "m2")] == ["m1", "address 10.1.2.3"]
     finally:
         for c in clients:
             await c.close()

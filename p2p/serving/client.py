@@ -375,21 +375,19 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
                    draft_len: int | None = None, wait_s: float | None = None, verify: bool = False,
                    verify_tol: float = DEFAULT_TOL, on_bytes: OnBytes | None = None) -> tuple[bytes, dict]:
     """Pick a chain from the swarm view via HOST:PORT and run the request; when a hop fails, retry
-    through another peer holding that block (the request starts again from the prompt there: a
-    failed attempt's session is not handed back). While nothing listens at HOST:PORT or no
-    chain is there yet, ask again for up to ``wait_s`` (default: ``timeout``). ``verify``: check
-    the output on other holders (verify.py); a chain with a hop named there is avoided and the
-    output generated again (``stats["verify"]`` says what was checked). ``on_bytes``: the output as
-    it is accepted (not with ``verify``: a rejected output is made again from the prompt); a retry
-    on another chain starts again from the prompt (exact: the same bytes). ``stats["first_byte_s"]``
-    counts from this call, as ``stats["seconds"]`` does (the view, the chain's connections and any
-    failed attempt included). A saturated hop is retried (module rules; ``stats["busy_retries"]``)."""
+    through another peer holding that block, from the prompt (a saturated hop: module rules,
+    ``stats["busy_retries"]``). While nothing listens at HOST:PORT or no chain is there yet, ask
+    again for up to ``wait_s`` (default: ``timeout``). ``verify``: check the output on other
+    holders (verify.py); a chain with a hop named there is avoided and the output generated again
+    (``stats["verify"]`` says what was checked). ``on_bytes``: the output as it is accepted (not
+    with ``verify``: a rejected output is made again from the prompt); a retry on another chain
+    starts again from the prompt (exact: the same bytes). ``stats["first_byte_s"]`` counts from
+    this call, as ``stats["seconds"]`` does (the view, connections and failed attempts included)."""
     if verify and on_bytes is not None:
         raise ValueError("streamed output cannot be verified first: give one or the other")
     check_request(prompt, n, mode, sampling=sampling, draft_len=draft_len)
     tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
-    avoid: set[str] = set()
-    busy = _Busy()
+    avoid, busy, kept = set(), _Busy(), []  # type: set[str], _Busy, list[Session]  # kept: see _run_on
     last: Exception | None = None
     s: Session | None = None
     t0 = time.perf_counter()
@@ -410,7 +408,8 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
         try:
             await client.connect()
             # a checked output that failed is made again from the prompt
-            out, stats, rows, s = await _run_on(client, prompt, n, mode, sampling, s, verify, draft_len, msl, came)
+            out, stats, rows, s = await _run_on(client, prompt, n, mode, sampling, s, verify, draft_len, msl, came,
+                                                kept)
             stats["route"], stats["attempts"], stats["first_byte_s"] = route, attempt + 1, first[0] if first else None
             stats["busy_retries"] = busy.tries
             if verify:
@@ -422,7 +421,8 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
             if getattr(e, "fault", "hop") == "request":
                 raise  # no other chain would serve it either (VerifyError: nothing can be checked)
             last = e
-            if await busy.paused(e, route, log):
+            if busy.refused(e, route, log):
+                s = kept[0] if kept and not verify else s  # the session goes on from its committed bytes
                 continue
             attempt += 1
             log(f"attempt {attempt} through {route} failed: {e}")
@@ -440,46 +440,57 @@ async def _next_chain(host, port, ident, key, tmo: Timeouts, avoid: set[str], bu
         st, route = await chain_when_ready(host, port, ident, key, tmo, avoid, wait_s, log)
     except NoChain as e:  # the view's failure, as the client's: no chain to run it on
         raise PipelineError(str(e), e.block) from None
-    return st, busy.route(st, avoid, route)
+    route = busy.route(st, avoid, route)
+    await busy.wait(route, log)
+    return st, route
 
 
 class _Busy:
-    """One request's saturated hops (fault "busy"): the next chain avoids them where their blocks
-    have other holders, else goes through them again, after a pause that doubles from
-    BUSY_PAUSE_S to BUSY_PAUSE_MAX_S, at most BUSY_TRIES times."""
+    """One request's saturated hops (fault "busy"): the next chain goes around each through another
+    holder of its block where there is one, else through it again after a pause that doubles from
+    BUSY_PAUSE_S to BUSY_PAUSE_MAX_S; at most BUSY_TRIES refusals."""
 
     def __init__(self) -> None:
         self.hops: set[str] = set()
         self.tries, self.pause = 0, BUSY_PAUSE_S
 
     def route(self, st: dict, avoid: set[str], route: list[str]) -> list[str]:
-        """A chain through the view ``st`` that avoids the busy hops too, else ``route``."""
-        if not self.hops:
-            return route
-        try:
-            return chain(st, avoid | self.hops)
-        except NoChain:  # every other holder of a busy hop's block is avoided: the busy hop again
-            return route
+        """``route`` (a chain avoiding ``avoid``) with every busy hop whose block has another
+        holder left out; a chain of another length (a block left with no holder) is not taken."""
+        around: set[str] = set()
+        for hop in sorted(self.hops):
+            try:
+                if len(chain(st, avoid | around | {hop})) == len(route):
+                    around.add(hop)
+            except NoChain:
+                pass  # its block has no other holder: through it again
+        return chain(st, avoid | around) if around else route
 
-    async def paused(self, e: Exception, route: list[str], log) -> bool:
-        """True, after the pause, where ``e`` is a busy hop of ``route`` to try again."""
+    def refused(self, e: Exception, route: list[str], log) -> bool:
+        """True where ``e`` is a busy hop of ``route`` and refusals are left: try again (not an attempt)."""
         hop = getattr(e, "hop", None)
         if getattr(e, "fault", None) != "busy" or not isinstance(hop, int) or not 0 <= hop < len(route) \
                 or self.tries >= BUSY_TRIES:
             return False
         self.tries += 1
         self.hops.add(route[hop])
-        log(f"{route[hop]} is saturated ({e}): trying again in {self.pause:.2f} s")
-        await asyncio.sleep(self.pause)
-        self.pause = min(2 * self.pause, BUSY_PAUSE_MAX_S)
+        log(f"{route[hop]} is saturated: {e}")
         return True
+
+    async def wait(self, route: list[str], log) -> None:
+        """The pause before a chain that goes through a busy hop again."""
+        if self.hops & set(route):
+            log(f"trying a saturated hop again in {self.pause:.2f} s")
+            await asyncio.sleep(self.pause)
+            self.pause = min(2 * self.pause, BUSY_PAUSE_MAX_S)
 
 
 async def _run_on(client: PipelineClient, prompt: bytes, n: int, mode: str, sampling: Sampling, s: Session | None,
-                  fresh: bool, draft_len: int | None, msl,
-                  on_bytes: OnBytes | None = None) -> tuple[bytes, dict, torch.Tensor, Session | None]:
+                  fresh: bool, draft_len: int | None, msl, on_bytes: OnBytes | None = None,
+                  kept: list | None = None) -> tuple[bytes, dict, torch.Tensor, Session | None]:
     """The request run through ``client``'s chain: the output, its stats, the rows it was decoded
-    from, and the session, which goes on where it was on a new chain (unless ``fresh``)."""
+    from, and the session, which goes on where it was on a new chain (unless ``fresh``); ``kept``
+    holds the session while it runs (a caller goes on with it after a failure)."""
     if mode == "blocktrain":
         out, stats = await client.generate_blocktrain(prompt, n, sampling, on_bytes)
         assert client.last_rows is not None  # generate_blocktrain sets it
@@ -488,6 +499,8 @@ async def _run_on(client: PipelineClient, prompt: bytes, n: int, mode: str, samp
         s = new_session(prompt, n, mode, sampling, draft_len, msl)
     else:
         s.reset_caches()  # a new chain: its hops hold nothing of this session
+    if kept is not None:
+        kept[:] = [s]
     stats = await client.run(s, mode, on_bytes=on_bytes)
     stats["traversals"] = s.stats.traversals
     return s.output, stats, torch.stack(s.rows), s

@@ -31,8 +31,10 @@ Rules:
   "hop", "block", "fault"}) on the client's connection; the client raises ``PipelineError``
   carrying the block, hop and fault, never a string to parse.
 - Whose share a traversal takes (fair.py's client): shares.py's, by the address the client
-  connects from where this hop holds its connection (hop 0, the last hop): the first identity
-  of an address a share, the rest of that address one share; else (a middle hop) the client's id.
+  connects from where this hop holds its connection (hop 0: the one the request came on, a
+  member's too; the last hop: the client's, which it waits for before any compute): the first
+  identity of an address a share, the rest of that address one share; else (a middle hop) the
+  client's id.
 - Compute runs off the event loop; every hop adds its compute time to meta ``compute_s``.
 - Where things live: the request's vocabulary (modes, faults, refusals) is api.py's, shared
   with the client; what a hop checks and where a request goes next is hop.py's pure plan;
@@ -194,7 +196,7 @@ class PipelineServer:
             if plan.step is Step.END:
                 await self._end(msg, plan)
             else:
-                await self._traverse(msg, plan)
+                await self._traverse(msg, plan, pc if msg.hop == 0 else None)
         except Exception as e:  # noqa: BLE001 - every failure is answered; a hop's state stays consistent
             if plan.key is not None and not isinstance(e, PipelineError):
                 self.sessions.drop(plan.key)  # a cache half-way through a traversal is not trusted again
@@ -207,16 +209,19 @@ class PipelineServer:
         if not plan.last:
             await self._forward(msg, plan.meta, None)
 
-    async def _traverse(self, msg: PipelineForward, plan: HopPlan):
-        """The plan's COMPUTE: this block's share of the traversal, then forward or answer."""
+    async def _traverse(self, msg: PipelineForward, plan: HopPlan, sender=None):
+        """The plan's COMPUTE: this block's share of the traversal, then forward or answer.
+        ``sender``: at hop 0, the connection the request came on (the client's, whatever its role)."""
         b, key, spec, meta = plan.served, plan.key, plan.spec, plan.meta
         assert b is not None and key is not None and spec is not None, "a COMPUTE plan names block, session, spec"
         if spec.get("invariant") and (why := self.served.exact_refused(b)):
             raise PipelineError(f"block {b.index}: {why}", b.index)  # never unexact rows under the exact name
         x = _input(msg, b, spec)
+        if plan.last:  # the answer's way back, before any compute: the client's address counts its share
+            await self._client(plan.client)
         cache = self._cache(key, b, spec["start"])
         t0 = time.perf_counter()
-        out = await self._run_block(msg, plan, key, Traversal(b, cache, x, spec))
+        out = await self._run_block(msg, plan, key, Traversal(b, cache, x, spec), sender)
         compute = meta.get("compute_s", 0.0)
         meta["compute_s"] = (float(compute) if isinstance(compute, (int, float)) else 0.0) + time.perf_counter() - t0
         self.served_requests += 1
@@ -233,7 +238,7 @@ class PipelineServer:
             return
         await self._forward(msg, meta, to_wire("x", out, meta.get("codec", DEFAULT_CODEC), "never"))
 
-    async def _run_block(self, msg: PipelineForward, plan: HopPlan, key: tuple, traversal: Traversal):
+    async def _run_block(self, msg: PipelineForward, plan: HopPlan, key: tuple, traversal: Traversal, sender=None):
         """The traversal in a compute slot, a chunk at a time in the hop's batches (batching.py),
         each chunk charged its tokens (fair.py): between chunks a client that comes first takes
         the slot. The session is busy meanwhile."""
@@ -243,7 +248,7 @@ class PipelineServer:
         self._inflight[client] = self._inflight.get(client, 0) + 1
         try:
             left = len(plan.spec["ids"])  # fair by tokens, a chunk at a time
-            async with self._compute.hold(self._share(client), min(left, CHUNK)) as between:
+            async with self._compute.hold(self._share(client, sender), min(left, CHUNK)) as between:
                 while (out := await self._batcher.step(traversal)) is None:
                     left -= CHUNK
                     await between(min(left, CHUNK))  # a client that comes first goes now
@@ -298,9 +303,10 @@ class PipelineServer:
         nxt.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route, hop=msg.hop + 1,
                                         tensors=() if tensor is None else (tensor,), meta=meta))
 
-    def _share(self, client: str) -> str:
-        """Whose compute share ``client``'s traversals take (shares.py)."""
-        pc = self.peer.client_connection(client)
+    def _share(self, client: str, sender=None) -> str:
+        """Whose compute share ``client``'s traversals take (shares.py): by the address of its
+        connection here, ``sender`` at hop 0 (a member's too), else its client connection."""
+        pc = sender if sender is not None else self.peer.client_connection(client)
         return self.shares.of(client, address_share(pc.peer_addr) if pc is not None else None)
 
     async def _client(self, client: str):
