@@ -398,7 +398,7 @@ async def test_a_flows_waiters_start_after_its_parts_served_so_the_queue_keeps_i
     go.set()
     for _ in range(3):
         await asyncio.sleep(0)
-    mine = asyncio.ensure_future(slots.acquire("me", 1))  # starts at 400 - 256: after the flood's first waiter
+    mine = asyncio.ensure_future(slots.acquire("me", 1))  # starts at 400 - 256: before the flood's waiters, not last
     await asyncio.sleep(0)
     late = asyncio.ensure_future(slots.acquire("flood", 16))  # the queue is full
     await asyncio.sleep(0)
