@@ -5,11 +5,11 @@ Rules:
   the end; it yields ``between(cost)``, awaited between the parts of a request computed in parts
   (serving: a traversal in chunks of ``decode.CHUNK`` tokens, each part's ``cost`` its tokens).
 - Flows: what is shared fairly is a flow. A client (whatever the caller counts as one: a serving
-  hop counts the first identity of an address and the rest of it as one, shares.py) the
-  hop knows is a flow of its own; every client it does not know yet shares one flow, the newcomers' (``NEWCOMERS``), until it was
-  served ``newcomer_tokens`` (``NEWCOMER_TOKENS``, 256: a short traversal) there, counted for
-  parts computed (a part cut short counts nothing); from its next request on it is a flow of
-  its own, starting at the hop's time. Inside the newcomers' flow clients take turns part by
+  hop counts the first identity of an address and the rest of it as one, shares.py) the hop
+  knows is a flow of its own; every client it does not know yet shares one flow, the
+  newcomers' (``NEWCOMERS``), until it was served ``newcomer_tokens`` (``NEWCOMER_TOKENS``,
+  256: a short traversal) there, counted for parts computed (a part cut short counts nothing);
+  from its next request on it is a flow of its own, starting at the hop's time. Inside the newcomers' flow clients take turns part by
   part (a request between its parts goes behind another newcomer waiting). Identities are free:
   a flood of fresh identities takes one share, not one per identity. An identity made known
   costs its tokens, computed at the newcomers' one share; an attacker can so stock up known
