@@ -6,14 +6,15 @@ Rules:
   (serving: a traversal in chunks of ``decode.CHUNK`` tokens, each part's ``cost`` its tokens).
 - Flows: what is shared fairly is a flow. A client (whatever the caller counts as one: a serving
   hop counts the first identity of an address and the rest of it as one, shares.py) the hop
-  knows is a flow of its own; every client it does not know yet shares one flow, the
-  newcomers' (``NEWCOMERS``), until it was served ``newcomer_tokens`` (``NEWCOMER_TOKENS``,
-  256: a short traversal) there, counted for parts computed (a part cut short counts nothing);
-  from its next request on it is a flow of its own, starting at the hop's time. Inside the
-  newcomers' flow clients take turns part by part (a request between its parts goes behind
-  another newcomer waiting). Identities are free: a flood of fresh identities takes one share,
-  not one per identity. An identity made known costs its tokens, computed at the newcomers' one share; an attacker can so stock up known
-  identities while the hop is idle, and flood with them later, one share each.
+  knows is a flow of its own; every client it does not know yet shares one flow, the newcomers'
+  (``NEWCOMERS``), until it was served ``newcomer_tokens`` (``NEWCOMER_TOKENS``, 256: a short
+  traversal) there, counted for parts computed (a part cut short counts nothing); from its next
+  request on it is a flow of its own, starting at the hop's time. Inside the newcomers' flow
+  clients take turns part by part (a request between its parts goes behind another newcomer
+  waiting). Identities are free: a flood of fresh identities takes one share, not one per
+  identity. An identity made known costs its tokens, computed at the newcomers' one share; an
+  attacker can so stock up known identities while the hop is idle, and flood with them later,
+  one share each.
 - Order: fair queuing over parts by start tag. Each flow has a virtual time, advanced by the
   cost of each part it is served; the hop's virtual time is the largest finish tag served
   (start + cost), so it moves on with every part served at or past it. A client busy here
