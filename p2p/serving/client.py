@@ -389,7 +389,6 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
     tmo = Timeouts(connect_s=timeout, handshake_s=timeout)
     avoid, busy, kept = set(), _Busy(), []  # type: set[str], _Busy, list[Session]  # kept: see _run_on
     last: Exception | None = None
-    s: Session | None = None
     t0 = time.perf_counter()
     first: list[float] = []  # when the first byte came, from t0
 
@@ -408,8 +407,7 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
         try:
             await client.connect()
             # a checked output that failed is made again from the prompt
-            out, stats, rows, s = await _run_on(client, prompt, n, mode, sampling, s, verify, draft_len, msl, came,
-                                                kept)
+            out, stats, rows = await _run_on(client, prompt, n, mode, sampling, kept, verify, draft_len, msl, came)
             stats["route"], stats["attempts"], stats["first_byte_s"] = route, attempt + 1, first[0] if first else None
             stats["busy_retries"] = busy.tries
             if verify:
@@ -422,8 +420,8 @@ async def generate(host: str, port: int, ident, key, prompt: bytes, n: int, mode
                 raise  # no other chain would serve it either (VerifyError: nothing can be checked)
             last = e
             if busy.refused(e, route, log):
-                s = kept[0] if kept and not verify else s  # the session goes on from its committed bytes
-                continue
+                continue  # the session in ``kept`` goes on from its committed bytes
+            kept.clear()  # a failed hop: from the prompt
             attempt += 1
             log(f"attempt {attempt} through {route} failed: {e}")
             await _avoid_after(e, route, avoid, tmo)
@@ -485,25 +483,24 @@ class _Busy:
             self.pause = min(2 * self.pause, BUSY_PAUSE_MAX_S)
 
 
-async def _run_on(client: PipelineClient, prompt: bytes, n: int, mode: str, sampling: Sampling, s: Session | None,
-                  fresh: bool, draft_len: int | None, msl, on_bytes: OnBytes | None = None,
-                  kept: list | None = None) -> tuple[bytes, dict, torch.Tensor, Session | None]:
-    """The request run through ``client``'s chain: the output, its stats, the rows it was decoded
-    from, and the session, which goes on where it was on a new chain (unless ``fresh``); ``kept``
-    holds the session while it runs (a caller goes on with it after a failure)."""
+async def _run_on(client: PipelineClient, prompt: bytes, n: int, mode: str, sampling: Sampling, kept: list,
+                  fresh: bool, draft_len: int | None, msl,
+                  on_bytes: OnBytes | None = None) -> tuple[bytes, dict, torch.Tensor]:
+    """The request run through ``client``'s chain: the output, its stats and the rows it was
+    decoded from. ``kept`` holds the session (none: a new one, also where ``fresh``): it goes on
+    where it was on this chain, and stays there for the caller after a failure."""
     if mode == "blocktrain":
         out, stats = await client.generate_blocktrain(prompt, n, sampling, on_bytes)
         assert client.last_rows is not None  # generate_blocktrain sets it
-        return out, stats, client.last_rows, s
-    if s is None or fresh:
-        s = new_session(prompt, n, mode, sampling, draft_len, msl)
+        return out, stats, client.last_rows
+    if kept and not fresh:
+        kept[0].reset_caches()  # a new chain: its hops hold nothing of this session
     else:
-        s.reset_caches()  # a new chain: its hops hold nothing of this session
-    if kept is not None:
-        kept[:] = [s]
+        kept[:] = [new_session(prompt, n, mode, sampling, draft_len, msl)]
+    s = kept[0]
     stats = await client.run(s, mode, on_bytes=on_bytes)
     stats["traversals"] = s.stats.traversals
-    return s.output, stats, torch.stack(s.rows), s
+    return s.output, stats, torch.stack(s.rows)
 
 
 async def _verified(rows: torch.Tensor, route: list[str], members, avoid: set[str], recompute, tol: float,
