@@ -21,7 +21,9 @@ Rules:
 - A connection that used no large frame buffer for ``SHED_IDLE_S`` (and one that ended) sheds the
   protocol's pools (``Connection.shed``): what idle connections hold between them is bounded by
   the thread's spare list, whatever their number. What that frees is given back to the system by
-  ``Trimmer``, in a thread of its own, never on the event loop.
+  ``Trimmer``, in a thread of its own, never on the event loop. Once nothing was shed and no pool
+  took a spare for QUIET_S, the spares go back too and a last trim runs: after a burst the process
+  keeps neither its buffers nor the heap they grew.
 - A message's buffers (tensor segments, chunk data) are read when the writer takes it: sealed
   into a pool buffer, or, unsealed, copied. ``release_queued`` copies the given messages still
   queued, so that a sender may reuse their buffers once it returns (the averaging rounds reuse
@@ -45,6 +47,7 @@ from typing import Callable
 
 from blocktrain.protocol import (NEED_DATA, Connection, ConnectionClosed, ErrorCode, Goodbye, HandshakeComplete,
                                  Message, Ping, Pong, ProtocolError, Role)
+from blocktrain.protocol.frames import ReusableBuffer
 
 from .flow import SendQueue, ShapedLink
 from .link import LinkShaper, LinkSpec
@@ -98,6 +101,11 @@ SHED_IDLE_S = 1.0
 TRIM_AFTER_BYTES = 32 * 1024 * 1024
 TRIM_DELAY_S = 1.0
 TRIM_EVERY_S = 5.0
+# Quiet this long after the last shed (and no spare taken meanwhile): the thread's spare buffers go
+# back to the allocator and a trim runs whatever was dropped (also what other paths of the burst
+# freed: decrypted payloads, decoded parts). A connection in steady use sheds nothing and takes its
+# own pool's buffers, so this never runs between a block's rounds.
+QUIET_S = 10.0
 
 
 class Trimmer:
@@ -110,6 +118,7 @@ class Trimmer:
         self.seconds: collections.deque = collections.deque(maxlen=16)
         self._running: concurrent.futures.Future | None = None
         self._due: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
+        self._quiet: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._trim: Callable[[int], int] | None = None
         try:
@@ -118,10 +127,32 @@ class Trimmer:
             pass
 
     def dropped_bytes(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
-        """``n`` bytes of frame buffers were let go of: trim once enough were."""
+        """``n`` bytes of frame buffers were let go of (a connection shed): trim once enough were,
+        and once all is quiet (``_quiet``)."""
         self.dropped += n
+        self._arm_quiet(loop)
         if self._trim is None or self.dropped < TRIM_AFTER_BYTES:
             return
+        self._schedule(loop)
+
+    def _arm_quiet(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._quiet is not None and not self._quiet[0].is_closed():
+            self._quiet[1].cancel()
+        self._quiet = (loop, loop.call_later(QUIET_S, self._on_quiet, ReusableBuffer.spares_taken()))
+
+    def _on_quiet(self, taken: int) -> None:
+        """QUIET_S since the last shed: spares untouched since then go back, and a trim follows."""
+        assert self._quiet is not None  # called by the timer _arm_quiet set
+        loop, self._quiet = self._quiet[0], None
+        if ReusableBuffer.spares_taken() != taken:
+            if ReusableBuffer.spare_bytes():
+                self._quiet = (loop, loop.call_later(QUIET_S, self._on_quiet, ReusableBuffer.spares_taken()))
+            return
+        self.dropped += ReusableBuffer.drop_spares()
+        if self._trim is not None:
+            self._schedule(loop)  # also what the burst freed outside the frame buffers
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._due is not None and not self._due[0].is_closed():
             return  # one is due already
         delay = max(TRIM_DELAY_S, self.last + TRIM_EVERY_S - time.monotonic())

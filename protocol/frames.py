@@ -165,6 +165,9 @@ class ReusableBuffer:
     connection is idle or over) hands the free ones to the spares, whose overflow goes back to the
     allocator: what idle connections hold between them is so bounded by SPARE_BYTES, whatever their
     number. ``uses`` counts the buffers handed out, so a driver tells an idle pool by it not moving.
+    The spares themselves are a cache of the thread's recent traffic: ``drop_spares()`` (the driver
+    calls it once no pool took one for a while) gives them all back, so a burst's buffers do not
+    stay with the process after it.
     """
 
     POOL = 3  # a frame being consumed, one being assembled, one spare
@@ -183,6 +186,20 @@ class ReusableBuffer:
     def spare_bytes(cls) -> int:
         """Bytes this thread's spare list holds (at most SPARE_BYTES)."""
         return sum(map(len, cls.spares()))
+
+    @staticmethod
+    def spares_taken() -> int:
+        """How many spares this thread's pools took over so far (a driver tells idle spares by it)."""
+        return getattr(_spare_buffers, "taken", 0)
+
+    @classmethod
+    def drop_spares(cls) -> int:
+        """Let go of this thread's whole spare list (each buffer is freed with its last view); the
+        bytes dropped."""
+        spares = cls.spares()
+        dropped = sum(map(len, spares))
+        spares.clear()
+        return dropped
 
     @classmethod
     def _cap_spares(cls, spares: list) -> int:
@@ -232,6 +249,8 @@ class ReusableBuffer:
                 return memoryview(buf)[:n]
         spares = self.spares()
         i = next((i for i, b in enumerate(spares) if len(b) >= n and self._free(b)), None)
+        if i is not None:
+            _spare_buffers.taken = self.spares_taken() + 1
         buf = spares.pop(i) if i is not None else bytearray(n)  # by position: bytearrays compare by content
         if len(self._pool) >= self.POOL:
             old = self._pool.pop(0)

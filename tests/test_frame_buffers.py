@@ -197,3 +197,26 @@ async def test_the_trim_runs_off_the_event_loop_once_for_a_burst(monkeypatch):
     t.dropped_bytes(transport.TRIM_AFTER_BYTES, loop)
     await asyncio.sleep(0.3)
     assert len(calls) == 1  # at most every TRIM_EVERY_S
+
+
+async def test_quiet_gives_the_spares_back_and_trims(monkeypatch):
+    """QUIET_S after the last shed with no spare taken, the thread's spares go back to the allocator
+    and one trim runs (even for less than TRIM_AFTER_BYTES); a spare taken meanwhile postpones it."""
+    monkeypatch.setattr(transport, "TRIM_DELAY_S", 0.01)
+    monkeypatch.setattr(transport, "QUIET_S", 0.15)
+    calls = []
+    t = transport.Trimmer()
+    monkeypatch.setattr(t, "_trim", lambda pad: calls.append(pad) or 1)
+    loop = asyncio.get_running_loop()
+    spares = ReusableBuffer.spares()
+    spares.clear()
+    spares.extend(bytearray(REUSE_MIN_BYTES) for _ in range(3))
+    t.dropped_bytes(0, loop)
+    await asyncio.sleep(0.1)
+    ReusableBuffer().get(REUSE_MIN_BYTES)  # a pool takes a spare: not quiet
+    await asyncio.sleep(0.1)
+    assert calls == [] and len(spares) == 2
+    await asyncio.sleep(0.4)  # quiet since the spare was taken
+    assert spares == [] and calls == [0]
+    await asyncio.sleep(0.3)
+    assert calls == [0]  # once for the burst, not again while nothing is shed
