@@ -22,8 +22,9 @@ Rules:
   protocol's pools (``Connection.shed``): what idle connections hold between them is bounded by
   the thread's spare list, whatever their number. What that frees is given back to the system by
   ``Trimmer``, in a thread of its own, never on the event loop. Once nothing was shed and no pool
-  took a spare for QUIET_S, the spares go back too and a last trim runs: after a burst the process
-  keeps neither its buffers nor the heap they grew.
+  took a spare for QUIET_S, the spares go back too and a trim runs, QUIET_TRIMS times QUIET_S apart
+  (what messages hold is freed later than their connections): after a burst the process keeps
+  neither its buffers nor the heap they grew.
 - A message's buffers (tensor segments, chunk data) are read when the writer takes it: sealed
   into a pool buffer, or, unsealed, copied. ``release_queued`` copies the given messages still
   queued, so that a sender may reuse their buffers once it returns (the averaging rounds reuse
@@ -106,6 +107,10 @@ TRIM_EVERY_S = 5.0
 # freed: decrypted payloads, decoded parts). A connection in steady use sheds nothing and takes its
 # own pool's buffers, so this never runs between a block's rounds.
 QUIET_S = 10.0
+# Trims after a burst's quiet one, QUIET_S apart while it stays quiet: what the burst's messages
+# hold is freed with the last reader done with them (an averaging part kept for a later round, a
+# message the cycle collector frees), later than the connections that brought it.
+QUIET_TRIMS = 3
 
 
 class Trimmer:
@@ -119,6 +124,7 @@ class Trimmer:
         self._running: concurrent.futures.Future | None = None
         self._due: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
         self._quiet: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
+        self._quiet_trims = 0  # quiet trims left after the last shed (QUIET_TRIMS)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._trim: Callable[[int], int] | None = None
         try:
@@ -130,7 +136,9 @@ class Trimmer:
         """``n`` bytes of frame buffers were let go of (a connection shed): trim once enough were,
         and once all is quiet (``_quiet``)."""
         self.dropped += n
-        self._arm_quiet(loop)
+        if n or self._quiet is None or self._quiet[0].is_closed():  # an idle look at a held buffer does not postpone it
+            self._quiet_trims = QUIET_TRIMS
+            self._arm_quiet(loop)
         if self._trim is None or self.dropped < TRIM_AFTER_BYTES:
             return
         self._schedule(loop)
@@ -151,6 +159,9 @@ class Trimmer:
         self.dropped += ReusableBuffer.drop_spares()
         if self._trim is not None:
             self._schedule(loop)  # also what the burst freed outside the frame buffers
+        self._quiet_trims -= 1
+        if self._quiet_trims > 0:
+            self._arm_quiet(loop)
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._due is not None and not self._due[0].is_closed():

@@ -201,8 +201,11 @@ async def test_the_trim_runs_off_the_event_loop_once_for_a_burst(monkeypatch):
 
 async def test_quiet_gives_the_spares_back_and_trims(monkeypatch):
     """QUIET_S after the last shed with no spare taken, the thread's spares go back to the allocator
-    and one trim runs (even for less than TRIM_AFTER_BYTES); a spare taken meanwhile postpones it."""
+    and a trim runs (even for less than TRIM_AFTER_BYTES), then QUIET_TRIMS - 1 more QUIET_S apart
+    (what messages hold is freed after their connections), and no more; a spare taken meanwhile
+    postpones it."""
     monkeypatch.setattr(transport, "TRIM_DELAY_S", 0.01)
+    monkeypatch.setattr(transport, "TRIM_EVERY_S", 0.01)
     monkeypatch.setattr(transport, "QUIET_S", 0.15)
     calls = []
     t = transport.Trimmer()
@@ -214,9 +217,10 @@ async def test_quiet_gives_the_spares_back_and_trims(monkeypatch):
     t.dropped_bytes(0, loop)
     await asyncio.sleep(0.1)
     ReusableBuffer().get(REUSE_MIN_BYTES)  # a pool takes a spare: not quiet
+    t.dropped_bytes(0, loop)  # an idle connection looked at again: postpones nothing
     await asyncio.sleep(0.1)
     assert calls == [] and len(spares) == 2
-    await asyncio.sleep(0.4)  # quiet since the spare was taken
+    await asyncio.sleep(0.15)  # quiet since the spare was taken
     assert spares == [] and calls == [0]
-    await asyncio.sleep(0.3)
-    assert calls == [0]  # once for the burst, not again while nothing is shed
+    await asyncio.sleep(0.6)
+    assert calls == [0] * transport.QUIET_TRIMS  # then no more while nothing is shed
