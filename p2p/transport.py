@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import collections
 import concurrent.futures
 import ctypes
@@ -290,6 +291,24 @@ def owned_frames(frames: list, sealed: bool) -> list:
     return frames if sealed else [bytes(f) if isinstance(f, memoryview) else f for f in frames]
 
 
+def _bare(exc: BaseException, depth: int = 3) -> BaseException:
+    """A copy of ``exc`` without a traceback (its cause too, ``depth`` deep). A connection keeps the
+    error it ended with, and raises it to its reader: a traceback kept with it would hold the
+    frames it went through, whose ``self`` is the connection, tying the connection, its messages
+    and its buffers in a cycle that only Python's full collection frees (after a flood of
+    connections that ended in errors, hundreds of MiB for minutes)."""
+    try:
+        bare = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an error that cannot be copied: kept as it is, its frames dropped
+        bare = exc
+    bare.__traceback__ = None
+    if exc.__cause__ is not None:
+        bare.__cause__ = _bare(exc.__cause__, depth - 1) if depth else None
+    bare.__context__ = None
+    bare.__suppress_context__ = True
+    return bare
+
+
 class PeerConnection(asyncio.BufferedProtocol):
     def __init__(self, conn: Connection, timeouts: Timeouts = Timeouts(), link: LinkSpec | None = None,
                  name: str = ""):
@@ -413,7 +432,7 @@ class PeerConnection(asyncio.BufferedProtocol):
             if self.closed.done():
                 exc = self.closed.result()
                 if isinstance(exc, BaseException):
-                    raise exc
+                    raise _bare(exc)  # a copy: the one kept stays without a traceback (``_bare``)
                 return ConnectionClosed(0, self.close_reason or "closed")
             await self.inbox.wait()  # a pushed event and _shutdown end the wait
         return self.inbox.pop(self.transport)
@@ -505,6 +524,7 @@ class PeerConnection(asyncio.BufferedProtocol):
         if self.closed.done():
             return
         self.close_reason, self.close_cause = reason, cause
+        exc = None if exc is None else _bare(exc)
         self.closed.set_result(exc)
         if not self.established.done():
             self.established.set_exception(exc or ConnectionError(reason))

@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
@@ -280,6 +281,19 @@ def check_info(info) -> dict:
     return info
 
 
+def _header_check(conn: "Connection") -> Callable[[FrameHeader], None]:
+    """``conn._check_header`` through a weak reference: the frame buffer a Connection owns must not
+    hold it (a bound method would tie them in a cycle, so a dropped connection and the frame it was
+    assembling would wait for Python's cycle collector, minutes or hours, instead of going at once)."""
+    ref = weakref.ref(conn)
+
+    def check(h: FrameHeader) -> None:
+        c = ref()
+        if c is not None:
+            c._check_header(h)
+    return check
+
+
 class Connection:
     """One end of a BlockTrain connection.
 
@@ -296,7 +310,7 @@ class Connection:
             raise LocalProtocolError(f"max_frame_bytes must be 1..{MAX_FRAME_BYTES}", ErrorCode.FRAME_TOO_LARGE)
         self.role = role
         self.max_frame_bytes = max_frame_bytes
-        self._frames = FrameBuffer(max_frame_bytes, self._check_header)
+        self._frames = FrameBuffer(max_frame_bytes, _header_check(self))
         self.state = State.START
         self.seal = seal
         self.compress = compress

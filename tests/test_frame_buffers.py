@@ -224,3 +224,58 @@ async def test_quiet_gives_the_spares_back_and_trims(monkeypatch):
     assert spares == [] and calls == [0]
     await asyncio.sleep(0.6)
     assert calls == [0] * transport.QUIET_TRIMS  # then no more while nothing is shed
+
+
+def test_a_connection_dropped_mid_frame_is_freed_without_the_cycle_collector():
+    """A Connection holds no reference cycle: dropped while a large frame is half assembled (a peer
+    gone mid-message), it and its buffers are freed at once, not at Python's next full collection
+    (after a flood of identities that had not come for hours)."""
+    import weakref
+    gc.disable()
+    try:
+        p = ConnectionPair()
+        p.handshake()
+        wire = p.a.send(StreamChunk(offset=0, data=os.urandom(CHUNK_BYTES), stream_id=1))
+        p.b.receive_data(wire[:len(wire) // 2])  # half the frame, in the connection's assembly buffer
+        assert ConnectionPair.drain(p.b) == []
+        conn = weakref.ref(p.b)
+        del p
+        assert conn() is None, "the connection waits for the cycle collector"
+    finally:
+        gc.enable()
+
+
+async def test_a_peer_connection_that_failed_is_freed_without_the_cycle_collector():
+    """The error a PeerConnection ended with is raised to its reader without tying the connection
+    to the traceback (connection -> its error -> traceback -> the reader's frame -> connection)."""
+    import weakref
+    psk = os.urandom(32)
+    servers: list = []
+
+    def factory():
+        pc = PeerConnection(make_connection(Role.RESPONDER, X25519PrivateKey.generate(), psk), FAST)
+        servers.append(pc)
+        return pc
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pc = await open_connection("127.0.0.1", port, make_connection(Role.INITIATOR, X25519PrivateKey.generate(), psk),
+                               FAST)
+    await servers[0].established
+    gc.collect()
+    gc.disable()
+    try:
+        pc.transport.abort()  # a reset: the server's reader gets an error
+        with pytest.raises(ConnectionError):
+            while True:
+                await servers[0].recv()
+        await asyncio.sleep(0.05)
+        ref = weakref.ref(servers.pop())
+        for _ in range(20):
+            if ref() is None:
+                break
+            await asyncio.sleep(0.05)
+        assert ref() is None, "the failed connection waits for the cycle collector"
+    finally:
+        gc.enable()
+        server.close()
+        await server.wait_closed()
