@@ -17,7 +17,9 @@ Floods (one victim each, fresh; the waves run against it one after the other):
   wave keeps 1 traversal (a new 64-byte session) in flight from a process of its own, connecting
   from 127.0.0.2 (``--flood-from``; the legitimate client from 127.0.0.1); the
   victim is the last hop; slowdown = median flooded / median alone; the cores each side kept busy
-  meanwhile (CPU seconds per second: the three hops, the flooder, this client).
+  meanwhile (CPU seconds per second: the three hops, the flooder, this client). With
+  ``--cpu-load N`` no flood is sent: N processes that only spin take the cores instead, so the
+  same figures say what the compute share alone costs the client (the flood's part is the rest).
 
 Every loop is bounded in count and time; only the processes this script starts are stopped, by
 pid. The JSON records the code version (commit) and the command.
@@ -173,7 +175,13 @@ def victim(tmp: Path, kind: str, verbose: bool = False) -> tuple:
 
 
 
-async def serving_waves(tmp: Path, waves: list[int], flood_from: str = FLOOD_FROM) -> list:
+def cpu_burners(n: int) -> list:
+    """``n`` processes that only spin (no traffic): the compute share a saturated machine leaves
+    the hops, without any flood at them (--cpu-load)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+async def serving_waves(tmp: Path, waves: list[int], flood_from: str = FLOOD_FROM, cpu_load: int = 0) -> list:
     from blocktrain.p2p.serving.client import generate
     psk = load_swarm_key(tmp / "swarm.key")
     ident = X25519PrivateKey.generate()
@@ -195,19 +203,25 @@ async def serving_waves(tmp: Path, waves: list[int], flood_from: str = FLOOD_FRO
         alone = [await legit() for _ in range(3)]
         before = rss_mib(victim_pid)
         stop, counts = tmp / f"stop-{n}", tmp / f"counts-{n}.json"
-        flooder = subprocess.Popen([sys.executable, __file__, "--flood-worker", json.dumps(
-            {"route": [f"127.0.0.1:{p}" for p in ports], "key": str(tmp / "swarm.key"), "ids": n,
-             "stop": str(stop), "out": str(counts), "max_s": 120, "bind": flood_from})])
-        STARTED.append(flooder)
+        if cpu_load:  # no flood: only the cores taken (the compute share the hops are left)
+            flooders = cpu_burners(cpu_load)
+        else:
+            flooders = [subprocess.Popen([sys.executable, __file__, "--flood-worker", json.dumps(
+                {"route": [f"127.0.0.1:{p}" for p in ports], "key": str(tmp / "swarm.key"), "ids": n,
+                 "stop": str(stop), "out": str(counts), "max_s": 120, "bind": flood_from})])]
+        STARTED.extend(flooders)
         with Peak(victim_pid) as peak:
             await asyncio.sleep(5)
-            pids = {"hops": [p.pid for p in procs], "flooder": [flooder.pid], "client": [os.getpid()]}
+            pids = {"hops": [p.pid for p in procs], "flooder": [f.pid for f in flooders], "client": [os.getpid()]}
             cpu0, t_flooded = {k: sum(map(cpu_s, v)) for k, v in pids.items()}, time.monotonic()
             flooded = [await legit() for _ in range(3)]
             wall = time.monotonic() - t_flooded
             cpu = {k: round((sum(map(cpu_s, v)) - cpu0[k]) / wall, 2) for k, v in pids.items()}
             stop.touch()
-            flooder.wait(timeout=90)
+            for f in flooders:
+                if cpu_load:
+                    f.kill()
+                f.wait(timeout=90)
         await asyncio.sleep(AFTER_S)
         row = {"identities": n, "rss_before_mib": before, "rss_peak_mib": peak.mib,
                "rss_after_30s_mib": rss_mib(victim_pid), "legit_alone_s": [round(t, 2) for t in alone],
@@ -270,6 +284,9 @@ def main():
                     help="start the victim with -v and record its malloc_trim durations and event loop stalls")
     ap.add_argument("--flood-from", default=FLOOD_FROM,
                     help="serving: the loopback address the flood's identities connect from ('' for the client's)")
+    ap.add_argument("--cpu-load", type=int, default=0,
+                    help="serving: no flood; N processes that only spin take the cores instead, "
+                         "for the slowdown the compute share alone makes")
     ap.add_argument("--flood-worker", help=argparse.SUPPRESS)
     if "--flood-worker" in sys.argv:
         asyncio.run(flood_worker(json.loads(sys.argv[sys.argv.index("--flood-worker") + 1])))
@@ -291,7 +308,8 @@ def main():
         subprocess.run([BT_PEER, "keygen", "--out", str(tmp / "swarm.key")], check=True, capture_output=True)
         if args.flood == "serving":
             out("flood_from", args.flood_from or "127.0.0.1 (the client's)")
-            out("waves", asyncio.run(serving_waves(tmp, waves, args.flood_from)))
+            out("cpu_load", args.cpu_load)
+            out("waves", asyncio.run(serving_waves(tmp, waves, args.flood_from, args.cpu_load)))
         else:
             p, port = victim(tmp, args.flood, args.victim_verbose)
             psk = load_swarm_key(tmp / "swarm.key")
