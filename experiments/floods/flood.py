@@ -20,6 +20,8 @@ Floods (one victim each, fresh; the waves run against it one after the other):
   meanwhile (CPU seconds per second: the three hops, the flooder, this client). With
   ``--cpu-load N`` no flood is sent: N processes that only spin take the cores instead, so the
   same figures say what the compute share alone costs the client (the flood's part is the rest).
+  ``legit_in_hops_s``: of each legitimate run, the seconds its traversals spent in the hops'
+  compute path (waiting for the slot and computing, the hops' meta ``compute_s``).
 
 Every loop is bounded in count and time; only the processes this script starts are stopped, by
 pid. The JSON records the code version (commit) and the command.
@@ -193,13 +195,17 @@ async def serving_waves(tmp: Path, waves: list[int], flood_from: str = FLOOD_FRO
     prompt = b"The history of the city begins "
     await generate("127.0.0.1", ports[0], ident, psk, prompt, 4, "autoregressive", 60, wait_s=60)
 
+    in_hops: list = []  # per legit run: its seconds inside the hops' compute path (slot wait + chunks)
+
     async def legit() -> float:
         t = time.perf_counter()
-        await generate("127.0.0.1", ports[0], ident, psk, prompt, 32, "autoregressive", 120,
-                       log=lambda s: print("legit:", s, flush=True))  # a failed attempt's cause
+        _, st = await generate("127.0.0.1", ports[0], ident, psk, prompt, 32, "autoregressive", 120,
+                               log=lambda s: print("legit:", s, flush=True))  # a failed attempt's cause
+        in_hops.append(round(st["compute_s"], 3))
         return time.perf_counter() - t
     rows, victim_pid = [], procs[2].pid
     for n in waves:
+        in_hops.clear()
         alone = [await legit() for _ in range(3)]
         before = rss_mib(victim_pid)
         stop, counts = tmp / f"stop-{n}", tmp / f"counts-{n}.json"
@@ -226,6 +232,8 @@ async def serving_waves(tmp: Path, waves: list[int], flood_from: str = FLOOD_FRO
         row = {"identities": n, "rss_before_mib": before, "rss_peak_mib": peak.mib,
                "rss_after_30s_mib": rss_mib(victim_pid), "legit_alone_s": [round(t, 2) for t in alone],
                "legit_flooded_s": [round(t, 2) for t in flooded],
+               # the hops' meta compute_s, summed over the run's traversals: alone 3, then flooded 3
+               "legit_in_hops_s": list(in_hops),
                "slowdown": round(statistics.median(flooded) / statistics.median(alone), 2),
                "cores_busy_while_flooded": {**cpu, "of": os.cpu_count()},
                "flood": json.loads(counts.read_text()) if counts.exists() else None}
