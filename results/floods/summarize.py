@@ -26,7 +26,7 @@ def rows(labels):
                     continue
                 x = runs[v]["waves"][i]
                 cell = f"{x['rss_before_mib']:.0f} / {x['rss_peak_mib']:.0f} / {x['rss_after_30s_mib']:.0f}"
-                cell += f" (+{x['rss_after_30s_mib'] - base[v]:.0f})"
+                cell += f" ({x['rss_after_30s_mib'] - base[v]:+.0f})"
                 if "slowdown" in x:
                     cell += f", {x['slowdown']}x"
                 cells.append(cell)
