@@ -66,6 +66,13 @@ def test_a_good_request_is_computed_and_passed_on_with_the_forwarded_keys_only()
     assert ref.key == (CLIENT, 7, True, 0)
 
 
+def test_where_the_client_connects_from_is_hop_0s_word_not_the_clients():
+    """r12: ``client_addr`` a client sends is dropped at hop 0 (which sets its own from the
+    client's connection); a later hop reads the one the member below passed on."""
+    assert "client_addr" not in plan_hop(request(client_addr="10.9.9.9"), CLIENT, Hop(0)).meta
+    assert plan_hop(request(at=1, client_addr="10.9.9.9"), MEMBER, Hop(1)).meta["client_addr"] == "10.9.9.9"
+
+
 def test_the_request_fields_are_checked_first_and_are_the_requests_fault():
     refused(plan_hop(request(mode="fast"), CLIENT, Hop(0)), "unknown mode 'fast'", "request")
     refused(plan_hop(request(session="7"), CLIENT, Hop(0)), "session (an int)", "request")

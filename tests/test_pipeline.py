@@ -331,9 +331,9 @@ async def test_a_saturated_only_holder_is_tried_again_not_given_up(models, monke
     servers[2]._compute.hold = saturated_third_and_fourth
     real_run = servers[2]._run_block
 
-    async def run_block(msg, plan, key, traversal, sender=None):
+    async def run_block(msg, plan, key, traversal, sender=None, via=None):
         specs.append((plan.spec["start"], len(plan.spec["ids"])))
-        return await real_run(msg, plan, key, traversal, sender)
+        return await real_run(msg, plan, key, traversal, sender, via)
     servers[2]._run_block = run_block
     try:
         for p in peers:
@@ -395,7 +395,8 @@ def test_an_address_has_a_few_shares_and_its_further_identities_one():
 async def test_a_hops_compute_share_is_counted_by_the_address_a_client_connects_from(models):
     """Identities are free, addresses are not: at a hop holding the client's connection (hop 0,
     the last hop) identities of one address past its first PER_ADDRESS (1 here) take one share of
-    the compute slots; a middle hop, which sees only the hop below, counts identities."""
+    the compute slots; a middle hop, which sees only the hop below, counts by the address hop 0
+    passed on (r12: ``client_addr``, as the member that forwarded it says)."""
     from blocktrain.p2p.serving.shares import Shares
     bt, e2e = models
     psk = os.urandom(32)
@@ -425,7 +426,8 @@ async def test_a_hops_compute_share_is_counted_by_the_address_a_client_connects_
         for k in (0, 2):
             assert [servers[k]._share(c.id) for c in clients] == by_address
             assert set(held[k]) == set(by_address)
-        assert set(held[1]) == {c.id for c in clients}
+        via = peers[0].id[:16]
+        assert set(held[1]) == {clients[0].id, clients[1].id, f"address 127.0.0.2 via {via}"}
         # at hop 0 the connection a request came on counts, a member's too (no client connection)
         member = SimpleNamespace(peer_addr=("10.1.2.3", 7000))
         assert [servers[0]._share(pid, member) for pid in ("m1", "m2")] == ["m1", "address 10.1.2.3"]

@@ -92,6 +92,11 @@ VALID = {
         "spec": {"base": 2, "keep": [0, 1], "start": 4, "ids": [104, 105, 33], "positions": [4, 5, 6],
                  "parents": [-1, 0, 1], "logits": [0, 1, 2], "slots": [], "draft": 2, "invariant": True,
                  "width": 4, "sample": [12345, 800, 8]}}),
+    "pipeline_forward_relayed": PipelineForward(request_id=14, route=("127.0.0.1:4001", "127.0.0.1:4002"), hop=1, meta={
+        "mode": "exact", "session": 3, "blocks": [0, 1], "reply_to": "ab" * 32, "codec": "bf16", "end": False,
+        "spec": {"base": 2, "keep": [0, 1], "start": 4, "ids": [104, 105, 33], "positions": [4, 5, 6],
+                 "parents": [-1, 0, 1], "logits": [0, 1, 2], "slots": [], "draft": 2, "invariant": True},
+        "client_addr": "127.0.0.2"}),
     "pipeline_result": PipelineResult(request_id=9, tensors=(
         pack_tensor("bytes", "uint8", (3,), b"abc"),), meta={}),
     "pipeline_result_busy": PipelineResult(request_id=13, tensors=(), meta={

@@ -25,7 +25,10 @@ FAULTS = ("hop", "request", "session", "busy")
 HIDDEN_CODECS = frozenset(c.value for c in Codec)
 DEFAULT_CODEC = "bf16"
 # The meta keys a hop reads and passes on (anything else a client sends is dropped).
-FORWARDED = ("mode", "blocks", "reply_to", "session", "spec", "end", "codec", "compute_s")
+FORWARDED = ("mode", "blocks", "reply_to", "session", "spec", "end", "codec", "compute_s", "client_addr")
+# ``client_addr`` (r12): the address the client connects from as hops count shares (shares.py), set
+# by hop 0, never taken from a client; a middle hop reads at most this many characters of it.
+MAX_CLIENT_ADDR = 64
 # Characters of a refusal's error text kept (a hop's exception text is not ours to bound).
 MAX_ERROR_CHARS = 1000
 # --verify (verify.py): two answers whose next-byte distributions are at most this far apart

@@ -88,6 +88,8 @@ def session_key(client: str, meta: dict, k: int) -> tuple:
 def plan_hop(msg: PipelineForward, sender: str, state: HopState) -> HopPlan:
     """The plan of ``msg`` from ``sender`` at this hop (see the rules above)."""
     meta = {key: msg.meta[key] for key in FORWARDED if key in msg.meta}
+    if msg.hop == 0:
+        meta.pop("client_addr", None)  # hop 0 says where its client connects from, not the client
     client = sender if msg.hop == 0 else meta.get("reply_to")
     base = HopPlan(Step.REFUSE, meta, client, block_at(meta, msg.hop), msg.hop + 1 == len(msg.route))
     if "error" in msg.meta:  # a hop without the client's connection reports through the last hop

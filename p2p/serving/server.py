@@ -58,7 +58,8 @@ from blocktrain.protocol import PipelineForward, PipelineResult, ProtocolError
 
 from ..services import PeerServices, PeerUnreachable
 from ..tensors import from_wire, to_wire
-from .api import COMPUTE_SLOTS, DEFAULT_CODEC, PipelineError, bad_request, block_at, refusal, refusal_meta
+from .api import (COMPUTE_SLOTS, DEFAULT_CODEC, MAX_CLIENT_ADDR, PipelineError, bad_request, block_at, refusal,
+                  refusal_meta)
 from .batching import Batcher
 from .fair import FairSlots, Saturated
 from .hop import HopPlan, Step, plan_hop
@@ -196,7 +197,7 @@ class PipelineServer:
             if plan.step is Step.END:
                 await self._end(msg, plan)
             else:
-                await self._traverse(msg, plan, pc if msg.hop == 0 else None)
+                await self._traverse(msg, plan, pc if msg.hop == 0 else None, pid)
         except Exception as e:  # noqa: BLE001 - every failure is answered; a hop's state stays consistent
             if plan.key is not None and not isinstance(e, PipelineError):
                 self.sessions.drop(plan.key)  # a cache half-way through a traversal is not trusted again
@@ -209,10 +210,13 @@ class PipelineServer:
         if not plan.last:
             await self._forward(msg, plan.meta, None)
 
-    async def _traverse(self, msg: PipelineForward, plan: HopPlan, sender=None):
+    async def _traverse(self, msg: PipelineForward, plan: HopPlan, sender=None, via: str | None = None):
         """The plan's COMPUTE: this block's share of the traversal, then forward or answer.
-        ``sender``: at hop 0, the connection the request came on (the client's, whatever its role)."""
+        ``sender``: at hop 0, the connection the request came on (the client's, whatever its role),
+        whose address hop 0 passes on (``client_addr``); ``via``: the peer that sent it here."""
         b, key, spec, meta = plan.served, plan.key, plan.spec, plan.meta
+        if sender is not None and (addr := address_share(sender.peer_addr)) is not None:
+            meta["client_addr"] = addr
         assert b is not None and key is not None and spec is not None, "a COMPUTE plan names block, session, spec"
         if spec.get("invariant") and (why := self.served.exact_refused(b)):
             raise PipelineError(f"block {b.index}: {why}", b.index)  # never unexact rows under the exact name
@@ -221,7 +225,7 @@ class PipelineServer:
             await self._client(plan.client)
         cache = self._cache(key, b, spec["start"])
         t0 = time.perf_counter()
-        out = await self._run_block(msg, plan, key, Traversal(b, cache, x, spec), sender)
+        out = await self._run_block(msg, plan, key, Traversal(b, cache, x, spec), sender, via)
         compute = meta.get("compute_s", 0.0)
         meta["compute_s"] = (float(compute) if isinstance(compute, (int, float)) else 0.0) + time.perf_counter() - t0
         self.served_requests += 1
@@ -238,7 +242,8 @@ class PipelineServer:
             return
         await self._forward(msg, meta, to_wire("x", out, meta.get("codec", DEFAULT_CODEC), "never"))
 
-    async def _run_block(self, msg: PipelineForward, plan: HopPlan, key: tuple, traversal: Traversal, sender=None):
+    async def _run_block(self, msg: PipelineForward, plan: HopPlan, key: tuple, traversal: Traversal, sender=None,
+                         via: str | None = None):
         """The traversal in a compute slot, a chunk at a time in the hop's batches (batching.py),
         each chunk charged its tokens (fair.py): between chunks a client that comes first takes
         the slot. The session is busy meanwhile."""
@@ -248,7 +253,7 @@ class PipelineServer:
         self._inflight[client] = self._inflight.get(client, 0) + 1
         try:
             left = len(plan.spec["ids"])  # fair by tokens, a chunk at a time
-            async with self._compute.hold(self._share(client, sender), min(left, CHUNK)) as between:
+            async with self._compute.hold(self._share(client, sender, plan.meta, via), min(left, CHUNK)) as between:
                 while (out := await self._batcher.step(traversal)) is None:
                     left -= CHUNK
                     await between(min(left, CHUNK))  # a client that comes first goes now
@@ -303,11 +308,18 @@ class PipelineServer:
         nxt.send_nowait(PipelineForward(request_id=msg.request_id, route=msg.route, hop=msg.hop + 1,
                                         tensors=() if tensor is None else (tensor,), meta=meta))
 
-    def _share(self, client: str, sender=None) -> str:
+    def _share(self, client: str, sender=None, meta: dict | None = None, via: str | None = None) -> str:
         """Whose compute share ``client``'s traversals take (shares.py): by the address of its
-        connection here, ``sender`` at hop 0 (a member's too), else its client connection."""
+        connection here, ``sender`` at hop 0 (a member's too), else its client connection; a
+        middle hop, which has neither, by the ``client_addr`` that the member ``via`` passed on,
+        as that member's word (its own addresses: one member cannot take another's)."""
         pc = sender if sender is not None else self.peer.client_connection(client)
-        return self.shares.of(client, address_share(pc.peer_addr) if pc is not None else None)
+        if pc is not None:
+            return self.shares.of(client, address_share(pc.peer_addr))
+        addr = (meta or {}).get("client_addr")
+        if via is not None and isinstance(addr, str) and 0 < len(addr) <= MAX_CLIENT_ADDR:
+            return self.shares.of(client, f"{addr} via {via[:16]}")
+        return self.shares.of(client, None)
 
     async def _client(self, client: str):
         if not await self.peer.wait_for(lambda: self.peer.client_connection(client) is not None, CLIENT_WAIT_S):

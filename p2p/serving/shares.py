@@ -2,7 +2,10 @@
 
 Rules:
 - A hop that holds the client's connection (hop 0, the last hop) knows the address it connects
-  from; a middle hop does not (it sees the hop below), and counts the client's identity.
+  from; a middle hop does not (it sees the hop below): it counts the address hop 0 passed on
+  (``client_addr``, r12) as the word of the member that forwarded it, each member's addresses
+  apart, so a member can speak only for the traffic it forwards; the client's identity where
+  there is none.
 - Identities are free, addresses are not. The first ``PER_ADDRESS`` identities a hop sees from
   one address have a share each (with the hop's credit for a client back from a round trip);
   every further identity from that address takes one share with all the others past the first
