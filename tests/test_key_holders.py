@@ -374,6 +374,47 @@ async def test_a_flows_own_queue_never_makes_its_waiters_overdue_ahead_of_others
         f.cancel()
 
 
+async def test_a_flood_served_out_of_turn_once_does_not_go_first_again_at_once():
+    """MAX_BYPASS counts per flow, from the flow's last part served: a flood's waiters that waited
+    long behind their own flow, while another flow was served in turn beside them, are not each
+    overdue when they reach the head of the flood's queue. Counted per waiter, they went first one
+    after another, and a client arriving then waited behind them."""
+    from blocktrain.p2p.serving.fair import MAX_BYPASS, FairSlots
+    slots, order = FairSlots(1, max_waiting=400, newcomer_tokens=0), []
+    await slots.acquire("flood", 16)
+
+    async def job(who, cost):
+        await slots.acquire(who, cost)
+        order.append(who)
+    flood = [asyncio.ensure_future(job("flood", 16)) for _ in range(2 * MAX_BYPASS + 40)]
+    other = [asyncio.ensure_future(job("other", 16))]
+    await asyncio.sleep(0)
+    holder = "flood"
+    for _ in range(2 * MAX_BYPASS + 16):  # flood and other take turns; the flood's later waiters age
+        slots.release(holder)
+        await asyncio.sleep(0)
+        holder = order[-1]
+        if holder == "other":
+            other.append(asyncio.ensure_future(job("other", 16)))
+            await asyncio.sleep(0)
+    n = len(order)
+    mine = asyncio.ensure_future(job("me", 1))
+    await asyncio.sleep(0)
+    for _ in range(3):
+        slots.release(holder)
+        await asyncio.sleep(0)
+        holder = order[-1]
+        if holder == "me":
+            break
+        if holder == "other":
+            other.append(asyncio.ensure_future(job("other", 16)))
+            await asyncio.sleep(0)
+    assert mine.done(), order[n:]
+    for f in flood + other:
+        f.cancel()
+    await asyncio.gather(*flood, *other, return_exceptions=True)
+
+
 async def test_a_flows_waiters_start_after_its_parts_served_so_the_queue_keeps_its_order():
     """A flow's waiting parts start after the parts it was served meanwhile, each after the one
     before (only the first moved on before: its later waiters kept the tags they came with, far

@@ -34,10 +34,14 @@ Rules:
   part waits at the head of its flow's queue (a client's requests finish in turn instead of
   all advancing together); in the newcomers' flow, with another newcomer waiting, it goes
   behind the newcomers waiting instead; otherwise the request keeps the slot.
-- Nobody waits forever: a waiter passed over by ``MAX_BYPASS`` parts of other flows goes first
-  (oldest first), whatever the tags say. Its own flow's parts served meanwhile do not count: a
-  flow with many waiting (a flood from one address) takes its turns in order, and would
-  otherwise turn every waiter overdue and go first by age, ahead of every other flow.
+- Nobody waits forever: a flow passed over by ``MAX_BYPASS`` parts of other flows since it was
+  last served (or since its first waiter came) goes first (oldest first), whatever the tags say.
+  Counted per flow, not per waiter: its own parts served meanwhile do not count, and each part
+  it is served starts the count again for its waiters. A flow with many waiting (a flood from
+  one address) so takes at most one part in MAX_BYPASS of the others out of its turn; counted
+  per waiter, each of its waiters, there long, was overdue when its turn at the head of the flow
+  came, and the flood went first part after part (384 identities from one address made a
+  client's generate 35-59x slower, results/floods/README.md).
 - At most ``max_waiting`` parts wait in all (a request between its parts counts). Past it, room
   is made for an arriving part: the flow with the most waiting loses its newest waiter if it has
   two more than the arriving part's flow; else the waiter that would go last loses its place if
@@ -225,6 +229,8 @@ class FairSlots:
         self._parts[who] = self._parts.get(who, 0) + 1
         q = self._queues.get(who)
         end = tag + cost
+        for w in q or ():  # the flow was served: its waiters count the parts that pass them over from now
+            w.since, w.own_since = self._served, self._parts[who]
         for w in q or ():  # every waiter of the flow, not only the first: each starts after the one before
             if w.tag >= end:
                 break
