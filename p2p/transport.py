@@ -244,12 +244,14 @@ def _shared_read_buffer() -> memoryview:
 
 class Inbox:
     """The events a connection parsed, waiting for its one reader; reading from the transport
-    pauses at HIGH_WATER_EVENTS of them and resumes at LOW_WATER_EVENTS."""
+    pauses at HIGH_WATER_EVENTS of them and resumes at LOW_WATER_EVENTS, unless held (``hold``)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.events: collections.deque = collections.deque()
         self.paused = False  # reading from the transport is paused
+        self.held = False  # and held paused by the application (``hold``)
+        self._held_until: float | None = None  # loop time
         self._waiter: asyncio.Future | None = None
 
     def __len__(self) -> int:
@@ -273,7 +275,32 @@ class Inbox:
 
     def resume(self, transport: asyncio.Transport) -> None:
         self.paused = False
-        transport.resume_reading()
+        if not self.held:
+            transport.resume_reading()
+
+    def hold(self, transport: asyncio.Transport | None, seconds: float) -> None:
+        """Read nothing from the transport for ``seconds`` (held again meanwhile: to the later end),
+        whatever the events waiting: what the peer sends meanwhile waits in its socket's buffers,
+        not in ours, and costs us nothing. A serving hop holds a client it refused as busy, for as
+        long as the client should wait anyway."""
+        if transport is None or transport.is_closing():
+            return
+        until = self.loop.time() + seconds
+        if self._held_until is not None:
+            self._held_until = max(self._held_until, until)
+            return
+        self._held_until, self.held = until, True
+        transport.pause_reading()
+        self.loop.call_at(until, self._end_hold, transport)
+
+    def _end_hold(self, transport: asyncio.Transport) -> None:
+        assert self._held_until is not None  # the timer ``hold`` set
+        if self.loop.time() < self._held_until:  # held again meanwhile
+            self.loop.call_at(self._held_until, self._end_hold, transport)
+            return
+        self._held_until, self.held = None, False
+        if not transport.is_closing() and not self.paused:
+            transport.resume_reading()
 
     async def wait(self) -> None:
         """Until an event is pushed or ``wake`` is called (the connection closed)."""

@@ -4,6 +4,7 @@ import asyncio
 from types import SimpleNamespace
 import contextlib
 import os
+import time
 
 import pytest
 import torch
@@ -304,6 +305,84 @@ async def test_client_retries_through_another_holder_of_the_block(models):
     finally:
         for p in peers + [spare]:
             await p.stop()
+
+
+async def test_hop_0_reads_nothing_from_a_client_it_refused_as_busy_for_the_pause_it_owes(models):
+    """A client refused as busy at hop 0 should pause before it asks again (client.py: generate
+    does, through a new connection); hop 0 holds the refused connection unread for as long
+    (server.BUSY_HOLD_S, doubling while refused in a row), so a client that asks again at once on
+    it is read only after the hold, and a flood of requests costs the hop nothing meanwhile. A
+    computed request ends the doubling."""
+    import contextlib
+    from blocktrain.p2p.serving import server as server_mod
+    from blocktrain.p2p.serving.fair import Saturated
+    bt, e2e = models
+    psk = os.urandom(32)
+    peers, servers = await start_chain(psk, bt, e2e)
+    real, calls = servers[0]._compute.hold, []
+
+    @contextlib.asynccontextmanager
+    async def busy_twice(who, cost):
+        calls.append(time.monotonic())
+        if len(calls) in (1, 2):
+            raise Saturated("64 requests already wait here")
+        async with real(who, cost) as between:
+            yield between
+    servers[0]._compute.hold = busy_twice
+    c = PipelineClient(X25519PrivateKey.generate(), psk, [p.addr for p in peers], [0, 1, 2], FAST)
+    try:
+        for p in peers:
+            await p.wait_for(lambda p=p: len(p.members()) == 2, 10.0)
+        await c.connect()
+        for _ in range(2):
+            with pytest.raises(PipelineError) as e:
+                await c.generate(b"held", 2)  # asked again at once
+            assert e.value.fault == "busy"
+        assert (await c.generate(b"held", 2))[0] == in_process(bt, b"held", 2)
+        assert calls[1] - calls[0] >= server_mod.BUSY_HOLD_S * 0.9  # read again after the hold
+        assert calls[2] - calls[1] >= 2 * server_mod.BUSY_HOLD_S * 0.9  # refused again: twice as long
+        assert not servers[0]._busy_holds  # computed since: the next refusal starts from BUSY_HOLD_S
+    finally:
+        await c.close()
+        for p in peers:
+            await p.stop()
+
+
+async def test_a_held_inbox_resumes_reading_only_when_neither_the_hold_nor_its_own_backlog_keeps_it():
+    """Inbox.hold beside the inbox's own pause (HIGH_WATER_EVENTS): reading resumes once both let go,
+    whichever ends first; a hold renewed meanwhile lasts to its later end."""
+    from blocktrain.p2p import transport as tr
+
+    class Fake:
+        def __init__(self):
+            self.reading, self.closing = True, False
+
+        def pause_reading(self):
+            self.reading = False
+
+        def resume_reading(self):
+            self.reading = True
+
+        def is_closing(self):
+            return self.closing
+    t, inbox = Fake(), tr.Inbox(asyncio.get_running_loop())
+    inbox.hold(t, 0.1)
+    for i in range(tr.HIGH_WATER_EVENTS):
+        inbox.push(i, t)
+    while len(inbox):
+        inbox.pop(t)  # the backlog drained: still held
+    assert not t.reading
+    await asyncio.sleep(0.15)
+    assert t.reading  # the hold over
+    inbox.hold(t, 0.05)
+    for i in range(tr.HIGH_WATER_EVENTS):
+        inbox.push(i, t)
+    inbox.hold(t, 0.1)  # renewed: to the later end
+    await asyncio.sleep(0.15)
+    assert not t.reading  # the hold over, the backlog not yet
+    while len(inbox):
+        inbox.pop(t)
+    assert t.reading
 
 
 async def test_a_saturated_only_holder_is_tried_again_not_given_up(models, monkeypatch):

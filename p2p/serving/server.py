@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,12 @@ from .shares import Shares, address_share
 MAX_WAITING = 64
 # Seconds the last hop waits for the client's own connection to register (it dialled us at once).
 CLIENT_WAIT_S = 5.0
+# A connection hop 0 refused as busy is not read for BUSY_HOLD_S, doubling with each busy refusal
+# in a row up to BUSY_HOLD_MAX_S, until one of its requests is computed: the pause a client makes
+# before it tries a busy hop again (client.py: BUSY_PAUSE_S to BUSY_PAUSE_MAX_S), enforced. A flood
+# that asks again at once (384 identities, every 50 ms) was refused 5,000 times a second, and the
+# hops' loops, refusing, served a legitimate client 36x slower than alone.
+BUSY_HOLD_S, BUSY_HOLD_MAX_S = 0.25, 4.0
 
 
 @dataclass
@@ -121,6 +128,7 @@ class PipelineServer:
         self._inflight: dict[str, int] = {}  # client -> requests being computed or waiting here
         self._compute = FairSlots(served.batch, MAX_WAITING)
         self.shares = Shares()  # whose share of _compute a client takes, by its address
+        self._busy_holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection -> its last hold
         # The hop's own compute thread: a batch runs on it, never on a new thread of the loop's
         # default pool (each thread that computes keeps its own math-library buffers).
         self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bt-compute")
@@ -226,6 +234,8 @@ class PipelineServer:
         cache = self._cache(key, b, spec["start"])
         t0 = time.perf_counter()
         out = await self._run_block(msg, plan, key, Traversal(b, cache, x, spec), sender, via)
+        if sender is not None:
+            self._busy_holds.pop(sender, None)  # computed: its next busy refusal holds it BUSY_HOLD_S
         compute = meta.get("compute_s", 0.0)
         meta["compute_s"] = (float(compute) if isinstance(compute, (int, float)) else 0.0) + time.perf_counter() - t0
         self.served_requests += 1
@@ -281,6 +291,10 @@ class PipelineServer:
         client = plan.client
         if msg.hop == 0:  # the sender, on its own connection
             _send_error(pc, msg.request_id, err)
+            if err.get("fault") == "busy":
+                hold = min(BUSY_HOLD_MAX_S, 2 * self._busy_holds.get(pc, BUSY_HOLD_S / 2))
+                self._busy_holds[pc] = hold
+                pc.inbox.hold(pc.transport, hold)
         elif isinstance(client, str) and self.peer.client_connection(client) is not None:
             self._tell_client(client, msg.request_id, err)
         elif msg.hop + 1 < len(msg.route) and msg.hop > 0:
