@@ -40,8 +40,7 @@ Rules:
   it is served starts the count again for its waiters. A flow with many waiting (a flood from
   one address) so takes at most one part in MAX_BYPASS of the others out of its turn; counted
   per waiter, each of its waiters, there long, was overdue when its turn at the head of the flow
-  came, and the flood went first part after part (384 identities from one address made a
-  client's generate 35-59x slower, results/floods/README.md).
+  came, and the flood went first part after part.
 - At most ``max_waiting`` parts wait in all (a request between its parts counts). Past it, room
   is made for an arriving part: the flow with the most waiting loses its newest waiter if it has
   two more than the arriving part's flow; else the waiter that would go last loses its place if

@@ -79,7 +79,7 @@ CLIENT_WAIT_S = 5.0
 # in a row up to BUSY_HOLD_MAX_S, until one of its requests is computed: the pause a client makes
 # before it tries a busy hop again (client.py: BUSY_PAUSE_S to BUSY_PAUSE_MAX_S), enforced. A flood
 # that asks again at once (384 identities, every 50 ms) was refused 5,000 times a second, and the
-# hops' loops, refusing, served a legitimate client 36x slower than alone.
+# hops' loops, refusing, served a legitimate client 35-59x slower than alone.
 BUSY_HOLD_S, BUSY_HOLD_MAX_S = 0.25, 4.0
 
 
