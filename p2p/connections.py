@@ -105,6 +105,7 @@ class Connections:
                 return
             except Exception as e:  # refused: wrong key, garbage, not allowed, evicted
                 log.info("rejected connection from %s: %s", pc.peer_addr, e)
+                e.__traceback__ = e.__context__ = e.__cause__ = None  # kept in pc.established: its frames hold pc
                 return
             finally:
                 self.pending.pop(pc, None)

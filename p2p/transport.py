@@ -133,11 +133,14 @@ class Trimmer:
         except (OSError, AttributeError):
             pass
 
-    def dropped_bytes(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
-        """``n`` bytes of frame buffers were let go of (a connection shed): trim once enough were,
-        and once all is quiet (``_quiet``)."""
+    def dropped_bytes(self, n: int, loop: asyncio.AbstractEventLoop, moved: bool = False) -> None:
+        """``n`` bytes of frame buffers were let go of (``moved``: a connection gave up buffers, to
+        the spares or the allocator, or ended): trim once enough were, and once all is quiet
+        (``_on_quiet``). Only a shed that moved something (re)starts the quiet trims: an idle look
+        at a connection whose buffer a reader still holds, every SHED_IDLE_S, neither postpones
+        nor restarts them."""
         self.dropped += n
-        if n or self._quiet is None or self._quiet[0].is_closed():  # an idle look at a held buffer does not postpone it
+        if n or moved:
             self._quiet_trims = QUIET_TRIMS
             self._arm_quiet(loop)
         if self._trim is None or self.dropped < TRIM_AFTER_BYTES:
@@ -212,7 +215,9 @@ class Shedder:
         self._timer = None
         uses = self.conn.buffer_uses
         if uses == self._uses:
-            trimmer.dropped_bytes(self.conn.shed(), self.loop)
+            held = self.conn.buffer_bytes
+            dropped = self.conn.shed()
+            trimmer.dropped_bytes(dropped, self.loop, moved=self.conn.buffer_bytes < held)
             if not self.conn.buffer_bytes:
                 return
         self._uses = uses
@@ -225,7 +230,7 @@ class Shedder:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        trimmer.dropped_bytes(self.conn.shed(ended=True), self.loop)
+        trimmer.dropped_bytes(self.conn.shed(ended=True), self.loop, moved=True)
 
 
 # Bytes read at once when no large payload is in progress. One buffer per thread serves every
@@ -293,8 +298,17 @@ class Inbox:
         transport.pause_reading()
         self.loop.call_at(until, self._end_hold, transport)
 
+    def read_on(self, transport: asyncio.Transport) -> None:
+        """Read again now, held or paused (a closing connection reads on to the peer's end)."""
+        if self._held_until is not None:
+            self._held_until = self.loop.time()
+            self._end_hold(transport)
+        if self.paused:
+            self.resume(transport)
+
     def _end_hold(self, transport: asyncio.Transport) -> None:
-        assert self._held_until is not None  # the timer ``hold`` set
+        if self._held_until is None:  # ended already (unhold)
+            return
         if self.loop.time() < self._held_until:  # held again meanwhile
             self.loop.call_at(self._held_until, self._end_hold, transport)
             return
@@ -334,6 +348,16 @@ def _bare(exc: BaseException, depth: int = 3) -> BaseException:
     bare.__context__ = None
     bare.__suppress_context__ = True
     return bare
+
+
+def _drop_tracebacks(exc: BaseException | None, depth: int = 4) -> None:
+    """Let an error that a connection keeps forget the frames it went through (its cause's and
+    context's too, ``depth`` deep): they hold the connection (see ``_bare``)."""
+    while exc is not None and depth > 0:
+        exc.__traceback__ = None
+        if exc.__cause__ is not None:
+            _drop_tracebacks(exc.__cause__, depth - 1)
+        exc, depth = exc.__context__, depth - 1
 
 
 class PeerConnection(asyncio.BufferedProtocol):
@@ -432,6 +456,7 @@ class PeerConnection(asyncio.BufferedProtocol):
                 self.transport.write(out)
             log.info("%s: closing: %s", self.name or self.peer_addr, e)
             self._shutdown(f"protocol error: {e}", e, CloseCause.PEER_ERROR)
+            _drop_tracebacks(e)  # the connection keeps it (``conn.error``): its frames hold us
             return
         out = self.conn.data_to_send()  # handshake replies
         if out:
@@ -553,8 +578,8 @@ class PeerConnection(asyncio.BufferedProtocol):
         self.close_reason, self.close_cause = reason, cause
         exc = None if exc is None else _bare(exc)
         self.closed.set_result(exc)
-        if not self.established.done():
-            self.established.set_exception(exc or ConnectionError(reason))
+        if not self.established.done():  # its own copy: an awaiter's traceback lands on it, not on closed's
+            self.established.set_exception(_bare(exc) if exc is not None else ConnectionError(reason))
             self.established.exception()  # mark retrieved: the caller may have given up waiting
         self.inbox.wake()
         self._sendq.close()
@@ -606,8 +631,7 @@ class PeerConnection(asyncio.BufferedProtocol):
             transport.write_eof()  # a shaped link's frames are out: the writer flushed them before it ended
         except OSError:  # the peer's reset came first: nothing left to read
             return
-        if self.inbox.paused:
-            self.inbox.resume(transport)
+        self.inbox.read_on(transport)  # to the peer's end, whatever was held or paused
         await asyncio.shield(self.closed)
 
     async def wait_closed(self):
@@ -694,10 +718,14 @@ async def open_connection(host: str, port: int, conn: Connection, timeouts: Time
         await pc.wait_closed()
         raise ConnectionError(f"handshake with {host}:{port} timed out after {timeouts.handshake_s}s") from None
     except ProtocolError as e:
+        _drop_tracebacks(e)  # ``established`` holds it: its frames (this one's pc) would tie a cycle
         await pc.wait_closed()
         raise ConnectionError(f"handshake with {host}:{port} failed: {e}") from e
-    except BaseException:
+    except BaseException as e:
         await pc.wait_closed()
+        if isinstance(e, Exception):  # as above; raised on as a copy
+            _drop_tracebacks(e)
+            raise _bare(e) from None
         raise
     return pc
 

@@ -33,8 +33,13 @@ Rules:
 - Whose share a traversal takes (fair.py's client): shares.py's, by the address the client
   connects from where this hop holds its connection (hop 0: the one the request came on, a
   member's too; the last hop: the client's, which it waits for before any compute): the first
-  identity of an address a share, the rest of that address one share; else (a middle hop) the
-  client's id.
+  identity of an address a share, the rest of that address one share; a middle hop by the
+  ``client_addr`` hop 0 passed on (r12), as the word of the member that sent it, in a table of
+  its own (``relayed_shares``: a member's made-up addresses never push out one seen here); else
+  the client's id.
+- Hop 0 holds a connection it refused as busy unread for the pause the client owes (BUSY_HOLD_S,
+  doubled once per hold while refused in a row); a client that reconnects instead is not held,
+  and pays a handshake per request.
 - Compute runs off the event loop; every hop adds its compute time to meta ``compute_s``.
 - Where things live: the request's vocabulary (modes, faults, refusals) is api.py's, shared
   with the client; what a hop checks and where a request goes next is hop.py's pure plan;
@@ -128,7 +133,8 @@ class PipelineServer:
         self._inflight: dict[str, int] = {}  # client -> requests being computed or waiting here
         self._compute = FairSlots(served.batch, MAX_WAITING)
         self.shares = Shares()  # whose share of _compute a client takes, by its address
-        self._busy_holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection -> its last hold
+        self._busy_holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection -> (hold, its end)
+        self.relayed_shares = Shares()  # a middle hop's: by the client_addr members pass on, apart from ours
         # The hop's own compute thread: a batch runs on it, never on a new thread of the loop's
         # default pool (each thread that computes keeps its own math-library buffers).
         self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bt-compute")
@@ -291,9 +297,10 @@ class PipelineServer:
         client = plan.client
         if msg.hop == 0:  # the sender, on its own connection
             _send_error(pc, msg.request_id, err)
-            if err.get("fault") == "busy":
-                hold = min(BUSY_HOLD_MAX_S, 2 * self._busy_holds.get(pc, BUSY_HOLD_S / 2))
-                self._busy_holds[pc] = hold
+            if err.get("fault") == "busy":  # doubled once per hold: requests read before it share it
+                last, until = self._busy_holds.get(pc, (BUSY_HOLD_S / 2, 0.0))
+                hold = last if time.monotonic() < until else min(BUSY_HOLD_MAX_S, 2 * last)
+                self._busy_holds[pc] = (hold, max(until, time.monotonic() + hold))
                 pc.inbox.hold(pc.transport, hold)
         elif isinstance(client, str) and self.peer.client_connection(client) is not None:
             self._tell_client(client, msg.request_id, err)
@@ -332,7 +339,7 @@ class PipelineServer:
             return self.shares.of(client, address_share(pc.peer_addr))
         addr = (meta or {}).get("client_addr")
         if via is not None and isinstance(addr, str) and 0 < len(addr) <= MAX_CLIENT_ADDR:
-            return self.shares.of(client, f"{addr} via {via[:16]}")
+            return self.relayed_shares.of(client, f"{addr} via {via[:16]}")  # never pushes out an address seen here
         return self.shares.of(client, None)
 
     async def _client(self, client: str):
