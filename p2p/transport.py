@@ -158,7 +158,7 @@ class Trimmer:
         loop, self._quiet = self._quiet[0], None
         if ReusableBuffer.spares_taken() != taken:
             if ReusableBuffer.spare_bytes():
-                self._quiet = (loop, loop.call_later(QUIET_S, self._on_quiet, ReusableBuffer.spares_taken()))
+                self._arm_quiet(loop)
             return
         self.dropped += ReusableBuffer.drop_spares()
         if self._trim is not None:

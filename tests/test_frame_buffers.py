@@ -25,6 +25,18 @@ SLACK_BYTES = 16 * 1024 * 1024  # sockets, events, the shared read buffer: anyth
 FAST = Timeouts(connect_s=5, handshake_s=5, heartbeat_s=1.0, dead_after_s=30, close_s=1)
 
 
+async def _listen(psk: bytes) -> tuple:
+    """A loopback server of PeerConnections with ``psk``: (server, port, the connections it made)."""
+    servers: list = []
+
+    def factory():
+        pc = PeerConnection(make_connection(Role.RESPONDER, X25519PrivateKey.generate(), psk), FAST)
+        servers.append(pc)
+        return pc
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], servers
+
+
 def _drain(conn):
     while True:
         ev = conn.next_event()
@@ -155,14 +167,7 @@ async def test_a_busy_connection_keeps_its_buffers_between_frames(monkeypatch, r
     monkeypatch.setattr(transport, "SHED_IDLE_S", 0.2, raising=False)
     ReusableBuffer.spares().clear()
     psk = os.urandom(32)
-    servers: list = []
-
-    def factory():
-        pc = PeerConnection(make_connection(Role.RESPONDER, X25519PrivateKey.generate(), psk), FAST)
-        servers.append(pc)
-        return pc
-    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    server, port, servers = await _listen(psk)
     pc = await open_connection("127.0.0.1", port, make_connection(Role.INITIATOR, X25519PrivateKey.generate(), psk),
                                FAST)
     objs = set()
@@ -260,14 +265,7 @@ async def test_a_peer_connection_that_failed_is_freed_without_the_cycle_collecto
     to the traceback (connection -> its error -> traceback -> the reader's frame -> connection)."""
     import weakref
     psk = os.urandom(32)
-    servers: list = []
-
-    def factory():
-        pc = PeerConnection(make_connection(Role.RESPONDER, X25519PrivateKey.generate(), psk), FAST)
-        servers.append(pc)
-        return pc
-    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    server, port, servers = await _listen(psk)
     pc = await open_connection("127.0.0.1", port, make_connection(Role.INITIATOR, X25519PrivateKey.generate(), psk),
                                FAST)
     await servers[0].established
@@ -296,14 +294,7 @@ async def test_a_connection_refused_in_its_handshake_is_freed_without_the_cycle_
     ``established`` holds keeps no traceback of the frames that awaited it (open_connection's, the
     server's), whose ``pc`` it would tie to itself."""
     import weakref
-    servers: list = []
-
-    def factory():
-        pc = PeerConnection(make_connection(Role.RESPONDER, X25519PrivateKey.generate(), os.urandom(32)), FAST)
-        servers.append(pc)
-        return pc
-    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    server, port, servers = await _listen(os.urandom(32))  # another swarm key than the dialler's
     gc.collect()
     gc.disable()
     try:
